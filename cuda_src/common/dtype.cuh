@@ -1,0 +1,34 @@
+// Storage types and float32 conversion for the three element types cukern supports.
+//
+// Kept free of <cuda_fp16.h>/<cuda_bf16.h> on purpose: the sources must compile under NVRTC
+// with no include paths (CI compiles them on a machine with no CUDA toolkit headers), and all
+// arithmetic is done in float32 anyway. Conversions use the PTX cvt instructions of sm_80+.
+#pragma once
+
+struct cuk_half { unsigned short bits; };
+struct cuk_bf16 { unsigned short bits; };
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(cuk_bf16 v) {
+    return __uint_as_float(static_cast<unsigned int>(v.bits) << 16);  // exact
+}
+__device__ __forceinline__ float to_float(cuk_half v) {
+    // Through a 32-bit operand: with a 16-bit ("h") operand ptxas was seen to spill 4 bytes.
+    float f;
+    asm("{.reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.f32.f16 %0, lo;}"
+        : "=f"(f) : "r"(static_cast<unsigned int>(v.bits)));
+    return f;
+}
+
+template <typename T> __device__ __forceinline__ T from_float(float f);
+template <> __device__ __forceinline__ float from_float<float>(float f) { return f; }
+template <> __device__ __forceinline__ cuk_bf16 from_float<cuk_bf16>(float f) {
+    cuk_bf16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(f));  // round to nearest even
+    return r;
+}
+template <> __device__ __forceinline__ cuk_half from_float<cuk_half>(float f) {
+    cuk_half r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(f));
+    return r;
+}

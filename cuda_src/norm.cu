@@ -1,0 +1,386 @@
+// LayerNorm and RMSNorm over the last axis, forward and backward.
+//
+// Two kernel shapes per direction:
+//  * norm_fwd / norm_bwd keep a whole row in registers: a group of G threads owns one row,
+//    thread `lane` owns vectors i*G + lane (i < NV) of VEC elements, so every sweep i is one
+//    coalesced access of the group. Rows are read once and written once: the byte floor.
+//  * norm_fwd_loop / norm_bwd_loop stream a row of any width through a block in chunks,
+//    re-reading it (mostly from L2) once per pass. They take the rows too wide for registers.
+// All arithmetic is float32; inputs and outputs are T (float, cuk_half, cuk_bf16).
+//
+// Weight gradients are deterministic: each row group accumulates dweight/dbias for the rows
+// it visits (a fixed set, given the grid) in float32 and writes one partial row; then
+// norm_param_grad sums the partial rows in a fixed order. No floating-point atomics.
+#include "common/dtype.cuh"
+#include "common/vec.cuh"
+#include "common/reduce.cuh"
+
+// ---------------------------------------------------------------------------------------------
+// Forward, row in registers.
+//   x, res: input rows (res may be null) with their row strides (elements);
+//   w, b:   weight and bias (each may be null; b ignored for RMS);
+//   y:      output rows, contiguous; h: x + res rounded to T (written when res is given);
+//   mean_out / rstd_out: float32 per row (each may be null).
+// With a residual, the norm is taken of h rounded to T, exactly as an unfused add then norm.
+template <typename T, bool RMS, int VEC, int NV, int G, int THREADS>
+__global__ void __launch_bounds__(THREADS, 1) norm_fwd(
+    const T* __restrict__ x, long long x_stride,
+    const T* __restrict__ res, long long res_stride,
+    const T* __restrict__ w, const T* __restrict__ b,
+    T* __restrict__ y, T* __restrict__ h,
+    float* __restrict__ mean_out, float* __restrict__ rstd_out,
+    long long rows, int cols, float eps)
+{
+    static_assert(THREADS % G == 0 && (G <= 32 || G == THREADS), "bad row group");
+    constexpr int RPB = THREADS / G;  // rows per block
+    __shared__ float scratch[G > 32 ? G / 32 : 1];
+    const int lane = threadIdx.x % G;
+    const int group = threadIdx.x / G;
+    const float inv_cols = 1.f / static_cast<float>(cols);
+
+    Vec<T, VEC> wv[NV], bv[NV];
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+        const int col = (i * G + lane) * VEC;
+        if (col < cols) {
+            if (w) wv[i] = load_vec<T, VEC>(w + col);
+            if (!RMS && b) bv[i] = load_vec<T, VEC>(b + col);
+        }
+    }
+
+    for (long long row0 = static_cast<long long>(blockIdx.x) * RPB; row0 < rows;
+         row0 += static_cast<long long>(gridDim.x) * RPB) {
+        const long long row = row0 + group;
+        const bool active = row < rows;  // all threads stay for the group reductions
+        Vec<T, VEC> xv[NV];
+        float s[1] = {0.f};
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+            const int col = (i * G + lane) * VEC;
+            if (active && col < cols) {
+                xv[i] = load_vec<T, VEC>(x + row * x_stride + col);
+                if (res) {
+                    const Vec<T, VEC> rv = load_vec<T, VEC>(res + row * res_stride + col);
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j)
+                        xv[i].v[j] = from_float<T>(to_float(xv[i].v[j]) + to_float(rv.v[j]));
+                    store_vec<T, VEC>(h + row * cols + col, xv[i]);
+                }
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const float f = to_float(xv[i].v[j]);
+                    s[0] += RMS ? f * f : f;
+                }
+            }
+        }
+        group_sum<G, 1>(s, scratch);
+        float mean = 0.f, rstd;
+        if (RMS) {
+            rstd = rsqrtf(s[0] * inv_cols + eps);
+        } else {
+            mean = s[0] * inv_cols;
+            float q[1] = {0.f};  // second pass over the registers: exact centred variance
+#pragma unroll
+            for (int i = 0; i < NV; ++i) {
+                const int col = (i * G + lane) * VEC;
+                if (active && col < cols) {
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) {
+                        const float d = to_float(xv[i].v[j]) - mean;
+                        q[0] += d * d;
+                    }
+                }
+            }
+            group_sum<G, 1>(q, scratch);
+            rstd = rsqrtf(q[0] * inv_cols + eps);
+        }
+        if (active) {
+#pragma unroll
+            for (int i = 0; i < NV; ++i) {
+                const int col = (i * G + lane) * VEC;
+                if (col < cols) {
+                    Vec<T, VEC> out;
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) {
+                        float v = (to_float(xv[i].v[j]) - mean) * rstd;
+                        if (w) v *= to_float(wv[i].v[j]);
+                        if (!RMS && b) v += to_float(bv[i].v[j]);
+                        out.v[j] = from_float<T>(v);
+                    }
+                    store_vec<T, VEC>(y + row * cols + col, out);
+                }
+            }
+            if (lane == 0) {
+                if (mean_out) mean_out[row] = mean;
+                if (rstd_out) rstd_out[row] = rstd;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward, row in registers.
+//   dy, x: upstream gradient and the forward's input (h when the residual add was fused);
+//   mean (LayerNorm only), rstd: the forward's float32 statistics;
+//   dres: gradient arriving at h from the residual stream (may be null), added to dx;
+//   dx: contiguous output;
+//   dw_part, db_part: [gridDim.x * RPB, cols] float32 partial sums (each may be null).
+template <typename T, bool RMS, int VEC, int NV, int G, int THREADS>
+__global__ void __launch_bounds__(THREADS, 1) norm_bwd(
+    const T* __restrict__ dy, long long dy_stride,
+    const T* __restrict__ x, long long x_stride,
+    const T* __restrict__ w,
+    const float* __restrict__ mean, const float* __restrict__ rstd,
+    const T* __restrict__ dres, long long dres_stride,
+    T* __restrict__ dx, float* __restrict__ dw_part, float* __restrict__ db_part,
+    long long rows, int cols)
+{
+    static_assert(THREADS % G == 0 && (G <= 32 || G == THREADS), "bad row group");
+    constexpr int RPB = THREADS / G;
+    __shared__ float scratch[G > 32 ? 2 * (G / 32) : 1];
+    const int lane = threadIdx.x % G;
+    const int group = threadIdx.x / G;
+    const float inv_cols = 1.f / static_cast<float>(cols);
+
+    Vec<T, VEC> wv[NV] = {};
+    float dwa[NV][VEC], dba[NV][VEC];
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+        const int col = (i * G + lane) * VEC;
+        if (w && col < cols) wv[i] = load_vec<T, VEC>(w + col);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) dwa[i][j] = dba[i][j] = 0.f;
+    }
+
+    for (long long row0 = static_cast<long long>(blockIdx.x) * RPB; row0 < rows;
+         row0 += static_cast<long long>(gridDim.x) * RPB) {
+        const long long row = row0 + group;
+        const bool active = row < rows;
+        Vec<T, VEC> xv[NV], gv[NV];
+        const float mu = (!RMS && active) ? mean[row] : 0.f;
+        const float rs = active ? rstd[row] : 0.f;
+        float s[2] = {0.f, 0.f};  // sum(g), sum(g * xhat) with g = dy * w
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+            const int col = (i * G + lane) * VEC;
+            if (active && col < cols) {
+                xv[i] = load_vec<T, VEC>(x + row * x_stride + col);
+                gv[i] = load_vec<T, VEC>(dy + row * dy_stride + col);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const float d = to_float(gv[i].v[j]);
+                    const float xh = (to_float(xv[i].v[j]) - mu) * rs;
+                    const float g = w ? d * to_float(wv[i].v[j]) : d;
+                    s[0] += g;
+                    s[1] += g * xh;
+                    dwa[i][j] += d * xh;
+                    if (!RMS) dba[i][j] += d;
+                }
+            }
+        }
+        group_sum<G, 2>(s, scratch);
+        const float a = RMS ? 0.f : s[0] * inv_cols;
+        const float c = s[1] * inv_cols;
+        if (active) {
+#pragma unroll
+            for (int i = 0; i < NV; ++i) {
+                const int col = (i * G + lane) * VEC;
+                if (col < cols) {
+                    Vec<T, VEC> rv = {};
+                    if (dres) rv = load_vec<T, VEC>(dres + row * dres_stride + col);
+                    Vec<T, VEC> out;
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) {
+                        const float d = to_float(gv[i].v[j]);
+                        const float xh = (to_float(xv[i].v[j]) - mu) * rs;
+                        const float g = w ? d * to_float(wv[i].v[j]) : d;
+                        float v = rs * (g - a - xh * c);
+                        if (dres) v += to_float(rv.v[j]);
+                        out.v[j] = from_float<T>(v);
+                    }
+                    store_vec<T, VEC>(dx + row * cols + col, out);
+                }
+            }
+        }
+    }
+
+    const long long part = static_cast<long long>(blockIdx.x) * RPB + group;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+        const int col = (i * G + lane) * VEC;
+        if (col < cols) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                if (dw_part) dw_part[part * cols + col + j] = dwa[i][j];
+                if (!RMS && db_part) db_part[part * cols + col + j] = dba[i][j];
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward for rows of any width: one block a row, the row streamed in chunks of THREADS*VEC.
+// Same arguments as norm_fwd. With a residual, pass 1 writes h and later passes re-read it.
+template <typename T, bool RMS, int VEC, int THREADS>
+__global__ void __launch_bounds__(THREADS, 1) norm_fwd_loop(
+    const T* __restrict__ x, long long x_stride,
+    const T* __restrict__ res, long long res_stride,
+    const T* __restrict__ w, const T* __restrict__ b,
+    T* y, T* h,
+    float* __restrict__ mean_out, float* __restrict__ rstd_out,
+    long long rows, int cols, float eps)
+{
+    __shared__ float scratch[THREADS / 32];
+    constexpr int CHUNK = THREADS * VEC;
+    const float inv_cols = 1.f / static_cast<float>(cols);
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        // Later passes read h (written by this thread in pass 1) or x: a plain, coherent load.
+        const T* src = res ? static_cast<const T*>(h + row * cols) : x + row * x_stride;
+        float s[1] = {0.f};
+        for (int col = threadIdx.x * VEC; col < cols; col += CHUNK) {
+            Vec<T, VEC> v = load_vec<T, VEC>(x + row * x_stride + col);
+            if (res) {
+                const Vec<T, VEC> rv = load_vec<T, VEC>(res + row * res_stride + col);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j)
+                    v.v[j] = from_float<T>(to_float(v.v[j]) + to_float(rv.v[j]));
+                store_vec<T, VEC>(h + row * cols + col, v);
+            }
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                const float f = to_float(v.v[j]);
+                s[0] += RMS ? f * f : f;
+            }
+        }
+        group_sum<THREADS, 1>(s, scratch);
+        float mean = 0.f, rstd;
+        if (RMS) {
+            rstd = rsqrtf(s[0] * inv_cols + eps);
+        } else {
+            mean = s[0] * inv_cols;
+            float q[1] = {0.f};
+            for (int col = threadIdx.x * VEC; col < cols; col += CHUNK) {
+                const Vec<T, VEC> v = *reinterpret_cast<const Vec<T, VEC>*>(src + col);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const float d = to_float(v.v[j]) - mean;
+                    q[0] += d * d;
+                }
+            }
+            group_sum<THREADS, 1>(q, scratch);
+            rstd = rsqrtf(q[0] * inv_cols + eps);
+        }
+        for (int col = threadIdx.x * VEC; col < cols; col += CHUNK) {
+            const Vec<T, VEC> v = *reinterpret_cast<const Vec<T, VEC>*>(src + col);
+            Vec<T, VEC> wv = {}, bv = {}, out;
+            if (w) wv = load_vec<T, VEC>(w + col);
+            if (!RMS && b) bv = load_vec<T, VEC>(b + col);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                float o = (to_float(v.v[j]) - mean) * rstd;
+                if (w) o *= to_float(wv.v[j]);
+                if (!RMS && b) o += to_float(bv.v[j]);
+                out.v[j] = from_float<T>(o);
+            }
+            store_vec<T, VEC>(y + row * cols + col, out);
+        }
+        if (threadIdx.x == 0) {
+            if (mean_out) mean_out[row] = mean;
+            if (rstd_out) rstd_out[row] = rstd;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward for rows of any width: one block a row; the block's partial weight-gradient row
+// (dw_part[blockIdx.x], db_part[blockIdx.x]) is accumulated in global memory. Each thread
+// always touches the same columns, so the read-modify-writes need no synchronisation.
+template <typename T, bool RMS, int VEC, int THREADS>
+__global__ void __launch_bounds__(THREADS, 1) norm_bwd_loop(
+    const T* __restrict__ dy, long long dy_stride,
+    const T* __restrict__ x, long long x_stride,
+    const T* __restrict__ w,
+    const float* __restrict__ mean, const float* __restrict__ rstd,
+    const T* __restrict__ dres, long long dres_stride,
+    T* __restrict__ dx, float* __restrict__ dw_part, float* __restrict__ db_part,
+    long long rows, int cols)
+{
+    __shared__ float scratch[2 * (THREADS / 32)];
+    constexpr int CHUNK = THREADS * VEC;
+    const float inv_cols = 1.f / static_cast<float>(cols);
+    float* dwp = dw_part ? dw_part + static_cast<long long>(blockIdx.x) * cols : nullptr;
+    float* dbp = db_part ? db_part + static_cast<long long>(blockIdx.x) * cols : nullptr;
+    for (int col = threadIdx.x * VEC; col < cols; col += CHUNK) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            if (dwp) dwp[col + j] = 0.f;
+            if (dbp) dbp[col + j] = 0.f;
+        }
+    }
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        const float mu = RMS ? 0.f : mean[row];
+        const float rs = rstd[row];
+        const T* xr = x + row * x_stride;
+        const T* dyr = dy + row * dy_stride;
+        float s[2] = {0.f, 0.f};
+        for (int col = threadIdx.x * VEC; col < cols; col += CHUNK) {
+            const Vec<T, VEC> xv = load_vec<T, VEC>(xr + col);
+            const Vec<T, VEC> dv = load_vec<T, VEC>(dyr + col);
+            Vec<T, VEC> wv = {};
+            if (w) wv = load_vec<T, VEC>(w + col);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                const float d = to_float(dv.v[j]);
+                const float g = w ? d * to_float(wv.v[j]) : d;
+                s[0] += g;
+                s[1] += g * (to_float(xv.v[j]) - mu) * rs;
+            }
+        }
+        group_sum<THREADS, 2>(s, scratch);
+        const float a = RMS ? 0.f : s[0] * inv_cols;
+        const float c = s[1] * inv_cols;
+        for (int col = threadIdx.x * VEC; col < cols; col += CHUNK) {
+            const Vec<T, VEC> xv = load_vec<T, VEC>(xr + col);
+            const Vec<T, VEC> dv = load_vec<T, VEC>(dyr + col);
+            Vec<T, VEC> wv = {}, rv = {}, out;
+            if (w) wv = load_vec<T, VEC>(w + col);
+            if (dres) rv = load_vec<T, VEC>(dres + row * dres_stride + col);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                const float d = to_float(dv.v[j]);
+                const float xh = (to_float(xv.v[j]) - mu) * rs;
+                const float g = w ? d * to_float(wv.v[j]) : d;
+                float v = rs * (g - a - xh * c);
+                if (dres) v += to_float(rv.v[j]);
+                out.v[j] = from_float<T>(v);
+                if (dwp) dwp[col + j] += d * xh;
+                if (!RMS && dbp) dbp[col + j] += d;
+            }
+            store_vec<T, VEC>(dx + row * cols + col, out);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sums `nparts` float32 partial rows of width `cols` into `out` (T), in a fixed order:
+// thread (tx, ty) of a 32x8 block sums parts ty, ty+8, ... of column blockIdx.x*32+tx, then
+// the eight slices are added in order of ty. Same bits on every run for the same nparts.
+template <typename T>
+__global__ void __launch_bounds__(256) norm_param_grad(
+    const float* __restrict__ part, int nparts, int cols, T* __restrict__ out)
+{
+    __shared__ float slice[8][33];
+    const int col = blockIdx.x * 32 + threadIdx.x;
+    float acc = 0.f;
+    if (col < cols) {
+        for (int p = threadIdx.y; p < nparts; p += 8) acc += part[static_cast<long long>(p) * cols + col];
+    }
+    slice[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && col < cols) {
+        float t = 0.f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) t += slice[k][threadIdx.x];
+        out[col] = from_float<T>(t);
+    }
+}

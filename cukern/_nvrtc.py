@@ -1,0 +1,124 @@
+"""Direct NVRTC calls (through ctypes) that compile kernel instances with no GPU present.
+
+CuPy's compile entry points ask the driver for the current device, so they fail on a machine
+with no GPU; NVRTC itself does not need one. This module drives it directly to compile every
+kernel instance for a named architecture and to read ptxas's resource report (registers,
+spills) from the program log. It is used by the compile-check test and by
+``python -m cukern info``; the kernels that run are compiled by CuPy (see ``_kernels``).
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import re
+from dataclasses import dataclass
+
+from . import _kernels
+
+__all__ = ["library", "version", "compile_instances", "ResourceUsage"]
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> ctypes.CDLL:
+    """libnvrtc, found through cuda-pathfinder (pip wheels, CUDA_PATH) or the loader path."""
+    errors = []
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+
+        return ctypes.CDLL(load_nvidia_dynamic_lib("nvrtc").abs_path)
+    except Exception as e:  # noqa: BLE001 - fall through to the system loader
+        errors.append(f"cuda.pathfinder: {e}")
+    for name in (ctypes.util.find_library("nvrtc"), "libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"):
+        if not name:
+            continue
+        try:
+            return ctypes.CDLL(name)
+        except OSError as e:
+            errors.append(f"{name}: {e}")
+    raise OSError("libnvrtc not found (pip install nvidia-cuda-nvrtc-cu12): " + "; ".join(errors))
+
+
+def version() -> tuple[int, int]:
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _check(library().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+    return major.value, minor.value
+
+
+def _check(status: int, what: str, log: str = "") -> None:
+    if status != 0:
+        lib = library()
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        msg = lib.nvrtcGetErrorString(status).decode()
+        raise _kernels.CompileError(what, f"{msg}\n{log}".strip())
+
+
+@dataclass(frozen=True)
+class ResourceUsage:
+    """ptxas's report for one kernel instance on one architecture."""
+    instance: str
+    arch: str
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack_frame: int
+    shared_bytes: int
+
+
+_FUNC = re.compile(r"Compiling entry function '([^']+)' for '(sm_\d+a?)'")
+_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
+
+
+def compile_instances(source: str, instances: list[str], arch: str = "sm_90",
+                      extra_options: tuple[str, ...] = ()) -> list[ResourceUsage]:
+    """Compile ``instances`` of ``cuda_src/<source>`` for ``arch`` in one NVRTC program.
+
+    Returns ptxas's resource report per instance; raises CompileError with NVRTC's log on
+    failure. The options are the ones CuPy uses at run time, plus ptxas's verbose report.
+    """
+    lib = library()
+    src = _kernels.load_source(source).encode()
+    prog = ctypes.c_void_p()
+    _check(lib.nvrtcCreateProgram(ctypes.byref(prog), src, source.encode(), 0, None, None),
+           "nvrtcCreateProgram")
+    try:
+        for inst in instances:
+            _check(lib.nvrtcAddNameExpression(prog, inst.encode()), f"name expression {inst}")
+        opts = [*_kernels.COMPILE_OPTIONS, "-ftz=true", f"-arch={arch}", "--ptxas-options=-v",
+                *extra_options]
+        c_opts = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        status = lib.nvrtcCompileProgram(prog, len(opts), c_opts)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, buf)
+        log = buf.value.decode(errors="replace")
+        _check(status, f"{source} for {arch} ({len(instances)} instances)", log)
+        lowered = {}
+        for inst in instances:
+            name = ctypes.c_char_p()
+            _check(lib.nvrtcGetLoweredName(prog, inst.encode(), ctypes.byref(name)), inst)
+            lowered[name.value.decode()] = inst
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return _parse_report(log, lowered, arch)
+
+
+def _parse_report(log: str, lowered: dict[str, str], arch: str) -> list[ResourceUsage]:
+    usages, current, stack = [], None, None
+    for line in log.splitlines():
+        m = _FUNC.search(line)
+        if m:
+            current, stack = m.group(1), None
+            continue
+        m = _STACK.search(line)
+        if m and current:
+            stack = tuple(int(g) for g in m.groups())
+            continue
+        m = _USED.search(line)
+        if m and current and stack is not None:
+            usages.append(ResourceUsage(lowered.get(current, current), arch, int(m.group(1)),
+                                        stack[1], stack[2], stack[0], int(m.group(2) or 0)))
+            current = None
+    return usages
