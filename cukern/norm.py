@@ -92,8 +92,8 @@ def _check_x(x, name="x") -> DeviceArray:
     return xa
 
 
-def _check_like(arr, name: str, xa: DeviceArray, shape) -> DeviceArray | None:
-    if arr is None:
+def _check_like(arr, name: str, xa: DeviceArray, shape, required=False) -> DeviceArray | None:
+    if arr is None and not required:
         return None
     a = _arrays.as_device_array(arr, name)
     if a.shape != tuple(shape):
@@ -209,11 +209,11 @@ def rms_norm(x, weight=None, eps=1e-6, *, residual=None, return_stats=False):
 # ---- backward -------------------------------------------------------------------------------
 
 def _backward(rms: bool, dy, x, weight, mean, rstd, dresidual):
-    xa = _check_x(x)
+    da = _check_x(dy, "dy")
+    xa = _check_like(x, "x", da, da.shape, required=True)
     cols = xa.shape[-1]
     lead = xa.shape[:-1]
     rows = math.prod(lead)
-    da = _check_like(dy, "dy", xa, xa.shape)
     wa = _check_like(weight, "weight", xa, (cols,))
     ma = None if rms else _check_stats(mean, "mean", xa, rows)
     sa = _check_stats(rstd, "rstd", xa, rows)

@@ -1,0 +1,436 @@
+"""LayerNorm / RMSNorm: the references (no GPU), argument checking, and the kernels against
+the references and against torch (GPU)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import cukern
+from cukern import reference as ref
+
+from arrays import (FLOAT_DTYPES, assert_close, np_dtype, poison_allocator, random_host, spin,
+                    to_device, to_host, torch)
+
+gpu = pytest.mark.gpu
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
+
+# Widths around every configuration boundary of cukern.norm (vector width 8 for 2-byte
+# types, 4 for float32; register capacities 32 .. 16384 elements; looped kernels beyond).
+WIDTHS = [1, 2, 3, 7, 8, 9, 31, 32, 33, 64, 100, 128, 129, 255, 256, 257, 513, 1000, 1024,
+          1025, 2047, 2048, 2049, 4095, 4096, 4104, 8192, 8200, 12288]
+WIDE = [16384, 16385, 32768, 65536, 70000]
+
+
+# ---- the references, no GPU -------------------------------------------------------------------
+
+def _numeric_grad(f, x, eps=1e-6):
+    g = np.zeros_like(x)
+    it = np.nditer(x, flags=["multi_index"])
+    for _ in it:
+        i = it.multi_index
+        xp, xm = x.copy(), x.copy()
+        xp[i] += eps
+        xm[i] -= eps
+        g[i] = (f(xp) - f(xm)) / (2 * eps)
+    return g
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_reference_backward_matches_finite_differences(kind, residual):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 5))
+    w = rng.standard_normal(5)
+    b = rng.standard_normal(5)
+    dy = rng.standard_normal((3, 5))
+    dh = rng.standard_normal((3, 5)) if residual else None
+    if kind == "layer":
+        def loss(xx, ww=w, bb=b):
+            return (ref.layer_norm(xx, ww, bb, 1e-5) * dy).sum() + (0 if dh is None else (xx * dh).sum())
+        _, mean, rstd = ref.layer_norm(x, w, b, 1e-5, return_stats=True)
+        dx, dw, db = ref.layer_norm_backward(dy, x, w, mean, rstd, dresidual=dh)
+        np.testing.assert_allclose(db, _numeric_grad(lambda bb: loss(x, w, bb), b), rtol=1e-6, atol=1e-8)
+    else:
+        def loss(xx, ww=w):
+            return (ref.rms_norm(xx, ww, 1e-6) * dy).sum() + (0 if dh is None else (xx * dh).sum())
+        _, rstd = ref.rms_norm(x, w, 1e-6, return_stats=True)
+        dx, dw = ref.rms_norm_backward(dy, x, w, rstd, dresidual=dh)
+    np.testing.assert_allclose(dx, _numeric_grad(loss, x), rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(dw, _numeric_grad(lambda ww: loss(x, ww), w), rtol=1e-6, atol=1e-8)
+
+
+def test_reference_residual_is_rounded_to_the_input_dtype():
+    rng = np.random.default_rng(1)
+    x = random_host(rng, (4, 16), "float16")
+    r = random_host(rng, (4, 16), "float16")
+    _, h = ref.rms_norm(x, None, residual=r)
+    np.testing.assert_array_equal(h, (x.astype(np.float64) + r).astype(np.float16).astype(np.float64))
+
+
+@needs_torch
+def test_reference_matches_torch_cpu_float64():
+    rng = np.random.default_rng(2)
+    x, w, b = rng.standard_normal((6, 33)), rng.standard_normal(33), rng.standard_normal(33)
+    tx = torch.tensor(x)
+    np.testing.assert_allclose(ref.layer_norm(x, w, b, 1e-5), torch.nn.functional.layer_norm(
+        tx, (33,), torch.tensor(w), torch.tensor(b), 1e-5).numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(ref.rms_norm(x, w, 1e-6), torch.nn.functional.rms_norm(
+        tx, (33,), torch.tensor(w), 1e-6).numpy(), rtol=1e-12, atol=1e-12)
+
+
+# ---- argument checking that needs no GPU ------------------------------------------------------
+
+@pytest.mark.parametrize("op", [cukern.layer_norm, cukern.rms_norm])
+def test_host_array_is_a_type_error_naming_x_and_the_reference(op):
+    with pytest.raises(TypeError, match=r"^x: .*host.*cukern\.reference"):
+        op(np.ones((2, 4), np.float32))
+
+
+def test_none_and_foreign_objects_are_type_errors():
+    with pytest.raises(TypeError, match="^x: "):
+        cukern.layer_norm(None)
+    with pytest.raises(TypeError, match="^x: .*list"):
+        cukern.rms_norm([[1.0, 2.0]])
+
+
+@needs_torch
+def test_cpu_tensor_is_a_type_error():
+    with pytest.raises(TypeError, match=r"^x: a torch tensor on cpu"):
+        cukern.layer_norm(torch.ones(2, 4))
+    with pytest.raises(TypeError, match=r"^dy: a torch tensor on cpu"):
+        cukern.rms_norm_backward(torch.ones(2, 4), torch.ones(2, 4), None, torch.ones(2))
+
+
+# ---- the kernels against the references (GPU) ---------------------------------------------------
+
+def _layout(host, framework, layout):
+    """Device array holding ``host``'s values, contiguous or as a non-contiguous view."""
+    if layout == "contiguous":
+        return to_device(host, framework)
+    if layout == "row_strided":  # rows of a wider buffer: unit last stride, row stride > width
+        pad = np.concatenate([host, host[..., :3] if host.shape[-1] >= 3 else host], axis=-1)
+        d = to_device(pad, framework)
+        return d[..., : host.shape[-1]]
+    # "transposed": the last axis is not unit-stride, so the op must copy
+    d = to_device(np.ascontiguousarray(np.swapaxes(host, -1, -2)), framework)
+    return d.swapaxes(-1, -2) if framework != "torch" else d.transpose(-1, -2)
+
+
+def _shapes(draw):
+    cols = draw(st.sampled_from(WIDTHS))
+    rows = draw(st.sampled_from([0, 1, 2, 3, 17, 64, 130]))
+    lead = draw(st.sampled_from(["flat", "3d"]))
+    if lead == "3d" and rows > 1 and rows % 2 == 0:
+        return (2, rows // 2, cols)
+    return (rows, cols)
+
+
+@st.composite
+def norm_cases(draw):
+    return dict(
+        shape=_shapes(draw),
+        dtype=draw(st.sampled_from(FLOAT_DTYPES)),
+        framework=draw(st.sampled_from(["cupy", "torch"] if torch is not None else ["cupy"])),
+        weight=draw(st.booleans()),
+        bias=draw(st.booleans()),
+        residual=draw(st.booleans()),
+        layout=draw(st.sampled_from(["contiguous", "contiguous", "row_strided", "transposed"])),
+        offset=draw(st.sampled_from([0.0, 0.0, 3.0])),
+        eps=draw(st.sampled_from([1e-5, 1e-6, 1e-2])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def _run_case(kind, c):
+    """Forward and backward of one drawn case, each compared with the reference."""
+    rng = np.random.default_rng(c["seed"])
+    shape, dtype, fw = c["shape"], c["dtype"], c["framework"]
+    if c["layout"] == "transposed" and len(shape) < 2:
+        c = dict(c, layout="contiguous")
+    cols = shape[-1]
+    x = random_host(rng, shape, dtype, offset=c["offset"])
+    w = random_host(rng, (cols,), dtype) if c["weight"] else None
+    b = random_host(rng, (cols,), dtype) if c["bias"] and kind == "layer" else None
+    r = random_host(rng, shape, dtype) if c["residual"] else None
+    dy = random_host(rng, shape, dtype)
+    dr = random_host(rng, shape, dtype) if c["residual"] else None
+    dev = lambda a: None if a is None else to_device(a, fw)  # noqa: E731
+
+    nbytes = [x.nbytes] * 3 + [x.size // max(cols, 1) * 4] * 2
+    poison_allocator(fw, nbytes)
+    xd = _layout(x, fw, c["layout"])
+    rd = _layout(r, fw, c["layout"]) if r is not None else None
+    if kind == "layer":
+        out = cukern.layer_norm(xd, dev(w), dev(b), c["eps"], residual=rd, return_stats=True)
+        expect = ref.layer_norm(x, w, b, c["eps"], residual=r, return_stats=True)
+    else:
+        out = cukern.rms_norm(xd, dev(w), c["eps"], residual=rd, return_stats=True)
+        expect = ref.rms_norm(x, w, c["eps"], residual=r, return_stats=True)
+    names = ["y"] + (["h"] if r is not None else []) + (["mean"] if kind == "layer" else []) + ["rstd"]
+    for name, o, e in zip(names, out, expect):
+        assert type(o) is type(xd), f"{name}: returned {type(o).__name__} for {type(xd).__name__} input"
+        tol = 2e-5 if name in ("mean", "rstd") else None  # float32 statistics
+        if name == "mean":  # a mean near zero has no relative precision: scale by the row's std
+            err = np.abs(to_host(o) - e)
+            assert not np.isnan(to_host(o)).any(), "mean: NaN"
+            assert np.all(err <= 2e-5 * (np.abs(e) + 1.0 / expect[-1])), f"mean: max error {err.max()}"
+            continue
+        assert_close(o, e, "float32" if name == "rstd" else dtype, name, tol=tol)
+
+    # Backward, from the kernel's own statistics (as training does).
+    xin = out[1] if r is not None else xd
+    xin_host = expect[1] if r is not None else x
+    stats = out[-2:] if kind == "layer" else out[-1:]
+    stats_host = [to_host(s) for s in stats]
+    poison_allocator(fw, [x.nbytes] * 2 + [cols * 4 * 4096])
+    ddr = _layout(dr, fw, c["layout"]) if dr is not None else None
+    if kind == "layer":
+        grads = cukern.layer_norm_backward(_layout(dy, fw, c["layout"]), xin, dev(w), *stats, dresidual=ddr)
+        expect_g = ref.layer_norm_backward(dy, xin_host, w, *stats_host, dresidual=dr)
+        gnames = ["dx", "dweight", "dbias"]
+    else:
+        grads = cukern.rms_norm_backward(_layout(dy, fw, c["layout"]), xin, dev(w), *stats, dresidual=ddr)
+        expect_g = ref.rms_norm_backward(dy, xin_host, w, *stats_host, dresidual=dr)
+        gnames = ["dx", "dweight"]
+    for name, o, e in zip(gnames, grads, expect_g):
+        if e is None:
+            assert o is None, f"{name}: expected None when weight is None"
+            continue
+        assert_close(o, e, dtype, name)
+
+
+@gpu
+@settings(max_examples=120)
+@given(c=norm_cases())
+def test_layer_norm_matches_reference(c):
+    _run_case("layer", c)
+
+
+@gpu
+@settings(max_examples=120)
+@given(c=norm_cases())
+def test_rms_norm_matches_reference(c):
+    _run_case("rms", c)
+
+
+@gpu
+@pytest.mark.parametrize("cols", WIDE)
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_wide_rows(kind, dtype, cols):
+    _run_case(kind, dict(shape=(3, cols), dtype=dtype, framework="cupy", weight=True, bias=True,
+                         residual=cols % 2 == 0, layout="contiguous", offset=1.0, eps=1e-5, seed=cols))
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_many_rows_workload_width(kind):
+    """Enough rows that every block of the persistent grid loops several times."""
+    _run_case(kind, dict(shape=(20000, 4096), dtype="bfloat16", framework="cupy", weight=True,
+                         bias=True, residual=True, layout="contiguous", offset=0.0, eps=1e-5, seed=7))
+
+
+@gpu
+def test_poisoning_reaches_the_next_allocation():
+    """The poisoning above is only a check if the allocator really hands back NaN memory."""
+    import cupy
+
+    poison_allocator("cupy", [4096 * 2])
+    assert np.isnan(cupy.asnumpy(cupy.empty(4096 // 2, np.float32))).any()
+    if torch is not None:
+        poison_allocator("torch", [4096 * 2])
+        assert torch.isnan(torch.empty(4096 // 2, device="cuda")).any()
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_weight_gradients_are_bitwise_deterministic(kind):
+    import cupy
+
+    rng = np.random.default_rng(3)
+    x, dy = (cupy.asarray(random_host(rng, (3000, 1024), "float32")) for _ in range(2))
+    w = cupy.asarray(random_host(rng, (1024,), "float32"))
+    runs = []
+    for _ in range(3):
+        if kind == "layer":
+            _, m, s = cukern.layer_norm(x, w, w, return_stats=True)
+            runs.append([cupy.asnumpy(g) for g in cukern.layer_norm_backward(dy, x, w, m, s)])
+        else:
+            _, s = cukern.rms_norm(x, w, return_stats=True)
+            runs.append([cupy.asnumpy(g) for g in cukern.rms_norm_backward(dy, x, w, s)])
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert a.tobytes() == b.tobytes()
+
+
+# ---- against torch (GPU) -------------------------------------------------------------------
+
+@gpu
+@needs_torch
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", [(4, 7, 4096), (300, 1000), (5, 16385)])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_against_torch_forward_and_autograd(kind, shape, dtype):
+    F = torch.nn.functional
+    tdt = getattr(torch, dtype)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    cols = shape[-1]
+    x = torch.randn(shape, device="cuda", dtype=tdt, generator=g, requires_grad=True)
+    w = torch.randn(cols, device="cuda", dtype=tdt, generator=g, requires_grad=True)
+    b = torch.randn(cols, device="cuda", dtype=tdt, generator=g, requires_grad=True)
+    dy = torch.randn(shape, device="cuda", dtype=tdt, generator=g)
+    if kind == "layer":
+        y_t = F.layer_norm(x, (cols,), w, b, 1e-5)
+        grads_t = torch.autograd.grad(y_t, (x, w, b), dy)
+        y, mean, rstd = cukern.layer_norm(x.detach(), w.detach(), b.detach(), 1e-5, return_stats=True)
+        grads = cukern.layer_norm_backward(dy, x.detach(), w.detach(), mean, rstd)
+    else:
+        y_t = F.rms_norm(x, (cols,), w, 1e-6)
+        grads_t = torch.autograd.grad(y_t, (x, w), dy)
+        y, rstd = cukern.rms_norm(x.detach(), w.detach(), 1e-6, return_stats=True)
+        grads = cukern.rms_norm_backward(dy, x.detach(), w.detach(), rstd)
+    assert isinstance(y, torch.Tensor) and y.device == x.device and y.dtype == x.dtype
+    # Two roundings apart at most (torch's and ours): twice the reference tolerance.
+    tol = 2 * {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}[dtype]
+    assert_close(y, to_host(y_t), dtype, "y", tol=tol)
+    for name, a, e in zip(["dx", "dweight", "dbias"], grads, grads_t):
+        assert_close(a, to_host(e), dtype, name, tol=max(tol, 1e-4) if name != "dx" else tol)
+
+
+@gpu
+@needs_torch
+def test_fused_residual_equals_torch_add_then_norm():
+    F = torch.nn.functional
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x, r = (torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    w = torch.randn(2048, device="cuda", dtype=torch.bfloat16, generator=g)
+    y, h = cukern.rms_norm(x, w, 1e-6, residual=r)
+    h_t = x + r
+    assert torch.equal(h, h_t), "h must be exactly the rounded sum, as torch's add"
+    assert_close(y, to_host(F.rms_norm(h_t, (2048,), w, 1e-6)), "bfloat16", "y", tol=2e-2)
+
+
+# ---- streams (GPU) ---------------------------------------------------------------------------
+
+@gpu
+@needs_torch
+def test_runs_on_torchs_current_stream():
+    """x is written on a side stream after a long spin; a kernel on any other stream would
+    read x before the write lands."""
+    import cupy
+
+    s = torch.cuda.Stream()
+    x = torch.randn(512, 1024, device="cuda")
+    expect = torch.randn(512, 1024, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s):
+        with cupy.cuda.ExternalStream(s.cuda_stream):
+            spin()
+        x.copy_(expect)
+        y = cukern.layer_norm(x)
+        y_ref = torch.nn.functional.layer_norm(expect, (1024,))
+    s.synchronize()
+    assert_close(y, to_host(y_ref), "float32", "y", tol=1e-5)
+
+
+@gpu
+def test_runs_on_cupys_current_stream():
+    import cupy
+
+    rng = np.random.default_rng(4)
+    host = random_host(rng, (512, 1024), "float32")
+    x = cupy.asarray(random_host(rng, (512, 1024), "float32"))
+    new = cupy.asarray(host)
+    cupy.cuda.Device().synchronize()
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        spin()
+        x[...] = new
+        y = cukern.rms_norm(x)
+    s.synchronize()
+    assert_close(y, ref.rms_norm(host), "float32", "y")
+
+
+# ---- bad inputs (GPU: they need device arrays) ---------------------------------------------------
+
+@gpu
+def test_bad_inputs_name_the_argument():
+    import cupy
+
+    x = cupy.ones((4, 8), np.float32) + cupy.arange(8, dtype=np.float32)
+    w = cupy.ones(8, np.float32)
+    cases = [
+        (lambda: cukern.layer_norm(x.astype(np.float64)), ValueError, "^x: dtype float64"),
+        (lambda: cukern.rms_norm(x.astype(np.int32)), ValueError, "^x: dtype int32"),
+        (lambda: cukern.layer_norm(x, cupy.ones(7, np.float32)), ValueError, r"^weight: shape \(7,\)"),
+        (lambda: cukern.layer_norm(x, w, cupy.ones((8, 1), np.float32)), ValueError, "^bias: shape"),
+        (lambda: cukern.layer_norm(x, w.astype(np.float16)), ValueError, "^weight: dtype float16 differs"),
+        (lambda: cukern.rms_norm(x, residual=cupy.ones((4, 9), np.float32)), ValueError, "^residual: shape"),
+        (lambda: cukern.rms_norm(x, w, eps=-1.0), ValueError, "^eps: "),
+        (lambda: cukern.rms_norm(x, w, eps=float("nan")), ValueError, "^eps: "),
+        (lambda: cukern.rms_norm(x, w, eps="big"), TypeError, "^eps: "),
+        (lambda: cukern.layer_norm(cupy.float32(1.0) + cupy.zeros(())), ValueError, "^x: must have at least one axis"),
+        (lambda: cukern.layer_norm(x, np.ones(8, np.float32)), TypeError, "^weight: a host"),
+        (lambda: cukern.rms_norm_backward(x, x, w, cupy.ones(5, np.float32)), ValueError, "^rstd: shape"),
+        (lambda: cukern.rms_norm_backward(x, x, w, cupy.ones(4, np.float16)), ValueError, "^rstd: dtype float16"),
+        (lambda: cukern.layer_norm_backward(x[:2], x, w, cupy.ones(4, np.float32), cupy.ones(4, np.float32)),
+         ValueError, r"^x: shape \(4, 8\) does not match \(2, 8\)"),
+        (lambda: cukern.layer_norm_backward(x, x, w, None, cupy.ones(4, np.float32)), TypeError, "^mean: required"),
+        (lambda: cukern.rms_norm_backward(x, x, w, cupy.ones(4, np.float32), dresidual=x[:, :4]),
+         ValueError, "^dresidual: shape"),
+    ]
+    for call, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            call()
+
+
+@gpu
+def test_inputs_on_two_devices_are_an_error():
+    import cupy
+
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    x = cupy.ones((4, 8), np.float32)
+    with cupy.cuda.Device(1):
+        w = cupy.ones(8, np.float32)
+    with pytest.raises(ValueError, match="^weight: on CUDA device 1"):
+        cukern.rms_norm(x, w)
+
+
+@gpu
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+def test_empty_inputs_give_empty_outputs(framework):
+    if framework == "torch" and torch is None:
+        pytest.skip("torch is not installed")
+    rng = np.random.default_rng(6)
+    x = to_device(random_host(rng, (0, 64), "bfloat16"), framework)
+    w = to_device(random_host(rng, (64,), "bfloat16"), framework)
+    y, mean, rstd = cukern.layer_norm(x, w, w, return_stats=True)
+    assert tuple(y.shape) == (0, 64) and tuple(mean.shape) == (0,) and tuple(rstd.shape) == (0,)
+    dx, dw, db = cukern.layer_norm_backward(x, x, w, mean, rstd)
+    assert tuple(dx.shape) == (0, 64)
+    np.testing.assert_array_equal(to_host(dw), 0)
+    np.testing.assert_array_equal(to_host(db), 0)
+
+
+@gpu
+def test_dlpack_objects_are_answered_with_cupy_arrays():
+    import cupy
+
+    rng = np.random.default_rng(8)
+    host = random_host(rng, (5, 40), "float32")
+
+    class Foreign:  # only the DLPack protocol, nothing CuPy- or torch-specific
+        def __init__(self, a):
+            self._a = a
+
+        def __dlpack__(self, **kw):
+            return self._a.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self._a.__dlpack_device__()
+
+    y = cukern.layer_norm(Foreign(cupy.asarray(host)))
+    assert isinstance(y, cupy.ndarray)
+    assert_close(y, ref.layer_norm(host), "float32", "y")
