@@ -1,0 +1,241 @@
+"""``python -m cukern info | bench``: what cukern sees here, and the benchmark against PyTorch.
+
+``info`` works on any machine (no GPU needed). ``bench`` needs a CUDA GPU, a CUDA build of
+torch and CuPy; without them it says what is missing and exits with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+EXIT_UNAVAILABLE = 2
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _dist_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+# ---- info ------------------------------------------------------------------------------------
+
+def _gpu_lines() -> list[str]:
+    try:
+        import cupy
+    except Exception:  # noqa: BLE001
+        cupy = None
+    if cupy is not None:
+        rt = cupy.cuda.runtime
+        try:
+            count = rt.getDeviceCount()
+        except Exception as e:  # noqa: BLE001 - no driver or no device
+            return [f"GPU:          no CUDA GPU found ({type(e).__name__}: {e})"]
+        if count == 0:
+            return ["GPU:          no CUDA GPU found (the CUDA runtime reports 0 devices)"]
+        lines = []
+        try:
+            d = rt.driverGetVersion()
+            lines.append(f"CUDA driver:  {d // 1000}.{d % 1000 // 10}")
+        except Exception:  # noqa: BLE001
+            pass
+        for i in range(count):
+            try:
+                p = rt.getDeviceProperties(i)
+                name = p["name"].decode() if isinstance(p["name"], bytes) else p["name"]
+                lines.append(f"GPU {i}:        {name}, compute capability {p['major']}.{p['minor']}, "
+                             f"{p['multiProcessorCount']} SMs, {_size(p['totalGlobalMem'])} memory, "
+                             f"L2 {_size(p['l2CacheSize'])}")
+            except Exception as e:  # noqa: BLE001
+                lines.append(f"GPU {i}:        properties unavailable ({type(e).__name__}: {e})")
+        return lines
+    try:
+        import torch
+    except Exception:  # noqa: BLE001
+        return ["GPU:          unknown (neither CuPy nor torch is installed to ask)"]
+    if not torch.cuda.is_available():
+        return ["GPU:          no CUDA GPU found (torch.cuda.is_available() is False)"]
+    lines = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        lines.append(f"GPU {i}:        {p.name}, compute capability {p.major}.{p.minor}, "
+                     f"{p.multi_processor_count} SMs, {_size(p.total_memory)} memory, "
+                     f"L2 {_size(p.L2_cache_size)}")
+    return lines
+
+
+def _cache_line() -> str:
+    path = Path(os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache")))
+    if not path.is_dir():
+        return f"kernel cache: {path} (not created yet)"
+    files = [f for f in path.rglob("*") if f.is_file()]
+    total = sum(f.stat().st_size for f in files)
+    return f"kernel cache: {path} ({len(files)} files, {_size(total)})"
+
+
+def cmd_info(args) -> int:
+    import cukern
+    from cukern import _kernels, _nvrtc
+
+    print(f"cukern:       {cukern.__version__} ({Path(cukern.__file__).resolve().parent})")
+    try:
+        print(f"CUDA sources: {_kernels.source_dir()}")
+    except Exception as e:  # noqa: BLE001
+        print(f"CUDA sources: not found ({e})")
+    print(f"Python:       {platform.python_version()} ({sys.executable})")
+    print(f"NumPy:        {_dist_version('numpy') or 'not installed'}")
+    try:
+        import cupy
+
+        try:
+            rt = cupy.cuda.runtime.runtimeGetVersion()
+            rts = f", CUDA runtime {rt // 1000}.{rt % 1000 // 10}"
+        except Exception:  # noqa: BLE001
+            rts = ""
+        print(f"CuPy:         {cupy.__version__}{rts}")
+    except Exception as e:  # noqa: BLE001
+        print(f"CuPy:         not installed ({type(e).__name__}: {e})")
+    print(f"PyTorch:      {_dist_version('torch') or 'not installed'}")
+    try:
+        major, minor = _nvrtc.version()
+        print(f"NVRTC:        {major}.{minor} ({getattr(_nvrtc.library(), '_name', '?')})")
+    except Exception as e:  # noqa: BLE001
+        print(f"NVRTC:        not found ({e})")
+    for line in _gpu_lines():
+        print(line)
+    print(_cache_line())
+    return 0
+
+
+# ---- bench -----------------------------------------------------------------------------------
+
+class _Progress:
+    """``[i/n] case ...`` on stderr: rewritten in place on a terminal, one line each otherwise."""
+
+    def __init__(self, stream=sys.stderr):
+        self.stream = stream
+        self.tty = stream.isatty()
+
+    def __call__(self, i: int, n: int, case) -> None:
+        msg = f"[{i}/{n}] {case.name} ..."
+        if self.tty:
+            self.stream.write("\r\033[K" + msg)
+        else:
+            self.stream.write(msg + "\n")
+        self.stream.flush()
+
+    def done(self) -> None:
+        if self.tty:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+
+def cmd_bench(args) -> int:
+    from cukern import _bench
+
+    selected = [c for c in _bench.cases(quick=args.quick)
+                if not args.filter or args.filter.lower() in c.name.lower()]
+    if args.list:
+        for c in selected:
+            print(f"{c.name:28s} {c.family:10s} {c.shape_label} {c.dtype}")
+        return 0
+    if not selected:
+        names = ", ".join(c.name for c in _bench.cases())
+        print(f"cukern bench: no case matches --filter {args.filter!r} (cases: {names})",
+              file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    reason = _bench.unavailable_reason()
+    if reason:
+        print(f"cukern bench: cannot run here: {reason}", file=sys.stderr)
+        print("cukern bench needs a CUDA GPU, a CUDA build of PyTorch and CuPy "
+              "(`python -m cukern info` shows what is found).", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+
+    warmup = args.warmup if args.warmup is not None else (3 if args.quick else 10)
+    reps = args.reps if args.reps is not None else (20 if args.quick else 100)
+    dev, ver = _bench.device_info(), _bench.versions()
+    print(f"device: {dev['name']} (compute capability {dev['capability']}, {dev['sms']} SMs, "
+          f"{dev['memory_bytes'] / 2**30:.1f} GiB, L2 {dev['l2_bytes'] / 2**20:.0f} MiB)")
+    print(f"cukern {ver['cukern']}, torch {ver['torch']} (CUDA {ver['torch_cuda']}), "
+          f"cupy {ver['cupy']}, NVRTC {ver['nvrtc']}")
+    print(f"timing: median of {reps} runs after {warmup} warm-up, CUDA events"
+          + (" (--quick shapes)" if args.quick else ""), flush=True)
+    copy = _bench.copy_bandwidth()
+    print(f"copy bandwidth: {copy:.0f} GB/s (device-to-device, bytes read + written)", flush=True)
+    matmul = None
+    if any(c.flops is not None for c in selected):
+        matmul = _bench.matmul_rate()
+        print(f"matmul rate: {matmul:.0f} TFLOP/s (bf16 8192^3, torch)", flush=True)
+    print(flush=True)
+
+    progress = _Progress()
+    try:
+        results = _bench.run_cases(selected, progress, warmup=warmup, reps=reps, copy_gbps=copy,
+                                   matmul_tflops=matmul)
+    finally:
+        progress.done()
+    print(_bench.format_table(results))
+
+    if args.json:
+        record = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": args.quick,
+                  "warmup": warmup, "reps": reps, "device": dev, "versions": ver,
+                  "copy_gbps": copy, "matmul_tflops": matmul, "results": results}
+        Path(args.json).write_text(json.dumps(record, indent=2, default=str) + "\n")
+        print(f"\nresults written to {args.json}")
+    return 1 if any(r.get("error") for r in results) else 0
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return n
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m cukern",
+        description="cukern: hand-written CUDA kernels for transformer training.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser("info", help="versions, GPU, NVRTC and the kernel cache (no GPU needed)")
+    p.set_defaults(func=cmd_info)
+    p = sub.add_parser(
+        "bench", help="time every op against PyTorch (needs a CUDA GPU)",
+        description="Time every op against its PyTorch equivalent with CUDA events, at the "
+                    "workload's shapes, and report GB/s (or TFLOP/s), the share of the device's "
+                    "measured copy bandwidth (or matrix rate), and the speed-up over torch.")
+    p.add_argument("--quick", action="store_true", help="smaller shapes and fewer runs")
+    p.add_argument("--filter", metavar="SUBSTR", help="only the cases whose name contains SUBSTR")
+    p.add_argument("--json", metavar="PATH", help="also write the results to PATH as JSON")
+    p.add_argument("--reps", type=_positive, metavar="N", help="timed runs per case (default 100, quick 20)")
+    p.add_argument("--warmup", type=_positive, metavar="N", help="warm-up runs per case (default 10, quick 3)")
+    p.add_argument("--list", action="store_true", help="list the cases and exit (no GPU needed)")
+    p.set_defaults(func=cmd_bench)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_UNAVAILABLE
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
