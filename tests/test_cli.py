@@ -1,0 +1,270 @@
+"""``python -m cukern`` and the pure parts of the benchmark mechanism (no GPU needed)."""
+from __future__ import annotations
+
+import functools
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cukern import _bench
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    return subprocess.run([sys.executable, "-m", "cukern", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_present() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 - not installed, no driver, no device
+        return False
+
+
+# ---- the command line -------------------------------------------------------------------------
+
+def test_help():
+    p = run_cli("--help")
+    assert p.returncode == 0, p.stderr
+    assert "info" in p.stdout and "bench" in p.stdout
+    p = run_cli("bench", "--help")
+    assert p.returncode == 0, p.stderr
+    for option in ("--quick", "--filter", "--json"):
+        assert option in p.stdout
+
+
+def test_info():
+    p = run_cli("info")
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stdout + p.stderr
+    lines = p.stdout.splitlines()
+    assert any(line.startswith("NVRTC:") for line in lines), p.stdout
+    assert any(line.startswith("GPU") for line in lines), p.stdout
+    assert any(line.startswith("kernel cache:") for line in lines), p.stdout
+    assert any(line.startswith("CUDA sources:") for line in lines), p.stdout
+
+
+def test_bench_without_gpu_fails_cleanly():
+    if gpu_present():
+        pytest.skip("a GPU is present: bench would run")
+    p = run_cli("bench", "--quick")
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert "Traceback" not in p.stdout + p.stderr
+    assert "cannot run here" in p.stderr
+    assert "no CUDA GPU" in p.stderr or "not installed" in p.stderr or "without CUDA" in p.stderr
+
+
+def test_bench_list_needs_no_gpu():
+    p = run_cli("bench", "--list", "--filter", "rms")
+    assert p.returncode == 0, p.stderr
+    names = [line.split("  ")[0].strip() for line in p.stdout.splitlines()]
+    assert names == [c.name for c in _bench.cases() if "rms" in c.name]
+
+
+def test_bench_filter_matching_nothing():
+    p = run_cli("bench", "--filter", "no-such-case")
+    assert p.returncode == 2
+    assert "no case matches" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_bench_rejects_bad_reps():
+    p = run_cli("bench", "--reps", "0")
+    assert p.returncode == 2 and "positive integer" in p.stderr
+
+
+def test_import_cukern_imports_neither_torch_nor_cupy():
+    code = ("import sys, cukern, cukern._bench, cukern.__main__; "
+            "print(sorted(m for m in ('torch', 'cupy') if m in sys.modules))")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]"
+
+
+# ---- the case table and the arithmetic ---------------------------------------------------------
+
+def test_norm_cases_bytes():
+    (n, d), dt = _bench.WORKLOAD["norm"]["full"], _bench.WORKLOAD["norm"]["dtype"]
+    assert (n, d, dt) == (65536, 4096, "bfloat16")
+    by_name = {c.name: c for c in _bench.cases()}
+    passes = {"layer_norm fwd": 2, "rms_norm fwd": 2, "layer_norm fwd+bwd": 5,
+              "rms_norm fwd+bwd": 5, "layer_norm +residual fwd": 4, "rms_norm +residual fwd": 4}
+    assert set(passes) <= set(by_name)
+    for name, k in passes.items():
+        c = by_name[name]
+        assert (c.family, c.shape, c.dtype, c.flops) == ("norm", (n, d), dt, None)
+        assert c.nbytes == k * n * d * 2
+
+
+def test_cases_quick_and_family():
+    quick = _bench.cases(quick=True)
+    full = _bench.cases()
+    assert [c.name for c in quick] == [c.name for c in full]
+    assert all(q.nbytes < f.nbytes for q, f in zip(quick, full))
+    assert quick[0].shape == _bench.WORKLOAD["norm"]["quick"]
+    assert {c.family for c in _bench.cases(family="norm")} == {"norm"}
+    assert _bench.cases(family="no-such-family") == []
+    names = [c.name for c in full]
+    assert len(set(names)) == len(names)
+    slugs = [_bench.slug(n) for n in names]
+    assert len(set(slugs)) == len(slugs) and all(s.isidentifier() for s in slugs)
+
+
+def test_slug():
+    assert _bench.slug("layer_norm fwd+bwd") == "layer_norm_fwd_bwd"
+    assert _bench.slug("rms_norm +residual fwd") == "rms_norm_residual_fwd"
+
+
+def test_rates():
+    assert _bench.gbps(2 * 10**9, 1000.0) == pytest.approx(2.0)
+    assert _bench.gbps(10**9, 0.5) == pytest.approx(2000.0)
+    assert _bench.tflops(10**12, 2.0) == pytest.approx(500.0)
+    assert _bench.elements_bytes((65536, 4096), "bfloat16", 5) == 5 * 65536 * 4096 * 2
+    assert _bench.elements_bytes((3, 5), "float32") == 60
+
+
+def test_input_set_count():
+    l2 = 50 * 2**20
+    assert _bench.input_set_count(2 * 2**30, l2) == 1          # far larger than L2
+    assert _bench.input_set_count(4 * l2, l2) == 1
+    assert _bench.input_set_count(4 * l2 - 1, l2) == 2
+    assert _bench.input_set_count(l2, l2) == 4
+    assert _bench.input_set_count(1, l2) == _bench.MAX_INPUT_SETS
+    assert _bench.input_set_count(0, l2) == 1
+
+
+def _case(flops=None):
+    return _bench.Case("toy op", "toy", (1000, 1000), "bfloat16", 4 * 10**9, lambda s: {},
+                       lambda t: None, lambda t: None, flops=flops)
+
+
+def test_summarize_memory_bound():
+    r = _bench.summarize(_case(), 2.0, 3.0, copy_gbps=4000.0)
+    assert r["gbps"] == pytest.approx(2000.0)
+    assert r["torch_gbps"] == pytest.approx(4e9 / 3e-3 / 1e9)
+    assert r["pct_of_copy"] == pytest.approx(50.0)
+    assert r["speedup"] == pytest.approx(1.5)
+    assert r["tflops"] is None and r["pct_of_matmul"] is None
+    assert r["shape"] == [1000, 1000] and r["bytes"] == 4 * 10**9
+    assert _bench.summarize(_case(), 2.0, 3.0)["pct_of_copy"] is None
+
+
+def test_summarize_flop_bound():
+    r = _bench.summarize(_case(flops=10**12), 2.0, 1.0, matmul_tflops=1000.0)
+    assert r["tflops"] == pytest.approx(500.0)
+    assert r["pct_of_matmul"] == pytest.approx(50.0)
+    assert r["gbps"] is None and r["pct_of_copy"] is None
+    assert r["speedup"] == pytest.approx(0.5)
+
+
+def test_format_table():
+    ok = _bench.summarize(_case(), 2.0, 3.0, copy_gbps=4000.0)
+    ok.update(rel_err=1e-3, agrees=True)
+    fl = _bench.summarize(_case(flops=10**12), 2.0, 1.0, matmul_tflops=1000.0)
+    bad = dict(_bench.summarize(_case(), 1.0, 1.0), name="wrong op", rel_err=0.5, agrees=False)
+    err = _bench.error_result(_case(), "CompileError: nope")
+    text = _bench.format_table([ok, fl, bad, err])
+    lines = text.splitlines()
+    assert lines[0].split()[:2] == ["case", "shape"]
+    assert set(lines[1].replace(" ", "")) == {"-"}
+    row = lines[2]
+    for cell in ("toy op", "1000x1000 bf16", "2.000", "3.000", "2000 GB/s", "50.0% copy", "1.50x"):
+        assert cell in row
+    assert "500 TFLOP/s" in lines[3] and "50.0% matmul" in lines[3] and "0.50x" in lines[3]
+    assert "error" in lines[5]
+    assert any(line.startswith("! wrong op") and "differ" in line for line in lines)
+    assert any(line.startswith("! toy op: CompileError: nope") for line in lines)
+    # the columns line up
+    assert len({len(line) for line in lines[:2]}) == 1
+
+
+def test_unavailable_reason_without_gpu():
+    if gpu_present():
+        pytest.skip("a GPU is present")
+    reason = _bench.unavailable_reason()
+    assert reason and isinstance(reason, str)
+
+
+def test_asv_results_skips_without_gpu():
+    if gpu_present():
+        pytest.skip("a GPU is present")
+    out = _bench.asv_results(_bench.cases(family="norm"))
+    assert out["skip"]
+
+
+def test_asv_benchmarks_use_the_case_table():
+    if not (ROOT / "asv_bench" / "benchmarks" / "bench_norm.py").is_file():
+        pytest.skip("asv_bench/ is not in this copy (an sdist)")
+    sys.path.insert(0, str(ROOT / "asv_bench"))
+    try:
+        from benchmarks import bench_norm
+    finally:
+        sys.path.remove(str(ROOT / "asv_bench"))
+    names = {n for n in dir(bench_norm) if n.startswith("track_")}
+    for c in _bench.cases(family="norm"):
+        for what, unit in (("gbps", "GB/s"), ("speedup", "x")):
+            fn = getattr(bench_norm, f"track_{_bench.slug(c.name)}_{what}")
+            assert fn.__name__ == f"track_{_bench.slug(c.name)}_{what}"
+            assert fn.unit == unit and fn.timeout >= 600
+            names.discard(fn.__name__)
+    assert names == {"track_copy_gbps"}
+    fake = {"skip": None, "copy_gbps": 3000.0,
+            "cases": {c.name: _bench.summarize(c, 0.5, 1.0, copy_gbps=3000.0)
+                      for c in _bench.cases(family="norm")}}
+    assert bench_norm.track_layer_norm_fwd_speedup(fake) == pytest.approx(2.0)
+    assert bench_norm.track_rms_norm_fwd_bwd_gbps(fake) == pytest.approx(
+        _bench.gbps(5 * 65536 * 4096 * 2, 0.5))
+    with pytest.raises(NotImplementedError):
+        bench_norm.setup({"skip": "no GPU"})
+    assert not math.isnan(bench_norm.track_copy_gbps(fake))
+
+
+class _FakeEvent:
+    """A stand-in for torch.cuda.Event that reads the host clock (for the control flow only)."""
+    clock = [0.0]
+
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self, stream=None):
+        self.t = self.clock[0]
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return other.t - self.t
+
+
+def test_time_cuda_rotates_sets_and_takes_the_median(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    monkeypatch.setattr(_bench, "_sleep_cycles_per_ms", 1e6)
+    seen = []
+
+    def fn(s):
+        seen.append(s)
+        _FakeEvent.clock[0] += {"a": 1.0, "b": 3.0, "c": 2.0}[s]
+
+    t = _bench.time_cuda_detail(fn, warmup=4, reps=9, input_sets=["a", "b", "c"])
+    assert len(seen) == 1 + 4 + 9
+    assert seen[:6] == ["a", "b", "c", "a", "b", "c"]
+    assert len(t.samples_ms) == 9 and sorted(t.samples_ms) == [1.0] * 3 + [2.0] * 3 + [3.0] * 3
+    assert t.median_ms == 2.0 and t.host_ms >= 0
+    calls = []
+    assert _bench.time_cuda(lambda: calls.append(1), warmup=2, reps=5) == 0.0
+    assert len(calls) == 1 + 2 + 5
