@@ -22,8 +22,10 @@
 //   y:      output rows, contiguous; h: x + res rounded to T (written when res is given);
 //   mean_out / rstd_out: float32 per row (each may be null).
 // With a residual, the norm is taken of h rounded to T, exactly as an unfused add then norm.
-template <typename T, bool RMS, int VEC, int NV, int G, int THREADS>
-__global__ void __launch_bounds__(THREADS, 1) norm_fwd(
+// Each group handles R rows at a time: all their loads are issued before the first use, and
+// one group reduction serves all R rows (more bytes in flight, fewer barriers per row).
+template <typename T, bool RMS, int VEC, int NV, int G, int THREADS, int R, int MINB>
+__global__ void __launch_bounds__(THREADS, MINB) norm_fwd(
     const T* __restrict__ x, long long x_stride,
     const T* __restrict__ res, long long res_stride,
     const T* __restrict__ w, const T* __restrict__ b,
@@ -32,87 +34,117 @@ __global__ void __launch_bounds__(THREADS, 1) norm_fwd(
     long long rows, int cols, float eps)
 {
     static_assert(THREADS % G == 0 && (G <= 32 || G == THREADS), "bad row group");
-    constexpr int RPB = THREADS / G;  // rows per block
-    __shared__ float scratch[G > 32 ? G / 32 : 1];
+    constexpr int RPB = THREADS / G * R;  // rows per block and iteration
+    __shared__ float scratch[G > 32 ? 2 * R * (G / 32) : 1];
     const int lane = threadIdx.x % G;
     const int group = threadIdx.x / G;
     const float inv_cols = 1.f / static_cast<float>(cols);
 
-    Vec<T, VEC> wv[NV], bv[NV];
+    // The loop bound is uniform over the block: every thread takes part in the reductions.
+    for (long long base = static_cast<long long>(blockIdx.x) * RPB; base < rows;
+         base += static_cast<long long>(gridDim.x) * RPB) {
+        const long long row0 = base + group * R;
+        Vec<T, VEC> xv[R][NV];
 #pragma unroll
-    for (int i = 0; i < NV; ++i) {
-        const int col = (i * G + lane) * VEC;
-        if (col < cols) {
-            if (w) wv[i] = load_vec<T, VEC>(w + col);
-            if (!RMS && b) bv[i] = load_vec<T, VEC>(b + col);
+        for (int r = 0; r < R; ++r) {
+            const long long row = row0 + r;
+#pragma unroll
+            for (int i = 0; i < NV; ++i) {
+                const int col = (i * G + lane) * VEC;
+                if (row < rows && col < cols) xv[r][i] = load_stream<T, VEC>(x + row * x_stride + col);
+            }
         }
-    }
-
-    for (long long row0 = static_cast<long long>(blockIdx.x) * RPB; row0 < rows;
-         row0 += static_cast<long long>(gridDim.x) * RPB) {
-        const long long row = row0 + group;
-        const bool active = row < rows;  // all threads stay for the group reductions
-        Vec<T, VEC> xv[NV];
-        float s[1] = {0.f};
+        if (res) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const long long row = row0 + r;
+#pragma unroll
+                for (int i = 0; i < NV; ++i) {
+                    const int col = (i * G + lane) * VEC;
+                    if (row < rows && col < cols) {
+                        const Vec<T, VEC> rv = load_stream<T, VEC>(res + row * res_stride + col);
+#pragma unroll
+                        for (int j = 0; j < VEC; ++j)
+                            xv[r][i].v[j] = from_float<T>(to_float(xv[r][i].v[j]) + to_float(rv.v[j]));
+                        store_stream<T, VEC>(h + row * cols + col, xv[r][i]);
+                    }
+                }
+            }
+        }
+        // One reduction a row. RMS: sum(x^2). LayerNorm: sum(x-K) and sum((x-K)^2) with the
+        // shift K = the row's first input element, so that the variance
+        // E[(x-K)^2] - E[x-K]^2 suffers no cancellation from a mean far from zero.
+        float mean[R], rstd[R], s[2 * R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const long long row = row0 + r;
+            const float k = (!RMS && row < rows) ? to_float(x[row * x_stride]) : 0.f;
+            mean[r] = k;
+            s[2 * r] = s[2 * r + 1] = 0.f;
+#pragma unroll
+            for (int i = 0; i < NV; ++i) {
+                const int col = (i * G + lane) * VEC;
+                if (row < rows && col < cols) {
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) {
+                        const float d = to_float(xv[r][i].v[j]) - k;
+                        s[2 * r] += d;
+                        s[2 * r + 1] += d * d;
+                    }
+                }
+            }
+        }
+        if (RMS) {
+            float ss[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) ss[r] = s[2 * r + 1];
+            group_sum<G, R>(ss, scratch);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                mean[r] = 0.f;
+                rstd[r] = rsqrtf(ss[r] * inv_cols + eps);
+            }
+        } else {
+            group_sum<G, 2 * R>(s, scratch);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const float m = s[2 * r] * inv_cols;
+                const float var = fmaxf(s[2 * r + 1] * inv_cols - m * m, 0.f);
+                mean[r] += m;
+                rstd[r] = rsqrtf(var + eps);
+            }
+        }
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
             const int col = (i * G + lane) * VEC;
-            if (active && col < cols) {
-                xv[i] = load_vec<T, VEC>(x + row * x_stride + col);
-                if (res) {
-                    const Vec<T, VEC> rv = load_vec<T, VEC>(res + row * res_stride + col);
+            if (col < cols) {
+                Vec<T, VEC> wv = {}, bv = {};
+                if (w) wv = load_vec<T, VEC>(w + col);
+                if (!RMS && b) bv = load_vec<T, VEC>(b + col);
 #pragma unroll
-                    for (int j = 0; j < VEC; ++j)
-                        xv[i].v[j] = from_float<T>(to_float(xv[i].v[j]) + to_float(rv.v[j]));
-                    store_vec<T, VEC>(h + row * cols + col, xv[i]);
-                }
+                for (int r = 0; r < R; ++r) {
+                    const long long row = row0 + r;
+                    if (row < rows) {
+                        Vec<T, VEC> out;
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    const float f = to_float(xv[i].v[j]);
-                    s[0] += RMS ? f * f : f;
-                }
-            }
-        }
-        group_sum<G, 1>(s, scratch);
-        float mean = 0.f, rstd;
-        if (RMS) {
-            rstd = rsqrtf(s[0] * inv_cols + eps);
-        } else {
-            mean = s[0] * inv_cols;
-            float q[1] = {0.f};  // second pass over the registers: exact centred variance
-#pragma unroll
-            for (int i = 0; i < NV; ++i) {
-                const int col = (i * G + lane) * VEC;
-                if (active && col < cols) {
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) {
-                        const float d = to_float(xv[i].v[j]) - mean;
-                        q[0] += d * d;
+                        for (int j = 0; j < VEC; ++j) {
+                            float v = (to_float(xv[r][i].v[j]) - mean[r]) * rstd[r];
+                            if (w) v *= to_float(wv.v[j]);
+                            if (!RMS && b) v += to_float(bv.v[j]);
+                            out.v[j] = from_float<T>(v);
+                        }
+                        store_stream<T, VEC>(y + row * cols + col, out);
                     }
                 }
             }
-            group_sum<G, 1>(q, scratch);
-            rstd = rsqrtf(q[0] * inv_cols + eps);
         }
-        if (active) {
+        if (lane == 0) {
 #pragma unroll
-            for (int i = 0; i < NV; ++i) {
-                const int col = (i * G + lane) * VEC;
-                if (col < cols) {
-                    Vec<T, VEC> out;
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) {
-                        float v = (to_float(xv[i].v[j]) - mean) * rstd;
-                        if (w) v *= to_float(wv[i].v[j]);
-                        if (!RMS && b) v += to_float(bv[i].v[j]);
-                        out.v[j] = from_float<T>(v);
-                    }
-                    store_vec<T, VEC>(y + row * cols + col, out);
+            for (int r = 0; r < R; ++r) {
+                if (row0 + r < rows) {
+                    if (mean_out) mean_out[row0 + r] = mean[r];
+                    if (rstd_out) rstd_out[row0 + r] = rstd[r];
                 }
-            }
-            if (lane == 0) {
-                if (mean_out) mean_out[row] = mean;
-                if (rstd_out) rstd_out[row] = rstd;
             }
         }
     }
@@ -124,9 +156,10 @@ __global__ void __launch_bounds__(THREADS, 1) norm_fwd(
 //   mean (LayerNorm only), rstd: the forward's float32 statistics;
 //   dres: gradient arriving at h from the residual stream (may be null), added to dx;
 //   dx: contiguous output;
-//   dw_part, db_part: [gridDim.x * RPB, cols] float32 partial sums (each may be null).
-template <typename T, bool RMS, int VEC, int NV, int G, int THREADS>
-__global__ void __launch_bounds__(THREADS, 1) norm_bwd(
+//   dw_part, db_part: [gridDim.x * THREADS / G, cols] float32 partial sums (each may be null).
+// As in the forward, a group handles R rows at a time with one reduction for all of them.
+template <typename T, bool RMS, int VEC, int NV, int G, int THREADS, int R, int MINB>
+__global__ void __launch_bounds__(THREADS, MINB) norm_bwd(
     const T* __restrict__ dy, long long dy_stride,
     const T* __restrict__ x, long long x_stride,
     const T* __restrict__ w,
@@ -136,75 +169,94 @@ __global__ void __launch_bounds__(THREADS, 1) norm_bwd(
     long long rows, int cols)
 {
     static_assert(THREADS % G == 0 && (G <= 32 || G == THREADS), "bad row group");
-    constexpr int RPB = THREADS / G;
-    __shared__ float scratch[G > 32 ? 2 * (G / 32) : 1];
+    constexpr int RPB = THREADS / G * R;
+    __shared__ float scratch[G > 32 ? 2 * R * (G / 32) : 1];
     const int lane = threadIdx.x % G;
     const int group = threadIdx.x / G;
     const float inv_cols = 1.f / static_cast<float>(cols);
 
-    Vec<T, VEC> wv[NV] = {};
     float dwa[NV][VEC], dba[NV][VEC];
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
-        const int col = (i * G + lane) * VEC;
-        if (w && col < cols) wv[i] = load_vec<T, VEC>(w + col);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) dwa[i][j] = dba[i][j] = 0.f;
     }
 
-    for (long long row0 = static_cast<long long>(blockIdx.x) * RPB; row0 < rows;
-         row0 += static_cast<long long>(gridDim.x) * RPB) {
-        const long long row = row0 + group;
-        const bool active = row < rows;
-        Vec<T, VEC> xv[NV], gv[NV];
-        const float mu = (!RMS && active) ? mean[row] : 0.f;
-        const float rs = active ? rstd[row] : 0.f;
-        float s[2] = {0.f, 0.f};  // sum(g), sum(g * xhat) with g = dy * w
+    for (long long base = static_cast<long long>(blockIdx.x) * RPB; base < rows;
+         base += static_cast<long long>(gridDim.x) * RPB) {
+        const long long row0 = base + group * R;
+        Vec<T, VEC> xv[R][NV], gv[R][NV];
+        float mu[R], rs[R];
 #pragma unroll
-        for (int i = 0; i < NV; ++i) {
-            const int col = (i * G + lane) * VEC;
-            if (active && col < cols) {
-                xv[i] = load_vec<T, VEC>(x + row * x_stride + col);
-                gv[i] = load_vec<T, VEC>(dy + row * dy_stride + col);
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    const float d = to_float(gv[i].v[j]);
-                    const float xh = (to_float(xv[i].v[j]) - mu) * rs;
-                    const float g = w ? d * to_float(wv[i].v[j]) : d;
-                    s[0] += g;
-                    s[1] += g * xh;
-                    dwa[i][j] += d * xh;
-                    if (!RMS) dba[i][j] += d;
-                }
-            }
-        }
-        group_sum<G, 2>(s, scratch);
-        const float a = RMS ? 0.f : s[0] * inv_cols;
-        const float c = s[1] * inv_cols;
-        if (active) {
+        for (int r = 0; r < R; ++r) {
+            const long long row = row0 + r;
+            mu[r] = (!RMS && row < rows) ? mean[row] : 0.f;
+            rs[r] = row < rows ? rstd[row] : 0.f;
 #pragma unroll
             for (int i = 0; i < NV; ++i) {
                 const int col = (i * G + lane) * VEC;
-                if (col < cols) {
-                    Vec<T, VEC> rv = {};
-                    if (dres) rv = load_vec<T, VEC>(dres + row * dres_stride + col);
-                    Vec<T, VEC> out;
+                if (row < rows && col < cols) {
+                    xv[r][i] = load_stream<T, VEC>(x + row * x_stride + col);
+                    gv[r][i] = load_stream<T, VEC>(dy + row * dy_stride + col);
+                }
+            }
+        }
+        float s[2 * R];  // per row: sum(g), sum(g * xhat) with g = dy * w
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            s[2 * r] = s[2 * r + 1] = 0.f;
+#pragma unroll
+            for (int i = 0; i < NV; ++i) {
+                const int col = (i * G + lane) * VEC;
+                if (row0 + r < rows && col < cols) {
+                    Vec<T, VEC> wv = {};
+                    if (w) wv = load_vec<T, VEC>(w + col);
 #pragma unroll
                     for (int j = 0; j < VEC; ++j) {
-                        const float d = to_float(gv[i].v[j]);
-                        const float xh = (to_float(xv[i].v[j]) - mu) * rs;
-                        const float g = w ? d * to_float(wv[i].v[j]) : d;
-                        float v = rs * (g - a - xh * c);
-                        if (dres) v += to_float(rv.v[j]);
-                        out.v[j] = from_float<T>(v);
+                        const float d = to_float(gv[r][i].v[j]);
+                        const float xh = (to_float(xv[r][i].v[j]) - mu[r]) * rs[r];
+                        const float g = w ? d * to_float(wv.v[j]) : d;
+                        s[2 * r] += g;
+                        s[2 * r + 1] += g * xh;
+                        dwa[i][j] += d * xh;
+                        if (!RMS) dba[i][j] += d;
                     }
-                    store_vec<T, VEC>(dx + row * cols + col, out);
+                }
+            }
+        }
+        group_sum<G, 2 * R>(s, scratch);
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+            const int col = (i * G + lane) * VEC;
+            if (col < cols) {
+                Vec<T, VEC> wv = {};
+                if (w) wv = load_vec<T, VEC>(w + col);
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const long long row = row0 + r;
+                    if (row < rows) {
+                        const float a = RMS ? 0.f : s[2 * r] * inv_cols;
+                        const float c = s[2 * r + 1] * inv_cols;
+                        Vec<T, VEC> rv = {};
+                        if (dres) rv = load_stream<T, VEC>(dres + row * dres_stride + col);
+                        Vec<T, VEC> out;
+#pragma unroll
+                        for (int j = 0; j < VEC; ++j) {
+                            const float d = to_float(gv[r][i].v[j]);
+                            const float xh = (to_float(xv[r][i].v[j]) - mu[r]) * rs[r];
+                            const float g = w ? d * to_float(wv.v[j]) : d;
+                            float v = rs[r] * (g - a - xh * c);
+                            if (dres) v += to_float(rv.v[j]);
+                            out.v[j] = from_float<T>(v);
+                        }
+                        store_stream<T, VEC>(dx + row * cols + col, out);
+                    }
                 }
             }
         }
     }
 
-    const long long part = static_cast<long long>(blockIdx.x) * RPB + group;
+    const long long part = static_cast<long long>(blockIdx.x) * (THREADS / G) + group;
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
         const int col = (i * G + lane) * VEC;

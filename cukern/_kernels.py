@@ -13,14 +13,16 @@ instances; compiling all of them up front would cost a minute), then kept in mem
 from __future__ import annotations
 
 import functools
+import os
 import re
 import threading
 from pathlib import Path
 
 __all__ = ["CompileError", "source_dir", "load_source", "function", "COMPILE_OPTIONS"]
 
-# -std=c++17 for `if constexpr`; the rest are CuPy's defaults for RawModule made explicit.
-COMPILE_OPTIONS = ("--std=c++17",)
+# -std=c++17 for `if constexpr`. CUKERN_EXTRA_NVRTC_OPTIONS (space-separated) adds options
+# for experiments, e.g. -DCUK_STREAM_HINTS; they are part of CuPy's cache key.
+COMPILE_OPTIONS = ("--std=c++17", *os.environ.get("CUKERN_EXTRA_NVRTC_OPTIONS", "").split())
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 

@@ -17,15 +17,16 @@ __all__ = ["layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward"]
 
 SOURCE = "norm.cu"
 
-# Row-in-registers configurations (NV vectors a thread, G threads a row, THREADS a block),
-# in order of capacity NV*G vectors. The first that holds the row is used; wider rows take
-# the looped kernels. Backward configurations hold fewer elements a thread: each thread
-# also keeps float32 accumulators for dweight and dbias.
-# Larger register configurations were tried and spill (1024 threads leave 64 registers).
-FWD_CONFIGS = ((1, 4, 128), (1, 16, 128), (1, 32, 128), (2, 32, 128), (4, 32, 128),
-               (2, 128, 128), (4, 128, 128), (4, 256, 256), (4, 512, 512))
-BWD_CONFIGS = ((1, 4, 128), (1, 16, 128), (1, 32, 128), (2, 32, 128), (4, 32, 128),
-               (2, 128, 128), (4, 128, 128), (4, 256, 256))
+# Row-in-registers configurations (NV, G, THREADS, R, MINB): a thread holds NV vectors of a
+# row, G threads own a row, a block has THREADS threads, a group takes R rows at a time, and
+# ptxas is asked to fit MINB blocks an SM (which sets the register budget). In order of
+# capacity NV*G vectors; the first that holds the row is used, wider rows take the looped
+# kernels. Chosen by measurement (docs/notes-norm.md); none spills (tests/test_compile.py).
+FWD_CONFIGS = ((1, 4, 128, 1, 1), (1, 16, 128, 1, 1), (1, 32, 128, 2, 1), (2, 32, 128, 2, 1),
+               (4, 32, 128, 1, 1), (2, 128, 128, 1, 1), (4, 128, 128, 1, 1), (4, 256, 256, 1, 1),
+               (4, 512, 512, 1, 1))
+BWD_CONFIGS = ((1, 4, 128, 1, 1), (1, 16, 128, 1, 1), (1, 32, 128, 1, 1), (2, 32, 128, 1, 1),
+               (4, 32, 128, 1, 1), (2, 128, 128, 1, 1), (4, 128, 128, 1, 1), (4, 256, 256, 1, 1))
 LOOP_THREADS = 512
 
 
@@ -40,23 +41,16 @@ def _vector_width(itemsize: int, cols: int, arrays) -> int:
     return vec
 
 
-def _fwd_instance(ctype: str, rms: bool, vec: int, cols: int) -> tuple[str, int, int]:
-    """(instance name, threads, rows per block) for a forward over rows of ``cols``."""
+def _instance(kind: str, configs, ctype: str, rms: bool, vec: int, cols: int):
+    """(instance name, threads, rows a block takes per step, row groups a block) for rows of
+    ``cols``; ``kind`` is "fwd" or "bwd"."""
     nvec = -(-cols // vec)
     rmsb = "true" if rms else "false"
-    for nv, g, threads in FWD_CONFIGS:
+    for nv, g, threads, r, minb in configs:
         if nv * g >= nvec:
-            return f"norm_fwd<{ctype}, {rmsb}, {vec}, {nv}, {g}, {threads}>", threads, threads // g
-    return f"norm_fwd_loop<{ctype}, {rmsb}, {vec}, {LOOP_THREADS}>", LOOP_THREADS, 1
-
-
-def _bwd_instance(ctype: str, rms: bool, vec: int, cols: int) -> tuple[str, int, int]:
-    nvec = -(-cols // vec)
-    rmsb = "true" if rms else "false"
-    for nv, g, threads in BWD_CONFIGS:
-        if nv * g >= nvec:
-            return f"norm_bwd<{ctype}, {rmsb}, {vec}, {nv}, {g}, {threads}>", threads, threads // g
-    return f"norm_bwd_loop<{ctype}, {rmsb}, {vec}, {LOOP_THREADS}>", LOOP_THREADS, 1
+            name = f"norm_{kind}<{ctype}, {rmsb}, {vec}, {nv}, {g}, {threads}, {r}, {minb}>"
+            return name, threads, threads // g * r, threads // g
+    return f"norm_{kind}_loop<{ctype}, {rmsb}, {vec}, {LOOP_THREADS}>", LOOP_THREADS, 1, 1
 
 
 def instances() -> list[str]:
@@ -66,10 +60,10 @@ def instances() -> list[str]:
         for rms in (False, True):
             rmsb = "true" if rms else "false"
             for vec in sorted({1, 16 // itemsize}):
-                names += [f"norm_fwd<{ctype}, {rmsb}, {vec}, {nv}, {g}, {t}>" for nv, g, t in FWD_CONFIGS]
-                names += [f"norm_bwd<{ctype}, {rmsb}, {vec}, {nv}, {g}, {t}>" for nv, g, t in BWD_CONFIGS]
-                names.append(f"norm_fwd_loop<{ctype}, {rmsb}, {vec}, {LOOP_THREADS}>")
-                names.append(f"norm_bwd_loop<{ctype}, {rmsb}, {vec}, {LOOP_THREADS}>")
+                for kind, configs in (("fwd", FWD_CONFIGS), ("bwd", BWD_CONFIGS)):
+                    names += [f"norm_{kind}<{ctype}, {rmsb}, {vec}, {nv}, {g}, {t}, {r}, {m}>"
+                              for nv, g, t, r, m in configs]
+                    names.append(f"norm_{kind}_loop<{ctype}, {rmsb}, {vec}, {LOOP_THREADS}>")
         names.append(f"norm_param_grad<{ctype}>")
     return names
 
@@ -149,7 +143,7 @@ def _forward(rms: bool, x, weight, bias, eps, residual, return_stats):
             xa, xs = _rows_view(xa)
             ra, rs = _rows_view(ra) if ra is not None else (None, 0)
             vec = _vector_width(xa.itemsize, cols, [(xa, xs), (ra, rs), (wa, 0), (ba, 0), (y, cols)])
-            inst, threads, rpb = _fwd_instance(xa.ctype, rms, vec, cols)
+            inst, threads, rpb, _ = _instance("fwd", FWD_CONFIGS, xa.ctype, rms, vec, cols)
             fn = _kernels.function(SOURCE, inst, device)
             grid = min(-(-rows // rpb), _kernels.resident_blocks(fn, threads, device))
             _kernels.launch(fn, grid, threads, (
@@ -233,10 +227,10 @@ def _backward(rms: bool, dy, x, weight, mean, rstd, dresidual):
             da, ds = _rows_view(da)
             dra, drs = _rows_view(dra) if dra is not None else (None, 0)
             vec = _vector_width(xa.itemsize, cols, [(xa, xs), (da, ds), (dra, drs), (wa, 0), (dx, cols)])
-            inst, threads, rpb = _bwd_instance(xa.ctype, rms, vec, cols)
+            inst, threads, rpb, groups = _instance("bwd", BWD_CONFIGS, xa.ctype, rms, vec, cols)
             fn = _kernels.function(SOURCE, inst, device)
             grid = min(-(-rows // rpb), _kernels.resident_blocks(fn, threads, device))
-            nparts = grid * rpb
+            nparts = grid * groups
             dw_part = _arrays.empty(xa, (nparts, cols), "float32") if wa is not None else None
             db_part = _arrays.empty(xa, (nparts, cols), "float32") if want_db else None
             _kernels.launch(fn, grid, threads, (

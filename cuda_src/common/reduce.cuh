@@ -39,3 +39,4 @@ __device__ __forceinline__ void group_sum(float (&v)[K], float* scratch) {
         }
     }
 }
+
