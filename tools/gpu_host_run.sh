@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The GPU host's whole job in one call: the test suite, the benchmark table, and asv for HEAD.
+#   bash tools/gpu_host_run.sh [tests] [bench] [asv]   (default: all three)
+# Logs and results go to $OUT (or ./gpu-out). Needs .whl/ from shared/gpu-host/fetch-wheels.sh
+# for asv, and .whl/repo.bundle (git bundle create .whl/repo.bundle main) where the copy of
+# the tree has no .git.
+set -uo pipefail
+out=${OUT:-$PWD/gpu-out}; mkdir -p "$out"
+steps=${*:-tests bench asv}
+export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci} CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-cache}
+if [ -d .whl ]; then bash .whl/install.sh && export PYTHONPATH=/tmp/site:$PWD; else export PYTHONPATH=$PWD; fi
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+machine=gpu-$(echo "$gpu" | grep -oiE 'h100|h200|a100' | head -1 | tr A-Z a-z)
+echo "GPU: $gpu  (asv machine $machine)"
+if [ ! -d .git ] && [ -f .whl/repo.bundle ]; then
+  git init -q && git fetch -q .whl/repo.bundle main && git reset -q --soft FETCH_HEAD
+fi
+for step in $steps; do case $step in
+  tests) python3 -m pytest -q -n 12 -p no:cacheprovider 2>&1 | tee "$out/tests.log" | tail -15 ;;
+  bench) python3 -m cukern bench --json "$out/bench.json" 2>&1 | tee "$out/bench.log" ;;
+  asv)
+    python3 -m asv machine --yes --machine "$machine" --config asv_bench/asv.conf.json > "$out/asv.log" 2>&1
+    python3 -m asv run --python=same --machine "$machine" --set-commit-hash "$(git rev-parse HEAD)" \
+        --config asv_bench/asv.conf.json 2>&1 | tee -a "$out/asv.log" | tail -20
+    tar czf "$out/asv_results.tgz" asv_bench/results ;;
+esac; done
