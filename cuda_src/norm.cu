@@ -72,13 +72,18 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_fwd(
             }
         }
         // One reduction a row. RMS: sum(x^2). LayerNorm: sum(x-K) and sum((x-K)^2) with the
-        // shift K = the row's first input element, so that the variance
-        // E[(x-K)^2] - E[x-K]^2 suffers no cancellation from a mean far from zero.
+        // shift K = the row's first element (of h when the residual is fused), so that the
+        // variance E[(x-K)^2] - E[x-K]^2 loses nothing to a mean far from zero. Where K itself
+        // lies far from the mean (an outlier in column 0), a second, exact pass follows.
         float mean[R], rstd[R], s[2 * R];
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             const long long row = row0 + r;
-            const float k = (!RMS && row < rows) ? to_float(x[row * x_stride]) : 0.f;
+            float k = 0.f;
+            if (!RMS && row < rows) {
+                k = to_float(x[row * x_stride]);
+                if (res) k = to_float(from_float<T>(k + to_float(res[row * res_stride])));
+            }
             mean[r] = k;
             s[2 * r] = s[2 * r + 1] = 0.f;
 #pragma unroll
@@ -106,12 +111,37 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_fwd(
             }
         } else {
             group_sum<G, 2 * R>(s, scratch);
+            bool exact = false;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 const float m = s[2 * r] * inv_cols;
                 const float var = fmaxf(s[2 * r + 1] * inv_cols - m * m, 0.f);
                 mean[r] += m;
                 rstd[r] = rsqrtf(var + eps);
+                // The cancellation costs about log2((K-mean)^2/var) bits of the variance.
+                exact |= m * m > 16.f * var;
+            }
+            // Uniform where the reductions need it: the block for G > 32, the warp otherwise.
+            if (G > 32 ? __syncthreads_or(exact) : __any_sync(0xffffffffu, exact)) {
+                float q[R];
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    q[r] = 0.f;
+#pragma unroll
+                    for (int i = 0; i < NV; ++i) {
+                        const int col = (i * G + lane) * VEC;
+                        if (row0 + r < rows && col < cols) {
+#pragma unroll
+                            for (int j = 0; j < VEC; ++j) {
+                                const float d = to_float(xv[r][i].v[j]) - mean[r];
+                                q[r] += d * d;
+                            }
+                        }
+                    }
+                }
+                group_sum<G, R>(q, scratch);
+#pragma unroll
+                for (int r = 0; r < R; ++r) rstd[r] = rsqrtf(q[r] * inv_cols + eps);
             }
         }
 #pragma unroll

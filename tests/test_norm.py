@@ -236,6 +236,26 @@ def test_many_rows_workload_width(kind):
 
 
 @gpu
+@pytest.mark.parametrize("cols", [2, 33, 1000, 4096, 20000])
+@pytest.mark.parametrize("residual", [False, True])
+def test_layer_norm_outlier_in_the_first_column_stays_exact(cols, residual):
+    """The one-pass statistics are shifted by the row's first element; an outlier there must
+    not cost float32 precision (the kernel then takes an exact second pass)."""
+    import cupy
+
+    rng = np.random.default_rng(cols)
+    x = random_host(rng, (50, cols), "float32")
+    x[:, 0] = 3000.0 + np.arange(50)  # 3000 standard deviations from the rest of the row
+    x[::7, 0] = x[::7, 1]             # some rows without the outlier, in the same launch
+    r = random_host(rng, (50, cols), "float32") if residual else None
+    out = cukern.layer_norm(cupy.asarray(x), residual=None if r is None else cupy.asarray(r),
+                            return_stats=True)
+    expect = ref.layer_norm(x, residual=r, return_stats=True)
+    assert_close(out[0], expect[0], "float32", "y")
+    assert_close(out[-1], expect[-1], "float32", "rstd", tol=2e-5)
+
+
+@gpu
 def test_poisoning_reaches_the_next_allocation():
     """The poisoning above is only a check if the allocator really hands back NaN memory."""
     import cupy

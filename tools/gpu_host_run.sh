@@ -12,9 +12,10 @@ if [ -d .whl ]; then bash .whl/install.sh && export PYTHONPATH=/tmp/site:$PWD; e
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 machine=gpu-$(echo "$gpu" | grep -oiE 'h100|h200|a100' | head -1 | tr A-Z a-z)
 echo "GPU: $gpu  (asv machine $machine)"
-if [ ! -d .git ] && [ -f .whl/repo.bundle ]; then
-  git init -q && git fetch -q .whl/repo.bundle main && git reset -q --soft FETCH_HEAD
+if ! git rev-parse -q --verify HEAD >/dev/null 2>&1 && [ -f .whl/repo.bundle ]; then
+  rm -rf .git && git init -q && git fetch -q .whl/repo.bundle main && git reset -q --soft FETCH_HEAD
 fi
+echo "commit: $(git rev-parse HEAD)"
 for step in $steps; do case $step in
   tests) python3 -m pytest -q -n 12 -p no:cacheprovider 2>&1 | tee "$out/tests.log" | tail -15 ;;
   bench) python3 -m cukern bench --json "$out/bench.json" 2>&1 | tee "$out/bench.log" ;;
