@@ -23,7 +23,7 @@ SOURCE = "norm.cu"
 # capacity NV*G vectors; the first that holds the row is used, wider rows take the looped
 # kernels. Chosen by measurement (docs/notes-norm.md); none spills (tests/test_compile.py).
 FWD_CONFIGS = ((1, 4, 128, 1, 1), (1, 16, 128, 1, 1), (1, 32, 128, 2, 1), (2, 32, 128, 2, 1),
-               (4, 32, 128, 1, 1), (2, 128, 128, 1, 1), (4, 128, 128, 1, 1), (4, 256, 256, 1, 1),
+               (4, 32, 128, 1, 1), (2, 128, 128, 1, 1), (4, 128, 128, 1, 7), (4, 256, 256, 1, 1),
                (4, 512, 512, 1, 1))
 BWD_CONFIGS = ((1, 4, 128, 1, 1), (1, 16, 128, 1, 1), (1, 32, 128, 1, 1), (2, 32, 128, 1, 1),
                (4, 32, 128, 1, 1), (2, 128, 128, 1, 1), (4, 128, 128, 1, 1), (4, 256, 256, 1, 1))
