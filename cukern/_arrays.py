@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import warnings
 
 import numpy as np
 
@@ -214,7 +215,9 @@ def launch_context(like: DeviceArray):
             ptr = torch.cuda.current_stream(like.device).cuda_stream
             stream = _streams.get((like.device, ptr))
             if stream is None:
-                stream = cupy.cuda.ExternalStream(ptr, like.device)
+                with warnings.catch_warnings():  # CuPy 14 prefers Stream.from_external, which
+                    warnings.simplefilter("ignore", DeprecationWarning)  # needs __cuda_stream__
+                    stream = cupy.cuda.ExternalStream(ptr, like.device)
                 _streams[(like.device, ptr)] = stream
             with stream:
                 yield
