@@ -13,7 +13,7 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 machine=gpu-$(echo "$gpu" | grep -oiE 'h100|h200|a100' | head -1 | tr A-Z a-z)
 echo "GPU: $gpu  (asv machine $machine)"
 if ! git rev-parse -q --verify HEAD >/dev/null 2>&1 && [ -f .whl/repo.bundle ]; then
-  rm -rf .git && git init -q && git fetch -q .whl/repo.bundle main && git reset -q --soft FETCH_HEAD
+  rm -rf .git && git init -q && git fetch -q .whl/repo.bundle main && git reset -q --soft FETCH_HEAD && git branch -M main
 fi
 echo "commit: $(git rev-parse HEAD)"
 for step in $steps; do case $step in
