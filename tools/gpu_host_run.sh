@@ -12,8 +12,10 @@ if [ -d .whl ]; then bash .whl/install.sh && export PYTHONPATH=/tmp/site:$PWD; e
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 machine=gpu-$(echo "$gpu" | grep -oiE 'h100|h200|a100' | head -1 | tr A-Z a-z)
 echo "GPU: $gpu  (asv machine $machine)"
-if ! git rev-parse -q --verify HEAD >/dev/null 2>&1 && [ -f .whl/repo.bundle ]; then
-  rm -rf .git && git init -q && git fetch -q .whl/repo.bundle main && git reset -q --soft FETCH_HEAD && git branch -M main
+if [ -f .whl/repo.bundle ]; then  # the copied tree may have no (or a stale) .git
+  [ -d .git ] || git init -q
+  git fetch -q .whl/repo.bundle main && git update-ref refs/heads/main FETCH_HEAD &&
+    git symbolic-ref HEAD refs/heads/main && git reset -q --soft main
 fi
 echo "commit: $(git rev-parse HEAD)"
 for step in $steps; do case $step in
