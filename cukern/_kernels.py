@@ -87,9 +87,9 @@ def function(source: str, instance: str, device: int):
         fn = _cache.get(key)
         if fn is None:
             with cupy.cuda.Device(device):
-                module = cupy.RawModule(code=load_source(source), options=COMPILE_OPTIONS,
-                                        name_expressions=[instance])
-                try:
+                try:  # CuPy may compile in the constructor or at the first lookup
+                    module = cupy.RawModule(code=load_source(source), options=COMPILE_OPTIONS,
+                                            name_expressions=[instance])
                     fn = module.get_function(instance)
                 except cupy.cuda.compiler.CompilationError as e:
                     raise CompileError(instance, str(e)) from None

@@ -142,3 +142,14 @@ def test_load_source_expands_common_headers():
     assert '#include "' not in text
     header = (_kernels.source_dir() / "common" / "dtype.cuh").read_text()
     assert header.replace("#pragma once", "") in text
+
+
+@pytest.mark.gpu
+def test_runtime_compile_error_carries_the_log_and_the_instance():
+    """The path that runs kernels (CuPy RawModule) reports a failing instance the same way."""
+    bad = "norm_fwd<cuk_bf16, true, 8, 4, 128, 128, 1, does_not_exist>"
+    with pytest.raises(cukern.CompileError) as info:
+        _kernels.function("norm.cu", bad, 0)
+    assert info.value.instance == bad
+    assert info.value.log.strip()
+    assert bad in str(info.value)
