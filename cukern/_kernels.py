@@ -91,7 +91,7 @@ def function(source: str, instance: str, device: int):
                     module = cupy.RawModule(code=load_source(source), options=COMPILE_OPTIONS,
                                             name_expressions=[instance])
                     fn = module.get_function(instance)
-                except cupy.cuda.compiler.CompilationError as e:
+                except cupy.cuda.compiler.CompileException as e:
                     raise CompileError(instance, str(e)) from None
             _cache[key] = fn
     return fn
