@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import functools
 import re
+import threading
 from dataclasses import dataclass
 
 from . import _kernels
@@ -70,6 +71,11 @@ _STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) b
 _USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
 
 
+# One NVRTC compile at a time: with NVRTC 13, concurrent compiles in one process were seen to
+# lose ptxas's -v report from their logs (every instance unreported, both programs).
+_compile_lock = threading.Lock()
+
+
 def compile_instances(source: str, instances: list[str], arch: str = "sm_90",
                       extra_options: tuple[str, ...] = ()) -> list[ResourceUsage]:
     """Compile ``instances`` of ``cuda_src/<source>`` for ``arch`` in one NVRTC program.
@@ -77,6 +83,11 @@ def compile_instances(source: str, instances: list[str], arch: str = "sm_90",
     Returns ptxas's resource report per instance; raises CompileError with NVRTC's log on
     failure. The options are the ones CuPy uses at run time, plus ptxas's verbose report.
     """
+    with _compile_lock:
+        return _compile_instances(source, instances, arch, extra_options)
+
+
+def _compile_instances(source, instances, arch, extra_options):
     lib = library()
     src = _kernels.load_source(source).encode()
     prog = ctypes.c_void_p()
