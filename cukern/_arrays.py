@@ -223,3 +223,15 @@ def launch_context(like: DeviceArray):
                 yield
         else:
             yield
+
+
+def as_cupy(arr: DeviceArray):
+    """A CuPy view of ``arr``'s memory (zero copy), for CuPy routines on torch tensors too.
+    The view keeps ``arr.obj`` alive."""
+    import cupy
+
+    if arr.kind == "cupy":
+        return arr.obj
+    mem = cupy.cuda.UnownedMemory(arr.ptr, arr.size * arr.itemsize, arr.obj, arr.device)
+    return cupy.ndarray(arr.shape, _cupy_dtype(arr.dtype), cupy.cuda.MemoryPointer(mem, 0),
+                        tuple(s * arr.itemsize for s in arr.strides))

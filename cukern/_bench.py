@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from . import __version__
+from .embedding import embedding, embedding_backward
 from .norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
 
 __all__ = ["Case", "Timing", "WORKLOAD", "cases", "time_cuda", "time_cuda_detail", "copy_bandwidth",
@@ -30,6 +31,8 @@ __all__ = ["Case", "Timing", "WORKLOAD", "cases", "time_cuda", "time_cuda_detail
 # The workload of DESIGN.md, per family: the full shapes, and the smaller ones of --quick.
 WORKLOAD = {
     "norm": {"full": (65536, 4096), "quick": (8192, 4096), "dtype": "bfloat16"},
+    # (tokens, vocabulary, model dim)
+    "embedding": {"full": (65536, 128256, 4096), "quick": (8192, 32000, 4096), "dtype": "bfloat16"},
 }
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -104,6 +107,22 @@ def cases(quick: bool = False, family: str | None = None) -> list[Case]:
              functools.partial(inputs, bias=True, residual=True), _ln_res, _torch_ln_res),
         Case("rms_norm +residual fwd", "norm", nd, dt, elements_bytes(nd, dt, 4),
              functools.partial(inputs, bias=False, residual=True), _rms_res, _torch_rms_res),
+    ]
+
+    # -- embedding: T tokens from a (V, D) table. fwd: read T rows, write T rows (2 T·D);
+    #    bwd (dense): read T grad rows, write the V·D table gradient ((T + V)·D).
+    w = WORKLOAD["embedding"]
+    (T, V, D), dt = w[size], w["dtype"]
+    emb = functools.partial(_embedding_inputs, T, V, D, dt)
+    fwd_bytes, bwd_bytes = elements_bytes((2 * T, D), dt), elements_bytes((T + V, D), dt)
+    table += [
+        Case("embedding fwd", "embedding", (T, V, D), dt, fwd_bytes, emb, _emb_fwd, _torch_emb_fwd),
+        Case("embedding bwd", "embedding", (T, V, D), dt, bwd_bytes,
+             functools.partial(emb, grad=True), _emb_bwd, _torch_emb_bwd),
+        Case("embedding bwd zipf", "embedding", (T, V, D), dt, bwd_bytes,
+             functools.partial(emb, grad=True, zipf=True), _emb_bwd, _torch_emb_bwd),
+        Case("embedding fwd+bwd", "embedding", (T, V, D), dt, fwd_bytes + bwd_bytes,
+             functools.partial(emb, grad=True), _emb_fwdbwd, _torch_emb_fwdbwd),
     ]
     return [c for c in table if family is None or c.family == family]
 
@@ -212,6 +231,56 @@ def _torch_rms_res(t):
 
     h = t["x"] + t["r"]
     return F.rms_norm(h, (h.shape[-1],), t["w"], eps=1e-6), h
+
+
+def _embedding_inputs(T, V, D, dtype, seed, *, grad=False, zipf=False) -> dict:
+    import numpy as np
+    import torch
+
+    gen = _generator(seed)
+    if zipf:  # a Zipf-like token distribution, as in real text (a few very hot tokens)
+        ranks = np.random.default_rng(seed).zipf(1.2, T) % V
+        idx = torch.from_numpy(ranks.astype(np.int64)).cuda()
+    else:
+        idx = torch.randint(0, V, (T,), device="cuda", generator=gen)
+    t = {"idx": idx, "w": _randn((V, D), dtype, gen)}
+    if grad:
+        t["dy"] = _randn((T, D), dtype, gen)
+        t["wg"] = t["w"].detach().requires_grad_(True)
+    return t
+
+
+def _emb_fwd(t):
+    return embedding(t["idx"], t["w"])
+
+
+def _torch_emb_fwd(t):
+    import torch.nn.functional as F
+
+    return F.embedding(t["idx"], t["w"])
+
+
+def _emb_bwd(t):
+    return embedding_backward(t["dy"], t["idx"], t["w"].shape[0])
+
+
+def _torch_emb_bwd(t):
+    import torch
+
+    return torch.ops.aten.embedding_dense_backward(t["dy"], t["idx"], t["w"].shape[0], -1, False)
+
+
+def _emb_fwdbwd(t):
+    return embedding(t["idx"], t["w"]), embedding_backward(t["dy"], t["idx"], t["w"].shape[0])
+
+
+def _torch_emb_fwdbwd(t):
+    import torch
+    import torch.nn.functional as F
+
+    y = F.embedding(t["idx"], t["wg"])
+    (dw,) = torch.autograd.grad(y, (t["wg"],), t["dy"])
+    return y.detach(), dw
 
 
 # ---- pure arithmetic (no GPU) ----------------------------------------------------------------
@@ -561,3 +630,52 @@ def asv_results(cases: Sequence[Case], *, warmup: int = 10, reps: int = 100) -> 
     results = run_cases(cases, warmup=warmup, reps=reps, copy_gbps=copy, matmul_tflops=mm)
     return {"skip": None, "device": device_info(), "versions": versions(), "copy_gbps": copy,
             "matmul_tflops": mm, "cases": {r["name"]: r for r in results}}
+
+
+# ---- asv -------------------------------------------------------------------------------------
+
+ASV_TIMEOUT = 1800  # seconds: the first run of a kernel instance compiles it (NVRTC)
+
+
+def asv_module(family: str, namespace: dict) -> None:
+    """Fill an asv benchmark module's namespace with the ``family``'s cases as metrics.
+
+    For each case: ``track_<case>_gbps`` (or ``_tflops``) and ``track_<case>_speedup``, plus
+    ``track_copy_gbps``. asv runs every benchmark in a fresh process, so everything is measured
+    once, in ``setup_cache``, whose result each track_ function reads; without a GPU ``setup``
+    skips them all.
+    """
+    cases_ = cases(family=family)
+
+    def setup_cache():
+        return asv_results(cases_)
+
+    def setup(measured):
+        if measured.get("skip"):
+            raise NotImplementedError(measured["skip"])
+
+    def track_copy_gbps(measured):
+        return measured["copy_gbps"]
+
+    setup_cache.timeout = ASV_TIMEOUT
+    track_copy_gbps.unit = "GB/s"
+    track_copy_gbps.timeout = ASV_TIMEOUT
+    track_copy_gbps.pretty_name = f"{family}: device-to-device copy bandwidth (the ceiling)"
+    namespace.update(timeout=ASV_TIMEOUT, setup_cache=setup_cache, setup=setup,
+                     track_copy_gbps=track_copy_gbps)
+
+    for case in cases_:
+        rate = "tflops" if case.flops else "gbps"
+        for key, unit, what in ((rate, "TFLOP/s" if case.flops else "GB/s", rate),
+                                ("speedup", "x", "speedup")):
+            def track(measured, _name=case.name, _key=key):
+                r = measured["cases"][_name]
+                if r.get("error"):
+                    raise RuntimeError(f"{_name}: {r['error']}")
+                return r[_key]
+
+            track.__name__ = track.__qualname__ = f"track_{slug(case.name)}_{what}"
+            track.unit = unit
+            track.timeout = ASV_TIMEOUT
+            track.pretty_name = f"{family}: {case.name} ({case.shape_label} {case.dtype}), {what}"
+            namespace[track.__name__] = track

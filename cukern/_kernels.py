@@ -132,8 +132,9 @@ def resident_blocks(fn, threads: int, device: int) -> int:
     return n
 
 
-def launch(fn, grid: int, block, args) -> None:
-    """Launch on the current CuPy stream with ``block`` threads (an int or a tuple). ``args``: DeviceArray (its pointer), None (a null
+def launch(fn, grid, block, args) -> None:
+    """Launch on the current CuPy stream: ``grid`` blocks of ``block`` threads (ints or
+    tuples). ``args``: DeviceArray (its pointer), None (a null
     pointer) or NumPy scalars of the exact C type of the parameter."""
     import numpy as np
 
@@ -145,4 +146,5 @@ def launch(fn, grid: int, block, args) -> None:
             converted.append(np.uint64(a.ptr))
         else:
             converted.append(a)
-    fn((grid,), block if isinstance(block, tuple) else (block,), tuple(converted))
+    fn(grid if isinstance(grid, tuple) else (grid,), block if isinstance(block, tuple) else (block,),
+       tuple(converted))

@@ -1,0 +1,6 @@
+"""Embedding: the ``embedding`` cases of ``python -m cukern bench`` as asv metrics
+(``track_<case>_gbps``, ``track_<case>_speedup``, ``track_copy_gbps``; see
+``cukern._bench.asv_module``)."""
+from cukern import _bench
+
+_bench.asv_module("embedding", globals())
