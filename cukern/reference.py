@@ -82,3 +82,94 @@ def rms_norm_backward(dy, x, weight, rstd, *, dresidual=None):
     """-> (dx, dweight or None)."""
     dx, dw, _ = _norm_backward(dy, x, weight, None, rstd, dresidual)
     return dx, dw
+
+
+# ---- embedding --------------------------------------------------------------------------------
+
+__all__ += ["embedding", "embedding_backward"]
+
+
+def _indices(indices, num_embeddings: int) -> np.ndarray:
+    """``indices`` as an integer NumPy array, every value in [0, num_embeddings); IndexError
+    (message "indices: ...") naming the first bad value otherwise. NumPy would wrap negative
+    values; the op does not, so neither does the reference."""
+    idx = np.asarray(indices)
+    if idx.dtype.kind not in "iu":
+        raise ValueError(f"indices: dtype {idx.dtype} is not an integer type (expected int32 or int64)")
+    bad = (idx < 0) | (idx >= num_embeddings)
+    if bad.any():
+        value = int(idx[bad].flat[0])
+        raise IndexError(f"indices: index {value} is out of range for an embedding of "
+                         f"{num_embeddings} rows (expected 0 <= index < {num_embeddings})")
+    return idx.astype(np.int64)
+
+
+def _padding_idx(padding_idx, num_embeddings: int):
+    """The row whose gradient is zero (negative values count from the end, as torch), or None."""
+    if padding_idx is None:
+        return None
+    p = int(padding_idx)
+    if not -num_embeddings <= p < num_embeddings:
+        raise ValueError(f"padding_idx: {padding_idx} is out of range for an embedding of "
+                         f"{num_embeddings} rows (expected {-num_embeddings} <= padding_idx < {num_embeddings})")
+    return p + num_embeddings if p < 0 else p
+
+
+def embedding(indices, weight, padding_idx=None):
+    """Rows of ``weight`` picked by ``indices``, as ``torch.nn.functional.embedding``.
+
+    Args:
+        indices: integer array of any shape (0-d and empty included); every value must be in
+            [0, V). Out-of-range values raise IndexError ("indices: ..."); negative values are
+            not wrapped.
+        weight: (V, D) of any float dtype.
+        padding_idx: None or -V <= padding_idx < V (ValueError otherwise). It does not change
+            the forward (the padding row is looked up like any other); it is only validated.
+
+    Returns:
+        float64 array of shape (*indices.shape, D): ``weight[indices]``.
+    """
+    w = _f64(weight)
+    if w.ndim != 2:
+        raise ValueError(f"weight: expected a 2-D (num_embeddings, embedding_dim) array, got shape {w.shape}")
+    _padding_idx(padding_idx, w.shape[0])
+    idx = _indices(indices, w.shape[0])
+    return w[idx]
+
+
+def embedding_backward(grad, indices, num_embeddings, padding_idx=None, scale_grad_by_freq=False):
+    """Gradient of ``embedding`` with respect to its (V, D) weight, as torch's autograd gives it.
+
+    Args:
+        grad: (*indices.shape, D) gradient of the embedding's output, any float dtype.
+        indices: integer array, values in [0, num_embeddings) (IndexError otherwise).
+        num_embeddings: V, the number of rows of the weight (an int >= 1).
+        padding_idx: None or -V <= padding_idx < V; that row's gradient is zero.
+        scale_grad_by_freq: divide each row's summed gradient by the number of times its index
+            occurs in ``indices``.
+
+    Returns:
+        float64 (V, D): row v is the sum (np.add.at, float64) of the ``grad`` rows whose index
+        is v; zero for rows never looked up and for the padding row.
+    """
+    if isinstance(num_embeddings, (bool, np.bool_)) or not isinstance(num_embeddings, (int, np.integer)):
+        raise ValueError(f"num_embeddings: expected an int, got {type(num_embeddings).__name__}")
+    v = int(num_embeddings)
+    if v < 1:
+        raise ValueError(f"num_embeddings: must be at least 1, got {v}")
+    pad = _padding_idx(padding_idx, v)
+    idx = _indices(indices, v)
+    g = _f64(grad)
+    if g.ndim != idx.ndim + 1 or g.shape[:-1] != idx.shape:
+        raise ValueError(f"grad: shape {g.shape} does not match indices.shape + (D,) "
+                         f"with indices.shape {idx.shape}")
+    d = g.shape[-1]
+    flat, rows = idx.reshape(-1), g.reshape(-1, d)
+    out = np.zeros((v, d), np.float64)
+    np.add.at(out, flat, rows)
+    if scale_grad_by_freq:
+        counts = np.bincount(flat, minlength=v).astype(np.float64)
+        out /= np.maximum(counts, 1.0)[:, None]
+    if pad is not None:
+        out[pad] = 0.0
+    return out

@@ -13,7 +13,8 @@ out = torch.empty(T, D, device="cuda", dtype=torch.bfloat16)
 nbytes = 2 * T * D * 2
 t_torch = bench(lambda: F.embedding(idx, w))
 print(f"torch {t_torch:.3f} ms {nbytes / t_torch / 1e6:.0f} GB/s")
-ia, wa, oa = (_arrays.as_device_array(a, n) for a, n in ((idx, "i"), (w, "w"), (out, "o")))
+ia = _arrays.as_device_array(idx, "i", dtypes=("int64",))
+wa, oa = (_arrays.as_device_array(a, n) for a, n in ((w, "w"), (out, "o")))
 rec = np.uint64(_faults.record(0).data.ptr)
 for threads in (128, 256, 512):
     fn = _kernels.function("embedding.cu", f"embedding_fwd<cuk_bf16, long long, 8, {threads}>", 0)
