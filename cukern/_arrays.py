@@ -86,8 +86,8 @@ class DeviceArray:
         else:
             import cupy
 
-            with cupy.cuda.Device(self.device):
-                obj = cupy.ascontiguousarray(self.obj)
+            with cupy.cuda.Device(self.device):  # (ascontiguousarray would make 0-d arrays 1-d)
+                obj = self.obj if self.obj.flags.c_contiguous else self.obj.copy(order="C")
         if obj is self.obj:
             return self
         return _wrap(obj, self.name)
