@@ -34,7 +34,7 @@ def random_host(rng: np.random.Generator, shape, dtype: str, scale=1.0, offset=0
 def to_device(host: np.ndarray, framework: str):
     """A device copy of ``host`` (any dtype, bfloat16 included) as a CuPy array or torch tensor."""
     if framework == "torch":
-        t = torch.from_numpy(np.ascontiguousarray(host.astype(np.float32)))
+        t = torch.from_numpy(host.astype(np.float32).copy(order="C"))  # keeps 0-d arrays 0-d
         dt = {"float32": torch.float32, "float16": torch.float16,
               "bfloat16": torch.bfloat16}.get(host.dtype.name)
         return t.to(device="cuda", dtype=dt) if dt is not None else t.cuda()

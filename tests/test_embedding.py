@@ -89,7 +89,7 @@ def indices_device(host: np.ndarray, framework: str, layout: str = "contiguous")
         junk = np.full(host.shape, -7, dtype=host.dtype)
         host = np.stack([host, junk], axis=-1)
     if framework == "torch":
-        d = torch.from_numpy(np.ascontiguousarray(host)).cuda()
+        d = torch.from_numpy(host.copy(order="C")).cuda()  # (ascontiguousarray: 0-d -> 1-d)
     else:
         import cupy
 
