@@ -3,11 +3,12 @@
 // Forward: one block a token at a time (persistent grid); the block copies the weight row
 // with 16-byte vectors. An index outside [0, V) writes a zero row and records a fault.
 //
-// Backward, in three launches (see cukern/embedding.py):
+// Backward, in four launches (see cukern/embedding.py):
 //  1. embedding_bwd_keys: key = (index << 32) | position for each token; tokens that give no
 //     gradient (padding, out of range: the latter recorded as faults) get index V, so that
 //     after the sort (done by the framework, keys are unique so any sort is deterministic)
-//     they come last and equal indices are adjacent, in position order.
+//     they come last and equal indices are adjacent, in position order. Touched rows are
+//     flagged, and embedding_bwd_zero zeroes the others.
 //  2. embedding_bwd_chunks: block (b, y) sums the rows of sorted entries [b*C, b*C + C) in
 //     float32, run by run (a run = equal indices), for column tile y. A run entirely inside
 //     the chunk is written to dweight directly; a run that crosses a chunk boundary leaves a
@@ -44,7 +45,7 @@ __global__ void __launch_bounds__(THREADS) embedding_fwd(
 template <typename IdxT>
 __global__ void __launch_bounds__(256) embedding_bwd_keys(
     const IdxT* __restrict__ indices, long long ntok, long long V, long long padding,
-    long long* __restrict__ keys, long long* fault)
+    long long* __restrict__ keys, unsigned char* __restrict__ touched, long long* fault)
 {
     for (long long t = blockIdx.x * 256LL + threadIdx.x; t < ntok; t += gridDim.x * 256LL) {
         long long i = static_cast<long long>(indices[t]);
@@ -53,8 +54,23 @@ __global__ void __launch_bounds__(256) embedding_bwd_keys(
             i = V;
         } else if (i == padding) {
             i = V;
+        } else {
+            touched[i] = 1;  // every writer stores the same value
         }
         keys[t] = (i << 32) | t;
+    }
+}
+
+// Zero rows no token touched (the others are written by the chunk and combine kernels), so
+// dweight is written once: V*D elements, not a zero fill plus the touched rows again.
+template <typename T, int VEC, int THREADS>
+__global__ void __launch_bounds__(THREADS) embedding_bwd_zero(
+    const unsigned char* __restrict__ touched, long long V, int D, T* __restrict__ dweight)
+{
+    for (long long r = blockIdx.x; r < V; r += gridDim.x) {
+        if (touched[r]) continue;
+        for (int col = threadIdx.x * VEC; col < D; col += THREADS * VEC)
+            store_vec<T, VEC>(dweight + r * D + col, Vec<T, VEC>{});
     }
 }
 

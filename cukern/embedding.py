@@ -30,6 +30,7 @@ def instances() -> list[str]:
         for vec in sorted({1, 16 // itemsize}):
             names += [f"embedding_fwd<{ctype}, {ic}, {vec}, {FWD_THREADS}>" for ic in INDEX_CTYPES.values()]
             names.append(f"embedding_bwd_chunks<{ctype}, {vec}, {BWD_NV}, {BWD_THREADS}>")
+            names.append(f"embedding_bwd_zero<{ctype}, {vec}, {FWD_THREADS}>")
         names.append(f"embedding_bwd_combine<{ctype}, {COMBINE_THREADS}>")
     names += [f"embedding_bwd_keys<{ic}>" for ic in INDEX_CTYPES.values()]
     return names
@@ -140,20 +141,25 @@ def embedding_backward(grad, indices, num_embeddings, padding_idx=None, scale_gr
     pad = _padding(padding_idx, V)
     D = ga.shape[-1]
     ga = ga.contiguous()
-    dw = _arrays.zeros(ga, (V, D))
     ntok = ia.size
     if check:
         _validate_now(ia, V)
     if not (ntok and D):
-        return dw.obj
+        return _arrays.zeros(ga, (V, D)).obj
+    dw = _arrays.empty(ga, (V, D))
     if ntok >= 2**32:
         raise ValueError(f"indices: {ntok} tokens; at most 2**32 - 1 are supported")
     rec = np.uint64(_faults.record(device).data.ptr)
     with _arrays.launch_context(ga):
         keys = _arrays.empty(ga, (ntok,), "int64")
+        touched = _arrays.zeros(ga, (V,), "uint8")
         fn = _kernels.function(SOURCE, f"embedding_bwd_keys<{INDEX_CTYPES[ia.dtype]}>", device)
         _kernels.launch(fn, min(-(-ntok // 256), 4 * _kernels.sm_count(device) * 8), 256,
-                        (ia, np.int64(ntok), np.int64(V), np.int64(pad), keys, rec))
+                        (ia, np.int64(ntok), np.int64(V), np.int64(pad), keys, touched, rec))
+        vec = _vec(ga.itemsize, D, ga, dw)
+        fn = _kernels.function(SOURCE, f"embedding_bwd_zero<{ga.ctype}, {vec}, {FWD_THREADS}>", device)
+        _kernels.launch(fn, min(V, _kernels.resident_blocks(fn, FWD_THREADS, device)), FWD_THREADS,
+                        (touched, np.int64(V), np.int32(D), dw))
         _arrays.as_cupy(keys).sort()  # unique keys: any sort order is the same, deterministic
 
         nchunks = -(-ntok // CHUNK)
@@ -161,7 +167,6 @@ def embedding_backward(grad, indices, num_embeddings, padding_idx=None, scale_gr
         pidx = _arrays.empty(ga, (nchunks, 2), "int64")
         pcnt = _arrays.empty(ga, (nchunks, 2), "int32")
         own = _arrays.empty(ga, (nchunks,), "int32")
-        vec = _vec(ga.itemsize, D, ga, dw)
         tile = BWD_THREADS * BWD_NV * vec
         fn = _kernels.function(SOURCE, f"embedding_bwd_chunks<{ga.ctype}, {vec}, {BWD_NV}, {BWD_THREADS}>", device)
         _kernels.launch(fn, (nchunks, -(-D // tile)), BWD_THREADS, (
