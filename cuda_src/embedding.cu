@@ -21,7 +21,7 @@
 #include "common/fault.cuh"
 
 template <typename T, typename IdxT, int VEC, int THREADS>
-__global__ void __launch_bounds__(THREADS) embedding_fwd(
+__global__ void __launch_bounds__(THREADS, 1) embedding_fwd(
     const IdxT* __restrict__ indices, long long ntok,
     const T* __restrict__ weight, long long V, int D,
     T* __restrict__ out, long long* fault)
@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(256) embedding_bwd_keys(
 // Zero rows no token touched (the others are written by the chunk and combine kernels), so
 // dweight is written once: V*D elements, not a zero fill plus the touched rows again.
 template <typename T, int VEC, int THREADS>
-__global__ void __launch_bounds__(THREADS) embedding_bwd_zero(
+__global__ void __launch_bounds__(THREADS, 1) embedding_bwd_zero(
     const unsigned char* __restrict__ touched, long long V, int D, T* __restrict__ dweight)
 {
     for (long long r = blockIdx.x; r < V; r += gridDim.x) {
@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(THREADS) embedding_bwd_zero(
 // part: [nchunks][2][D] float32; pidx: [nchunks][2] (run index or -1); pcnt: [nchunks][2];
 // own: [nchunks], the slot of the crossing run that starts in this chunk, or -1.
 template <typename T, int VEC, int NV, int THREADS>
-__global__ void __launch_bounds__(THREADS) embedding_bwd_chunks(
+__global__ void __launch_bounds__(THREADS, 1) embedding_bwd_chunks(
     const long long* __restrict__ keys, long long n, int C,
     const T* __restrict__ grad, long long V, int D, int scale_by_freq,
     T* __restrict__ dweight, float* __restrict__ part, long long* __restrict__ pidx,
@@ -165,7 +165,7 @@ __global__ void __launch_bounds__(THREADS) embedding_bwd_chunks(
 
 // Block (b, y) with THREADS threads, one column each: the crossing run owned by chunk b.
 template <typename T, int THREADS>
-__global__ void __launch_bounds__(THREADS) embedding_bwd_combine(
+__global__ void __launch_bounds__(THREADS, 1) embedding_bwd_combine(
     const float* __restrict__ part, const long long* __restrict__ pidx,
     const int* __restrict__ pcnt, const int* __restrict__ own, long long nchunks, int D,
     int scale_by_freq, T* __restrict__ dweight)

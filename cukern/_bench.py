@@ -642,13 +642,12 @@ def asv_module(family: str, namespace: dict) -> None:
 
     For each case: ``track_<case>_gbps`` (or ``_tflops``) and ``track_<case>_speedup``, plus
     ``track_copy_gbps``. asv runs every benchmark in a fresh process, so everything is measured
-    once, in ``setup_cache``, whose result each track_ function reads; without a GPU ``setup``
-    skips them all.
+    once, in the module's ``setup_cache`` (``asv_results(cases(family=...))``), whose result
+    each track_ function reads; without a GPU ``setup`` skips them all. The module defines
+    ``setup_cache`` itself: asv keys the cache by the function's module and line, so one
+    defined here would be shared by every family's module.
     """
     cases_ = cases(family=family)
-
-    def setup_cache():
-        return asv_results(cases_)
 
     def setup(measured):
         if measured.get("skip"):
@@ -657,12 +656,11 @@ def asv_module(family: str, namespace: dict) -> None:
     def track_copy_gbps(measured):
         return measured["copy_gbps"]
 
-    setup_cache.timeout = ASV_TIMEOUT
+    namespace["setup_cache"].timeout = ASV_TIMEOUT
     track_copy_gbps.unit = "GB/s"
     track_copy_gbps.timeout = ASV_TIMEOUT
     track_copy_gbps.pretty_name = f"{family}: device-to-device copy bandwidth (the ceiling)"
-    namespace.update(timeout=ASV_TIMEOUT, setup_cache=setup_cache, setup=setup,
-                     track_copy_gbps=track_copy_gbps)
+    namespace.update(timeout=ASV_TIMEOUT, setup=setup, track_copy_gbps=track_copy_gbps)
 
     for case in cases_:
         rate = "tflops" if case.flops else "gbps"
