@@ -10,7 +10,7 @@
 //
 // Weight gradients are deterministic: each row group accumulates dweight/dbias for the rows
 // it visits (a fixed set, given the grid) in float32 and writes one partial row; then
-// norm_param_grad sums the partial rows in a fixed order. No floating-point atomics.
+// sum_partial_rows (cuda_src/partial_sum.cu) sums the partial rows in a fixed order. No floating-point atomics.
 #include "common/dtype.cuh"
 #include "common/vec.cuh"
 #include "common/reduce.cuh"
@@ -440,29 +440,5 @@ __global__ void __launch_bounds__(THREADS, 1) norm_bwd_loop(
             }
             store_vec<T, VEC>(dx + row * cols + col, out);
         }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Sums `nparts` float32 partial rows of width `cols` into `out` (T), in a fixed order:
-// thread (tx, ty) of a 32x8 block sums parts ty, ty+8, ... of column blockIdx.x*32+tx, then
-// the eight slices are added in order of ty. Same bits on every run for the same nparts.
-template <typename T>
-__global__ void __launch_bounds__(256) norm_param_grad(
-    const float* __restrict__ part, int nparts, int cols, T* __restrict__ out)
-{
-    __shared__ float slice[8][33];
-    const int col = blockIdx.x * 32 + threadIdx.x;
-    float acc = 0.f;
-    if (col < cols) {
-        for (int p = threadIdx.y; p < nparts; p += 8) acc += part[static_cast<long long>(p) * cols + col];
-    }
-    slice[threadIdx.y][threadIdx.x] = acc;
-    __syncthreads();
-    if (threadIdx.y == 0 && col < cols) {
-        float t = 0.f;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) t += slice[k][threadIdx.x];
-        out[col] = from_float<T>(t);
     }
 }

@@ -178,6 +178,61 @@ def empty(like: DeviceArray, shape, dtype: str | None = None) -> DeviceArray:
     return _wrap(obj, "output")
 
 
+def _to_channels_last_axes(ndim: int) -> tuple[int, ...]:
+    """(N, C, *S) -> (N, *S, C)."""
+    return (0,) + tuple(range(2, ndim)) + (1,)
+
+
+def _from_channels_last_axes(ndim: int) -> tuple[int, ...]:
+    """(N, *S, C) -> (N, C, *S)."""
+    return (0, ndim - 1) + tuple(range(1, ndim - 1))
+
+
+def _permute(obj, axes):
+    return obj.permute(*axes) if hasattr(obj, "permute") else obj.transpose(axes)
+
+
+def empty_channels_last(like: DeviceArray, shape, dtype: str | None = None) -> DeviceArray:
+    """A new (N, C, *S) array stored channels-last, i.e. a view of a contiguous (N, *S, C)."""
+    shape = tuple(shape)
+    stored = tuple(shape[i] for i in _to_channels_last_axes(len(shape)))
+    base = empty(like, stored, dtype)
+    return _wrap(_permute(base.obj, _from_channels_last_axes(len(shape))), "output")
+
+
+def channels_last(arr: DeviceArray) -> DeviceArray:
+    """``arr`` (N, C, *S) stored channels-last: itself when it already is, else a copy."""
+    if is_channels_last(arr):
+        return arr
+    stored = _permute(arr.obj, _to_channels_last_axes(arr.ndim))
+    copy = _wrap(stored, arr.name).contiguous()
+    return _wrap(_permute(copy.obj, _from_channels_last_axes(arr.ndim)), arr.name)
+
+
+def is_channels_last(arr: DeviceArray) -> bool:
+    """Whether (N, C, *S) is stored densely as (N, *S, C) (axes of size 1 may have any stride)."""
+    if arr.ndim < 3:
+        return False
+    axes = _to_channels_last_axes(arr.ndim)
+    expect = 1
+    for ax in reversed(axes):
+        n = arr.shape[ax]
+        if n != 1 and arr.strides[ax] != expect:
+            return False
+        expect *= n
+    return True
+
+
+def is_contiguous(arr: DeviceArray) -> bool:
+    """Whether ``arr`` is C-contiguous (axes of size 1 may have any stride)."""
+    expect = 1
+    for n, s in zip(reversed(arr.shape), reversed(arr.strides)):
+        if n != 1 and s != expect:
+            return False
+        expect *= n
+    return True
+
+
 def zeros(like: DeviceArray, shape, dtype: str | None = None) -> DeviceArray:
     out = empty(like, shape, dtype)
     out.obj.fill_(0) if out.kind == "torch" else out.obj.fill(0)

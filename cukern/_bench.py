@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 from . import __version__
 from .embedding import embedding, embedding_backward
+from .group_norm import group_norm, group_norm_backward
 from .norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
 
 __all__ = ["Case", "Timing", "WORKLOAD", "cases", "time_cuda", "time_cuda_detail", "copy_bandwidth",
@@ -31,6 +32,8 @@ __all__ = ["Case", "Timing", "WORKLOAD", "cases", "time_cuda", "time_cuda_detail
 # The workload of DESIGN.md, per family: the full shapes, and the smaller ones of --quick.
 WORKLOAD = {
     "norm": {"full": (65536, 4096), "quick": (8192, 4096), "dtype": "bfloat16"},
+    # (N, C, H, W) and groups: the diffusion/UNet block of PERFORMANCE.md
+    "group_norm": {"full": (16, 512, 64, 64), "quick": (4, 512, 64, 64), "groups": 32, "dtype": "bfloat16"},
     # (tokens, vocabulary, model dim)
     "embedding": {"full": (65536, 128256, 4096), "quick": (8192, 32000, 4096), "dtype": "bfloat16"},
 }
@@ -108,6 +111,20 @@ def cases(quick: bool = False, family: str | None = None) -> list[Case]:
         Case("rms_norm +residual fwd", "norm", nd, dt, elements_bytes(nd, dt, 4),
              functools.partial(inputs, bias=False, residual=True), _rms_res, _torch_rms_res),
     ]
+
+    # -- group norm: (N, C, H, W); passes of the tensor as for the norms: fwd 2, fwd+bwd 5.
+    #    Contiguous and channels-last inputs (torch's channels_last memory format).
+    w = WORKLOAD["group_norm"]
+    shape, dt, groups = w[size], w["dtype"], w["groups"]
+    for cl in (False, True):
+        gin = functools.partial(_gn_inputs, shape, dt, groups, channels_last=cl)
+        tag = " channels_last" if cl else ""
+        table += [
+            Case(f"group_norm{tag} fwd", "group_norm", shape, dt, elements_bytes(shape, dt, 2),
+                 gin, _gn_fwd, _torch_gn_fwd),
+            Case(f"group_norm{tag} fwd+bwd", "group_norm", shape, dt, elements_bytes(shape, dt, 5),
+                 functools.partial(gin, grad=True), _gn_fwdbwd, _torch_gn_fwdbwd),
+        ]
 
     # -- embedding: T tokens from a (V, D) table. fwd: read T rows, write T rows (2 T·D);
     #    bwd (dense): read T grad rows, write the V·D table gradient ((T + V)·D).
@@ -231,6 +248,48 @@ def _torch_rms_res(t):
 
     h = t["x"] + t["r"]
     return F.rms_norm(h, (h.shape[-1],), t["w"], eps=1e-6), h
+
+
+def _gn_inputs(shape, dtype, groups, seed, *, channels_last=False, grad=False) -> dict:
+    gen = _generator(seed)
+    x = _randn(shape, dtype, gen)
+    if channels_last:  # (N, C, *S) stored as (N, *S, C)
+        x = x.movedim(1, -1).contiguous().movedim(-1, 1)
+    c = shape[1]
+    t = {"x": x, "w": _randn((c,), dtype, gen), "b": _randn((c,), dtype, gen), "g": groups}
+    if grad:
+        dy = _randn(shape, dtype, gen)
+        t["dy"] = dy.movedim(1, -1).contiguous().movedim(-1, 1) if channels_last else dy
+        t["xg"] = t["x"].detach().requires_grad_(True)
+        t["wg"] = t["w"].detach().requires_grad_(True)
+        t["bg"] = t["b"].detach().requires_grad_(True)
+    return t
+
+
+def _gn_fwd(t):
+    return group_norm(t["x"], t["g"], t["w"], t["b"])
+
+
+def _torch_gn_fwd(t):
+    import torch.nn.functional as F
+
+    return F.group_norm(t["x"], t["g"], t["w"], t["b"])
+
+
+def _gn_fwdbwd(t):
+    y, mean, rstd = group_norm(t["x"], t["g"], t["w"], t["b"], return_stats=True)
+    dx, dw, db = group_norm_backward(t["dy"], t["x"], t["g"], t["w"], mean, rstd)
+    return y, dx, dw, db
+
+
+def _torch_gn_fwdbwd(t):
+    import torch
+    import torch.nn.functional as F
+
+    x, w, b = t["xg"], t["wg"], t["bg"]
+    y = F.group_norm(x, t["g"], w, b)
+    dx, dw, db = torch.autograd.grad(y, (x, w, b), t["dy"])
+    return y.detach(), dx, dw, db
 
 
 def _embedding_inputs(T, V, D, dtype, seed, *, grad=False, zipf=False) -> dict:

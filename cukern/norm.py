@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from . import _arrays, _kernels
+from . import _arrays, _kernels, _partials
 from ._arrays import DeviceArray
 
 __all__ = ["layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward"]
@@ -64,7 +64,6 @@ def instances() -> list[str]:
                     names += [f"norm_{kind}<{ctype}, {rmsb}, {vec}, {nv}, {g}, {t}, {r}, {m}>"
                               for nv, g, t, r, m in configs]
                     names.append(f"norm_{kind}_loop<{ctype}, {rmsb}, {vec}, {LOOP_THREADS}>")
-        names.append(f"norm_param_grad<{ctype}>")
     return names
 
 
@@ -236,19 +235,9 @@ def _backward(rms: bool, dy, x, weight, mean, rstd, dresidual):
             _kernels.launch(fn, grid, threads, (
                 da, np.int64(ds), xa, np.int64(xs), wa, ma, sa, dra, np.int64(drs),
                 dx, dw_part, db_part, np.int64(rows), np.int32(cols)))
-            dw = _param_grad(dw_part, xa, nparts, cols, device)
-            db = _param_grad(db_part, xa, nparts, cols, device)
+            dw = _partials.sum_rows(dw_part, xa, nparts, cols, device)
+            db = _partials.sum_rows(db_part, xa, nparts, cols, device)
     return dx.obj, (dw.obj if dw is not None else None), (db.obj if db is not None else None)
-
-
-def _param_grad(part: DeviceArray | None, like: DeviceArray, nparts: int, cols: int, device: int):
-    """Fixed-order sum of the partial rows into a (cols,) array of like's dtype."""
-    if part is None:
-        return None
-    out = _arrays.empty(like, (cols,))
-    fn = _kernels.function(SOURCE, f"norm_param_grad<{like.ctype}>", device)
-    _kernels.launch(fn, -(-cols // 32), (32, 8), (part, np.int32(nparts), np.int32(cols), out))
-    return out
 
 
 def layer_norm_backward(dy, x, weight, mean, rstd, *, dresidual=None):

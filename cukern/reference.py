@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward", "round_to"]
+__all__ = ["layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward", "group_norm",
+           "group_norm_backward", "embedding", "embedding_backward", "round_to"]
 
 
 def _f64(a):
@@ -84,10 +85,57 @@ def rms_norm_backward(dy, x, weight, rstd, *, dresidual=None):
     return dx, dw
 
 
+# ---- group norm ------------------------------------------------------------------------------
+
+def _grouped(x, num_groups):
+    """(N, C, *S) -> float64 (N, G, C/G * prod(S)): one row a (sample, group)."""
+    x = _f64(x)
+    n, c = x.shape[:2]
+    if c % num_groups:
+        raise ValueError(f"num_groups: {c} channels are not divisible by {num_groups}")
+    return x.reshape(n, num_groups, -1)
+
+
+def _per_channel(p, shape):
+    """(C,) -> broadcastable against (N, C, *S)."""
+    return _f64(p).reshape((1, shape[1]) + (1,) * (len(shape) - 2))
+
+
+def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5, *, return_stats=False):
+    """(N, C, *S) -> y; with return_stats (y, mean, rstd), stats (N, num_groups)."""
+    shape = np.shape(x)
+    v = _grouped(x, num_groups)
+    mean = v.mean(axis=-1)
+    var = ((v - mean[..., None]) ** 2).mean(axis=-1)
+    rstd = 1.0 / np.sqrt(var + eps)
+    y = ((v - mean[..., None]) * rstd[..., None]).reshape(shape)
+    if weight is not None:
+        y = y * _per_channel(weight, shape)
+    if bias is not None:
+        y = y + _per_channel(bias, shape)
+    return (y, mean, rstd) if return_stats else y
+
+
+def group_norm_backward(dy, x, num_groups, weight, mean, rstd):
+    """-> (dx, dweight or None, dbias), from the forward's statistics."""
+    shape = np.shape(x)
+    n = shape[0]
+    v = _grouped(x, num_groups)
+    mu = _f64(mean).reshape(n, num_groups, 1)
+    rs = _f64(rstd).reshape(n, num_groups, 1)
+    xhat = (v - mu) * rs
+    dy = _f64(dy)
+    g = (dy * _per_channel(weight, shape) if weight is not None else dy).reshape(v.shape)
+    m = v.shape[-1]
+    dx = rs * (g - g.sum(axis=-1, keepdims=True) / m
+               - xhat * (g * xhat).sum(axis=-1, keepdims=True) / m)
+    axes = (0,) + tuple(range(2, len(shape)))
+    dw = (dy * xhat.reshape(shape)).sum(axis=axes) if weight is not None else None
+    db = dy.sum(axis=axes)
+    return dx.reshape(shape), dw, db
+
+
 # ---- embedding --------------------------------------------------------------------------------
-
-__all__ += ["embedding", "embedding_backward"]
-
 
 def _indices(indices, num_embeddings: int) -> np.ndarray:
     """``indices`` as an integer NumPy array, every value in [0, num_embeddings); IndexError

@@ -108,6 +108,17 @@ def test_norm_cases_bytes():
         assert c.nbytes == k * n * d * 2
 
 
+def test_group_norm_cases_bytes():
+    w = _bench.WORKLOAD["group_norm"]
+    assert (w["full"], w["groups"], w["dtype"]) == ((16, 512, 64, 64), 32, "bfloat16")
+    by_name = {c.name: c for c in _bench.cases(family="group_norm")}
+    passes = {"group_norm fwd": 2, "group_norm fwd+bwd": 5, "group_norm channels_last fwd": 2,
+              "group_norm channels_last fwd+bwd": 5}
+    assert set(passes) == set(by_name)
+    for name, k in passes.items():
+        assert by_name[name].nbytes == k * 16 * 512 * 64 * 64 * 2
+
+
 def test_cases_quick_and_family():
     quick = _bench.cases(quick=True)
     full = _bench.cases()

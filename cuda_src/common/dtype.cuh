@@ -32,3 +32,24 @@ template <> __device__ __forceinline__ cuk_half from_float<cuk_half>(float f) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(f));
     return r;
 }
+
+// Two 16-bit elements in one 32-bit word (the lower address in the low half), to float32
+// and back with the paired cvt of sm_80+ (round to nearest even, as from_float).
+__device__ __forceinline__ void unpack2(unsigned int w, float& lo, float& hi, cuk_bf16) {
+    lo = __uint_as_float(w << 16);
+    hi = __uint_as_float(w & 0xffff0000u);
+}
+__device__ __forceinline__ void unpack2(unsigned int w, float& lo, float& hi, cuk_half) {
+    asm("{.reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h;}"
+        : "=f"(lo), "=f"(hi) : "r"(w));
+}
+__device__ __forceinline__ unsigned int pack2(float lo, float hi, cuk_bf16) {
+    unsigned int w;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));  // first operand -> high half
+    return w;
+}
+__device__ __forceinline__ unsigned int pack2(float lo, float hi, cuk_half) {
+    unsigned int w;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+    return w;
+}

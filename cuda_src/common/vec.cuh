@@ -1,5 +1,6 @@
 // Aligned vectors of N elements, so that a thread moves up to 16 bytes with one instruction.
 #pragma once
+#include "dtype.cuh"
 
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Vec {
@@ -26,4 +27,33 @@ __device__ __forceinline__ Vec<T, N> load_stream(const T* __restrict__ p) {
 template <typename T, int N>
 __device__ __forceinline__ void store_stream(T* __restrict__ p, const Vec<T, N>& v) {
     store_vec<T, N>(p, v);
+}
+
+// Whole vectors to and from float32, two 16-bit elements per 32-bit register: converting
+// element by element can leave each 16-bit value in a register of its own (seen to double
+// the registers of the GroupNorm kernels and make them spill).
+template <typename T, int N>
+__device__ __forceinline__ void unpack(const Vec<T, N>& v, float (&f)[N]) {
+    if constexpr (sizeof(T) == 2 && N % 2 == 0) {
+        const unsigned int* w = reinterpret_cast<const unsigned int*>(&v);
+#pragma unroll
+        for (int i = 0; i < N / 2; ++i) unpack2(w[i], f[2 * i], f[2 * i + 1], T{});
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) f[i] = to_float(v.v[i]);
+    }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> pack(const float (&f)[N]) {
+    Vec<T, N> v;
+    if constexpr (sizeof(T) == 2 && N % 2 == 0) {
+        unsigned int* w = reinterpret_cast<unsigned int*>(&v);
+#pragma unroll
+        for (int i = 0; i < N / 2; ++i) w[i] = pack2(f[2 * i], f[2 * i + 1], T{});
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) v.v[i] = from_float<T>(f[i]);
+    }
+    return v;
 }

@@ -1,0 +1,308 @@
+"""GroupNorm: the reference (no GPU), argument checking, and the kernels against the reference
+and against torch (GPU), on contiguous and channels-last layouts."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import cukern
+from cukern import _arrays, reference as ref
+
+from arrays import FLOAT_DTYPES, assert_close, poison_allocator, random_host, to_device, to_host, torch
+
+gpu = pytest.mark.gpu
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
+FRAMEWORKS = ["cupy", "torch"] if torch is not None else ["cupy"]
+
+
+# ---- the reference, no GPU ----------------------------------------------------------------------
+
+def test_reference_backward_matches_finite_differences():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 6, 3, 2))
+    w, b = rng.standard_normal(6), rng.standard_normal(6)
+    dy = rng.standard_normal(x.shape)
+    _, mean, rstd = ref.group_norm(x, 3, w, b, 1e-5, return_stats=True)
+    dx, dw, db = ref.group_norm_backward(dy, x, 3, w, mean, rstd)
+
+    def grad(f, a, h=1e-6):
+        g = np.zeros_like(a)
+        for i in np.ndindex(a.shape):
+            ap, am = a.copy(), a.copy()
+            ap[i] += h
+            am[i] -= h
+            g[i] = (f(ap) - f(am)) / (2 * h)
+        return g
+
+    np.testing.assert_allclose(dx, grad(lambda a: (ref.group_norm(a, 3, w, b) * dy).sum(), x), rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(dw, grad(lambda a: (ref.group_norm(x, 3, a, b) * dy).sum(), w), rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(db, grad(lambda a: (ref.group_norm(x, 3, w, a) * dy).sum(), b), rtol=1e-6, atol=1e-8)
+
+
+@needs_torch
+@pytest.mark.parametrize("shape, groups", [((3, 8, 5, 7), 4), ((2, 6), 3), ((2, 4, 3, 2, 5), 1), ((1, 5, 9), 5)])
+def test_reference_matches_torch_cpu_float64(shape, groups):
+    rng = np.random.default_rng(1)
+    x, dy = rng.standard_normal(shape), rng.standard_normal(shape)
+    w, b = rng.standard_normal(shape[1]), rng.standard_normal(shape[1])
+    xt, wt, bt = (torch.tensor(a, requires_grad=True) for a in (x, w, b))
+    yt = torch.nn.functional.group_norm(xt, groups, wt, bt, 1e-5)
+    yt.backward(torch.tensor(dy))
+    y, mean, rstd = ref.group_norm(x, groups, w, b, 1e-5, return_stats=True)
+    np.testing.assert_allclose(y, yt.detach().numpy(), rtol=1e-12, atol=1e-12)
+    for got, t in zip(ref.group_norm_backward(dy, x, groups, w, mean, rstd), (xt, wt, bt)):
+        np.testing.assert_allclose(got, t.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_reference_rejects_non_dividing_groups():
+    with pytest.raises(ValueError, match="num_groups"):
+        ref.group_norm(np.ones((2, 6, 4)), 4)
+
+
+# ---- argument checking that needs no GPU ------------------------------------------------------
+
+def test_host_array_is_a_type_error_naming_x():
+    with pytest.raises(TypeError, match=r"^x: .*host.*cukern\.reference"):
+        cukern.group_norm(np.ones((2, 4, 3), np.float32), 2)
+    with pytest.raises(TypeError, match=r"^x: .*host"):
+        cukern.group_norm_backward(np.ones((2, 4, 3), np.float32), np.ones((2, 4, 3), np.float32), 2,
+                                   None, None, None)
+
+
+@needs_torch
+def test_cpu_tensor_is_a_type_error():
+    with pytest.raises(TypeError, match=r"^x: a torch tensor on cpu"):
+        cukern.group_norm(torch.ones(2, 4, 3), 2)
+
+
+# ---- the kernels against the reference (GPU) ---------------------------------------------------
+
+def _on_device(host, framework, layout):
+    """Device array holding ``host`` (N, C, *S): contiguous, channels-last, or strided (the op
+    must copy it)."""
+    if layout == "channels_last" and host.ndim >= 3:
+        d = to_device(np.ascontiguousarray(np.moveaxis(host, 1, -1)), framework)
+        return d.movedim(-1, 1) if framework == "torch" else d.transpose((0, d.ndim - 1) + tuple(range(1, d.ndim - 1)))
+    if layout == "strided":
+        d = to_device(np.concatenate([host, host], axis=-1), framework)
+        return d[..., ::2]
+    return to_device(host, framework)
+
+
+def _layout_of(a) -> str:
+    da = _arrays.as_device_array(a, "a")
+    if _arrays.is_contiguous(da):
+        return "contiguous"
+    return "channels_last" if _arrays.is_channels_last(da) else "other"
+
+
+# (channels, groups): every traversal of group_norm.cu — one channel a group (channel rows cut
+# into segments), 16-channel groups, channels-last groups narrower than a vector, of a
+# non-power-of-two number of vectors, and wider than one 32-vector chunk.
+CHANNEL_GROUPS = [(1, 1), (4, 2), (6, 3), (32, 32), (32, 2), (64, 4), (96, 4), (48, 2), (512, 1),
+                  (520, 2), (600, 2), (24, 1), (512, 32)]
+SPATIAL = [(), (1,), (7,), (8, 8), (5, 3), (64,), (1, 1), (16, 16), (3, 4, 5), (2, 2, 17), (257,)]
+
+
+@st.composite
+def gn_cases(draw):
+    c, g = draw(st.sampled_from(CHANNEL_GROUPS))
+    return dict(
+        shape=(draw(st.sampled_from([1, 2, 3, 5])), c) + draw(st.sampled_from(SPATIAL)),
+        groups=g,
+        dtype=draw(st.sampled_from(FLOAT_DTYPES)),
+        framework=draw(st.sampled_from(FRAMEWORKS)),
+        weight=draw(st.booleans()),
+        bias=draw(st.booleans()),
+        layout=draw(st.sampled_from(["contiguous", "channels_last", "channels_last", "strided"])),
+        dy_layout=draw(st.sampled_from(["same", "contiguous", "channels_last"])),
+        offset=draw(st.sampled_from([0.0, 0.0, 5.0])),
+        eps=draw(st.sampled_from([1e-5, 1e-6, 1e-2])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def _run_case(c):
+    rng = np.random.default_rng(c["seed"])
+    shape, g, dtype, fw = c["shape"], c["groups"], c["dtype"], c["framework"]
+    n, ch = shape[:2]
+    x = random_host(rng, shape, dtype, offset=c["offset"])
+    w = random_host(rng, (ch,), dtype) if c["weight"] else None
+    b = random_host(rng, (ch,), dtype) if c["bias"] else None
+    dy = random_host(rng, shape, dtype)
+    dev = lambda a: None if a is None else to_device(a, fw)  # noqa: E731
+
+    poison_allocator(fw, [x.nbytes] * 3 + [n * g * 4] * 2)
+    xd = _on_device(x, fw, c["layout"])
+    y, mean, rstd = cukern.group_norm(xd, g, dev(w), dev(b), c["eps"], return_stats=True)
+    ey, emean, erstd = ref.group_norm(x, g, w, b, c["eps"], return_stats=True)
+    assert type(y) is type(xd)
+    assert tuple(mean.shape) == (n, g) and tuple(rstd.shape) == (n, g)
+    if c["layout"] == "channels_last" and _layout_of(xd) == "channels_last":
+        assert _layout_of(y) in ("channels_last",), "y should keep x's channels-last layout"
+    else:
+        assert _layout_of(y) == "contiguous"
+    assert_close(y, ey, dtype, "y")
+    assert_close(rstd, erstd, "float32", "rstd", tol=2e-5)
+    err = np.abs(to_host(mean) - emean)
+    assert np.all(err <= 2e-5 * (np.abs(emean) + 1.0 / erstd)), f"mean: max error {err.max()}"
+
+    # Backward from the kernel's own statistics, as training does.
+    poison_allocator(fw, [x.nbytes] * 3 + [n * ch * 4] * 2)
+    dy_layout = c["layout"] if c["dy_layout"] == "same" else c["dy_layout"]
+    dyd = _on_device(dy, fw, dy_layout)
+    dx, dw, db = cukern.group_norm_backward(dyd, xd, g, dev(w), mean, rstd)
+    edx, edw, edb = ref.group_norm_backward(dy, x, g, w, to_host(mean), to_host(rstd))
+    assert _layout_of(dx) == _layout_of(y)
+    gg = dy.astype(np.float64) * (w.astype(np.float64).reshape((1, ch) + (1,) * (len(shape) - 2)) if w is not None else 1.0)
+    dx_scale = float(np.sqrt(np.mean((to_host(rstd).repeat(ch // g, axis=1).reshape(
+        (n, ch) + (1,) * (len(shape) - 2)) * gg) ** 2))) if gg.size else 0.0
+    assert_close(dx, edx, dtype, "dx", scale=dx_scale)
+    if w is None:
+        assert dw is None
+    else:
+        assert_close(dw, edw, dtype, "dweight")
+    assert_close(db, edb, dtype, "dbias")
+
+
+@gpu
+@settings(max_examples=150)
+@given(c=gn_cases())
+def test_group_norm_matches_reference(c):
+    _run_case(c)
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_many_groups_loop_over_the_grid(layout, dtype):
+    """More groups than blocks in flight: every block takes several groups in turn."""
+    _run_case(dict(shape=(16, 256, 32, 32), groups=32, dtype=dtype, framework="cupy", weight=True,
+                   bias=True, layout=layout, dy_layout="same", offset=0.5, eps=1e-5, seed=3))
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_misaligned_views_take_scalar_loads(layout):
+    """An x whose data pointer is not 16-byte aligned (a view from the second element)."""
+    import cupy
+
+    rng = np.random.default_rng(9)
+    x = random_host(rng, (2, 16, 8, 8), "bfloat16")
+    if layout == "contiguous":
+        buf = cupy.asarray(np.concatenate([x.ravel()[:1], x.ravel()]))
+        xd = buf[1:].reshape(x.shape)
+    else:
+        xl = np.ascontiguousarray(np.moveaxis(x, 1, -1))
+        buf = cupy.asarray(np.concatenate([xl.ravel()[:1], xl.ravel()]))
+        xd = buf[1:].reshape(xl.shape).transpose(0, 3, 1, 2)
+    assert xd.data.ptr % 16
+    y, mean, rstd = cukern.group_norm(xd, 4, return_stats=True)
+    assert_close(y, ref.group_norm(x, 4), "bfloat16", "y")
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("size", [2, 300, 70000])
+def test_outlier_first_element_stays_exact(layout, size):
+    """The one-pass statistics are shifted by the group's first element; an outlier there
+    must not cost float32 precision (the kernel then takes an exact second pass)."""
+    rng = np.random.default_rng(size)
+    x = random_host(rng, (3, 4, size), "float32")
+    x[:, 0, 0] = 3000.0   # the first element of each group, in either layout
+    x[:, 2, 0] = -3000.0
+    xd = _on_device(x, "cupy", layout)
+    y, mean, rstd = cukern.group_norm(xd, 2, return_stats=True)
+    ey, _, erstd = ref.group_norm(x, 2, return_stats=True)
+    assert_close(y, ey, "float32", "y")
+    assert_close(rstd, erstd, "float32", "rstd", tol=2e-5)
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_gradients_are_bitwise_deterministic(layout):
+    rng = np.random.default_rng(3)
+    shape = (8, 64, 24, 24)
+    x, dy = (_on_device(random_host(rng, shape, "float32"), "cupy", layout) for _ in range(2))
+    w = to_device(random_host(rng, (64,), "float32"), "cupy")
+    _, m, s = cukern.group_norm(x, 8, w, w, return_stats=True)
+    runs = [[to_host(a).tobytes() for a in cukern.group_norm_backward(dy, x, 8, w, m, s)] for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]
+
+
+# ---- against torch (GPU) -------------------------------------------------------------------
+
+@gpu
+@needs_torch
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("shape, groups", [((4, 128, 32, 32), 32), ((2, 64, 7, 9), 8), ((3, 96, 100), 3),
+                                           ((2, 32, 4, 4, 4), 32)])
+def test_against_torch_forward_and_autograd(shape, groups, layout, dtype):
+    F = torch.nn.functional
+    tdt = getattr(torch, dtype)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(shape, device="cuda", dtype=tdt, generator=g)
+    if layout == "channels_last":
+        x = x.movedim(1, -1).contiguous().movedim(-1, 1)
+    x.requires_grad_(True)
+    w = torch.randn(shape[1], device="cuda", dtype=tdt, generator=g, requires_grad=True)
+    b = torch.randn(shape[1], device="cuda", dtype=tdt, generator=g, requires_grad=True)
+    dy = torch.randn(shape, device="cuda", dtype=tdt, generator=g)
+    y_t = F.group_norm(x, groups, w, b, 1e-5)
+    grads_t = torch.autograd.grad(y_t, (x, w, b), dy)
+    y, mean, rstd = cukern.group_norm(x.detach(), groups, w.detach(), b.detach(), 1e-5, return_stats=True)
+    grads = cukern.group_norm_backward(dy, x.detach(), groups, w.detach(), mean, rstd)
+    assert isinstance(y, torch.Tensor) and y.dtype == x.dtype and y.shape == x.shape
+    assert _layout_of(y) == layout
+    tol = 2 * {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}[dtype]
+    assert_close(y, to_host(y_t), dtype, "y", tol=tol)
+    for name, a, e in zip(["dx", "dweight", "dbias"], grads, grads_t):
+        assert_close(a, to_host(e), dtype, name, tol=max(tol, 1e-4))
+
+
+# ---- bad inputs and degenerate shapes (GPU: they need device arrays) -----------------------------
+
+@gpu
+def test_bad_inputs_name_the_argument():
+    import cupy
+
+    x = cupy.arange(2 * 6 * 5, dtype=np.float32).reshape(2, 6, 5)
+    w = cupy.ones(6, np.float32)
+    st_ = cupy.ones((2, 3), np.float32)
+    cases = [
+        (lambda: cukern.group_norm(x, 4), ValueError, r"^num_groups: 6 channels cannot be split into 4"),
+        (lambda: cukern.group_norm(x, 0), ValueError, "^num_groups: must be positive"),
+        (lambda: cukern.group_norm(x, 2.0), TypeError, "^num_groups: expected an int"),
+        (lambda: cukern.group_norm(x[0, 0], 1), ValueError, r"^x: expected \(N, C, \*spatial\)"),
+        (lambda: cukern.group_norm(x.astype(np.float64), 3), ValueError, "^x: dtype float64"),
+        (lambda: cukern.group_norm(x, 3, cupy.ones(5, np.float32)), ValueError, r"^weight: shape \(5,\)"),
+        (lambda: cukern.group_norm(x, 3, w, w.astype(np.float16)), ValueError, "^bias: dtype float16 differs"),
+        (lambda: cukern.group_norm(x, 3, eps=-1), ValueError, "^eps: "),
+        (lambda: cukern.group_norm_backward(x, x, 3, w, st_, cupy.ones((2, 2), np.float32)), ValueError,
+         r"^rstd: shape \(2, 2\) does not match \(N, num_groups\) = \(2, 3\)"),
+        (lambda: cukern.group_norm_backward(x, x, 3, w, st_.astype(np.float16), st_), ValueError, "^mean: dtype float16"),
+        (lambda: cukern.group_norm_backward(x[:1], x, 3, w, st_, st_), ValueError, r"^dy: shape \(1, 6, 5\)"),
+        (lambda: cukern.group_norm_backward(x, x, 4, w, st_, st_), ValueError, "^num_groups: "),
+        (lambda: cukern.group_norm_backward(x, x, 3, w, None, st_), TypeError, "^mean: required"),
+    ]
+    for call, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            call()
+
+
+@gpu
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("shape", [(0, 8, 4, 4), (2, 8, 0), (2, 0, 3)])
+def test_empty_inputs(framework, shape):
+    rng = np.random.default_rng(6)
+    groups = 4 if shape[1] else 1
+    x = to_device(random_host(rng, shape, "bfloat16"), framework)
+    w = to_device(random_host(rng, (shape[1],), "bfloat16"), framework)
+    y, mean, rstd = cukern.group_norm(x, groups, w, w, return_stats=True)
+    assert tuple(y.shape) == shape and tuple(mean.shape) == (shape[0], groups)
+    dx, dw, db = cukern.group_norm_backward(x, x, groups, w, mean, rstd)
+    assert tuple(dx.shape) == shape
+    np.testing.assert_array_equal(to_host(dw), 0)
+    np.testing.assert_array_equal(to_host(db), 0)

@@ -1,0 +1,97 @@
+"""Time GroupNorm configurations at one shape against torch, in one process (GPU host).
+
+    python3 tools/tune_group_norm.py [--shape 16,512,64,64] [--groups 32] [--dtype bfloat16]
+
+Each configuration of CANDIDATES (threads, unroll, MINB, blocks an SM) is set into
+cukern.group_norm.CONFIGS for one direction and layout, its instances are compiled, and the
+forward and the backward are timed with CUDA events (median), printed in GB/s on the byte
+floor (fwd 2 passes, bwd 3) and as % of the copy bandwidth measured in the same run, next to
+torch's time for the same step.
+"""
+import argparse
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import cukern
+from cukern import group_norm as gn
+
+CANDIDATES = {
+    "fwd": [(512, 4, 2, 2), (512, 2, 2, 2), (512, 4, 2, 1), (512, 4, 2, 3), (256, 4, 4, 4),
+            (1024, 2, 1, 1), (256, 4, 4, 2)],
+    "bwd": [(512, 2, 2, 2), (512, 2, 1, 2), (512, 1, 2, 2), (512, 2, 2, 1), (512, 2, 2, 3),
+            (256, 2, 4, 4), (256, 2, 4, 2), (1024, 1, 1, 1)],
+}
+
+
+def bench(fn, reps=30, warmup=5):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return float(np.median(times))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="16,512,64,64")
+    p.add_argument("--groups", type=int, default=32)
+    p.add_argument("--dtype", default="bfloat16")
+    args = p.parse_args()
+    shape = tuple(int(s) for s in args.shape.split(","))
+    g = args.groups
+    dt = getattr(torch, args.dtype)
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy = 2 * src.numel() / bench(lambda: dst.copy_(src)) / 1e6
+    del src, dst
+    nbytes = np.prod(shape) * torch.finfo(dt).bits // 8
+    print(f"{torch.cuda.get_device_name()}  copy {copy:.0f} GB/s  shape {shape} groups {g} {args.dtype}")
+    for cl in (False, True):
+        x = torch.randn(shape, device="cuda", dtype=dt)
+        dy = torch.randn(shape, device="cuda", dtype=dt)
+        if cl:
+            x, dy = (a.movedim(1, -1).contiguous().movedim(-1, 1) for a in (x, dy))
+        w = torch.randn(shape[1], device="cuda", dtype=dt)
+        b = torch.randn(shape[1], device="cuda", dtype=dt)
+        xg, wg, bg = (a.clone().requires_grad_(True) for a in (x, w, b))
+        t_fwd = bench(lambda: F.group_norm(x, g, w, b))
+        yt = F.group_norm(xg, g, wg, bg)
+        t_bwd = bench(lambda: torch.autograd.grad(yt, (xg, wg, bg), dy, retain_graph=True))
+        print(f"\n{'channels_last' if cl else 'contiguous'}: torch fwd {t_fwd*1e3:.1f} us, bwd {t_bwd*1e3:.1f} us, "
+              f"fwd+bwd {(t_fwd+t_bwd)*1e3:.1f} us")
+        _, mean, rstd = cukern.group_norm(x, g, w, b, return_stats=True)
+        for kind in ("fwd", "bwd"):
+            saved = dict(gn.CONFIGS)
+            for cfg in CANDIDATES[kind]:
+                gn.CONFIGS[(kind, cl)] = cfg
+                for k in list(gn.CONFIGS):
+                    if len(k) == 3 and k[:2] == (kind, cl):
+                        del gn.CONFIGS[k]
+                try:
+                    if kind == "fwd":
+                        fn = lambda: cukern.group_norm(x, g, w, b, return_stats=True)  # noqa: E731
+                        passes = 2
+                    else:
+                        fn = lambda: cukern.group_norm_backward(dy, x, g, w, mean, rstd)  # noqa: E731
+                        passes = 3
+                    ms = bench(fn)
+                    gbps = passes * nbytes / ms / 1e6
+                    ref_ms = t_fwd if kind == "fwd" else t_bwd
+                    print(f"  {kind} {cfg}: {ms*1e3:7.1f} us  {gbps:6.0f} GB/s  {100*gbps/copy:5.1f}% of copy  "
+                          f"{ref_ms/ms:5.2f}x torch")
+                except Exception as e:  # a configuration that does not compile or launch
+                    print(f"  {kind} {cfg}: failed: {type(e).__name__}: {str(e)[:200]}")
+                gn.CONFIGS.clear()
+                gn.CONFIGS.update(saved)
+
+
+if __name__ == "__main__":
+    main()
