@@ -163,7 +163,8 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_fwd(
             if (mean_out) mean_out[grp] = mean;
             if (rstd_out) rstd_out[grp] = rstd;
         }
-        // y = x * a + c per channel, a = rstd * w, c = b - mean * a (as torch's kernel).
+        // y = (x - mean) * a + c per channel, a = rstd * w, c = b. (torch's kernel evaluates
+        // x * a + (b - mean * a), which cancels where |mean| >> std; the two agree otherwise.)
         const int c0 = static_cast<int>(grp % geo.G) * geo.Cg;
         T* yg = y + base;
         gn::for_each_vec<CL, VEC, THREADS, U>(geo, [&](long long off, long long stride, int count, int ch) {
@@ -172,7 +173,7 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_fwd(
             for (int j = 0; j < (CL ? VEC : 1); ++j) {
                 const int cc = c0 + ch + j;
                 a[j] = w ? rstd * to_float(w[min(cc, geo.C - 1)]) : rstd;
-                c[j] = (b ? to_float(b[min(cc, geo.C - 1)]) : 0.f) - mean * a[j];
+                c[j] = b ? to_float(b[min(cc, geo.C - 1)]) : 0.f;
             }
             Vec<T, VEC> v[U];
 #pragma unroll
@@ -186,7 +187,7 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_fwd(
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
                     const int jj = CL ? j : 0;
-                    f[j] = fmaf(f[j], a[jj], c[jj]);
+                    f[j] = fmaf(f[j] - mean, a[jj], c[jj]);
                 }
                 store_stream<T, VEC>(yg + off + u * stride, pack<T, VEC>(f));
             }

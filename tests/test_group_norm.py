@@ -85,7 +85,7 @@ def _on_device(host, framework, layout):
         d = to_device(np.ascontiguousarray(np.moveaxis(host, 1, -1)), framework)
         return d.movedim(-1, 1) if framework == "torch" else d.transpose((0, d.ndim - 1) + tuple(range(1, d.ndim - 1)))
     if layout == "strided":
-        d = to_device(np.concatenate([host, host], axis=-1), framework)
+        d = to_device(np.repeat(host, 2, axis=-1), framework)  # every element twice
         return d[..., ::2]
     return to_device(host, framework)
 
@@ -204,7 +204,7 @@ def test_misaligned_views_take_scalar_loads(layout):
 
 @gpu
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
-@pytest.mark.parametrize("size", [2, 300, 70000])
+@pytest.mark.parametrize("size", [2, 300, 9000])
 def test_outlier_first_element_stays_exact(layout, size):
     """The one-pass statistics are shifted by the group's first element; an outlier there
     must not cost float32 precision (the kernel then takes an exact second pass)."""
