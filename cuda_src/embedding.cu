@@ -1,7 +1,7 @@
 // Embedding lookup (forward) and the dense, deterministic weight gradient (backward).
 //
-// Forward: one block a token at a time (persistent grid); the block copies the weight row
-// with 16-byte vectors. An index outside [0, V) writes a zero row and records a fault.
+// Forward: one block a token at a time (persistent grid), or a warp a token for narrow rows;
+// rows move in 16-byte vectors. An index outside [0, V) writes a zero row and records a fault.
 //
 // Backward, in four launches (see cukern/embedding.py):
 //  1. embedding_bwd_keys: key = (index << 32) | position for each token; tokens that give no
@@ -34,6 +34,34 @@ __global__ void __launch_bounds__(THREADS, 1) embedding_fwd(
         T* dst = out + t * D;
 #pragma unroll 4
         for (int col = threadIdx.x * VEC; col < D; col += THREADS * VEC) {
+            Vec<T, VEC> v = {};
+            if (ok) v = load_vec<T, VEC>(src + col);
+            store_vec<T, VEC>(dst + col, v);
+        }
+    }
+}
+
+// Forward for narrow rows (the front's choice, up to WARP_ROW_BYTES): a warp a token, so a
+// block of THREADS copies THREADS/32 rows at once instead of leaving most of its threads
+// idle. Measured 1.6x (D = 1024) to 4.7x (D = 64) faster than a block a token, bf16 on an
+// H200; a block a token stays ahead from 4096 on (docs/notes-embedding.md).
+template <typename T, typename IdxT, int VEC, int THREADS>
+__global__ void __launch_bounds__(THREADS) embedding_fwd_warp(
+    const IdxT* __restrict__ indices, long long ntok,
+    const T* __restrict__ weight, long long V, int D,
+    T* __restrict__ out, long long* fault)
+{
+    const int lane = threadIdx.x % 32;
+    const long long nwarps = static_cast<long long>(gridDim.x) * (THREADS / 32);
+    for (long long t = static_cast<long long>(blockIdx.x) * (THREADS / 32) + threadIdx.x / 32; t < ntok;
+         t += nwarps) {
+        const long long i = static_cast<long long>(indices[t]);
+        const bool ok = i >= 0 && i < V;
+        if (!ok && lane == 0) record_fault(fault, i, V);
+        const T* src = weight + (ok ? i : 0) * D;
+        T* dst = out + t * D;
+#pragma unroll 4
+        for (int col = lane * VEC; col < D; col += 32 * VEC) {
             Vec<T, VEC> v = {};
             if (ok) v = load_vec<T, VEC>(src + col);
             store_vec<T, VEC>(dst + col, v);

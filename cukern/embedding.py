@@ -18,6 +18,10 @@ __all__ = ["embedding", "embedding_backward"]
 SOURCE = "embedding.cu"
 INDEX_CTYPES = {"int32": "int", "int64": "long long"}
 FWD_THREADS = 512  # 128 measured 4x slower at D = 4096 (tools/tune_embedding.py)
+# Rows of at most this many bytes go a warp a token (embedding_fwd_warp): measured faster up
+# to D = 1024 bf16 and slower at 4096 (tools/experiment_embedding_warpsort.py).
+WARP_ROW_BYTES = 2048
+WARP_THREADS = 256
 CHUNK = 64           # sorted entries a block of the backward sums
 BWD_THREADS, BWD_NV = 128, 4   # column tile: BWD_THREADS * BWD_NV vectors
 COMBINE_THREADS = 128
@@ -29,6 +33,7 @@ def instances() -> list[str]:
     for ctype, itemsize in _arrays.DTYPES.values():
         for vec in sorted({1, 16 // itemsize}):
             names += [f"embedding_fwd<{ctype}, {ic}, {vec}, {FWD_THREADS}>" for ic in INDEX_CTYPES.values()]
+            names += [f"embedding_fwd_warp<{ctype}, {ic}, {vec}, {WARP_THREADS}>" for ic in INDEX_CTYPES.values()]
             names.append(f"embedding_bwd_chunks<{ctype}, {vec}, {BWD_NV}, {BWD_THREADS}>")
             names.append(f"embedding_bwd_zero<{ctype}, {vec}, {FWD_THREADS}>")
         names.append(f"embedding_bwd_combine<{ctype}, {COMBINE_THREADS}>")
@@ -102,11 +107,17 @@ def embedding(indices, weight, padding_idx=None, *, check=False):
         _validate_now(ia, V)
     if ntok and D:
         vec = _vec(wa.itemsize, D, wa, out)
-        fn = _kernels.function(SOURCE, f"embedding_fwd<{wa.ctype}, {INDEX_CTYPES[ia.dtype]}, {vec}, {FWD_THREADS}>", device)
+        ic = INDEX_CTYPES[ia.dtype]
+        if D * wa.itemsize <= WARP_ROW_BYTES:
+            fn = _kernels.function(SOURCE, f"embedding_fwd_warp<{wa.ctype}, {ic}, {vec}, {WARP_THREADS}>", device)
+            threads, per_block = WARP_THREADS, WARP_THREADS // 32
+        else:
+            fn = _kernels.function(SOURCE, f"embedding_fwd<{wa.ctype}, {ic}, {vec}, {FWD_THREADS}>", device)
+            threads, per_block = FWD_THREADS, 1
         rec = _faults.record(device)
         with _arrays.launch_context(wa):
-            grid = min(ntok, _kernels.resident_blocks(fn, FWD_THREADS, device))
-            _kernels.launch(fn, grid, FWD_THREADS, (ia, np.int64(ntok), wa, np.int64(V), np.int32(D),
+            grid = min(-(-ntok // per_block), _kernels.resident_blocks(fn, threads, device))
+            _kernels.launch(fn, grid, threads, (ia, np.int64(ntok), wa, np.int64(V), np.int32(D),
                                                    out, np.uint64(rec.data.ptr)))
     return out.obj
 
