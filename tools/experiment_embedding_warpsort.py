@@ -61,7 +61,7 @@ def main():
             idx = torch.from_numpy((np.random.default_rng(0).zipf(1.2, T) % V).astype(np.int64)).cuda()
         else:
             idx = torch.randint(0, V, (T,), device="cuda")
-        for D in (64, 256, 1024, 4096):
+        for D in (64, 256, 512, 1024, 2048, 4096):
             w = torch.randn(V, D, device="cuda", dtype=torch.bfloat16)
             ref = torch.nn.functional.embedding(idx, w)
             out = torch.empty_like(ref)
