@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(THREADS, 1) embedding_fwd(
 
 // Forward for narrow rows (the front's choice, up to WARP_ROW_BYTES): a warp a token, so a
 // block of THREADS copies THREADS/32 rows at once instead of leaving most of its threads
-// idle. Measured 1.6x (D = 1024) to 4.7x (D = 64) faster than a block a token, bf16 on an
+// idle. Measured 1.7x (D = 1024) to 3x (D = 64) faster than a block a token, bf16 on an
 // H200; a block a token stays ahead from 4096 on (docs/notes-embedding.md).
 template <typename T, typename IdxT, int VEC, int THREADS>
 __global__ void __launch_bounds__(THREADS) embedding_fwd_warp(

@@ -19,8 +19,8 @@ SOURCE = "embedding.cu"
 INDEX_CTYPES = {"int32": "int", "int64": "long long"}
 FWD_THREADS = 512  # 128 measured 4x slower at D = 4096 (tools/tune_embedding.py)
 # Rows of at most this many bytes go a warp a token (embedding_fwd_warp): measured faster up
-# to D = 1024 bf16 and slower at 4096 (tools/experiment_embedding_warpsort.py).
-WARP_ROW_BYTES = 2048
+# to D = 2048 bf16 and slower at 4096 (tools/experiment_embedding_warpsort.py).
+WARP_ROW_BYTES = 4096
 WARP_THREADS = 256
 CHUNK = 64           # sorted entries a block of the backward sums
 BWD_THREADS, BWD_NV = 128, 4   # column tile: BWD_THREADS * BWD_NV vectors
