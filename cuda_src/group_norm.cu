@@ -5,18 +5,20 @@
 //    channels, C apart.
 // (HW is the product of the spatial sizes; Cg = C / G.)
 //
-// One block normalizes one group at a time (a grid-stride loop over the N*G groups). It
-// reads the group twice: once for the statistics, once to write the output. The host caps
-// the grid so that the groups in flight fit in L2 (docs/notes-group-norm.md), so the second
-// read is served by L2 and DRAM sees the byte floor: x read once, y written once.
+// One block normalizes one tile of GT adjacent groups at a time (a grid-stride loop over the
+// N*G/GT tiles; GT > 1 only channels-last, where it widens the contiguous run a row from
+// Cg to GT*Cg channels). It reads the tile twice: once for the statistics, once to write the
+// output. The host caps the grid so that the tiles in flight fit in L2, so the second read is
+// served by L2 and DRAM sees about the byte floor (docs/notes-group-norm.md).
 //
 // Traversal: vectors of VEC elements along the unit-stride axis.
 //  * CL = false: the group's Cg*SEG tasks (a channel row cut into SEG segments) are dealt to
 //    warps in turn; a warp's lanes stride over the vectors of a task, so every task has one
 //    channel, and the backward's per-channel sums are warp shuffles.
-//  * CL = true: a warp covers 32/TCV rows x TCV vectors (TCV = the group's vectors a row,
-//    rounded up to a power of two, at most 32; wider groups go in chunks of 32 vectors). A
-//    lane always holds the same channels, and lanes holding the same channels reduce with
+//  * CL = true: a warp covers 32/TCV rows x TCV vectors (TCV = the tile's vectors a row,
+//    rounded up to a power of two, at most 32; wider tiles go in chunks of 32 vectors). A
+//    lane always holds the same channels (and, for GT > 1, which the host allows only for
+//    tiles of one chunk, the same group), and lanes holding the same channels reduce with
 //    shuffles, then warps through shared memory, in a fixed order.
 // All arithmetic is float32; every reduction has a fixed order, so results are bitwise
 // reproducible and the weight gradients need no atomics: the backward writes per-sample
@@ -29,18 +31,20 @@ namespace gn {
 
 struct Geometry {
     int C, Cg, G;
+    int Ct;                 // channels a tile: GT * Cg
     long long HW;
     long long M;            // elements in a group: Cg * HW
     int seg, seg_len;       // CL = false: segments a channel row, vectors a segment
     int tcv;                // CL = true: lanes a row (power of two <= 32)
 };
 
-__device__ __forceinline__ Geometry make_geometry(int C, int G, long long HW, int seg, int seg_len,
-                                                 int tcv) {
+__device__ __forceinline__ Geometry make_geometry(int C, int G, int GT, long long HW, int seg,
+                                                 int seg_len, int tcv) {
     Geometry g;
     g.C = C;
     g.G = G;
     g.Cg = C / G;
+    g.Ct = GT * g.Cg;
     g.HW = HW;
     g.M = static_cast<long long>(g.Cg) * HW;
     g.seg = seg;
@@ -49,15 +53,34 @@ __device__ __forceinline__ Geometry make_geometry(int C, int G, long long HW, in
     return g;
 }
 
-template <bool CL>
-__device__ __forceinline__ long long group_base(const Geometry& g, long long group) {
-    const long long n = group / g.G, k = group % g.G;
-    return CL ? n * g.HW * g.C + k * g.Cg : (n * g.C + k * g.Cg) * g.HW;
+// Element offset of a tile's first element, and the channel it starts at.
+template <bool CL, int GT>
+__device__ __forceinline__ long long tile_base(const Geometry& g, long long tile, int& c0) {
+    const long long per_sample = g.G / GT;
+    const long long n = tile / per_sample;
+    c0 = static_cast<int>(tile % per_sample) * g.Ct;
+    return CL ? n * g.HW * g.C + c0 : (n * g.C + c0) * g.HW;
+}
+
+// a[j] for a j known only at run time, without local memory (GT is 1, 2 or 4).
+template <int GT>
+__device__ __forceinline__ float pick(const float (&a)[GT], int j) {
+    float r = a[0];
+#pragma unroll
+    for (int k = 1; k < GT; ++k) r = j == k ? a[k] : r;
+    return r;
+}
+
+// The group (within the tile) of this lane's channels: fixed for the whole tile when GT > 1.
+template <bool CL, int GT, int VEC>
+__device__ __forceinline__ int lane_group(const Geometry& g) {
+    if (!CL || GT == 1) return 0;
+    return min((static_cast<int>(threadIdx.x % 32) % g.tcv) * VEC / g.Cg, GT - 1);
 }
 
 // Calls f(off, stride, count, channel) for batches of vectors of one warp task: the batch's
 // vectors are at off + u * stride (u < count <= U; count may be 0), in elements from the
-// group's base, all with the same first channel (CL = false: the task's channel; CL = true:
+// tile's base, all with the same first channel (CL = false: the task's channel; CL = true:
 // the lane's first channel in this chunk). unit_end(channel, task) follows each task
 // (CL = false, warp-uniform) or each chunk (CL = true, block-uniform: it may synchronize;
 // task is then the chunk's first channel).
@@ -80,13 +103,13 @@ __device__ __forceinline__ void for_each_vec(const Geometry& g, F&& f, E&& unit_
             unit_end(c, t);
         }
     } else {
-        const int cgv = g.Cg / VEC;
+        const int ctv = g.Ct / VEC;
         const int rw = 32 / g.tcv;                 // rows a warp covers per step
         const int cv = lane % g.tcv, rs = lane / g.tcv;
         const long long step = static_cast<long long>(W) * rw;
-        for (int chunk = 0; chunk < cgv; chunk += g.tcv) {
+        for (int chunk = 0; chunk < ctv; chunk += g.tcv) {
             const int vcol = chunk + cv;
-            const bool col_ok = vcol < cgv;
+            const bool col_ok = vcol < ctv;
             for (long long r = static_cast<long long>(warp) * rw + rs; r < g.HW; r += step * U) {
                 const int count = col_ok ? static_cast<int>(min(static_cast<long long>(U), (g.HW - r + step - 1) / step)) : 0;
                 f(r * g.C + static_cast<long long>(vcol) * VEC, step * g.C, count, vcol * VEC);
@@ -103,21 +126,27 @@ __device__ __forceinline__ void for_each_vec(const Geometry& g, F&& f, E&& unit_
 // mean_out, rstd_out: (N, G) float32 or null.
 // Statistics: sum(x-K) and sum((x-K)^2) with K the group's first element, one pass; where K
 // lies far from the mean, an exact second pass (from L2) recomputes the variance.
-template <typename T, bool CL, int VEC, int THREADS, int U, int MINB>
+template <typename T, bool CL, int GT, int VEC, int THREADS, int U, int MINB>
 __global__ void __launch_bounds__(THREADS, MINB) group_norm_fwd(
     const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
     T* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
-    int C, int G, long long HW, int seg, int seg_len, int tcv, long long groups, float eps)
+    int C, int G, long long HW, int seg, int seg_len, int tcv, long long tiles, float eps)
 {
-    const gn::Geometry geo = gn::make_geometry(C, G, HW, seg, seg_len, tcv);
-    __shared__ float scratch[2 * (THREADS / 32)];
+    static_assert(GT == 1 || (CL && (GT == 2 || GT == 4)), "tiles of several groups: channels-last");
+    const gn::Geometry geo = gn::make_geometry(C, G, GT, HW, seg, seg_len, tcv);
+    __shared__ float scratch[2 * GT * (THREADS / 32)];
     const float inv_m = 1.f / static_cast<float>(geo.M);
+    const int jl = gn::lane_group<CL, GT, VEC>(geo);
     auto nothing = [](int, int) {};
-    for (long long grp = blockIdx.x; grp < groups; grp += gridDim.x) {
-        const long long base = gn::group_base<CL>(geo, grp);
+    for (long long tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        int c0;
+        const long long base = gn::tile_base<CL, GT>(geo, tile, c0);
         const T* xg = x + base;
-        const float k = to_float(xg[0]);
-        float s[2] = {0.f, 0.f};
+        float kk[GT];
+#pragma unroll
+        for (int j = 0; j < GT; ++j) kk[j] = to_float(xg[j * geo.Cg]);  // each group's first element
+        const float k = gn::pick<GT>(kk, jl);
+        float s0 = 0.f, s1 = 0.f;
         gn::for_each_vec<CL, VEC, THREADS, U>(geo, [&](long long off, long long stride, int count, int) {
             Vec<T, VEC> v[U];
 #pragma unroll
@@ -131,17 +160,30 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_fwd(
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
                     const float d = f[j] - k;
-                    s[0] += d;
-                    s[1] += d * d;
+                    s0 += d;
+                    s1 += d * d;
                 }
             }
         }, nothing);
-        group_sum<THREADS, 2>(s, scratch);
-        const float m = s[0] * inv_m;
-        float var = fmaxf(s[1] * inv_m - m * m, 0.f);
-        const float mean = k + m;
-        if (m * m > 16.f * var) {  // uniform over the block: every thread has the same sums
-            float q[1] = {0.f};
+        float s[2 * GT];
+#pragma unroll
+        for (int j = 0; j < GT; ++j) {
+            s[2 * j] = j == jl ? s0 : 0.f;
+            s[2 * j + 1] = j == jl ? s1 : 0.f;
+        }
+        group_sum<THREADS, 2 * GT>(s, scratch);
+        float mean[GT], var[GT];
+        bool exact = false;
+#pragma unroll
+        for (int j = 0; j < GT; ++j) {
+            const float m = s[2 * j] * inv_m;
+            var[j] = fmaxf(s[2 * j + 1] * inv_m - m * m, 0.f);
+            mean[j] = kk[j] + m;
+            exact |= m * m > 16.f * var[j];
+        }
+        if (exact) {  // uniform over the block: every thread has the same sums
+            const float ml = gn::pick<GT>(mean, jl);
+            float q0 = 0.f;
             gn::for_each_vec<CL, VEC, THREADS, U>(geo, [&](long long off, long long stride, int count, int) {
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
@@ -150,30 +192,39 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_fwd(
                     unpack(load_vec<T, VEC>(xg + off + u * stride), f);
 #pragma unroll
                     for (int j = 0; j < VEC; ++j) {
-                        const float d = f[j] - mean;
-                        q[0] += d * d;
+                        const float d = f[j] - ml;
+                        q0 += d * d;
                     }
                 }
             }, nothing);
-            group_sum<THREADS, 1>(q, scratch);
-            var = q[0] * inv_m;
+            float q[GT];
+#pragma unroll
+            for (int j = 0; j < GT; ++j) q[j] = j == jl ? q0 : 0.f;
+            group_sum<THREADS, GT>(q, scratch);
+#pragma unroll
+            for (int j = 0; j < GT; ++j) var[j] = q[j] * inv_m;
         }
-        const float rstd = rsqrtf(var + eps);
+        float rstd[GT];
+#pragma unroll
+        for (int j = 0; j < GT; ++j) rstd[j] = rsqrtf(var[j] + eps);
         if (threadIdx.x == 0) {
-            if (mean_out) mean_out[grp] = mean;
-            if (rstd_out) rstd_out[grp] = rstd;
+#pragma unroll
+            for (int j = 0; j < GT; ++j) {
+                if (mean_out) mean_out[tile * GT + j] = mean[j];
+                if (rstd_out) rstd_out[tile * GT + j] = rstd[j];
+            }
         }
         // y = (x - mean) * a + c per channel, a = rstd * w, c = b. (torch's kernel evaluates
         // x * a + (b - mean * a), which cancels where |mean| >> std; the two agree otherwise.)
-        const int c0 = static_cast<int>(grp % geo.G) * geo.Cg;
+        const float ml = gn::pick<GT>(mean, jl), rl = gn::pick<GT>(rstd, jl);
         T* yg = y + base;
         gn::for_each_vec<CL, VEC, THREADS, U>(geo, [&](long long off, long long stride, int count, int ch) {
             float a[CL ? VEC : 1], c[CL ? VEC : 1];
 #pragma unroll
             for (int j = 0; j < (CL ? VEC : 1); ++j) {
-                const int cc = c0 + ch + j;
-                a[j] = w ? rstd * to_float(w[min(cc, geo.C - 1)]) : rstd;
-                c[j] = b ? to_float(b[min(cc, geo.C - 1)]) : 0.f;
+                const int cc = min(c0 + ch + j, geo.C - 1);
+                a[j] = w ? rl * to_float(w[cc]) : rl;
+                c[j] = b ? to_float(b[cc]) : 0.f;
             }
             Vec<T, VEC> v[U];
 #pragma unroll
@@ -187,7 +238,7 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_fwd(
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
                     const int jj = CL ? j : 0;
-                    f[j] = fmaf(f[j] - mean, a[jj], c[jj]);
+                    f[j] = fmaf(f[j] - ml, a[jj], c[jj]);
                 }
                 store_stream<T, VEC>(yg + off + u * stride, pack<T, VEC>(f));
             }
@@ -203,26 +254,34 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_fwd(
 //   dx = rstd * (gamma*dy - S1/M - xhat * S2/M),  S1 = sum_c gamma_c db_c,
 //   S2 = sum_c gamma_c dw_c (the group's sums of dxhat and dxhat*xhat).
 // The block reads back the per-channel sums it wrote (plain loads: written in this kernel).
-template <typename T, bool CL, int VEC, int THREADS, int U, int MINB>
+template <typename T, bool CL, int GT, int VEC, int THREADS, int U, int MINB>
 __global__ void __launch_bounds__(THREADS, MINB) group_norm_bwd(
     const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
     const float* __restrict__ mean_in, const float* __restrict__ rstd_in,
     T* __restrict__ dx, float* dw_part, float* db_part,
-    int C, int G, long long HW, int seg, int seg_len, int tcv, long long groups)
+    int C, int G, long long HW, int seg, int seg_len, int tcv, long long tiles)
 {
-    const gn::Geometry geo = gn::make_geometry(C, G, HW, seg, seg_len, tcv);
+    static_assert(GT == 1 || (CL && (GT == 2 || GT == 4)), "tiles of several groups: channels-last");
+    const gn::Geometry geo = gn::make_geometry(C, G, GT, HW, seg, seg_len, tcv);
     constexpr int W = THREADS / 32;
     constexpr int CW = CL ? 32 * VEC : 1;               // channels a chunk (CL)
     constexpr int SLOTS = CL ? W * CW : 256;            // per-warp sums (CL) or task sums
     __shared__ float red_s[SLOTS], red_b[SLOTS];
-    __shared__ float scratch[2 * W];
+    __shared__ float scratch[2 * GT * W];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const float inv_m = 1.f / static_cast<float>(geo.M);
-    for (long long grp = blockIdx.x; grp < groups; grp += gridDim.x) {
-        const long long base = gn::group_base<CL>(geo, grp);
-        const long long n = grp / geo.G;
-        const int c0 = static_cast<int>(grp % geo.G) * geo.Cg;
-        const float mean = mean_in[grp], rstd = rstd_in[grp];
+    const int jl = gn::lane_group<CL, GT, VEC>(geo);
+    for (long long tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        int c0;
+        const long long base = gn::tile_base<CL, GT>(geo, tile, c0);
+        const long long n = tile / (geo.G / GT);
+        float mean[GT], rstd[GT];
+#pragma unroll
+        for (int j = 0; j < GT; ++j) {
+            mean[j] = mean_in[tile * GT + j];
+            rstd[j] = rstd_in[tile * GT + j];
+        }
+        const float ml = gn::pick<GT>(mean, jl), rl = gn::pick<GT>(rstd, jl);
         const T* dyg = dy + base;
         const T* xg = x + base;
         float* dwp = dw_part + n * geo.C + c0;
@@ -250,7 +309,7 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_bwd(
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
                     const int jj = CL ? j : 0;
-                    as[jj] += fd[j] * (fx[j] - mean);
+                    as[jj] += fd[j] * (fx[j] - ml);
                     ab[jj] += fd[j];
                 }
             }
@@ -264,7 +323,7 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_bwd(
                 }
                 if (lane == 0) {
                     if (geo.seg == 1) {
-                        dwp[ch] = rstd * as[0];
+                        dwp[ch] = rl * as[0];
                         dbp[ch] = ab[0];
                     } else {  // the host keeps Cg * seg <= SLOTS when seg > 1
                         red_s[task] = as[0];
@@ -290,14 +349,14 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_bwd(
                 }
                 __syncthreads();
                 const int cc = threadIdx.x;  // a channel of this chunk
-                if (cc < geo.tcv * VEC && ch + cc < geo.Cg) {
+                if (cc < geo.tcv * VEC && ch + cc < geo.Ct) {
                     float ts = 0.f, tb = 0.f;
 #pragma unroll
                     for (int k = 0; k < W; ++k) {
                         ts += red_s[k * CW + cc];
                         tb += red_b[k * CW + cc];
                     }
-                    dwp[ch + cc] = rstd * ts;
+                    dwp[ch + cc] = gn::pick<GT>(rstd, (ch + cc) / geo.Cg) * ts;
                     dbp[ch + cc] = tb;
                 }
                 __syncthreads();
@@ -314,23 +373,36 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_bwd(
                         ts += red_s[c * geo.seg + k];
                         tb += red_b[c * geo.seg + k];
                     }
-                    dwp[c] = rstd * ts;
+                    dwp[c] = rl * ts;
                     dbp[c] = tb;
                 }
             }
         }
         __syncthreads();  // the per-channel sums are visible to the whole block
 
-        // S1, S2 over the group's channels, in a fixed order.
-        float s[2] = {0.f, 0.f};
-        for (int c = threadIdx.x; c < geo.Cg; c += THREADS) {
+        // S1, S2 of each group of the tile, over its channels, in a fixed order.
+        float s[2 * GT];
+#pragma unroll
+        for (int j = 0; j < 2 * GT; ++j) s[j] = 0.f;
+        for (int c = threadIdx.x; c < geo.Ct; c += THREADS) {
             const float gamma = w ? to_float(w[c0 + c]) : 1.f;
-            s[0] += gamma * dbp[c];
-            s[1] += gamma * dwp[c];
+            const int jc = c / geo.Cg;
+#pragma unroll
+            for (int j = 0; j < GT; ++j) {
+                if (j == jc) {
+                    s[2 * j] += gamma * dbp[c];
+                    s[2 * j + 1] += gamma * dwp[c];
+                }
+            }
         }
-        group_sum<THREADS, 2>(s, scratch);
-        const float bcoef = -rstd * rstd * s[1] * inv_m;
-        const float ccoef = -rstd * s[0] * inv_m;   // dx = a[c]*dy + bcoef*(x - mean) + ccoef
+        group_sum<THREADS, 2 * GT>(s, scratch);
+        float bco[GT], cco[GT];   // dx = a[c]*dy + bco*(x - mean) + cco, per group
+#pragma unroll
+        for (int j = 0; j < GT; ++j) {
+            bco[j] = -rstd[j] * rstd[j] * s[2 * j + 1] * inv_m;
+            cco[j] = -rstd[j] * s[2 * j] * inv_m;
+        }
+        const float bl = gn::pick<GT>(bco, jl), cl = gn::pick<GT>(cco, jl);
 
         // Pass 2: dx.
         T* dxg = dx + base;
@@ -338,7 +410,7 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_bwd(
             float a[CL ? VEC : 1];
 #pragma unroll
             for (int j = 0; j < (CL ? VEC : 1); ++j)
-                a[j] = w ? rstd * to_float(w[min(c0 + ch + j, geo.C - 1)]) : rstd;
+                a[j] = w ? rl * to_float(w[min(c0 + ch + j, geo.C - 1)]) : rl;
             Vec<T, VEC> dv[U], xv[U];
 #pragma unroll
             for (int u = 0; u < U; ++u) {
@@ -356,11 +428,11 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_bwd(
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
                     const int jj = CL ? j : 0;
-                    fd[j] = fmaf(fd[j], a[jj], fmaf(bcoef, fx[j] - mean, ccoef));
+                    fd[j] = fmaf(fd[j], a[jj], fmaf(bl, fx[j] - ml, cl));
                 }
                 store_stream<T, VEC>(dxg + off + u * stride, pack<T, VEC>(fd));
             }
         }, [](int, int) {});
-        __syncthreads();  // the next group reuses scratch and the partial-row reads are done
+        __syncthreads();  // the next tile reuses scratch and the partial-row reads are done
     }
 }

@@ -38,9 +38,18 @@ CONFIGS = {
 TASK_SLOTS = 256  # shared-memory slots for channel segments (CL = false), group_norm.cu
 
 
-def _instance(kind: str, ctype: str, cl: bool, vec: int) -> tuple[str, tuple]:
+# Channels-last tiles of several groups (GT of group_norm.cu): a tile of GT groups is read as
+# rows of GT*Cg channels, which DRAM serves far better than rows of Cg (32 bytes at the
+# workload shape): docs/notes-group-norm.md. Used while the tile's row is at most 32 vectors
+# and at least CL_TILES_PER_SM tiles an SM remain.
+CL_TILE_GROUPS = (4, 2)
+CL_TILES_PER_SM = 1
+
+
+def _instance(kind: str, ctype: str, cl: bool, gt: int, vec: int) -> tuple[str, tuple]:
     threads, unroll, minb, per_sm = CONFIGS.get((kind, cl, ctype), CONFIGS[(kind, cl)])
-    name = f"group_norm_{kind}<{ctype}, {'true' if cl else 'false'}, {vec}, {threads}, {unroll}, {minb}>"
+    name = (f"group_norm_{kind}<{ctype}, {'true' if cl else 'false'}, {gt}, {vec}, {threads}, "
+            f"{unroll}, {minb}>")
     return name, (threads, per_sm)
 
 
@@ -49,9 +58,10 @@ def instances() -> list[str]:
     names = []
     for ctype, itemsize in _arrays.DTYPES.values():
         for cl in (False, True):
-            for vec in sorted({1, 16 // itemsize}):
-                for kind in ("fwd", "bwd"):
-                    names.append(_instance(kind, ctype, cl, vec)[0])
+            for gt in ((1,) + CL_TILE_GROUPS if cl else (1,)):
+                for vec in sorted({1, 16 // itemsize}):
+                    for kind in ("fwd", "bwd"):
+                        names.append(_instance(kind, ctype, cl, gt, vec)[0])
     return names
 
 
@@ -106,8 +116,8 @@ def _empty_like_layout(xa: DeviceArray, channels_last: bool) -> DeviceArray:
     return _arrays.empty(xa, xa.shape)
 
 
-def _geometry(xa: DeviceArray, channels_last: bool, g: int, threads: int, arrays):
-    """Vector width and the kernel's geometry arguments (seg, seg_len, tcv)."""
+def _geometry(xa: DeviceArray, channels_last: bool, g: int, threads: int, arrays, device: int):
+    """Vector width, groups a tile, and the kernel's geometry arguments (seg, seg_len, tcv)."""
     n, c = xa.shape[:2]
     hw = math.prod(xa.shape[2:])
     cg = c // g
@@ -117,18 +127,23 @@ def _geometry(xa: DeviceArray, channels_last: bool, g: int, threads: int, arrays
         vec = 1
     warps = threads // 32
     if channels_last:
-        cgv = cg // vec
-        tcv = min(32, 1 << (cgv - 1).bit_length())
-        return vec, (1, 1, tcv)
+        gt = 1
+        for t in CL_TILE_GROUPS:
+            if g % t == 0 and t * cg // vec <= 32 and n * g // t >= CL_TILES_PER_SM * _kernels.sm_count(device):
+                gt = t
+                break
+        ctv = gt * cg // vec
+        tcv = min(32, 1 << (ctv - 1).bit_length())
+        return vec, gt, (1, 1, tcv)
     hwv = hw // vec
     seg = 1
     if cg < warps:  # cut channel rows so that every warp has work, each piece >= 32 vectors
         seg = max(1, min(-(-warps // cg), hwv // 32, TASK_SLOTS // cg))
-    return vec, (seg, -(-hwv // seg), 1)
+    return vec, 1, (seg, -(-hwv // seg), 1)
 
 
-def _grid(fn, threads: int, per_sm: int, groups: int, device: int) -> int:
-    return max(1, min(groups, _kernels.sm_count(device) * per_sm,
+def _grid(fn, threads: int, per_sm: int, tiles: int, device: int) -> int:
+    return max(1, min(tiles, _kernels.sm_count(device) * per_sm,
                       _kernels.resident_blocks(fn, threads, device)))
 
 
@@ -168,14 +183,15 @@ def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5, *, return_stats=
     rstd = _arrays.empty(xa, (n, g), "float32") if return_stats else None
     with _arrays.launch_context(xa):
         if groups and group_size:
-            threads = _instance("fwd", xa.ctype, cl, 1)[1][0]
-            vec, (seg, seg_len, tcv) = _geometry(xa, cl, g, threads, (xa, y, wa, ba))
-            inst, (threads, per_sm) = _instance("fwd", xa.ctype, cl, vec)
+            threads = _instance("fwd", xa.ctype, cl, 1, 1)[1][0]
+            vec, gt, (seg, seg_len, tcv) = _geometry(xa, cl, g, threads, (xa, y, wa, ba), device)
+            inst, (threads, per_sm) = _instance("fwd", xa.ctype, cl, gt, vec)
             fn = _kernels.function(SOURCE, inst, device)
-            grid = _grid(fn, threads, per_sm, groups, device)
+            tiles = groups // gt
+            grid = _grid(fn, threads, per_sm, tiles, device)
             _kernels.launch(fn, grid, threads, (
                 xa, wa, ba, y, mean, rstd, np.int32(c), np.int32(g), np.int64(hw), np.int32(seg),
-                np.int32(seg_len), np.int32(tcv), np.int64(groups), epsf))
+                np.int32(seg_len), np.int32(tcv), np.int64(tiles), epsf))
         elif groups and return_stats:  # empty groups: nothing to normalize
             _arrays.fill(mean, 0.0)
             _arrays.fill(rstd, float(1.0 / np.sqrt(epsf)) if epsf > 0 else float("inf"))
@@ -222,16 +238,17 @@ def group_norm_backward(dy, x, num_groups, weight, mean, rstd):
             dw = _arrays.zeros(xa, (c,)) if wa is not None else None
             db = _arrays.zeros(xa, (c,))
         else:
-            threads = _instance("bwd", xa.ctype, cl, 1)[1][0]
-            vec, (seg, seg_len, tcv) = _geometry(xa, cl, g, threads, (xa, da, dx))
-            inst, (threads, per_sm) = _instance("bwd", xa.ctype, cl, vec)
+            threads = _instance("bwd", xa.ctype, cl, 1, 1)[1][0]
+            vec, gt, (seg, seg_len, tcv) = _geometry(xa, cl, g, threads, (xa, da, dx), device)
+            inst, (threads, per_sm) = _instance("bwd", xa.ctype, cl, gt, vec)
             fn = _kernels.function(SOURCE, inst, device)
-            grid = _grid(fn, threads, per_sm, groups, device)
+            tiles = groups // gt
+            grid = _grid(fn, threads, per_sm, tiles, device)
             dw_part = _arrays.empty(xa, (n, c), "float32")
             db_part = _arrays.empty(xa, (n, c), "float32")
             _kernels.launch(fn, grid, threads, (
                 da, xa, wa, ma, sa, dx, dw_part, db_part, np.int32(c), np.int32(g), np.int64(hw),
-                np.int32(seg), np.int32(seg_len), np.int32(tcv), np.int64(groups)))
+                np.int32(seg), np.int32(seg_len), np.int32(tcv), np.int64(tiles)))
             dw = _partials.sum_rows(dw_part, xa, n, c, device) if wa is not None else None
             db = _partials.sum_rows(db_part, xa, n, c, device)
     return dx.obj, (dw.obj if dw is not None else None), db.obj

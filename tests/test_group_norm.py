@@ -183,6 +183,23 @@ def test_many_groups_loop_over_the_grid(layout, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape, groups", [((2, 64, 8, 8), 16), ((3, 32, 5, 7), 8), ((2, 12, 9), 4),
+                                           ((2, 128, 6, 6), 8), ((1, 256, 4, 4), 16), ((2, 96, 3, 3), 12)])
+def test_channels_last_tiles_of_several_groups(monkeypatch, shape, groups, dtype):
+    """Channels-last tiles of 2 and 4 groups a block (chosen at the workload shape, where
+    there are many groups): forced here on small shapes, against the reference."""
+    import importlib
+
+    gn = importlib.import_module("cukern.group_norm")
+    monkeypatch.setattr(gn, "CL_TILES_PER_SM", 0)
+    for framework in FRAMEWORKS:
+        _run_case(dict(shape=shape, groups=groups, dtype=dtype, framework=framework, weight=True,
+                       bias=True, layout="channels_last", dy_layout="same", offset=2.0, eps=1e-5,
+                       seed=sum(shape) + groups))
+
+
+@gpu
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 def test_misaligned_views_take_scalar_loads(layout):
     """An x whose data pointer is not 16-byte aligned (a view from the second element)."""
