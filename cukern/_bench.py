@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from . import __version__
+from .attention import attention
 from .embedding import embedding, embedding_backward
 from .group_norm import group_norm, group_norm_backward
 from .norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
@@ -34,6 +35,11 @@ WORKLOAD = {
     "norm": {"full": (65536, 4096), "quick": (8192, 4096), "dtype": "bfloat16"},
     # (N, C, H, W) and groups: the diffusion/UNet block of PERFORMANCE.md
     "group_norm": {"full": (16, 512, 64, 64), "quick": (4, 512, 64, 64), "groups": 32, "dtype": "bfloat16"},
+    # (batch, heads, seqlen, head_dim, causal): the attention cases of the issue
+    "attention": {"full": [(32, 16, 2048, 128, False), (32, 16, 2048, 128, True),
+                           (4, 32, 8192, 128, True), (16, 32, 2048, 64, True)],
+                  "quick": [(4, 16, 2048, 128, False), (4, 16, 2048, 128, True),
+                            (1, 32, 4096, 128, True), (4, 32, 2048, 64, True)], "dtype": "bfloat16"},
     # (tokens, vocabulary, model dim)
     "embedding": {"full": (65536, 128256, 4096), "quick": (8192, 32000, 4096), "dtype": "bfloat16"},
 }
@@ -141,6 +147,21 @@ def cases(quick: bool = False, family: str | None = None) -> list[Case]:
         Case("embedding fwd+bwd", "embedding", (T, V, D), dt, fwd_bytes + bwd_bytes,
              functools.partial(emb, grad=True), _emb_fwdbwd, _torch_emb_fwdbwd),
     ]
+    # -- attention forward: FLOP-bound, 4·B·H·S²·D (half when causal), against torch's SDPA
+    #    with the FLASH_ATTENTION backend (FlashAttention-2) and the CUDNN_ATTENTION backend.
+    w = WORKLOAD["attention"]
+    dt = w["dtype"]
+    for B, H, S, D, causal in w[size]:
+        flops = 4 * B * H * S * S * D // (2 if causal else 1)
+        long = " long" if S > 2048 else ""  # (the same label for the --quick shape of a case)
+        tag = f"attention{' causal' if causal else ''}{long} fwd d{D}"
+        make = functools.partial(_attn_inputs, B, H, S, D, dt)
+        for backend in ("flash", "cudnn"):
+            table.append(Case(f"{tag} vs {backend}", "attention", (B, H, S, D), dt,
+                              elements_bytes((4 * B, S, H, D), dt), make,
+                              functools.partial(_attn_fwd, causal=causal),
+                              functools.partial(_torch_attn_fwd, causal=causal, backend=backend),
+                              flops=flops))
     return [c for c in table if family is None or c.family == family]
 
 
@@ -290,6 +311,25 @@ def _torch_gn_fwdbwd(t):
     y = F.group_norm(x, t["g"], w, b)
     dx, dw, db = torch.autograd.grad(y, (x, w, b), t["dy"])
     return y.detach(), dx, dw, db
+
+
+def _attn_inputs(B, H, S, D, dtype, seed) -> dict:
+    gen = _generator(seed)
+    return {k: _randn((B, S, H, D), dtype, gen) for k in ("q", "k", "v")}
+
+
+def _attn_fwd(t, causal):
+    return attention(t["q"], t["k"], t["v"], causal=causal)
+
+
+def _torch_attn_fwd(t, causal, backend):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    which = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    with sdpa_kernel(which):
+        out = F.scaled_dot_product_attention(*(t[k].transpose(1, 2) for k in ("q", "k", "v")), is_causal=causal)
+    return out.transpose(1, 2)
 
 
 def _embedding_inputs(T, V, D, dtype, seed, *, grad=False, zipf=False) -> dict:

@@ -132,10 +132,10 @@ def resident_blocks(fn, threads: int, device: int) -> int:
     return n
 
 
-def launch(fn, grid, block, args) -> None:
+def launch(fn, grid, block, args, shared_mem: int = 0) -> None:
     """Launch on the current CuPy stream: ``grid`` blocks of ``block`` threads (ints or
-    tuples). ``args``: DeviceArray (its pointer), None (a null
-    pointer) or NumPy scalars of the exact C type of the parameter."""
+    tuples) with ``shared_mem`` bytes of dynamic shared memory. ``args``: DeviceArray (its
+    pointer), None (a null pointer) or NumPy scalars of the exact C type of the parameter."""
     import numpy as np
 
     converted = []
@@ -146,5 +146,7 @@ def launch(fn, grid, block, args) -> None:
             converted.append(np.uint64(a.ptr))
         else:
             converted.append(a)
+    if shared_mem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared_mem:
+        fn.max_dynamic_shared_size_bytes = shared_mem  # the opt-in above the default 48 KB
     fn(grid if isinstance(grid, tuple) else (grid,), block if isinstance(block, tuple) else (block,),
-       tuple(converted))
+       tuple(converted), shared_mem=shared_mem)

@@ -221,3 +221,34 @@ def embedding_backward(grad, indices, num_embeddings, padding_idx=None, scale_gr
     if pad is not None:
         out[pad] = 0.0
     return out
+
+
+# ---- attention --------------------------------------------------------------------------------
+
+__all__ += ["attention"]
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
+    """q (B, Sq, H, D), k and v (B, Sk, Hkv, D) -> out (B, Sq, H, D) [, lse (B, H, Sq)].
+
+    Causal masking aligned to the bottom right (query i sees keys j <= i + Sk - Sq); a query
+    that sees no key gives zeros and lse = +inf (as the kernel)."""
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    B, Sq, H, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    scale = 1.0 / np.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    rep = H // Hkv
+    kh = np.repeat(k, rep, axis=2)  # (B, Sk, H, D): query head h reads kv head h // rep
+    vh = np.repeat(v, rep, axis=2)
+    s = np.einsum("bqhd,bkhd->bhqk", q, kh) * scale
+    if causal:
+        keep = np.arange(Sk)[None, :] <= np.arange(Sq)[:, None] + (Sk - Sq)
+        s = np.where(keep[None, None], s, -np.inf)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        m = s.max(axis=-1, keepdims=True) if Sk else np.full(s.shape[:-1] + (1,), -np.inf)
+        m_safe = np.where(np.isfinite(m), m, 0.0)
+        p = np.exp(s - m_safe)
+        l = p.sum(axis=-1, keepdims=True)
+        out = np.einsum("bhqk,bkhd->bqhd", np.where(l > 0, p / np.where(l > 0, l, 1.0), 0.0), vh)
+        lse = np.where(l[..., 0] > 0, np.log(np.where(l[..., 0] > 0, l[..., 0], 1.0)) + m_safe[..., 0], np.inf)
+    return (out, lse) if return_lse else out

@@ -20,7 +20,7 @@ from cukern import _kernels, _nvrtc
 
 # Kernel family modules: each has SOURCE (its file in cuda_src/) and instances() (every
 # template instance the front can launch, as name expressions).
-FAMILIES = ("cukern.norm", "cukern.group_norm", "cukern.embedding", "cukern._partials")
+FAMILIES = ("cukern.norm", "cukern.group_norm", "cukern.embedding", "cukern._partials", "cukern.attention")
 ARCHS = ("sm_80", "sm_90")
 PAIRS = [(family, arch) for family in FAMILIES for arch in ARCHS]
 

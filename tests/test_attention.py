@@ -1,0 +1,196 @@
+"""Fused attention forward: the reference (no GPU), argument checking, and the kernel against
+the float64 reference and torch's scaled_dot_product_attention (GPU)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import cukern
+from cukern import reference as ref
+
+from arrays import assert_close, poison_allocator, random_host, to_device, to_host, torch
+
+gpu = pytest.mark.gpu
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
+FRAMEWORKS = ["cupy", "torch"] if torch is not None else ["cupy"]
+ATTN_DTYPES = ("float16", "bfloat16")
+# P is rounded to the dtype before P·V (as FlashAttention): a few roundings of the dtype.
+TOL = {"float16": 4e-3, "bfloat16": 2e-2}
+
+
+# ---- the reference, no GPU ----------------------------------------------------------------------
+
+def _torch_sdpa(q, k, v, causal, scale):
+    """torch float64 on the CPU, causal aligned to the bottom right through an explicit mask."""
+    qt, kt, vt = (torch.tensor(a).transpose(1, 2) for a in (q, k, v))
+    rep = qt.shape[1] // kt.shape[1]
+    kt, vt = kt.repeat_interleave(rep, 1), vt.repeat_interleave(rep, 1)
+    sq, sk = qt.shape[2], kt.shape[2]
+    mask = torch.tensor(np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)) if causal else None
+    s = (qt @ kt.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, -float("inf"))
+    return torch.softmax(s, -1) @ vt, torch.logsumexp(s, -1)
+
+
+@needs_torch
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq, sk, h, hkv", [(5, 7, 4, 2), (9, 9, 3, 3), (6, 4, 4, 1), (1, 13, 2, 2)])
+def test_reference_matches_torch_cpu_float64(sq, sk, h, hkv, causal):
+    rng = np.random.default_rng(sq * 100 + sk)
+    q, k, v = rng.standard_normal((2, sq, h, 16)), rng.standard_normal((2, sk, hkv, 16)), rng.standard_normal((2, sk, hkv, 16))
+    out, lse = ref.attention(q, k, v, causal=causal, softmax_scale=0.3, return_lse=True)
+    o_t, lse_t = _torch_sdpa(q, k, v, causal, 0.3)
+    seen = np.isfinite(lse_t.numpy())
+    np.testing.assert_allclose(out[np.broadcast_to(seen.transpose(0, 2, 1)[..., None], out.shape)],
+                               o_t.transpose(1, 2).numpy()[np.broadcast_to(seen.transpose(0, 2, 1)[..., None], out.shape)],
+                               rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse[seen], lse_t.numpy()[seen], rtol=1e-12, atol=1e-12)
+
+
+def test_reference_rows_that_see_no_key():
+    """Causal with Sq > Sk: the first Sq - Sk queries see no key: zeros and lse = +inf."""
+    rng = np.random.default_rng(1)
+    q, k, v = rng.standard_normal((1, 6, 1, 8)), rng.standard_normal((1, 2, 1, 8)), rng.standard_normal((1, 2, 1, 8))
+    out, lse = ref.attention(q, k, v, causal=True, return_lse=True)
+    assert np.all(out[0, :4] == 0) and np.all(np.isinf(lse[0, 0, :4]))
+    assert np.all(np.isfinite(lse[0, 0, 4:]))
+
+
+# ---- argument checking that needs no GPU ------------------------------------------------------
+
+def test_host_arrays_are_a_type_error():
+    x = np.ones((1, 4, 2, 64), np.float16)
+    with pytest.raises(TypeError, match=r"^q: .*host"):
+        cukern.attention(x, x, x)
+
+
+# ---- the kernel against the reference (GPU) ---------------------------------------------------
+
+@st.composite
+def attn_cases(draw):
+    h, hkv = draw(st.sampled_from([(1, 1), (2, 2), (4, 2), (4, 1), (8, 2), (8, 1), (3, 3)]))
+    return dict(
+        b=draw(st.sampled_from([1, 2])),
+        sq=draw(st.sampled_from([1, 2, 17, 64, 65, 129, 200])),
+        sk=draw(st.sampled_from([1, 3, 17, 64, 100, 129, 257])),
+        h=h, hkv=hkv,
+        d=draw(st.sampled_from([64, 128])),
+        dtype=draw(st.sampled_from(ATTN_DTYPES)),
+        causal=draw(st.booleans()),
+        scale=draw(st.sampled_from([None, None, 0.05, 0.3])),
+        framework=draw(st.sampled_from(FRAMEWORKS)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def _run_case(c, layout="contiguous"):
+    rng = np.random.default_rng(c["seed"])
+    dt = c["dtype"]
+    q = random_host(rng, (c["b"], c["sq"], c["h"], c["d"]), dt)
+    k = random_host(rng, (c["b"], c["sk"], c["hkv"], c["d"]), dt)
+    v = random_host(rng, (c["b"], c["sk"], c["hkv"], c["d"]), dt)
+    fw = c["framework"]
+    poison_allocator(fw, [q.nbytes, c["b"] * c["h"] * c["sq"] * 4])
+    if layout == "packed" and c["h"] == c["hkv"]:  # q, k, v as views of one (B, S, 3, H, D) tensor
+        qkv = to_device(np.stack([q, k, v], axis=2), fw)
+        qd, kd, vd = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    else:
+        qd, kd, vd = (to_device(a, fw) for a in (q, k, v))
+    out, lse = cukern.attention(qd, kd, vd, causal=c["causal"], softmax_scale=c["scale"], return_lse=True)
+    e_out, e_lse = ref.attention(q, k, v, causal=c["causal"], softmax_scale=c["scale"], return_lse=True)
+    assert type(out) is type(qd) and tuple(out.shape) == q.shape and tuple(lse.shape) == e_lse.shape
+    assert_close(out, e_out, dt, "out", tol=TOL[dt])
+    got = to_host(lse)
+    seen = np.isfinite(e_lse)
+    assert np.array_equal(np.isinf(got) & (got > 0), ~seen), "lse must be +inf exactly where no key is seen"
+    assert_close(got[seen], e_lse[seen], "float32", "lse", tol=1e-4)
+
+
+@gpu
+@settings(max_examples=120)
+@given(c=attn_cases())
+def test_attention_matches_reference(c):
+    _run_case(c)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ATTN_DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_qkv_views_are_read_in_place(dtype, causal):
+    _run_case(dict(b=2, sq=100, sk=100, h=4, hkv=4, d=64, dtype=dtype, causal=causal, scale=None,
+                   framework="cupy", seed=5), layout="packed")
+
+
+@gpu
+@needs_torch
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq, sk", [(1000, 1000), (2049, 2049), (1000, 2049), (2049, 1000)])
+def test_long_sequences_against_torch_sdpa_float32(sq, sk, causal, d):
+    g = torch.Generator(device="cuda").manual_seed(sq + sk + d)
+    q = torch.randn(1, sq, 4, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, sk, 2, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(1, sk, 2, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    out, lse = cukern.attention(q, k, v, causal=causal, return_lse=True)
+    qt, kt, vt = (a.float().transpose(1, 2) for a in (q, k, v))
+    kt, vt = kt.repeat_interleave(2, 1), vt.repeat_interleave(2, 1)
+    mask = (torch.arange(sk, device="cuda")[None, :] <= torch.arange(sq, device="cuda")[:, None] + (sk - sq)) if causal else None
+    s = (qt @ kt.transpose(-1, -2)) / d ** 0.5
+    if mask is not None:
+        s = s.masked_fill(~mask, -float("inf"))
+    ref_out = (torch.softmax(s, -1) @ vt).transpose(1, 2)
+    ref_lse = torch.logsumexp(s, -1)
+    seen = torch.isfinite(ref_lse)
+    ref_out = torch.where(seen.transpose(1, 2)[..., None], ref_out, torch.zeros_like(ref_out))
+    assert_close(out, to_host(ref_out), "bfloat16", "out", tol=TOL["bfloat16"])
+    assert_close(to_host(lse[seen]), to_host(ref_lse[seen]), "float32", "lse", tol=1e-4)
+
+
+# ---- bad inputs (GPU: they need device arrays) ---------------------------------------------------
+
+@gpu
+def test_bad_inputs_name_the_argument():
+    import cupy
+
+    q = cupy.ones((2, 8, 4, 64), np.float16)
+    kv = cupy.ones((2, 8, 2, 64), np.float16)
+    cases = [
+        (lambda: cukern.attention(q.astype(np.float32), kv, kv), ValueError, r"^q: float32 is not supported"),
+        (lambda: cukern.attention(q, kv.astype(np.float64), kv), ValueError, "^k: dtype float64"),
+        (lambda: cukern.attention(q[0], kv, kv), ValueError, r"^q: expected \(batch, seqlen, heads, head_dim\)"),
+        (lambda: cukern.attention(q, kv, kv[:, :4]), ValueError, "^v: shape"),
+        (lambda: cukern.attention(q, kv[:1], kv[:1]), ValueError, "^k: batch 1 does not match"),
+        (lambda: cukern.attention(q, cupy.ones((2, 8, 3, 64), np.float16), cupy.ones((2, 8, 3, 64), np.float16)),
+         ValueError, "^k: 3 kv heads do not divide q's 4 heads"),
+        (lambda: cukern.attention(q, kv[..., :32], kv[..., :32]), ValueError, "^k: head_dim 32 does not match"),
+        (lambda: cukern.attention(q[..., :48], kv[..., :48], kv[..., :48]), ValueError, "^q: head_dim 48 is not supported"),
+        (lambda: cukern.attention(q, kv.astype(ml_bf16()), kv), ValueError, "^k: dtype bfloat16 differs"),
+        (lambda: cukern.attention(q, kv, kv, softmax_scale="x"), TypeError, "^softmax_scale"),
+        (lambda: cukern.attention(q, kv, kv, softmax_scale=float("inf")), ValueError, "^softmax_scale"),
+        (lambda: cukern.attention(q, np.ones((2, 8, 2, 64), np.float16), kv), TypeError, "^k: a host"),
+    ]
+    for call, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            call()
+
+
+def ml_bf16():
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16
+
+
+@gpu
+@pytest.mark.parametrize("sq, sk", [(0, 5), (5, 0), (0, 0)])
+def test_empty_sequences(sq, sk):
+    import cupy
+
+    q = cupy.ones((1, sq, 2, 64), np.float16)
+    kv = cupy.ones((1, sk, 2, 64), np.float16)
+    out, lse = cukern.attention(q, kv, kv, return_lse=True)
+    assert out.shape == (1, sq, 2, 64) and lse.shape == (1, 2, sq)
+    assert not cupy.isnan(out).any()
+    if sq:
+        assert bool((out == 0).all()) and bool(cupy.isinf(lse).all())
