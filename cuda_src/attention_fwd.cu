@@ -2,9 +2,11 @@
 // with float32 accumulators, ldmatrix from XOR-swizzled shared memory, cp.async double
 // buffering of the key/value tiles, online softmax in float32 with exp2.
 //
-// One block computes BM = 16 * WARPS query rows of one (batch, head) against all keys: each
-// warp owns 16 rows, keeps its Q fragments and its O accumulator (16 x D) in registers, and
-// walks the key/value tiles of BN keys that the block stages in shared memory.
+// One block computes BM = 16 * MT * WARPS query rows of one (batch, head) against all keys:
+// each warp owns MT tiles of 16 rows (every K/V fragment it loads from shared memory feeds
+// MT matrix products), keeps its O accumulator (16 MT x D) in registers, its Q fragments too
+// when QREG (else it re-reads them from shared memory at each key tile), and walks the
+// key/value tiles of BN keys that the block stages in shared memory.
 // Grouped-query attention: query head h reads key/value head h / (H / Hkv), no copies.
 // Causal masking is aligned to the bottom right (query i sees keys j <= i + Sk - Sq, as
 // FlashAttention >= 2.1); a row that sees no key gets zeros and lse = +inf.
@@ -44,9 +46,17 @@ __device__ __forceinline__ void load_tile(T* smem, const T* g, long long row_str
 __device__ __forceinline__ unsigned int pack_pair(float lo, float hi, cuk_bf16) { return pack2(lo, hi, cuk_bf16{}); }
 __device__ __forceinline__ unsigned int pack_pair(float lo, float hi, cuk_half) { return pack2(lo, hi, cuk_half{}); }
 
+// 2^x with the hardware approximation (2 ulp; ex2.approx(-inf) = +0), as FlashAttention's
+// exp2f under fast math.
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 }  // namespace attn
 
-template <typename T, int D, int WARPS, int BN, bool CAUSAL>
+template <typename T, int D, int WARPS, int MT, int BN, bool QREG, bool CAUSAL>
 __global__ void __launch_bounds__(WARPS * 32) attention_fwd(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     T* __restrict__ out, float* __restrict__ lse,
@@ -57,8 +67,10 @@ __global__ void __launch_bounds__(WARPS * 32) attention_fwd(
     int H, int Hkv, int Sq, int Sk, float scale_log2)
 {
     using namespace attn;
-    constexpr int BM = WARPS * 16;
+    constexpr int BM = WARPS * 16 * MT;
     constexpr int THREADS = WARPS * 32;
+    constexpr int NT = BN / 8;      // key n-tiles a key tile
+    constexpr int DT = D / 8;       // head-dim n-tiles
     static_assert(D % 16 == 0 && BN % 16 == 0, "tile shapes");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -76,6 +88,8 @@ __global__ void __launch_bounds__(WARPS * 32) attention_fwd(
     const int g = lane / 4, t = lane % 4;
     const int m0 = m_block * BM;
     const int diag = Sk - Sq;   // query i sees keys j <= i + diag (causal)
+    // Row of m-tile mt of this warp (the block's rows are m-tile-major: all warps' tile 0 first).
+    auto tile_row = [&](int mt) { return mt * WARPS * 16 + warp * 16; };
 
     int n_blocks = (Sk + BN - 1) / BN;
     if (CAUSAL) {
@@ -90,11 +104,18 @@ __global__ void __launch_bounds__(WARPS * 32) attention_fwd(
     }
     cp_async_commit();
 
-    float o[D / 8][4];
+    float o[MT][DT][4];
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    float row_max[2] = {ATTN_NEG_INF, ATTN_NEG_INF}, row_sum[2] = {0.f, 0.f};
-    unsigned int qf[D / 16][4];
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int i = 0; i < DT; ++i) o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.f;
+    float row_max[MT][2], row_sum[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        row_max[mt][0] = row_max[mt][1] = ATTN_NEG_INF;
+        row_sum[mt][0] = row_sum[mt][1] = 0.f;
+    }
+    unsigned int qf[QREG ? MT : 1][QREG ? D / 16 : 1][4];
 
     for (int nb = 0; nb < n_blocks; ++nb) {
         const int buf = nb & 1;
@@ -105,85 +126,115 @@ __global__ void __launch_bounds__(WARPS * 32) attention_fwd(
         cp_async_commit();
         cp_async_wait<1>();  // all but the group just issued: Q and this block's K, V
         __syncthreads();
-        if (nb == 0) {
+        if (QREG && nb == 0) {
 #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk)
-                ldmatrix_x4(qf[kk], sQ + swz<D>(warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8, kk * 16 + (lane / 16) * 8));
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int kk = 0; kk < D / 16; ++kk)
+                    ldmatrix_x4(qf[QREG ? mt : 0][QREG ? kk : 0],
+                                sQ + swz<D>(tile_row(mt) + (lane % 8) + ((lane / 8) % 2) * 8, kk * 16 + (lane / 16) * 8));
         }
 
-        // S = Q K^T for this warp's 16 rows and BN keys.
-        float s[BN / 8][4];
+        // S = Q K^T: each K fragment pair feeds MT m-tiles.
+        float s[MT][NT][4];
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int j = 0; j < NT; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
         const T* sKb = sK + buf * BN * D;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
+            unsigned int a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if constexpr (QREG) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) a[mt][e] = qf[QREG ? mt : 0][QREG ? kk : 0][e];
+                } else {
+                    ldmatrix_x4(a[mt], sQ + swz<D>(tile_row(mt) + (lane % 8) + ((lane / 8) % 2) * 8, kk * 16 + (lane / 16) * 8));
+                }
+            }
 #pragma unroll
             for (int nt = 0; nt < BN / 16; ++nt) {
                 unsigned int r[4];
                 ldmatrix_x4(r, sKb + swz<D>(nt * 16 + (lane % 8) + (lane / 16) * 8, kk * 16 + ((lane / 8) % 2) * 8));
-                mma_16816<T>(s[2 * nt], qf[kk], r[0], r[1]);
-                mma_16816<T>(s[2 * nt + 1], qf[kk], r[2], r[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16816<T>(s[mt][2 * nt], a[mt], r[0], r[1]);
+                    mma_16816<T>(s[mt][2 * nt + 1], a[mt], r[2], r[3]);
+                }
             }
         }
 
-        // Scale into the log2 domain; mask keys past the end and, causal, past the diagonal.
+        // Mask keys past the end and, causal, past the diagonal (only tiles that have any).
         const int n0 = nb * BN;
         const bool edge = n0 + BN > Sk || (CAUSAL && n0 + BN - 1 > m0 + diag);
+        if (edge) {
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float x = s[j][e] * scale_log2;
-                if (edge) {
-                    const int key = n0 + j * 8 + 2 * t + (e & 1);
-                    const int row = m0 + warp * 16 + g + (e >> 1) * 8;
-                    if (key >= Sk || (CAUSAL && key > row + diag)) x = ATTN_NEG_INF;
+                for (int j = 0; j < NT; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int key = n0 + j * 8 + 2 * t + (e & 1);
+                        const int row = m0 + tile_row(mt) + g + (e >> 1) * 8;
+                        if (key >= Sk || (CAUSAL && key > row + diag)) s[mt][j][e] = ATTN_NEG_INF;
+                    }
+        }
+
+        // Online softmax in the log2 domain, scale folded into one FMA: p = 2^(s*c - max*c).
+        // Rows g (e = 0, 1) and g + 8 (e = 2, 3) of each m-tile; a row lives in a quad.
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float mx = ATTN_NEG_INF;
+#pragma unroll
+                for (int j = 0; j < NT; ++j) mx = fmaxf(mx, fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float new_max = fmaxf(row_max[mt][r], mx * scale_log2);   // (scale > 0)
+                const float m_use = new_max == ATTN_NEG_INF ? 0.f : new_max;      // a row with no key yet
+                const float alpha = fast_exp2(row_max[mt][r] - m_use);
+                row_max[mt][r] = new_max;
+                float sum = 0.f;
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    s[mt][j][2 * r] = fast_exp2(fmaf(s[mt][j][2 * r], scale_log2, -m_use));
+                    s[mt][j][2 * r + 1] = fast_exp2(fmaf(s[mt][j][2 * r + 1], scale_log2, -m_use));
+                    sum += s[mt][j][2 * r] + s[mt][j][2 * r + 1];
                 }
-                s[j][e] = x;
+                row_sum[mt][r] = row_sum[mt][r] * alpha + sum;   // this thread's columns; the quad adds up at the end
+#pragma unroll
+                for (int i = 0; i < DT; ++i) {
+                    o[mt][i][2 * r] *= alpha;
+                    o[mt][i][2 * r + 1] *= alpha;
+                }
             }
         }
 
-        // Online softmax: rows g (e = 0, 1) and g + 8 (e = 2, 3); a row lives in a quad.
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = ATTN_NEG_INF;
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float new_max = fmaxf(row_max[r], mx);
-            const float m_use = new_max == ATTN_NEG_INF ? 0.f : new_max;   // a row with no key yet
-            const float alpha = exp2f(row_max[r] - m_use);
-            row_max[r] = new_max;
-            float sum = 0.f;
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
-                s[j][2 * r] = exp2f(s[j][2 * r] - m_use);
-                s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] - m_use);
-                sum += s[j][2 * r] + s[j][2 * r + 1];
-            }
-            row_sum[r] = row_sum[r] * alpha + sum;   // this thread's columns; the quad adds up at the end
-#pragma unroll
-            for (int i = 0; i < D / 8; ++i) {
-                o[i][2 * r] *= alpha;
-                o[i][2 * r + 1] *= alpha;
-            }
-        }
-
-        // O += P V: P from the S accumulators (C layout = A layout in pairs of n-tiles).
+        // O += P V: P from the S accumulators (C layout = A layout in pairs of n-tiles); each
+        // V fragment pair feeds MT m-tiles.
         const T* sVb = sV + buf * BN * D;
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
-            const unsigned int a[4] = {
-                pack_pair(s[2 * kk][0], s[2 * kk][1], T{}), pack_pair(s[2 * kk][2], s[2 * kk][3], T{}),
-                pack_pair(s[2 * kk + 1][0], s[2 * kk + 1][1], T{}), pack_pair(s[2 * kk + 1][2], s[2 * kk + 1][3], T{})};
+            unsigned int a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                a[mt][0] = pack_pair(s[mt][2 * kk][0], s[mt][2 * kk][1], T{});
+                a[mt][1] = pack_pair(s[mt][2 * kk][2], s[mt][2 * kk][3], T{});
+                a[mt][2] = pack_pair(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1], T{});
+                a[mt][3] = pack_pair(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3], T{});
+            }
 #pragma unroll
             for (int dt = 0; dt < D / 16; ++dt) {
                 unsigned int r[4];
                 ldmatrix_x4_trans(r, sVb + swz<D>(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8, dt * 16 + (lane / 16) * 8));
-                mma_16816<T>(o[2 * dt], a, r[0], r[1]);
-                mma_16816<T>(o[2 * dt + 1], a, r[2], r[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16816<T>(o[mt][2 * dt], a[mt], r[0], r[1]);
+                    mma_16816<T>(o[mt][2 * dt + 1], a[mt], r[2], r[3]);
+                }
             }
         }
         __syncthreads();  // the next iteration's loads overwrite the buffer read here
@@ -192,21 +243,24 @@ __global__ void __launch_bounds__(WARPS * 32) attention_fwd(
     // Normalize, write O and the log-sum-exp.
     T* og = out + b * o_sb + h * o_sh;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float sum = row_sum[r];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        const int row = m0 + warp * 16 + g + r * 8;
-        if (row < Sq) {
-            T* orow = og + static_cast<long long>(row) * o_ss;
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-            for (int i = 0; i < D / 8; ++i)
-                *reinterpret_cast<unsigned int*>(orow + i * 8 + 2 * t) =
-                    pack_pair(o[i][2 * r] * inv, o[i][2 * r + 1] * inv, T{});
-            if (lse && t == 0)
-                lse[(static_cast<long long>(b) * H + h) * Sq + row] =
-                    sum > 0.f ? (row_max[r] + log2f(sum)) * 0.6931471805599453f : __int_as_float(0x7f800000);
+        for (int r = 0; r < 2; ++r) {
+            float sum = row_sum[mt][r];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            const float inv = sum > 0.f ? 1.f / sum : 0.f;
+            const int row = m0 + tile_row(mt) + g + r * 8;
+            if (row < Sq) {
+                T* orow = og + static_cast<long long>(row) * o_ss;
+#pragma unroll
+                for (int i = 0; i < DT; ++i)
+                    *reinterpret_cast<unsigned int*>(orow + i * 8 + 2 * t) =
+                        pack_pair(o[mt][i][2 * r] * inv, o[mt][i][2 * r + 1] * inv, T{});
+                if (lse && t == 0)
+                    lse[(static_cast<long long>(b) * H + h) * Sq + row] =
+                        sum > 0.f ? (row_max[mt][r] + log2f(sum)) * 0.6931471805599453f : __int_as_float(0x7f800000);
+            }
         }
     }
 }

@@ -18,16 +18,18 @@ __all__ = ["attention"]
 
 SOURCE = "attention_fwd.cu"
 DTYPES = ("float16", "bfloat16")
-# head_dim -> (warps a block, keys a tile). A warp owns 16 query rows.
-FWD_CONFIGS = {64: (4, 64), 128: (4, 64)}
+# head_dim -> (warps a block, 16-row m-tiles a warp, keys a tile, Q fragments in registers).
+FWD_CONFIGS = {64: (4, 2, 64, True), 128: (8, 1, 64, True)}
 HEAD_DIMS = tuple(FWD_CONFIGS)
 LOG2E = 1.4426950408889634
 
 
-def _fwd_instance(ctype: str, d: int, causal: bool) -> tuple[str, int, int]:
-    warps, bn = FWD_CONFIGS[d]
-    name = f"attention_fwd<{ctype}, {d}, {warps}, {bn}, {'true' if causal else 'false'}>"
-    return name, warps, bn
+def _fwd_instance(ctype: str, d: int, causal: bool) -> tuple[str, int, int, int]:
+    """(instance, warps, query rows a block, keys a tile)."""
+    warps, mt, bn, qreg = FWD_CONFIGS[d]
+    name = (f"attention_fwd<{ctype}, {d}, {warps}, {mt}, {bn}, {'true' if qreg else 'false'}, "
+            f"{'true' if causal else 'false'}>")
+    return name, warps, 16 * mt * warps, bn
 
 
 def instances() -> list[str]:
@@ -56,8 +58,8 @@ def _scale(softmax_scale, d: int) -> float:
         s = float(softmax_scale)
     except (TypeError, ValueError):
         raise TypeError(f"softmax_scale: expected a number, got {type(softmax_scale).__name__}") from None
-    if not math.isfinite(s):
-        raise ValueError(f"softmax_scale: must be finite, got {softmax_scale}")
+    if not (math.isfinite(s) and s > 0):
+        raise ValueError(f"softmax_scale: must be finite and positive, got {softmax_scale}")
     return s
 
 
@@ -70,7 +72,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
         k, v: (B, Sk, Hkv, D) of q's dtype; Hkv divides H (GQA / MQA).
         causal: mask keys after the query, aligned to the bottom right when Sq != Sk
             (query i sees keys j <= i + Sk - Sq); a query that sees no key outputs zeros.
-        softmax_scale: defaults to 1 / sqrt(D).
+        softmax_scale: positive; defaults to 1 / sqrt(D).
         return_lse: also return the log-sum-exp (B, H, Sq) float32 (natural log; +inf for a
             query that sees no key).
 
@@ -102,8 +104,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
     out = _arrays.empty(qa, (B, Sq, H, D))
     lse = _arrays.empty(qa, (B, H, Sq), "float32") if return_lse else None
     if B * H * Sq:
-        inst, warps, bn = _fwd_instance(qa.ctype, D, bool(causal))
-        bm = 16 * warps
+        inst, warps, bm, bn = _fwd_instance(qa.ctype, D, bool(causal))
         smem = (bm + 4 * bn) * D * qa.itemsize
         with _arrays.launch_context(qa):
             fn = _kernels.function(SOURCE, inst, device)

@@ -1,0 +1,57 @@
+"""Time attention forward configurations against torch's SDPA backends (GPU host).
+
+    python3 tools/tune_attention.py
+
+For each head dim, each (warps, m-tiles a warp, keys a tile, Q in registers) of CANDIDATES is
+set into cukern.attention.FWD_CONFIGS and timed (device time, median) at the bench shapes,
+printed in TFLOP/s with the ratio to the FLASH_ATTENTION (FlashAttention-2) and
+CUDNN_ATTENTION backends measured in the same run.
+"""
+import importlib
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import cukern
+from cukern import _bench
+
+attn = importlib.import_module("cukern.attention")
+CANDIDATES = {64: [(4, 2, 64, True), (4, 1, 64, True), (8, 1, 64, True)],
+              128: [(4, 1, 64, True), (8, 1, 64, True), (4, 2, 64, False)]}
+SHAPES = [(32, 16, 2048, 128, False), (32, 16, 2048, 128, True), (16, 32, 2048, 64, True),
+          (16, 32, 2048, 64, False)]
+
+
+def main():
+    print(torch.cuda.get_device_name())
+    for B, H, S, D, causal in SHAPES:
+        q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        flops = 4 * B * H * S * S * D / (2 if causal else 1)
+        ref = {}
+        for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+            def run(be=be):
+                with sdpa_kernel(be):
+                    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                          v.transpose(1, 2), is_causal=causal)
+            ref[name] = _bench.time_cuda(run, warmup=3, reps=10)
+        expect = run().transpose(1, 2).float()
+        print(f"\nB{B} H{H} S{S} d{D}{' causal' if causal else ''}: flash {flops / ref['flash'] / 1e9:.0f} "
+              f"TFLOP/s, cudnn {flops / ref['cudnn'] / 1e9:.0f} TFLOP/s")
+        saved = dict(attn.FWD_CONFIGS)
+        for cfg in CANDIDATES[D]:
+            attn.FWD_CONFIGS[D] = cfg
+            try:
+                out = cukern.attention(q, k, v, causal=causal)
+                err = ((out.float() - expect).norm() / expect.norm()).item()
+                ms = _bench.time_cuda(lambda: cukern.attention(q, k, v, causal=causal), warmup=3, reps=10)
+                print(f"  {cfg}: {flops / ms / 1e9:5.0f} TFLOP/s  {ref['flash'] / ms:4.2f}x flash  "
+                      f"{ref['cudnn'] / ms:4.2f}x cudnn  (rel. err {err:.1e})")
+            except Exception as e:  # noqa: BLE001
+                print(f"  {cfg}: failed: {type(e).__name__}: {str(e)[:160]}")
+        attn.FWD_CONFIGS.clear()
+        attn.FWD_CONFIGS.update(saved)
+
+
+if __name__ == "__main__":
+    main()
