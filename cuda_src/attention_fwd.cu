@@ -31,15 +31,22 @@ __device__ __forceinline__ int swz(int r, int c) {
 }
 
 // cp.async of a ROWS x D tile: rows row0 .. row0+ROWS-1 of a (rows x D) matrix with the given
-// row stride; rows at or past `nrows` are zero-filled.
+// row stride; rows at or past `nrows` are zero-filled. A thread moves chunk column c of rows
+// r0, r0 + RSTEP, ...: its swizzle key (row & 7) is the same for all of them (RSTEP is a
+// multiple of 8), so the shared addresses are affine and only one global pointer is live.
 template <typename T, int ROWS, int D, int THREADS>
 __device__ __forceinline__ void load_tile(T* smem, const T* g, long long row_stride, int row0, int nrows) {
     constexpr int CPR = D / 8;  // 16-byte chunks a row
+    constexpr int RSTEP = THREADS / CPR;
+    static_assert(THREADS % CPR == 0 && RSTEP % 8 == 0 && ROWS % RSTEP == 0, "tile loader shape");
+    const int r0 = threadIdx.x / CPR, c = (threadIdx.x % CPR) * 8;
+    const T* p = g + static_cast<long long>(row0 + r0) * row_stride + c;
+    T* dst = smem + swz<D>(r0, c);
 #pragma unroll
-    for (int i = threadIdx.x; i < ROWS * CPR; i += THREADS) {
-        const int r = i / CPR, c = (i % CPR) * 8;
-        const bool ok = row0 + r < nrows;
-        cp_async_16(smem + swz<D>(r, c), ok ? g + static_cast<long long>(row0 + r) * row_stride + c : g, ok);
+    for (int j = 0; j < ROWS / RSTEP; ++j) {
+        const bool ok = row0 + r0 + j * RSTEP < nrows;
+        cp_async_16(dst + j * RSTEP * D, ok ? p : g, ok);
+        p += RSTEP * row_stride;
     }
 }
 
@@ -57,7 +64,7 @@ __device__ __forceinline__ float fast_exp2(float x) {
 }  // namespace attn
 
 template <typename T, int D, int WARPS, int MT, int BN, bool QREG, bool CAUSAL>
-__global__ void __launch_bounds__(WARPS * 32) attention_fwd(
+__global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     T* __restrict__ out, float* __restrict__ lse,
     long long q_sb, long long q_ss, long long q_sh,
@@ -90,6 +97,15 @@ __global__ void __launch_bounds__(WARPS * 32) attention_fwd(
     const int diag = Sk - Sq;   // query i sees keys j <= i + diag (causal)
     // Row of m-tile mt of this warp (the block's rows are m-tile-major: all warps' tile 0 first).
     auto tile_row = [&](int mt) { return mt * WARPS * 16 + warp * 16; };
+    // ldmatrix addresses. A lane's row within an 8-row group is lane % 8, so its swizzle key
+    // is fixed; the chunk index is 2*kk + (a lane bit), so the swizzled byte offset is
+    // (base ^ (kk << 5)) plus a row offset: an XOR and an add, no per-kk registers.
+    constexpr int ROW_BYTES = D * static_cast<int>(sizeof(T));
+    const int lo = lane % 8;
+    const unsigned int q_off = (lo + ((lane / 8) % 2) * 8) * ROW_BYTES + ((((lane / 16)) ^ lo) << 4);
+    const unsigned int k_off = (lo + (lane / 16) * 8) * ROW_BYTES + ((((lane / 8) % 2) ^ lo) << 4);
+    const unsigned int v_off = (lo + ((lane / 8) % 2) * 8) * ROW_BYTES + ((((lane / 16)) ^ lo) << 4);
+    const unsigned int sQa = smem_addr(sQ), sKa = smem_addr(sK), sVa = smem_addr(sV);
 
     int n_blocks = (Sk + BN - 1) / BN;
     if (CAUSAL) {
@@ -132,7 +148,7 @@ __global__ void __launch_bounds__(WARPS * 32) attention_fwd(
 #pragma unroll
                 for (int kk = 0; kk < D / 16; ++kk)
                     ldmatrix_x4(qf[QREG ? mt : 0][QREG ? kk : 0],
-                                sQ + swz<D>(tile_row(mt) + (lane % 8) + ((lane / 8) % 2) * 8, kk * 16 + (lane / 16) * 8));
+                                sQa + tile_row(mt) * ROW_BYTES + (q_off ^ (kk << 5)));
         }
 
         // S = Q K^T: each K fragment pair feeds MT m-tiles.
@@ -141,7 +157,7 @@ __global__ void __launch_bounds__(WARPS * 32) attention_fwd(
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int j = 0; j < NT; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
-        const T* sKb = sK + buf * BN * D;
+        const unsigned int sKb = sKa + buf * BN * ROW_BYTES;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             unsigned int a[MT][4];
@@ -151,13 +167,13 @@ __global__ void __launch_bounds__(WARPS * 32) attention_fwd(
 #pragma unroll
                     for (int e = 0; e < 4; ++e) a[mt][e] = qf[QREG ? mt : 0][QREG ? kk : 0][e];
                 } else {
-                    ldmatrix_x4(a[mt], sQ + swz<D>(tile_row(mt) + (lane % 8) + ((lane / 8) % 2) * 8, kk * 16 + (lane / 16) * 8));
+                    ldmatrix_x4(a[mt], sQa + tile_row(mt) * ROW_BYTES + (q_off ^ (kk << 5)));
                 }
             }
 #pragma unroll
             for (int nt = 0; nt < BN / 16; ++nt) {
                 unsigned int r[4];
-                ldmatrix_x4(r, sKb + swz<D>(nt * 16 + (lane % 8) + (lane / 16) * 8, kk * 16 + ((lane / 8) % 2) * 8));
+                ldmatrix_x4(r, sKb + nt * 16 * ROW_BYTES + (k_off ^ (kk << 5)));
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     mma_16816<T>(s[mt][2 * nt], a[mt], r[0], r[1]);
@@ -215,7 +231,7 @@ __global__ void __launch_bounds__(WARPS * 32) attention_fwd(
 
         // O += P V: P from the S accumulators (C layout = A layout in pairs of n-tiles); each
         // V fragment pair feeds MT m-tiles.
-        const T* sVb = sV + buf * BN * D;
+        const unsigned int sVb = sVa + buf * BN * ROW_BYTES;
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
             unsigned int a[MT][4];
@@ -229,7 +245,7 @@ __global__ void __launch_bounds__(WARPS * 32) attention_fwd(
 #pragma unroll
             for (int dt = 0; dt < D / 16; ++dt) {
                 unsigned int r[4];
-                ldmatrix_x4_trans(r, sVb + swz<D>(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8, dt * 16 + (lane / 16) * 8));
+                ldmatrix_x4_trans(r, sVb + kk * 16 * ROW_BYTES + (v_off ^ (dt << 5)));
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     mma_16816<T>(o[mt][2 * dt], a[mt], r[0], r[1]);
