@@ -63,7 +63,7 @@ __device__ __forceinline__ float fast_exp2(float x) {
 
 }  // namespace attn
 
-template <typename T, int D, int WARPS, int MT, int BN, bool QREG, bool CAUSAL>
+template <typename T, int D, int WARPS, int MT, int BN, int BNC, bool QREG, bool CAUSAL>
 __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     T* __restrict__ out, float* __restrict__ lse,
@@ -76,9 +76,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
     using namespace attn;
     constexpr int BM = WARPS * 16 * MT;
     constexpr int THREADS = WARPS * 32;
-    constexpr int NT = BN / 8;      // key n-tiles a key tile
+    constexpr int NT = BNC / 8;     // key n-tiles a compute sub-tile (BNC keys of the BN staged)
     constexpr int DT = D / 8;       // head-dim n-tiles
-    static_assert(D % 16 == 0 && BN % 16 == 0, "tile shapes");
+    static_assert(D % 16 == 0 && BNC % 16 == 0 && BN % BNC == 0, "tile shapes");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);
     T* sK = sQ + BM * D;        // [2][BN][D]
@@ -151,105 +151,109 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
                                 sQa + tile_row(mt) * ROW_BYTES + (q_off ^ (kk << 5)));
         }
 
-        // S = Q K^T: each K fragment pair feeds MT m-tiles.
-        float s[MT][NT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int j = 0; j < NT; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
-        const unsigned int sKb = sKa + buf * BN * ROW_BYTES;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            unsigned int a[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                if constexpr (QREG) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) a[mt][e] = qf[QREG ? mt : 0][QREG ? kk : 0][e];
-                } else {
-                    ldmatrix_x4(a[mt], sQa + tile_row(mt) * ROW_BYTES + (q_off ^ (kk << 5)));
-                }
-            }
-#pragma unroll
-            for (int nt = 0; nt < BN / 16; ++nt) {
-                unsigned int r[4];
-                ldmatrix_x4(r, sKb + nt * 16 * ROW_BYTES + (k_off ^ (kk << 5)));
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    mma_16816<T>(s[mt][2 * nt], a[mt], r[0], r[1]);
-                    mma_16816<T>(s[mt][2 * nt + 1], a[mt], r[2], r[3]);
-                }
-            }
-        }
-
-        // Mask keys past the end and, causal, past the diagonal (only tiles that have any).
-        const int n0 = nb * BN;
-        const bool edge = n0 + BN > Sk || (CAUSAL && n0 + BN - 1 > m0 + diag);
-        if (edge) {
+        for (int sub = 0; sub < BN / BNC; ++sub) {
+            // S = Q K^T: each K fragment pair feeds MT m-tiles.
+            float s[MT][NT][4];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int j = 0; j < NT; ++j)
+                for (int j = 0; j < NT; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
+            const unsigned int sKb = sKa + (buf * BN + sub * BNC) * ROW_BYTES;
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int key = n0 + j * 8 + 2 * t + (e & 1);
-                        const int row = m0 + tile_row(mt) + g + (e >> 1) * 8;
-                        if (key >= Sk || (CAUSAL && key > row + diag)) s[mt][j][e] = ATTN_NEG_INF;
-                    }
-        }
-
-        // Online softmax in the log2 domain, scale folded into one FMA: p = 2^(s*c - max*c).
-        // Rows g (e = 0, 1) and g + 8 (e = 2, 3) of each m-tile; a row lives in a quad.
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float mx = ATTN_NEG_INF;
-#pragma unroll
-                for (int j = 0; j < NT; ++j) mx = fmaxf(mx, fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                const float new_max = fmaxf(row_max[mt][r], mx * scale_log2);   // (scale > 0)
-                const float m_use = new_max == ATTN_NEG_INF ? 0.f : new_max;      // a row with no key yet
-                const float alpha = fast_exp2(row_max[mt][r] - m_use);
-                row_max[mt][r] = new_max;
-                float sum = 0.f;
-#pragma unroll
-                for (int j = 0; j < NT; ++j) {
-                    s[mt][j][2 * r] = fast_exp2(fmaf(s[mt][j][2 * r], scale_log2, -m_use));
-                    s[mt][j][2 * r + 1] = fast_exp2(fmaf(s[mt][j][2 * r + 1], scale_log2, -m_use));
-                    sum += s[mt][j][2 * r] + s[mt][j][2 * r + 1];
-                }
-                row_sum[mt][r] = row_sum[mt][r] * alpha + sum;   // this thread's columns; the quad adds up at the end
-#pragma unroll
-                for (int i = 0; i < DT; ++i) {
-                    o[mt][i][2 * r] *= alpha;
-                    o[mt][i][2 * r + 1] *= alpha;
-                }
-            }
-        }
-
-        // O += P V: P from the S accumulators (C layout = A layout in pairs of n-tiles); each
-        // V fragment pair feeds MT m-tiles.
-        const unsigned int sVb = sVa + buf * BN * ROW_BYTES;
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            unsigned int a[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                a[mt][0] = pack_pair(s[mt][2 * kk][0], s[mt][2 * kk][1], T{});
-                a[mt][1] = pack_pair(s[mt][2 * kk][2], s[mt][2 * kk][3], T{});
-                a[mt][2] = pack_pair(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1], T{});
-                a[mt][3] = pack_pair(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3], T{});
-            }
-#pragma unroll
-            for (int dt = 0; dt < D / 16; ++dt) {
-                unsigned int r[4];
-                ldmatrix_x4_trans(r, sVb + kk * 16 * ROW_BYTES + (v_off ^ (dt << 5)));
+            for (int kk = 0; kk < D / 16; ++kk) {
+                unsigned int a[MT][4];
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    mma_16816<T>(o[mt][2 * dt], a[mt], r[0], r[1]);
-                    mma_16816<T>(o[mt][2 * dt + 1], a[mt], r[2], r[3]);
+                    if constexpr (QREG) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) a[mt][e] = qf[QREG ? mt : 0][QREG ? kk : 0][e];
+                    } else {
+                        ldmatrix_x4(a[mt], sQa + tile_row(mt) * ROW_BYTES + (q_off ^ (kk << 5)));
+                    }
+                }
+#pragma unroll
+                for (int nt = 0; nt < BNC / 16; ++nt) {
+                    unsigned int r[4];
+                    ldmatrix_x4(r, sKb + nt * 16 * ROW_BYTES + (k_off ^ (kk << 5)));
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma_16816<T>(s[mt][2 * nt], a[mt], r[0], r[1]);
+                        mma_16816<T>(s[mt][2 * nt + 1], a[mt], r[2], r[3]);
+                    }
+                }
+            }
+
+            // Mask keys past the end and, causal, past the diagonal (only tiles that have any).
+            const int n0 = nb * BN + sub * BNC;
+            const bool edge = n0 + BNC > Sk || (CAUSAL && n0 + BNC - 1 > m0 + diag);
+            if (edge) {
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int j = 0; j < NT; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int key = n0 + j * 8 + 2 * t + (e & 1);
+                            const int row = m0 + tile_row(mt) + g + (e >> 1) * 8;
+                            if (key >= Sk || (CAUSAL && key > row + diag)) s[mt][j][e] = ATTN_NEG_INF;
+                        }
+            }
+
+            // Online softmax in the log2 domain, scale folded into one FMA: p = 2^(s*c - max*c).
+            // Rows g (e = 0, 1) and g + 8 (e = 2, 3) of each m-tile; a row lives in a quad.
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    float mx = ATTN_NEG_INF;
+#pragma unroll
+                    for (int j = 0; j < NT; ++j) mx = fmaxf(mx, fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                    const float new_max = fmaxf(row_max[mt][r], mx * scale_log2);   // (scale > 0)
+                    const float m_use = new_max == ATTN_NEG_INF ? 0.f : new_max;      // a row with no key yet
+                    const float alpha = fast_exp2(row_max[mt][r] - m_use);
+                    row_max[mt][r] = new_max;
+                    float sum = 0.f;
+#pragma unroll
+                    for (int j = 0; j < NT; ++j) {
+                        s[mt][j][2 * r] = fast_exp2(fmaf(s[mt][j][2 * r], scale_log2, -m_use));
+                        s[mt][j][2 * r + 1] = fast_exp2(fmaf(s[mt][j][2 * r + 1], scale_log2, -m_use));
+                        sum += s[mt][j][2 * r] + s[mt][j][2 * r + 1];
+                    }
+                    row_sum[mt][r] = row_sum[mt][r] * alpha + sum;   // this thread's columns; the quad adds up at the end
+                    if (__any_sync(0xffffffffu, alpha != 1.f)) {   // the maxima rarely move after the first tiles
+#pragma unroll
+                        for (int i = 0; i < DT; ++i) {
+                            o[mt][i][2 * r] *= alpha;
+                            o[mt][i][2 * r + 1] *= alpha;
+                        }
+                    }
+                }
+            }
+
+            // O += P V: P from the S accumulators (C layout = A layout in pairs of n-tiles); each
+            // V fragment pair feeds MT m-tiles.
+            const unsigned int sVb = sVa + (buf * BN + sub * BNC) * ROW_BYTES;
+#pragma unroll
+            for (int kk = 0; kk < BNC / 16; ++kk) {
+                unsigned int a[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    a[mt][0] = pack_pair(s[mt][2 * kk][0], s[mt][2 * kk][1], T{});
+                    a[mt][1] = pack_pair(s[mt][2 * kk][2], s[mt][2 * kk][3], T{});
+                    a[mt][2] = pack_pair(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1], T{});
+                    a[mt][3] = pack_pair(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3], T{});
+                }
+#pragma unroll
+                for (int dt = 0; dt < D / 16; ++dt) {
+                    unsigned int r[4];
+                    ldmatrix_x4_trans(r, sVb + kk * 16 * ROW_BYTES + (v_off ^ (dt << 5)));
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma_16816<T>(o[mt][2 * dt], a[mt], r[0], r[1]);
+                        mma_16816<T>(o[mt][2 * dt + 1], a[mt], r[2], r[3]);
+                    }
                 }
             }
         }

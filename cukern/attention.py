@@ -18,16 +18,17 @@ __all__ = ["attention"]
 
 SOURCE = "attention_fwd.cu"
 DTYPES = ("float16", "bfloat16")
-# head_dim -> (warps a block, 16-row m-tiles a warp, keys a tile, Q fragments in registers).
-FWD_CONFIGS = {64: (4, 2, 64, True), 128: (4, 2, 32, False)}
+# head_dim -> (warps a block, 16-row m-tiles a warp, keys a staged tile, keys a compute
+# sub-tile, Q fragments in registers). Measured: docs/notes-attention.md.
+FWD_CONFIGS = {64: (4, 2, 64, 64, True), 128: (4, 2, 64, 32, False)}
 HEAD_DIMS = tuple(FWD_CONFIGS)
 LOG2E = 1.4426950408889634
 
 
 def _fwd_instance(ctype: str, d: int, causal: bool) -> tuple[str, int, int, int]:
     """(instance, warps, query rows a block, keys a tile)."""
-    warps, mt, bn, qreg = FWD_CONFIGS[d]
-    name = (f"attention_fwd<{ctype}, {d}, {warps}, {mt}, {bn}, {'true' if qreg else 'false'}, "
+    warps, mt, bn, bnc, qreg = FWD_CONFIGS[d]
+    name = (f"attention_fwd<{ctype}, {d}, {warps}, {mt}, {bn}, {bnc}, {'true' if qreg else 'false'}, "
             f"{'true' if causal else 'false'}>")
     return name, warps, 16 * mt * warps, bn
 

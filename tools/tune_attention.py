@@ -17,8 +17,8 @@ import cukern
 from cukern import _bench
 
 attn = importlib.import_module("cukern.attention")
-CANDIDATES = {64: [(4, 2, 64, True), (4, 2, 32, True), (4, 2, 64, False)],
-              128: [(4, 2, 32, False), (4, 2, 64, False), (8, 1, 64, True), (4, 2, 48, False)]}
+CANDIDATES = {64: [(4, 2, 64, 64, True), (4, 2, 128, 64, True), (4, 2, 64, 32, True)],
+              128: [(4, 2, 64, 32, False), (4, 2, 32, 32, False), (4, 2, 128, 32, False), (4, 2, 64, 64, False)]}
 SHAPES = [(32, 16, 2048, 128, False), (32, 16, 2048, 128, True), (16, 32, 2048, 64, True),
           (16, 32, 2048, 64, False)]
 
