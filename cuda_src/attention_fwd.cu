@@ -17,51 +17,7 @@
 // so variable-length batches (cu_seqlens) and sliding windows change the prologue only.
 #include "common/dtype.cuh"
 #include "common/mma.cuh"
-
-namespace attn {
-
-// -inf without <cuda/std/limits> (no include paths under NVRTC).
-#define ATTN_NEG_INF (-__int_as_float(0x7f800000))
-
-// Element offset of (r, c) in a ROWS x D tile whose 16-byte chunks are XOR-permuted by row,
-// so that ldmatrix's 8 row addresses of one column fall in 8 different bank groups.
-template <int D>
-__device__ __forceinline__ int swz(int r, int c) {
-    return r * D + ((((c >> 3) ^ (r & 7))) << 3) + (c & 7);
-}
-
-// cp.async of a ROWS x D tile: rows row0 .. row0+ROWS-1 of a (rows x D) matrix with the given
-// row stride; rows at or past `nrows` are zero-filled. A thread moves chunk column c of rows
-// r0, r0 + RSTEP, ...: its swizzle key (row & 7) is the same for all of them (RSTEP is a
-// multiple of 8), so the shared addresses are affine and only one global pointer is live.
-template <typename T, int ROWS, int D, int THREADS>
-__device__ __forceinline__ void load_tile(T* smem, const T* g, long long row_stride, int row0, int nrows) {
-    constexpr int CPR = D / 8;  // 16-byte chunks a row
-    constexpr int RSTEP = THREADS / CPR;
-    static_assert(THREADS % CPR == 0 && RSTEP % 8 == 0 && ROWS % RSTEP == 0, "tile loader shape");
-    const int r0 = threadIdx.x / CPR, c = (threadIdx.x % CPR) * 8;
-    const T* p = g + static_cast<long long>(row0 + r0) * row_stride + c;
-    T* dst = smem + swz<D>(r0, c);
-#pragma unroll
-    for (int j = 0; j < ROWS / RSTEP; ++j) {
-        const bool ok = row0 + r0 + j * RSTEP < nrows;
-        cp_async_16(dst + j * RSTEP * D, ok ? p : g, ok);
-        p += RSTEP * row_stride;
-    }
-}
-
-__device__ __forceinline__ unsigned int pack_pair(float lo, float hi, cuk_bf16) { return pack2(lo, hi, cuk_bf16{}); }
-__device__ __forceinline__ unsigned int pack_pair(float lo, float hi, cuk_half) { return pack2(lo, hi, cuk_half{}); }
-
-// 2^x with the hardware approximation (2 ulp; ex2.approx(-inf) = +0), as FlashAttention's
-// exp2f under fast math.
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-}  // namespace attn
+#include "common/attn_tile.cuh"
 
 template <typename T, int D, int WARPS, int MT, int BN, int BNC, bool QREG, bool CAUSAL>
 __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
@@ -101,10 +57,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
     // is fixed; the chunk index is 2*kk + (a lane bit), so the swizzled byte offset is
     // (base ^ (kk << 5)) plus a row offset: an XOR and an add, no per-kk registers.
     constexpr int ROW_BYTES = D * static_cast<int>(sizeof(T));
-    const int lo = lane % 8;
-    const unsigned int q_off = (lo + ((lane / 8) % 2) * 8) * ROW_BYTES + ((((lane / 16)) ^ lo) << 4);
-    const unsigned int k_off = (lo + (lane / 16) * 8) * ROW_BYTES + ((((lane / 8) % 2) ^ lo) << 4);
-    const unsigned int v_off = (lo + ((lane / 8) % 2) * 8) * ROW_BYTES + ((((lane / 16)) ^ lo) << 4);
+    const unsigned int q_off = a_offset(lane, ROW_BYTES), k_off = b_offset(lane, ROW_BYTES), v_off = q_off;
     const unsigned int sQa = smem_addr(sQ), sKa = smem_addr(sK), sVa = smem_addr(sV);
 
     int n_blocks = (Sk + BN - 1) / BN;
@@ -222,12 +175,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
                         sum += s[mt][j][2 * r] + s[mt][j][2 * r + 1];
                     }
                     row_sum[mt][r] = row_sum[mt][r] * alpha + sum;   // this thread's columns; the quad adds up at the end
-                    if (__any_sync(0xffffffffu, alpha != 1.f)) {   // the maxima rarely move after the first tiles
 #pragma unroll
-                        for (int i = 0; i < DT; ++i) {
-                            o[mt][i][2 * r] *= alpha;
-                            o[mt][i][2 * r + 1] *= alpha;
-                        }
+                    for (int i = 0; i < DT; ++i) {
+                        o[mt][i][2 * r] *= alpha;
+                        o[mt][i][2 * r + 1] *= alpha;
                     }
                 }
             }

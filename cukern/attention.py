@@ -20,7 +20,7 @@ SOURCE = "attention_fwd.cu"
 DTYPES = ("float16", "bfloat16")
 # head_dim -> (warps a block, 16-row m-tiles a warp, keys a staged tile, keys a compute
 # sub-tile, Q fragments in registers). Measured: docs/notes-attention.md.
-FWD_CONFIGS = {64: (4, 2, 64, 64, True), 128: (4, 2, 64, 32, False)}
+FWD_CONFIGS = {64: (4, 2, 64, 64, True), 128: (4, 2, 32, 32, False)}
 HEAD_DIMS = tuple(FWD_CONFIGS)
 LOG2E = 1.4426950408889634
 

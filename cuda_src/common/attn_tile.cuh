@@ -1,0 +1,65 @@
+// Shared-memory tiles of the attention kernels (forward and backward): the XOR swizzle, the
+// cp.async tile loader, ldmatrix lane offsets, the exp2 approximation, and -inf.
+#pragma once
+#include "dtype.cuh"
+#include "mma.cuh"
+
+namespace attn {
+
+// -inf without <cuda/std/limits> (no include paths under NVRTC).
+#define ATTN_NEG_INF (-__int_as_float(0x7f800000))
+
+// Element offset of (r, c) in a ROWS x D tile whose 16-byte chunks are XOR-permuted by row,
+// so that ldmatrix's 8 row addresses of one column fall in 8 different bank groups.
+template <int D>
+__device__ __forceinline__ int swz(int r, int c) {
+    return r * D + ((((c >> 3) ^ (r & 7))) << 3) + (c & 7);
+}
+
+// cp.async of a ROWS x D tile: rows row0 .. row0+ROWS-1 of a (rows x D) matrix with the given
+// row stride; rows at or past `nrows` are zero-filled. A thread moves chunk column c of rows
+// r0, r0 + RSTEP, ...: its swizzle key (row & 7) is the same for all of them (RSTEP is a
+// multiple of 8), so the shared addresses are affine and only one global pointer is live.
+template <typename T, int ROWS, int D, int THREADS>
+__device__ __forceinline__ void load_tile(T* smem, const T* g, long long row_stride, int row0, int nrows) {
+    constexpr int CPR = D / 8;  // 16-byte chunks a row
+    constexpr int RSTEP = THREADS / CPR;
+    static_assert(THREADS % CPR == 0 && RSTEP % 8 == 0 && ROWS % RSTEP == 0, "tile loader shape");
+    const int r0 = threadIdx.x / CPR, c = (threadIdx.x % CPR) * 8;
+    const T* p = g + static_cast<long long>(row0 + r0) * row_stride + c;
+    T* dst = smem + swz<D>(r0, c);
+#pragma unroll
+    for (int j = 0; j < ROWS / RSTEP; ++j) {
+        const bool ok = row0 + r0 + j * RSTEP < nrows;
+        cp_async_16(dst + j * RSTEP * D, ok ? p : g, ok);
+        p += RSTEP * row_stride;
+    }
+}
+
+__device__ __forceinline__ unsigned int pack_pair(float lo, float hi, cuk_bf16) { return pack2(lo, hi, cuk_bf16{}); }
+__device__ __forceinline__ unsigned int pack_pair(float lo, float hi, cuk_half) { return pack2(lo, hi, cuk_half{}); }
+
+// 2^x with the hardware approximation (2 ulp; ex2.approx(-inf) = +0), as FlashAttention's
+// exp2f under fast math.
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Byte offsets of this lane's ldmatrix row address within a tile of ROW_BYTES-byte rows, for
+// k-step (or n-step) 0; step kk is (offset ^ (kk << 5)) (a lane's swizzle key, row & 7, is
+// lane & 7 in every 8-row group, so the XOR commutes with whole-row offsets).
+//   a_offset: A operands (rows = M, 16 columns = k) and transposed B operands (rows = k).
+//   b_offset: B operands stored as [n][k] (rows = n, 16 columns = k).
+__device__ __forceinline__ unsigned int a_offset(int lane, int row_bytes) {
+    const int lo = lane % 8;
+    return (lo + ((lane / 8) % 2) * 8) * row_bytes + (((lane / 16) ^ lo) << 4);
+}
+__device__ __forceinline__ unsigned int b_offset(int lane, int row_bytes) {
+    const int lo = lane % 8;
+    return (lo + (lane / 16) * 8) * row_bytes + ((((lane / 8) % 2) ^ lo) << 4);
+}
+
+}  // namespace attn
+
