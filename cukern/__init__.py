@@ -4,7 +4,7 @@ Array in, array out: CuPy arrays in give CuPy arrays out; torch CUDA tensors in 
 tensors out (zero copy). NumPy references of every op are in ``cukern.reference``.
 """
 from ._faults import check_errors
-from .attention import attention
+from .attention import attention, attention_backward
 from ._kernels import CompileError
 from .embedding import embedding, embedding_backward
 from .group_norm import group_norm, group_norm_backward
@@ -12,6 +12,6 @@ from .norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward", "group_norm",
+__all__ = ["attention", "attention_backward", "layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward", "group_norm",
            "group_norm_backward", "embedding",
            "embedding_backward", "check_errors", "CompileError"]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from . import __version__
-from .attention import attention
+from .attention import attention, attention_backward
 from .embedding import embedding, embedding_backward
 from .group_norm import group_norm, group_norm_backward
 from .norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
@@ -154,14 +154,21 @@ def cases(quick: bool = False, family: str | None = None) -> list[Case]:
     for B, H, S, D, causal in w[size]:
         flops = 4 * B * H * S * S * D // (2 if causal else 1)
         long = " long" if S > 2048 else ""  # (the same label for the --quick shape of a case)
-        tag = f"attention{' causal' if causal else ''}{long} fwd d{D}"
+        tag = f"attention{' causal' if causal else ''}{long} d{D}"
         make = functools.partial(_attn_inputs, B, H, S, D, dt)
         for backend in ("flash", "cudnn"):
-            table.append(Case(f"{tag} vs {backend}", "attention", (B, H, S, D), dt,
+            table.append(Case(f"{tag} fwd vs {backend}", "attention", (B, H, S, D), dt,
                               elements_bytes((4 * B, S, H, D), dt), make,
                               functools.partial(_attn_fwd, causal=causal),
                               functools.partial(_torch_attn_fwd, causal=causal, backend=backend),
                               flops=flops))
+        # forward + backward: FLOPs counted as FlashAttention does, backward = 2.5 x forward
+        for backend in ("flash", "cudnn"):
+            table.append(Case(f"{tag} fwd+bwd vs {backend}", "attention", (B, H, S, D), dt,
+                              elements_bytes((8 * B, S, H, D), dt), functools.partial(make, grad=True),
+                              functools.partial(_attn_fwdbwd, causal=causal),
+                              functools.partial(_torch_attn_fwdbwd, causal=causal, backend=backend),
+                              flops=int(3.5 * flops)))
     return [c for c in table if family is None or c.family == family]
 
 
@@ -313,9 +320,33 @@ def _torch_gn_fwdbwd(t):
     return y.detach(), dx, dw, db
 
 
-def _attn_inputs(B, H, S, D, dtype, seed) -> dict:
+def _attn_inputs(B, H, S, D, dtype, seed, *, grad=False) -> dict:
     gen = _generator(seed)
-    return {k: _randn((B, S, H, D), dtype, gen) for k in ("q", "k", "v")}
+    t = {k: _randn((B, S, H, D), dtype, gen) for k in ("q", "k", "v")}
+    if grad:
+        t["do"] = _randn((B, S, H, D), dtype, gen)
+        for k in ("q", "k", "v"):  # torch's autograd leaves, sharing storage
+            t[k + "g"] = t[k].detach().requires_grad_(True)
+    return t
+
+
+def _attn_fwdbwd(t, causal):
+    out, lse = attention(t["q"], t["k"], t["v"], causal=causal, return_lse=True)
+    return (out,) + attention_backward(t["do"], t["q"], t["k"], t["v"], out, lse, causal=causal)
+
+
+def _torch_attn_fwdbwd(t, causal, backend):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    which = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    q, k, v = (t[n + "g"] for n in ("q", "k", "v"))
+    with sdpa_kernel(which):
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=causal).transpose(1, 2)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), t["do"])
+    return out.detach(), dq, dk, dv
 
 
 def _attn_fwd(t, causal):

@@ -14,14 +14,19 @@ import numpy as np
 from . import _arrays, _kernels
 from ._arrays import DeviceArray
 
-__all__ = ["attention"]
+__all__ = ["attention", "attention_backward"]
 
 SOURCE = "attention_fwd.cu"
+BWD_SOURCE = "attention_bwd.cu"
 DTYPES = ("float16", "bfloat16")
 # head_dim -> (warps a block, 16-row m-tiles a warp, keys a staged tile, keys a compute
 # sub-tile, Q fragments in registers). Measured: docs/notes-attention.md.
 FWD_CONFIGS = {64: (4, 2, 64, 64, True), 128: (4, 2, 32, 32, False)}
 HEAD_DIMS = tuple(FWD_CONFIGS)
+# head_dim -> (warps of the dK/dV kernel (16 keys each), queries a tile there; warps of the
+# dQ kernel (16 queries each), keys a tile there).
+BWD_CONFIGS = {64: (4, 64, 4, 64), 128: (4, 32, 4, 64)}
+DOT_THREADS = 256
 LOG2E = 1.4426950408889634
 
 
@@ -33,10 +38,28 @@ def _fwd_instance(ctype: str, d: int, causal: bool) -> tuple[str, int, int, int]
     return name, warps, 16 * mt * warps, bn
 
 
+def _bwd_instances(ctype: str, d: int, causal: bool) -> tuple[str, str, str]:
+    """(Dsum instance, dK/dV instance, dQ instance)."""
+    w1, bm, w2, bn = BWD_CONFIGS[d]
+    c = "true" if causal else "false"
+    return (f"attention_bwd_dot<{ctype}, {d}>", f"attention_bwd_dkdv<{ctype}, {d}, {w1}, {bm}, {c}>",
+            f"attention_bwd_dq<{ctype}, {d}, {w2}, {bn}, {c}>")
+
+
 def instances() -> list[str]:
-    """Every kernel instance the front can launch (for the compile check)."""
+    """Every forward kernel instance the front can launch (for the compile check)."""
     return [_fwd_instance(_arrays.DTYPES[dt][0], d, c)[0]
             for dt in DTYPES for d in HEAD_DIMS for c in (False, True)]
+
+
+def bwd_instances() -> list[str]:
+    """Every backward kernel instance (cuda_src/attention_bwd.cu)."""
+    names = []
+    for dt in DTYPES:
+        for d in HEAD_DIMS:
+            for c in (False, True):
+                names += [n for n in _bwd_instances(_arrays.DTYPES[dt][0], d, c) if n not in names]
+    return names
 
 
 def _check(arr, name: str) -> DeviceArray:
@@ -121,3 +144,85 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
                     np.int32(H), np.int32(Hkv), np.int32(Sq), np.int32(Sk), np.float32(scale * LOG2E)),
                     shared_mem=smem)
     return (out.obj, lse.obj) if return_lse else out.obj
+
+
+def _check_like_q(arr, name: str, ref: DeviceArray) -> DeviceArray:
+    a = _check(arr, name)
+    if a.shape != ref.shape:
+        raise ValueError(f"{name}: shape {a.shape} does not match {ref.name}'s {ref.shape}")
+    if a.dtype != ref.dtype:
+        raise ValueError(f"{name}: dtype {a.dtype} differs from {ref.name}'s {ref.dtype}")
+    return a
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, deterministic=False):
+    """Gradients of ``attention``: ``(dq, dk, dv)``.
+
+    Args:
+        dout: (B, Sq, H, D) gradient of ``out``, q's dtype.
+        q, k, v, causal, softmax_scale: as given to the forward.
+        out, lse: the forward's output and log-sum-exp (``return_lse=True``).
+        deterministic: accepted for FlashAttention's signature; the kernels are always
+            deterministic (no atomics: dK/dV sum over query heads and tiles in a fixed order,
+            dQ has its own pass), so every call gives the same bits.
+
+    Returns:
+        dq (B, Sq, H, D), dk and dv (B, Sk, Hkv, D) — dk and dv summed over the query heads
+        that share each K/V head — contiguous, of q's dtype.
+    """
+    qa, ka, va = _check(q, "q"), _check(k, "k"), _check(v, "v")
+    B, Sq, H, D = qa.shape
+    Bk, Sk, Hkv, Dk = ka.shape
+    for name, a in (("k", ka), ("v", va)):
+        if a.dtype != qa.dtype:
+            raise ValueError(f"{name}: dtype {a.dtype} differs from q's {qa.dtype}")
+    if va.shape != ka.shape:
+        raise ValueError(f"v: shape {va.shape} does not match k's {ka.shape}")
+    if Bk != B or Dk != D:
+        raise ValueError(f"k: shape {ka.shape} does not match q's batch {B} and head_dim {D}")
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(f"k: {Hkv} kv heads do not divide q's {H} heads")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"q: head_dim {D} is not supported (supported: {', '.join(map(str, HEAD_DIMS))})")
+    da = _check_like_q(dout, "dout", qa)
+    oa = _check_like_q(out, "out", qa)
+    la = _arrays.as_device_array(lse, "lse", dtypes=("float32",))
+    if la.shape != (B, H, Sq):
+        raise ValueError(f"lse: shape {la.shape} does not match (batch, heads, seqlen_q) = {(B, H, Sq)}")
+    la = la.contiguous()
+    scale = _scale(softmax_scale, D)
+    device = _arrays.same_device(qa, ka, va, da, oa, la)
+    if B * max(H, 1) > 65535:
+        raise ValueError(f"q: batch * heads = {B * H} exceeds 65535 (one grid axis); split the batch")
+
+    dq = _arrays.empty(qa, qa.shape)
+    dk = _arrays.empty(qa, ka.shape)
+    dv = _arrays.empty(qa, va.shape)
+    with _arrays.launch_context(qa):
+        if B * H * Sq == 0 or Sk == 0:
+            for a in (dq, dk, dv):
+                _arrays.fill(a, 0.0)
+            return dq.obj, dk.obj, dv.obj
+        dot_i, dkdv_i, dq_i = _bwd_instances(qa.ctype, D, bool(causal))
+        w1, bm, w2, bn = BWD_CONFIGS[D]
+        strides = lambda a: tuple(np.int64(s) for s in a.strides[:3])  # noqa: E731
+        dsum = _arrays.empty(qa, (B, H, Sq), "float32")
+        fn = _kernels.function(BWD_SOURCE, dot_i, device)
+        rows = B * Sq * H
+        _kernels.launch(fn, min(-(-rows // DOT_THREADS), 65535), DOT_THREADS,
+                        (da, oa, *strides(da), *strides(oa), dsum, np.int32(B), np.int32(Sq), np.int32(H)))
+        tail = (np.int32(H), np.int32(Hkv), np.int32(Sq), np.int32(Sk), np.float32(scale),
+                np.float32(scale * LOG2E))
+        fn = _kernels.function(BWD_SOURCE, dkdv_i, device)
+        bn1 = 16 * w1
+        smem = (2 * bn1 + 4 * bm) * D * qa.itemsize + 4 * bm * 4
+        _kernels.launch(fn, (-(-Sk // bn1), B * Hkv), w1 * 32, (
+            qa, ka, va, da, la, dsum, dk, dv, *strides(qa), *strides(ka), *strides(va), *strides(da),
+            *strides(dk), *strides(dv), *tail), shared_mem=smem)
+        fn = _kernels.function(BWD_SOURCE, dq_i, device)
+        bm2 = 16 * w2
+        smem = (2 * bm2 + 4 * bn) * D * qa.itemsize
+        _kernels.launch(fn, (-(-Sq // bm2), B * H), w2 * 32, (
+            qa, ka, va, da, la, dsum, dq, *strides(qa), *strides(ka), *strides(va), *strides(da),
+            *strides(dq), *tail), shared_mem=smem)
+    return dq.obj, dk.obj, dv.obj

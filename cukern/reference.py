@@ -252,3 +252,34 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
         out = np.einsum("bhqk,bkhd->bqhd", np.where(l > 0, p / np.where(l > 0, l, 1.0), 0.0), vh)
         lse = np.where(l[..., 0] > 0, np.log(np.where(l[..., 0] > 0, l[..., 0], 1.0)) + m_safe[..., 0], np.inf)
     return (out, lse) if return_lse else out
+
+
+__all__ += ["attention_backward"]
+
+
+def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None):
+    """-> (dq, dk, dv) in float64; dk and dv summed over the query heads sharing a K/V head."""
+    q, k, v, dout = _f64(q), _f64(k), _f64(v), _f64(dout)
+    B, Sq, H, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    scale = 1.0 / np.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    rep = H // Hkv
+    kh, vh = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
+    s = np.einsum("bqhd,bkhd->bhqk", q, kh) * scale
+    if causal:
+        keep = np.arange(Sk)[None, :] <= np.arange(Sq)[:, None] + (Sk - Sq)
+        s = np.where(keep[None, None], s, -np.inf)
+    with np.errstate(invalid="ignore"):
+        m = s.max(axis=-1, keepdims=True)
+        m = np.where(np.isfinite(m), m, 0.0)
+        p = np.exp(s - m)
+        l = p.sum(axis=-1, keepdims=True)
+        p = np.where(l > 0, p / np.where(l > 0, l, 1.0), 0.0)
+    dvh = np.einsum("bhqk,bqhd->bkhd", p, dout)
+    dp = np.einsum("bqhd,bkhd->bhqk", dout, vh)
+    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+    dq = np.einsum("bhqk,bkhd->bqhd", ds, kh) * scale
+    dkh = np.einsum("bhqk,bqhd->bkhd", ds, q) * scale
+    dk = dkh.reshape(B, Sk, Hkv, rep, D).sum(axis=3)
+    dv = dvh.reshape(B, Sk, Hkv, rep, D).sum(axis=3)
+    return dq, dk, dv

@@ -148,6 +148,101 @@ def test_long_sequences_against_torch_sdpa_float32(sq, sk, causal, d):
     assert_close(to_host(lse[seen]), to_host(ref_lse[seen]), "float32", "lse", tol=1e-4)
 
 
+# ---- backward ---------------------------------------------------------------------------------
+
+@needs_torch
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_backward_matches_torch_autograd(causal):
+    rng = np.random.default_rng(7)
+    q, k, v = rng.standard_normal((2, 5, 4, 8)), rng.standard_normal((2, 7, 2, 8)), rng.standard_normal((2, 7, 2, 8))
+    do = rng.standard_normal(q.shape)
+    qt, kt, vt = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
+    kk, vv = (a.transpose(1, 2).repeat_interleave(2, 1) for a in (kt, vt))
+    mask = torch.tensor(np.arange(7)[None, :] <= np.arange(5)[:, None] + 2) if causal else None
+    o = torch.nn.functional.scaled_dot_product_attention(qt.transpose(1, 2), kk, vv, attn_mask=mask, scale=0.3)
+    o.transpose(1, 2).backward(torch.tensor(do))
+    for got, t in zip(ref.attention_backward(do, q, k, v, causal=causal, softmax_scale=0.3), (qt, kt, vt)):
+        np.testing.assert_allclose(got, t.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def _run_backward_case(c):
+    rng = np.random.default_rng(c["seed"])
+    dt, fw = c["dtype"], c["framework"]
+    q = random_host(rng, (c["b"], c["sq"], c["h"], c["d"]), dt)
+    k = random_host(rng, (c["b"], c["sk"], c["hkv"], c["d"]), dt)
+    v = random_host(rng, (c["b"], c["sk"], c["hkv"], c["d"]), dt)
+    do = random_host(rng, q.shape, dt)
+    qd, kd, vd, dod = (to_device(a, fw) for a in (q, k, v, do))
+    out, lse = cukern.attention(qd, kd, vd, causal=c["causal"], softmax_scale=c["scale"], return_lse=True)
+    poison_allocator(fw, [q.nbytes, k.nbytes, k.nbytes])
+    grads = cukern.attention_backward(dod, qd, kd, vd, out, lse, causal=c["causal"], softmax_scale=c["scale"])
+    expect = ref.attention_backward(do, q, k, v, causal=c["causal"], softmax_scale=c["scale"])
+    for name, got, e, shape in zip(("dq", "dk", "dv"), grads, expect, (q.shape, k.shape, v.shape)):
+        assert type(got) is type(qd) and tuple(got.shape) == shape
+        # dS = P (dP - rowsum(P dP)) cancels: errors are measured against the gradient's scale.
+        assert_close(got, e, dt, name, tol=2 * TOL[dt], scale=float(np.sqrt(np.mean(e * e))) if e.size else 0.0)
+
+
+@gpu
+@settings(max_examples=80)
+@given(c=attn_cases())
+def test_attention_backward_matches_reference(c):
+    _run_backward_case(c)
+
+
+@gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_attention_backward_is_bitwise_deterministic(d):
+    import cupy
+
+    rng = np.random.default_rng(d)
+    q, do = (cupy.asarray(random_host(rng, (2, 300, 8, d), "bfloat16")) for _ in range(2))
+    k, v = (cupy.asarray(random_host(rng, (2, 300, 2, d), "bfloat16")) for _ in range(2))
+    out, lse = cukern.attention(q, k, v, causal=True, return_lse=True)
+    runs = [[cupy.asnumpy(g).tobytes() for g in cukern.attention_backward(do, q, k, v, out, lse, causal=True,
+                                                                          deterministic=True)] for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]
+
+
+@gpu
+@needs_torch
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_backward_against_torch_autograd(d, causal):
+    g = torch.Generator(device="cuda").manual_seed(d + causal)
+    q = torch.randn(2, 1000, 8, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(2, 1000, 2, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(2, 1000, 2, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    do = torch.randn(2, 1000, 8, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    out, lse = cukern.attention(q, k, v, causal=causal, return_lse=True)
+    dq, dk, dv = cukern.attention_backward(do, q, k, v, out, lse, causal=causal)
+    qt, kt, vt = (a.float().requires_grad_(True) for a in (q, k, v))
+    o = torch.nn.functional.scaled_dot_product_attention(
+        qt.transpose(1, 2), kt.transpose(1, 2), vt.transpose(1, 2), is_causal=causal, enable_gqa=True)
+    o.transpose(1, 2).backward(do.float())
+    for name, got, t in (("dq", dq, qt), ("dk", dk, kt), ("dv", dv, vt)):
+        e = to_host(t.grad)
+        assert_close(got, e, "bfloat16", name, tol=2 * TOL["bfloat16"], scale=float(np.sqrt(np.mean(e * e))))
+
+
+@gpu
+def test_attention_backward_bad_inputs():
+    import cupy
+
+    q = cupy.ones((2, 8, 4, 64), np.float16)
+    kv = cupy.ones((2, 8, 2, 64), np.float16)
+    lse = cupy.zeros((2, 4, 8), np.float32)
+    cases = [
+        (lambda: cukern.attention_backward(q[:, :4], q, kv, kv, q, lse), ValueError, "^dout: shape"),
+        (lambda: cukern.attention_backward(q, q, kv, kv, q.astype(ml_bf16()), lse), ValueError, "^out: dtype"),
+        (lambda: cukern.attention_backward(q, q, kv, kv, q, lse[:, :2]), ValueError, r"^lse: shape \(2, 2, 8\)"),
+        (lambda: cukern.attention_backward(q, q, kv, kv, q, lse.astype(np.float16)), ValueError, "^lse: dtype"),
+    ]
+    for call, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            call()
+
+
 # ---- bad inputs (GPU: they need device arrays) ---------------------------------------------------
 
 @gpu

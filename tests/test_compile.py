@@ -18,9 +18,11 @@ import pytest
 import cukern
 from cukern import _kernels, _nvrtc
 
-# Kernel family modules: each has SOURCE (its file in cuda_src/) and instances() (every
-# template instance the front can launch, as name expressions).
-FAMILIES = ("cukern.norm", "cukern.group_norm", "cukern.embedding", "cukern._partials", "cukern.attention")
+# Kernel sources by family module: "module" has SOURCE (its file in cuda_src/) and instances()
+# (every template instance the front can launch, as name expressions); "module:bwd" names a
+# module's second source, BWD_SOURCE with bwd_instances().
+FAMILIES = ("cukern.norm", "cukern.group_norm", "cukern.embedding", "cukern._partials", "cukern.attention",
+            "cukern.attention:bwd")
 ARCHS = ("sm_80", "sm_90")
 PAIRS = [(family, arch) for family in FAMILIES for arch in ARCHS]
 
@@ -44,9 +46,16 @@ def nvrtc():
     return _nvrtc
 
 
+def source_and_instances(family: str) -> tuple[str, list[str]]:
+    name, _, part = family.partition(":")
+    module = importlib.import_module(name)
+    if part:
+        return getattr(module, f"{part.upper()}_SOURCE"), getattr(module, f"{part}_instances")()
+    return module.SOURCE, module.instances()
+
+
 def _compile(family: str, arch: str):
-    module = importlib.import_module(family)
-    return _nvrtc.compile_instances(module.SOURCE, module.instances(), arch)
+    return _nvrtc.compile_instances(*source_and_instances(family), arch)
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +84,8 @@ def test_nvrtc_loads_in_ci():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_declares_instances(family):
-    module = importlib.import_module(family)
-    assert isinstance(module.SOURCE, str) and (_kernels.source_dir() / module.SOURCE).is_file()
-    names = module.instances()
+    source, names = source_and_instances(family)
+    assert isinstance(source, str) and (_kernels.source_dir() / source).is_file()
     assert names, f"{family}.instances() is empty"
     dupes = sorted({n for n in names if names.count(n) > 1})
     assert not dupes, f"{family}.instances() lists these more than once: {dupes}"
@@ -87,7 +95,7 @@ def test_family_declares_instances(family):
 def test_every_instance_compiles(reports, family, arch):
     """Each requested instance got a ptxas report, and no unrequested kernel did."""
     usages = _report(reports, family, arch)
-    requested = set(importlib.import_module(family).instances())
+    requested = set(source_and_instances(family)[1])
     reported = {u.instance for u in usages}
     missing = sorted(requested - reported)
     extra = sorted(reported - requested)
@@ -132,7 +140,7 @@ def test_broken_source_raises_compile_error(nvrtc, monkeypatch):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_source_is_self_contained(family):
     """The text handed to NVRTC has its local includes expanded: no include paths needed."""
-    text = _kernels.load_source(importlib.import_module(family).SOURCE)
+    text = _kernels.load_source(source_and_instances(family)[0])
     left = [line for line in text.splitlines() if re.match(r'\s*#\s*include\s+"', line)]
     assert not left, f"unexpanded includes: {left}"
 
