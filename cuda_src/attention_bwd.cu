@@ -61,15 +61,16 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
     using namespace attn;
     constexpr int BN = WARPS * 16;
     constexpr int THREADS = WARPS * 32;
+    constexpr int ROW = row_elems(D);   // shared-memory row (D padded to 64 elements)
+    constexpr int ROW_BYTES = ROW * static_cast<int>(sizeof(T));
     constexpr int NQ = BM / 8;     // query n-tiles a query tile
     constexpr int DT = D / 8;
-    constexpr int ROW_BYTES = D * static_cast<int>(sizeof(T));
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    T* sK = reinterpret_cast<T*>(smem_raw);     // [BN][D]
-    T* sV = sK + BN * D;                          // [BN][D]
-    T* sQ = sV + BN * D;                          // [2][BM][D]
-    T* sdO = sQ + 2 * BM * D;                     // [2][BM][D]
-    float* sL = reinterpret_cast<float*>(sdO + 2 * BM * D);   // [2][BM] lse * log2(e)
+    T* sK = reinterpret_cast<T*>(smem_raw);     // [BN][ROW]
+    T* sV = sK + BN * ROW;                          // [BN][ROW]
+    T* sQ = sV + BN * ROW;                          // [2][BM][ROW]
+    T* sdO = sQ + 2 * BM * ROW;                     // [2][BM][ROW]
+    float* sL = reinterpret_cast<float*>(sdO + 2 * BM * ROW);   // [2][BM] lse * log2(e)
     float* sD = sL + 2 * BM;                                   // [2][BM] Dsum
 
     const int n_block = blockIdx.x;
@@ -88,13 +89,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
     const int per_head = max(0, m_tiles - m_first);
     const int steps = per_head * rep;
 
-    load_tile<T, BN, D, THREADS>(sK, k + b * k_sb + hk * k_sh, k_ss, n0, Sk);
-    load_tile<T, BN, D, THREADS>(sV, v + b * v_sb + hk * v_sh, v_ss, n0, Sk);
+    load_tile<T, BN, D, ROW, THREADS>(sK, k + b * k_sb + hk * k_sh, k_ss, n0, Sk);
+    load_tile<T, BN, D, ROW, THREADS>(sV, v + b * v_sb + hk * v_sh, v_ss, n0, Sk);
     auto issue = [&](int step, int buf) {
         const int h = hk * rep + step / per_head;
         const int m0 = (m_first + step % per_head) * BM;
-        load_tile<T, BM, D, THREADS>(sQ + buf * BM * D, q + b * q_sb + h * q_sh, q_ss, m0, Sq);
-        load_tile<T, BM, D, THREADS>(sdO + buf * BM * D, dout + b * d_sb + h * d_sh, d_ss, m0, Sq);
+        load_tile<T, BM, D, ROW, THREADS>(sQ + buf * BM * ROW, q + b * q_sb + h * q_sh, q_ss, m0, Sq);
+        load_tile<T, BM, D, ROW, THREADS>(sdO + buf * BM * ROW, dout + b * d_sb + h * d_sh, d_ss, m0, Sq);
     };
     if (steps > 0) issue(0, 0);
     cp_async_commit();
@@ -219,14 +220,15 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dq(
     using namespace attn;
     constexpr int BM = WARPS * 16;
     constexpr int THREADS = WARPS * 32;
+    constexpr int ROW = row_elems(D);   // shared-memory row (D padded to 64 elements)
+    constexpr int ROW_BYTES = ROW * static_cast<int>(sizeof(T));
     constexpr int NT = BN / 8;
     constexpr int DT = D / 8;
-    constexpr int ROW_BYTES = D * static_cast<int>(sizeof(T));
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    T* sQ = reinterpret_cast<T*>(smem_raw);   // [BM][D]
-    T* sdO = sQ + BM * D;                       // [BM][D]
-    T* sK = sdO + BM * D;                       // [2][BN][D]
-    T* sV = sK + 2 * BN * D;                    // [2][BN][D]
+    T* sQ = reinterpret_cast<T*>(smem_raw);   // [BM][ROW]
+    T* sdO = sQ + BM * ROW;                       // [BM][ROW]
+    T* sK = sdO + BM * ROW;                       // [2][BN][ROW]
+    T* sV = sK + 2 * BN * ROW;                    // [2][BN][ROW]
 
     const int m_block = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     const int b = blockIdx.y / H, h = blockIdx.y % H;
@@ -245,11 +247,11 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dq(
         const int last_key = min(Sk - 1, m0 + BM - 1 + diag);
         n_blocks = last_key < 0 ? 0 : min(n_blocks, last_key / BN + 1);
     }
-    load_tile<T, BM, D, THREADS>(sQ, q + b * q_sb + h * q_sh, q_ss, m0, Sq);
-    load_tile<T, BM, D, THREADS>(sdO, dout + b * d_sb + h * d_sh, d_ss, m0, Sq);
+    load_tile<T, BM, D, ROW, THREADS>(sQ, q + b * q_sb + h * q_sh, q_ss, m0, Sq);
+    load_tile<T, BM, D, ROW, THREADS>(sdO, dout + b * d_sb + h * d_sh, d_ss, m0, Sq);
     if (n_blocks > 0) {
-        load_tile<T, BN, D, THREADS>(sK, kg, k_ss, 0, Sk);
-        load_tile<T, BN, D, THREADS>(sV, vg, v_ss, 0, Sk);
+        load_tile<T, BN, D, ROW, THREADS>(sK, kg, k_ss, 0, Sk);
+        load_tile<T, BN, D, ROW, THREADS>(sV, vg, v_ss, 0, Sk);
     }
     cp_async_commit();
 
@@ -270,8 +272,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dq(
     for (int nb = 0; nb < n_blocks; ++nb) {
         const int buf = nb & 1;
         if (nb + 1 < n_blocks) {
-            load_tile<T, BN, D, THREADS>(sK + (buf ^ 1) * BN * D, kg, k_ss, (nb + 1) * BN, Sk);
-            load_tile<T, BN, D, THREADS>(sV + (buf ^ 1) * BN * D, vg, v_ss, (nb + 1) * BN, Sk);
+            load_tile<T, BN, D, ROW, THREADS>(sK + (buf ^ 1) * BN * ROW, kg, k_ss, (nb + 1) * BN, Sk);
+            load_tile<T, BN, D, ROW, THREADS>(sV + (buf ^ 1) * BN * ROW, vg, v_ss, (nb + 1) * BN, Sk);
         }
         cp_async_commit();
         cp_async_wait<1>();

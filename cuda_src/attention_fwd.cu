@@ -32,13 +32,15 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
     using namespace attn;
     constexpr int BM = WARPS * 16 * MT;
     constexpr int THREADS = WARPS * 32;
+    constexpr int ROW = row_elems(D);   // shared-memory row (D padded to 64 elements)
+    constexpr int ROW_BYTES = ROW * static_cast<int>(sizeof(T));
     constexpr int NT = BNC / 8;     // key n-tiles a compute sub-tile (BNC keys of the BN staged)
     constexpr int DT = D / 8;       // head-dim n-tiles
     static_assert(D % 16 == 0 && BNC % 16 == 0 && BN % BNC == 0, "tile shapes");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);
-    T* sK = sQ + BM * D;        // [2][BN][D]
-    T* sV = sK + 2 * BN * D;    // [2][BN][D]
+    T* sK = sQ + BM * ROW;        // [2][BN][ROW]
+    T* sV = sK + 2 * BN * ROW;    // [2][BN][ROW]
 
     // Causal blocks have different amounts of work: the longest (last) are started first.
     const int m_block = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
@@ -56,7 +58,6 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
     // ldmatrix addresses. A lane's row within an 8-row group is lane % 8, so its swizzle key
     // is fixed; the chunk index is 2*kk + (a lane bit), so the swizzled byte offset is
     // (base ^ (kk << 5)) plus a row offset: an XOR and an add, no per-kk registers.
-    constexpr int ROW_BYTES = D * static_cast<int>(sizeof(T));
     const unsigned int q_off = a_offset(lane, ROW_BYTES), k_off = b_offset(lane, ROW_BYTES), v_off = q_off;
     const unsigned int sQa = smem_addr(sQ), sKa = smem_addr(sK), sVa = smem_addr(sV);
 
@@ -66,10 +67,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
         n_blocks = last_key < 0 ? 0 : min(n_blocks, last_key / BN + 1);
     }
 
-    load_tile<T, BM, D, THREADS>(sQ, qg, q_ss, m0, Sq);
+    load_tile<T, BM, D, ROW, THREADS>(sQ, qg, q_ss, m0, Sq);
     if (n_blocks > 0) {
-        load_tile<T, BN, D, THREADS>(sK, kg, k_ss, 0, Sk);
-        load_tile<T, BN, D, THREADS>(sV, vg, v_ss, 0, Sk);
+        load_tile<T, BN, D, ROW, THREADS>(sK, kg, k_ss, 0, Sk);
+        load_tile<T, BN, D, ROW, THREADS>(sV, vg, v_ss, 0, Sk);
     }
     cp_async_commit();
 
@@ -89,8 +90,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
     for (int nb = 0; nb < n_blocks; ++nb) {
         const int buf = nb & 1;
         if (nb + 1 < n_blocks) {
-            load_tile<T, BN, D, THREADS>(sK + (buf ^ 1) * BN * D, kg, k_ss, (nb + 1) * BN, Sk);
-            load_tile<T, BN, D, THREADS>(sV + (buf ^ 1) * BN * D, vg, v_ss, (nb + 1) * BN, Sk);
+            load_tile<T, BN, D, ROW, THREADS>(sK + (buf ^ 1) * BN * ROW, kg, k_ss, (nb + 1) * BN, Sk);
+            load_tile<T, BN, D, ROW, THREADS>(sV + (buf ^ 1) * BN * ROW, vg, v_ss, (nb + 1) * BN, Sk);
         }
         cp_async_commit();
         cp_async_wait<1>();  // all but the group just issued: Q and this block's K, V

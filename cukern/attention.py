@@ -21,11 +21,19 @@ BWD_SOURCE = "attention_bwd.cu"
 DTYPES = ("float16", "bfloat16")
 # head_dim -> (warps a block, 16-row m-tiles a warp, keys a staged tile, keys a compute
 # sub-tile, Q fragments in registers). Measured: docs/notes-attention.md.
-FWD_CONFIGS = {64: (4, 2, 64, 64, True), 128: (4, 2, 32, 32, False)}
+FWD_CONFIGS = {32: (4, 2, 64, 64, True), 64: (4, 2, 64, 64, True), 96: (4, 2, 32, 32, False),
+               128: (4, 2, 32, 32, False), 256: (4, 1, 32, 32, False)}
 HEAD_DIMS = tuple(FWD_CONFIGS)
 # head_dim -> (warps of the dK/dV kernel (16 keys each), queries a tile there; warps of the
-# dQ kernel (16 queries each), keys a tile there).
-BWD_CONFIGS = {64: (4, 64, 4, 64), 128: (4, 32, 4, 64)}
+# dQ kernel (16 queries each), keys a tile there). No 256 yet: its dK and dV accumulators
+# (256 floats a thread at 16 keys a warp) need the head dim split over warps.
+BWD_CONFIGS = {32: (4, 64, 4, 64), 64: (4, 64, 4, 64), 96: (4, 32, 4, 64), 128: (4, 32, 4, 64)}
+BWD_HEAD_DIMS = tuple(BWD_CONFIGS)
+
+
+def _row_elems(d: int) -> int:
+    """Shared-memory row length of the kernels (row_elems in cuda_src/common/attn_tile.cuh)."""
+    return 64 if d <= 64 else -(-d // 64) * 64
 DOT_THREADS = 256
 LOG2E = 1.4426950408889634
 
@@ -56,7 +64,7 @@ def bwd_instances() -> list[str]:
     """Every backward kernel instance (cuda_src/attention_bwd.cu)."""
     names = []
     for dt in DTYPES:
-        for d in HEAD_DIMS:
+        for d in BWD_HEAD_DIMS:
             for c in (False, True):
                 names += [n for n in _bwd_instances(_arrays.DTYPES[dt][0], d, c) if n not in names]
     return names
@@ -129,7 +137,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
     lse = _arrays.empty(qa, (B, H, Sq), "float32") if return_lse else None
     if B * H * Sq:
         inst, warps, bm, bn = _fwd_instance(qa.ctype, D, bool(causal))
-        smem = (bm + 4 * bn) * D * qa.itemsize
+        smem = (bm + 4 * bn) * _row_elems(D) * qa.itemsize
         with _arrays.launch_context(qa):
             fn = _kernels.function(SOURCE, inst, device)
             if Sk == 0:  # no keys: zeros, lse = +inf
@@ -182,8 +190,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         raise ValueError(f"k: shape {ka.shape} does not match q's batch {B} and head_dim {D}")
     if Hkv == 0 or H % Hkv:
         raise ValueError(f"k: {Hkv} kv heads do not divide q's {H} heads")
-    if D not in HEAD_DIMS:
-        raise ValueError(f"q: head_dim {D} is not supported (supported: {', '.join(map(str, HEAD_DIMS))})")
+    if D not in BWD_HEAD_DIMS:
+        raise ValueError(f"q: head_dim {D} is not supported by the backward (supported: "
+                         f"{', '.join(map(str, BWD_HEAD_DIMS))})")
     da = _check_like_q(dout, "dout", qa)
     oa = _check_like_q(out, "out", qa)
     la = _arrays.as_device_array(lse, "lse", dtypes=("float32",))
@@ -215,13 +224,13 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
                 np.float32(scale * LOG2E))
         fn = _kernels.function(BWD_SOURCE, dkdv_i, device)
         bn1 = 16 * w1
-        smem = (2 * bn1 + 4 * bm) * D * qa.itemsize + 4 * bm * 4
+        smem = (2 * bn1 + 4 * bm) * _row_elems(D) * qa.itemsize + 4 * bm * 4
         _kernels.launch(fn, (-(-Sk // bn1), B * Hkv), w1 * 32, (
             qa, ka, va, da, la, dsum, dk, dv, *strides(qa), *strides(ka), *strides(va), *strides(da),
             *strides(dk), *strides(dv), *tail), shared_mem=smem)
         fn = _kernels.function(BWD_SOURCE, dq_i, device)
         bm2 = 16 * w2
-        smem = (2 * bm2 + 4 * bn) * D * qa.itemsize
+        smem = (2 * bm2 + 4 * bn) * _row_elems(D) * qa.itemsize
         _kernels.launch(fn, (-(-Sq // bm2), B * H), w2 * 32, (
             qa, ka, va, da, la, dsum, dq, *strides(qa), *strides(ka), *strides(va), *strides(da),
             *strides(dq), *tail), shared_mem=smem)

@@ -69,14 +69,14 @@ def test_host_arrays_are_a_type_error():
 # ---- the kernel against the reference (GPU) ---------------------------------------------------
 
 @st.composite
-def attn_cases(draw):
+def attn_cases(draw, forward=True):
     h, hkv = draw(st.sampled_from([(1, 1), (2, 2), (4, 2), (4, 1), (8, 2), (8, 1), (3, 3)]))
     return dict(
         b=draw(st.sampled_from([1, 2])),
         sq=draw(st.sampled_from([1, 2, 17, 64, 65, 129, 200])),
         sk=draw(st.sampled_from([1, 3, 17, 64, 100, 129, 257])),
         h=h, hkv=hkv,
-        d=draw(st.sampled_from([64, 128])),
+        d=draw(st.sampled_from([32, 64, 64, 96, 128, 128, 256] if forward else [32, 64, 64, 96, 128, 128])),
         dtype=draw(st.sampled_from(ATTN_DTYPES)),
         causal=draw(st.booleans()),
         scale=draw(st.sampled_from([None, None, 0.05, 0.3])),
@@ -209,7 +209,7 @@ def _run_backward_case(c):
 
 @gpu
 @settings(max_examples=80)
-@given(c=attn_cases())
+@given(c=attn_cases(forward=False))
 def test_attention_backward_matches_reference(c):
     _run_backward_case(c)
 
@@ -261,6 +261,9 @@ def test_attention_backward_bad_inputs():
         (lambda: cukern.attention_backward(q, q, kv, kv, q.astype(ml_bf16()), lse), ValueError, "^out: dtype"),
         (lambda: cukern.attention_backward(q, q, kv, kv, q, lse[:, :2]), ValueError, r"^lse: shape \(2, 2, 8\)"),
         (lambda: cukern.attention_backward(q, q, kv, kv, q, lse.astype(np.float16)), ValueError, "^lse: dtype"),
+        (lambda: cukern.attention_backward(*(cupy.ones((1, 4, 2, 256), np.float16) for _ in range(5)),
+                                           cupy.zeros((1, 2, 4), np.float32)),
+         ValueError, "^q: head_dim 256 is not supported by the backward"),
     ]
     for call, exc, pattern in cases:
         with pytest.raises(exc, match=pattern):

@@ -9,30 +9,44 @@ namespace attn {
 // -inf without <cuda/std/limits> (no include paths under NVRTC).
 #define ATTN_NEG_INF (-__int_as_float(0x7f800000))
 
-// Element offset of (r, c) in a ROWS x D tile whose 16-byte chunks are XOR-permuted by row,
-// so that ldmatrix's 8 row addresses of one column fall in 8 different bank groups.
-template <int D>
+// Shared-memory row length (elements) for head dim D: a multiple of 64 elements (8 chunks of
+// 16 bytes) so that the XOR swizzle below stays inside the row; D = 32 and 96 are padded.
+__host__ __device__ constexpr int row_elems(int D) { return D <= 64 ? 64 : (D + 63) / 64 * 64; }
+
+// Element offset of (r, c) in a tile of ROW-element rows whose 16-byte chunks are
+// XOR-permuted by row, so that ldmatrix's 8 row addresses of one column fall in 8 different
+// bank groups.
+template <int ROW>
 __device__ __forceinline__ int swz(int r, int c) {
-    return r * D + ((((c >> 3) ^ (r & 7))) << 3) + (c & 7);
+    return r * ROW + ((((c >> 3) ^ (r & 7))) << 3) + (c & 7);
 }
 
-// cp.async of a ROWS x D tile: rows row0 .. row0+ROWS-1 of a (rows x D) matrix with the given
-// row stride; rows at or past `nrows` are zero-filled. A thread moves chunk column c of rows
-// r0, r0 + RSTEP, ...: its swizzle key (row & 7) is the same for all of them (RSTEP is a
-// multiple of 8), so the shared addresses are affine and only one global pointer is live.
-template <typename T, int ROWS, int D, int THREADS>
+// cp.async of a ROWS x D tile into ROW-element swizzled rows: rows row0 .. row0+ROWS-1 of a
+// (rows x D) matrix with the given row stride; rows at or past `nrows` are zero-filled (the
+// padding columns D .. ROW of a row are never read). Fast path: a thread moves chunk column
+// c of rows r0, r0 + RSTEP, ... — its swizzle key (row & 7) is the same for all of them when
+// RSTEP is a multiple of 8, so the shared addresses are affine and one global pointer is live.
+template <typename T, int ROWS, int D, int ROW, int THREADS>
 __device__ __forceinline__ void load_tile(T* smem, const T* g, long long row_stride, int row0, int nrows) {
     constexpr int CPR = D / 8;  // 16-byte chunks a row
-    constexpr int RSTEP = THREADS / CPR;
-    static_assert(THREADS % CPR == 0 && RSTEP % 8 == 0 && ROWS % RSTEP == 0, "tile loader shape");
-    const int r0 = threadIdx.x / CPR, c = (threadIdx.x % CPR) * 8;
-    const T* p = g + static_cast<long long>(row0 + r0) * row_stride + c;
-    T* dst = smem + swz<D>(r0, c);
+    if constexpr (THREADS % CPR == 0 && (THREADS / CPR) % 8 == 0 && ROWS % (THREADS / CPR) == 0) {
+        constexpr int RSTEP = THREADS / CPR;
+        const int r0 = threadIdx.x / CPR, c = (threadIdx.x % CPR) * 8;
+        const T* p = g + static_cast<long long>(row0 + r0) * row_stride + c;
+        T* dst = smem + swz<ROW>(r0, c);
 #pragma unroll
-    for (int j = 0; j < ROWS / RSTEP; ++j) {
-        const bool ok = row0 + r0 + j * RSTEP < nrows;
-        cp_async_16(dst + j * RSTEP * D, ok ? p : g, ok);
-        p += RSTEP * row_stride;
+        for (int j = 0; j < ROWS / RSTEP; ++j) {
+            const bool ok = row0 + r0 + j * RSTEP < nrows;
+            cp_async_16(dst + j * RSTEP * ROW, ok ? p : g, ok);
+            p += RSTEP * row_stride;
+        }
+    } else {
+#pragma unroll
+        for (int i = threadIdx.x; i < ROWS * CPR; i += THREADS) {
+            const int r = i / CPR, c = (i % CPR) * 8;
+            const bool ok = row0 + r < nrows;
+            cp_async_16(smem + swz<ROW>(r, c), ok ? g + static_cast<long long>(row0 + r) * row_stride + c : g, ok);
+        }
     }
 }
 
