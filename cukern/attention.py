@@ -83,6 +83,32 @@ def _check(arr, name: str) -> DeviceArray:
     return a
 
 
+def _check_qkv(q, k, v, head_dims, which: str):
+    """(qa, ka, va) after the checks both directions share; ``which`` names the direction in
+    the head-dim message ("" or " by the backward")."""
+    qa, ka, va = _check(q, "q"), _check(k, "k"), _check(v, "v")
+    B, Sq, H, D = qa.shape
+    Bk, Sk, Hkv, Dk = ka.shape
+    for name, a in (("k", ka), ("v", va)):
+        if a.dtype != qa.dtype:
+            raise ValueError(f"{name}: dtype {a.dtype} differs from q's {qa.dtype}")
+    if va.shape != ka.shape:
+        raise ValueError(f"v: shape {va.shape} does not match k's {ka.shape}")
+    if Bk != B:
+        raise ValueError(f"k: batch {Bk} does not match q's {B}")
+    if Dk != D:
+        raise ValueError(f"k: head_dim {Dk} does not match q's {D}")
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(f"k: {Hkv} kv heads do not divide q's {H} heads (grouped-query attention "
+                         "needs heads % kv_heads == 0)")
+    if D not in head_dims:
+        raise ValueError(f"q: head_dim {D} is not supported{which} (supported: "
+                         f"{', '.join(map(str, head_dims))})")
+    if B * H > 65535:
+        raise ValueError(f"q: batch * heads = {B * H} exceeds 65535 (one grid axis); split the batch")
+    return qa, ka, va
+
+
 def _scale(softmax_scale, d: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(d)
@@ -111,27 +137,11 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
     Returns:
         ``out`` (B, Sq, H, D) of q's dtype, contiguous; with ``return_lse`` ``(out, lse)``.
     """
-    qa, ka, va = _check(q, "q"), _check(k, "k"), _check(v, "v")
+    qa, ka, va = _check_qkv(q, k, v, HEAD_DIMS, "")
     B, Sq, H, D = qa.shape
-    Bk, Sk, Hkv, Dk = ka.shape
-    for name, a in (("k", ka), ("v", va)):
-        if a.dtype != qa.dtype:
-            raise ValueError(f"{name}: dtype {a.dtype} differs from q's {qa.dtype}")
-    if va.shape != ka.shape:
-        raise ValueError(f"v: shape {va.shape} does not match k's {ka.shape}")
-    if Bk != B:
-        raise ValueError(f"k: batch {Bk} does not match q's {B}")
-    if Dk != D:
-        raise ValueError(f"k: head_dim {Dk} does not match q's {D}")
-    if Hkv == 0 or H % Hkv:
-        raise ValueError(f"k: {Hkv} kv heads do not divide q's {H} heads (grouped-query attention "
-                         "needs heads % kv_heads == 0)")
-    if D not in HEAD_DIMS:
-        raise ValueError(f"q: head_dim {D} is not supported (supported: {', '.join(map(str, HEAD_DIMS))})")
+    Sk, Hkv = ka.shape[1], ka.shape[2]
     scale = _scale(softmax_scale, D)
     device = _arrays.same_device(qa, ka, va)
-    if B * H > 65535:
-        raise ValueError(f"q: batch * heads = {B * H} exceeds 65535 (one grid axis); split the batch")
 
     out = _arrays.empty(qa, (B, Sq, H, D))
     lse = _arrays.empty(qa, (B, H, Sq), "float32") if return_lse else None
@@ -178,21 +188,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         dq (B, Sq, H, D), dk and dv (B, Sk, Hkv, D) — dk and dv summed over the query heads
         that share each K/V head — contiguous, of q's dtype.
     """
-    qa, ka, va = _check(q, "q"), _check(k, "k"), _check(v, "v")
+    qa, ka, va = _check_qkv(q, k, v, BWD_HEAD_DIMS, " by the backward")
     B, Sq, H, D = qa.shape
-    Bk, Sk, Hkv, Dk = ka.shape
-    for name, a in (("k", ka), ("v", va)):
-        if a.dtype != qa.dtype:
-            raise ValueError(f"{name}: dtype {a.dtype} differs from q's {qa.dtype}")
-    if va.shape != ka.shape:
-        raise ValueError(f"v: shape {va.shape} does not match k's {ka.shape}")
-    if Bk != B or Dk != D:
-        raise ValueError(f"k: shape {ka.shape} does not match q's batch {B} and head_dim {D}")
-    if Hkv == 0 or H % Hkv:
-        raise ValueError(f"k: {Hkv} kv heads do not divide q's {H} heads")
-    if D not in BWD_HEAD_DIMS:
-        raise ValueError(f"q: head_dim {D} is not supported by the backward (supported: "
-                         f"{', '.join(map(str, BWD_HEAD_DIMS))})")
+    Sk, Hkv = ka.shape[1], ka.shape[2]
     da = _check_like_q(dout, "dout", qa)
     oa = _check_like_q(out, "out", qa)
     la = _arrays.as_device_array(lse, "lse", dtypes=("float32",))
@@ -201,8 +199,6 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     la = la.contiguous()
     scale = _scale(softmax_scale, D)
     device = _arrays.same_device(qa, ka, va, da, oa, la)
-    if B * max(H, 1) > 65535:
-        raise ValueError(f"q: batch * heads = {B * H} exceeds 65535 (one grid axis); split the batch")
 
     dq = _arrays.empty(qa, qa.shape)
     dk = _arrays.empty(qa, ka.shape)

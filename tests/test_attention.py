@@ -66,6 +66,64 @@ def test_host_arrays_are_a_type_error():
         cukern.attention(x, x, x)
 
 
+@pytest.fixture
+def host_arrays_as_device(monkeypatch):
+    """Let NumPy arrays pass for device arrays, so that the argument checks, which run before
+    any allocation or launch, can be tested without a GPU."""
+    from cukern import _arrays
+
+    def fake(obj, name, dtypes=("float32", "float16", "bfloat16")):
+        if obj is None:
+            raise TypeError(f"{name}: required, got None")
+        a = np.asarray(obj)
+        arr = _arrays.DeviceArray(a, "cupy", 4096, a.shape, [st // a.itemsize for st in a.strides],
+                                  a.dtype.name, 0, name)
+        if arr.dtype not in dtypes:
+            raise ValueError(f"{name}: dtype {arr.dtype} is not supported")
+        return arr
+
+    monkeypatch.setattr(_arrays, "as_device_array", fake)
+
+
+def test_argument_checks_without_a_gpu(host_arrays_as_device):
+    """Every check of attention and attention_backward that precedes the launch, on CPU."""
+    bf16 = ml_bf16()
+    q = np.ones((2, 8, 4, 64), np.float16)
+    kv = np.ones((2, 8, 2, 64), np.float16)
+    lse = np.zeros((2, 4, 8), np.float32)
+    fwd = [
+        ((q.astype(np.float32), kv, kv), {}, ValueError, r"^q: float32 is not supported"),
+        ((q[0], kv, kv), {}, ValueError, r"^q: expected \(batch, seqlen, heads, head_dim\)"),
+        ((q, kv.astype(bf16), kv), {}, ValueError, "^k: dtype bfloat16 differs from q's float16"),
+        ((q, kv, kv[:, :4]), {}, ValueError, "^v: shape"),
+        ((q, kv[:1], kv[:1]), {}, ValueError, "^k: batch 1 does not match q's 2"),
+        ((q, kv[..., :32], kv[..., :32]), {}, ValueError, "^k: head_dim 32 does not match q's 64"),
+        ((q, np.ones((2, 8, 3, 64), np.float16), np.ones((2, 8, 3, 64), np.float16)), {}, ValueError,
+         "^k: 3 kv heads do not divide q's 4 heads"),
+        ((q[..., :48], kv[..., :48], kv[..., :48]), {}, ValueError, "^q: head_dim 48 is not supported"),
+        ((q, kv, kv), {"softmax_scale": -1.0}, ValueError, "^softmax_scale: must be finite and positive"),
+        ((q, kv, kv), {"softmax_scale": "x"}, TypeError, "^softmax_scale: expected a number"),
+        ((np.ones((1, 2, 70000, 64), np.float16), np.ones((1, 2, 1, 64), np.float16),
+          np.ones((1, 2, 1, 64), np.float16)), {}, ValueError, "^q: batch \\* heads = 70000 exceeds 65535"),
+    ]
+    for args, kw, exc, pattern in fwd:
+        with pytest.raises(exc, match=pattern):
+            cukern.attention(*args, **kw)
+    bwd = [
+        ((q[:, :4], q, kv, kv, q, lse), ValueError, "^dout: shape"),
+        ((q, q, kv, kv, q.astype(bf16), lse), ValueError, "^out: dtype bfloat16 differs"),
+        ((q, q, kv, kv, q, lse[:, :2]), ValueError, r"^lse: shape \(2, 2, 8\)"),
+        ((q, q, kv, kv, q, lse.astype(np.float16)), ValueError, "^lse: dtype float16"),
+        ((q, q, kv, kv, q, None), TypeError, "^lse: required"),
+        ((q, q, kv[:1], kv[:1], q, lse), ValueError, "^k: batch 1 does not match"),
+        ((*(np.ones((1, 4, 2, 256), np.float16) for _ in range(5)), np.zeros((1, 2, 4), np.float32)),
+         ValueError, "^q: head_dim 256 is not supported by the backward"),
+    ]
+    for args, exc, pattern in bwd:
+        with pytest.raises(exc, match=pattern):
+            cukern.attention_backward(*args)
+
+
 # ---- the kernel against the reference (GPU) ---------------------------------------------------
 
 @st.composite
