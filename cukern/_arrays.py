@@ -92,6 +92,20 @@ class DeviceArray:
             return self
         return _wrap(obj, self.name)
 
+    def copy(self) -> "DeviceArray":
+        """A fresh C-contiguous copy (new allocation: 256-byte aligned), even when ``self`` is
+        contiguous already — for kernels that need aligned rows of a misaligned view."""
+        if self.kind == "torch":
+            import torch
+
+            obj = self.obj.clone(memory_format=torch.contiguous_format)
+        else:
+            import cupy
+
+            with cupy.cuda.Device(self.device):
+                obj = self.obj.copy(order="C")
+        return _wrap(obj, self.name)
+
     def reshape(self, shape) -> "DeviceArray":
         """View of a contiguous array with another shape."""
         return _wrap(self.obj.reshape(shape), self.name)

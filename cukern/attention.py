@@ -77,9 +77,10 @@ def _check(arr, name: str) -> DeviceArray:
                          "or bfloat16 (softmax and accumulation are float32 inside); cast q, k and v")
     if a.ndim != 4:
         raise ValueError(f"{name}: expected (batch, seqlen, heads, head_dim), got shape {a.shape}")
-    # cp.async moves 16-byte chunks: rows must start 16-byte aligned; else read a copy.
+    # cp.async moves 16-byte chunks: rows must start 16-byte aligned; else read a fresh copy
+    # (a contiguous view at a misaligned address stays misaligned under contiguous()).
     if (a.shape[-1] > 1 and a.strides[-1] != 1) or a.ptr % 16 or any(st % 8 for st in a.strides[:3]):
-        a = a.contiguous()
+        a = a.copy()
     return a
 
 
@@ -118,6 +119,12 @@ def _scale(softmax_scale, d: int) -> float:
         raise TypeError(f"softmax_scale: expected a number, got {type(softmax_scale).__name__}") from None
     if not (math.isfinite(s) and s > 0):
         raise ValueError(f"softmax_scale: must be finite and positive, got {softmax_scale}")
+    # The kernels take scale and scale*log2(e) as float32: both must be normal numbers there
+    # (0 or inf would turn masked scores into NaN).
+    tiny, big = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+    if not (tiny <= s and s * LOG2E <= big):
+        raise ValueError(f"softmax_scale: {softmax_scale} is outside float32's normal range "
+                         f"[{tiny:.3g}, {big / LOG2E:.3g}]")
     return s
 
 

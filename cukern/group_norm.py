@@ -74,6 +74,16 @@ def _check_x(x, name: str) -> DeviceArray:
     return xa
 
 
+def _check_limits(xa: DeviceArray) -> None:
+    """The kernels take N, C and per-channel extents as 32-bit ints."""
+    n, c = xa.shape[:2]
+    hw = math.prod(xa.shape[2:])
+    for what, value in (("N", n), ("C", c), ("the spatial size", hw)):
+        if value >= 2**31:
+            raise ValueError(f"{xa.name}: {what} = {value} is beyond the kernels' 32-bit range "
+                             f"(shape {xa.shape}); split the tensor")
+
+
 def _check_groups(num_groups, channels: int) -> int:
     try:
         g = operator.index(num_groups)
@@ -165,6 +175,7 @@ def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5, *, return_stats=
         ``y`` with x's shape and layout, or ``(y, mean, rstd)``.
     """
     xa = _check_x(x, "x")
+    _check_limits(xa)
     n, c = xa.shape[:2]
     g = _check_groups(num_groups, c)
     wa = _check_like(weight, "weight", xa, (c,))
@@ -218,6 +229,7 @@ def group_norm_backward(dy, x, num_groups, weight, mean, rstd):
         weight is None; dbias (C,). Bitwise deterministic (no atomics).
     """
     xa = _check_x(x, "x")
+    _check_limits(xa)
     da = _check_like(dy, "dy", xa, xa.shape, required=True)
     n, c = xa.shape[:2]
     g = _check_groups(num_groups, c)

@@ -7,6 +7,7 @@ the first call of a kernel instance compiles it); choose with HYPOTHESIS_PROFILE
 import functools
 import os
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
@@ -39,3 +40,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def host_arrays_as_device(monkeypatch):
+    """Let NumPy arrays pass for device arrays, so that the argument checks, which run before
+    any allocation or launch, can be tested without a GPU."""
+    from cukern import _arrays
+
+    def fake(obj, name, dtypes=("float32", "float16", "bfloat16")):
+        if obj is None:
+            raise TypeError(f"{name}: required, got None")
+        a = np.asarray(obj)
+        arr = _arrays.DeviceArray(a, "cupy", a.ctypes.data, a.shape, [st // a.itemsize for st in a.strides],
+                                  a.dtype.name, 0, name)
+        if arr.dtype not in dtypes:
+            raise ValueError(f"{name}: dtype {arr.dtype} is not supported")
+        return arr
+
+    monkeypatch.setattr(_arrays, "as_device_array", fake)

@@ -66,25 +66,6 @@ def test_host_arrays_are_a_type_error():
         cukern.attention(x, x, x)
 
 
-@pytest.fixture
-def host_arrays_as_device(monkeypatch):
-    """Let NumPy arrays pass for device arrays, so that the argument checks, which run before
-    any allocation or launch, can be tested without a GPU."""
-    from cukern import _arrays
-
-    def fake(obj, name, dtypes=("float32", "float16", "bfloat16")):
-        if obj is None:
-            raise TypeError(f"{name}: required, got None")
-        a = np.asarray(obj)
-        arr = _arrays.DeviceArray(a, "cupy", 4096, a.shape, [st // a.itemsize for st in a.strides],
-                                  a.dtype.name, 0, name)
-        if arr.dtype not in dtypes:
-            raise ValueError(f"{name}: dtype {arr.dtype} is not supported")
-        return arr
-
-    monkeypatch.setattr(_arrays, "as_device_array", fake)
-
-
 def test_argument_checks_without_a_gpu(host_arrays_as_device):
     """Every check of attention and attention_backward that precedes the launch, on CPU."""
     bf16 = ml_bf16()
@@ -103,6 +84,8 @@ def test_argument_checks_without_a_gpu(host_arrays_as_device):
         ((q[..., :48], kv[..., :48], kv[..., :48]), {}, ValueError, "^q: head_dim 48 is not supported"),
         ((q, kv, kv), {"softmax_scale": -1.0}, ValueError, "^softmax_scale: must be finite and positive"),
         ((q, kv, kv), {"softmax_scale": "x"}, TypeError, "^softmax_scale: expected a number"),
+        ((q, kv, kv), {"softmax_scale": 1e-46}, ValueError, "^softmax_scale: .* outside float32's normal range"),
+        ((q, kv, kv), {"softmax_scale": 3e38}, ValueError, "^softmax_scale: .* outside float32's normal range"),
         ((np.ones((1, 2, 70000, 64), np.float16), np.ones((1, 2, 1, 64), np.float16),
           np.ones((1, 2, 1, 64), np.float16)), {}, ValueError, "^q: batch \\* heads = 70000 exceeds 65535"),
     ]
@@ -122,6 +105,26 @@ def test_argument_checks_without_a_gpu(host_arrays_as_device):
     for args, exc, pattern in bwd:
         with pytest.raises(exc, match=pattern):
             cukern.attention_backward(*args)
+
+
+def test_misaligned_contiguous_views_are_copied(host_arrays_as_device, monkeypatch):
+    """A contiguous view that starts off a 16-byte boundary (a slice of a flat buffer) must be
+    read through a fresh, aligned copy: contiguous() would hand back the same address."""
+    from cukern import _arrays
+
+    class Copied(Exception):
+        pass
+
+    def copy(self):
+        raise Copied(self.name)
+
+    monkeypatch.setattr(_arrays.DeviceArray, "copy", copy)
+    buf = np.ones(2 * 8 * 4 * 64 + 8, np.float16)
+    q = buf[1:1 + 2 * 8 * 4 * 64].reshape(2, 8, 4, 64)   # 2 bytes past an aligned start
+    assert q.ctypes.data % 16 and q.flags.c_contiguous
+    kv = np.ones((2, 8, 2, 64), np.float16)
+    with pytest.raises(Copied, match="^q$"):
+        cukern.attention(q, kv, kv)
 
 
 # ---- the kernel against the reference (GPU) ---------------------------------------------------
@@ -171,6 +174,19 @@ def _run_case(c, layout="contiguous"):
 @given(c=attn_cases())
 def test_attention_matches_reference(c):
     _run_case(c)
+
+
+@gpu
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_misaligned_contiguous_inputs(framework):
+    """q as a contiguous view 2 bytes past an aligned address: read through a copy."""
+    rng = np.random.default_rng(12)
+    q = random_host(rng, (2, 40, 4, 64), "float16")
+    k, v = (random_host(rng, (2, 40, 2, 64), "float16") for _ in range(2))
+    buf = to_device(np.concatenate([q.ravel()[:1], q.ravel()]), framework)
+    qd = buf[1:].reshape(q.shape)
+    out, lse = cukern.attention(qd, to_device(k, framework), to_device(v, framework), return_lse=True)
+    assert_close(out, ref.attention(q, k, v), "float16", "out", tol=TOL["float16"])
 
 
 @gpu

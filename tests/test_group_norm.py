@@ -76,6 +76,17 @@ def test_cpu_tensor_is_a_type_error():
         cukern.group_norm(torch.ones(2, 4, 3), 2)
 
 
+def test_sizes_beyond_32_bits_are_refused(host_arrays_as_device):
+    """N, C or a channel's spatial extent of 2**31 or more: a clear error, not a wrapped int."""
+    big = 2**31
+    for shape in [(1, 16, big), (big, 2), (1, big)]:
+        x = np.lib.stride_tricks.as_strided(np.ones(1, np.float16), shape=shape, strides=(0,) * len(shape))
+        with pytest.raises(ValueError, match="beyond the kernels' 32-bit range"):
+            cukern.group_norm(x, 1 if shape[1] != 16 else 4)
+        with pytest.raises(ValueError, match="beyond the kernels' 32-bit range"):
+            cukern.group_norm_backward(x, x, 1 if shape[1] != 16 else 4, None, None, None)
+
+
 # ---- the kernels against the reference (GPU) ---------------------------------------------------
 
 def _on_device(host, framework, layout):
