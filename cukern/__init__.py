@@ -12,6 +12,6 @@ from .norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_backward", "layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward", "group_norm",
-           "group_norm_backward", "embedding",
-           "embedding_backward", "check_errors", "CompileError"]
+__all__ = ["layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward", "group_norm",
+           "group_norm_backward", "embedding", "embedding_backward", "attention", "attention_backward",
+           "check_errors", "CompileError"]

@@ -83,11 +83,13 @@ class DeviceArray:
         """A C-contiguous copy (or self when already contiguous), same type and device."""
         if self.kind == "torch":
             obj = self.obj.contiguous()
+        elif self.obj.flags.c_contiguous:
+            return self
         else:
             import cupy
 
             with cupy.cuda.Device(self.device):  # (ascontiguousarray would make 0-d arrays 1-d)
-                obj = self.obj if self.obj.flags.c_contiguous else self.obj.copy(order="C")
+                obj = self.obj.copy(order="C")
         if obj is self.obj:
             return self
         return _wrap(obj, self.name)

@@ -77,6 +77,15 @@ def assert_close(out, ref, dtype: str, name: str, tol: float | None = None, scal
                              f"{out[i]!r} vs reference {ref[i]!r} (dtype {dtype}, tol {tol:g})")
 
 
+def raise_as_expected(cases) -> None:
+    """Each (call, exception type, message pattern) raises that exception with that message."""
+    import pytest
+
+    for call, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            call()
+
+
 def poison_allocator(framework: str, nbytes_list) -> None:
     """Fill blocks of the given sizes with NaN and free them, so that the caching allocator
     hands NaN-filled memory to the next allocations of those sizes (an unwritten output

@@ -39,13 +39,13 @@ def _torch_sdpa(q, k, v, causal, scale):
 @pytest.mark.parametrize("sq, sk, h, hkv", [(5, 7, 4, 2), (9, 9, 3, 3), (6, 4, 4, 1), (1, 13, 2, 2)])
 def test_reference_matches_torch_cpu_float64(sq, sk, h, hkv, causal):
     rng = np.random.default_rng(sq * 100 + sk)
-    q, k, v = rng.standard_normal((2, sq, h, 16)), rng.standard_normal((2, sk, hkv, 16)), rng.standard_normal((2, sk, hkv, 16))
+    q = rng.standard_normal((2, sq, h, 16))
+    k, v = rng.standard_normal((2, sk, hkv, 16)), rng.standard_normal((2, sk, hkv, 16))
     out, lse = ref.attention(q, k, v, causal=causal, softmax_scale=0.3, return_lse=True)
     o_t, lse_t = _torch_sdpa(q, k, v, causal, 0.3)
     seen = np.isfinite(lse_t.numpy())
-    np.testing.assert_allclose(out[np.broadcast_to(seen.transpose(0, 2, 1)[..., None], out.shape)],
-                               o_t.transpose(1, 2).numpy()[np.broadcast_to(seen.transpose(0, 2, 1)[..., None], out.shape)],
-                               rtol=1e-12, atol=1e-12)
+    rows = np.broadcast_to(seen.transpose(0, 2, 1)[..., None], out.shape)  # queries that see a key
+    np.testing.assert_allclose(out[rows], o_t.transpose(1, 2).numpy()[rows], rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(lse[seen], lse_t.numpy()[seen], rtol=1e-12, atol=1e-12)
 
 
@@ -210,7 +210,8 @@ def test_long_sequences_against_torch_sdpa_float32(sq, sk, causal, d):
     out, lse = cukern.attention(q, k, v, causal=causal, return_lse=True)
     qt, kt, vt = (a.float().transpose(1, 2) for a in (q, k, v))
     kt, vt = kt.repeat_interleave(2, 1), vt.repeat_interleave(2, 1)
-    mask = (torch.arange(sk, device="cuda")[None, :] <= torch.arange(sq, device="cuda")[:, None] + (sk - sq)) if causal else None
+    keys, queries = torch.arange(sk, device="cuda"), torch.arange(sq, device="cuda")
+    mask = (keys[None, :] <= queries[:, None] + (sk - sq)) if causal else None
     s = (qt @ kt.transpose(-1, -2)) / d ** 0.5
     if mask is not None:
         s = s.masked_fill(~mask, -float("inf"))
@@ -361,7 +362,8 @@ def test_bad_inputs_name_the_argument():
         (lambda: cukern.attention(q, cupy.ones((2, 8, 3, 64), np.float16), cupy.ones((2, 8, 3, 64), np.float16)),
          ValueError, "^k: 3 kv heads do not divide q's 4 heads"),
         (lambda: cukern.attention(q, kv[..., :32], kv[..., :32]), ValueError, "^k: head_dim 32 does not match"),
-        (lambda: cukern.attention(q[..., :48], kv[..., :48], kv[..., :48]), ValueError, "^q: head_dim 48 is not supported"),
+        (lambda: cukern.attention(q[..., :48], kv[..., :48], kv[..., :48]), ValueError,
+         "^q: head_dim 48 is not supported"),
         (lambda: cukern.attention(q, kv.astype(ml_bf16()), kv), ValueError, "^k: dtype bfloat16 differs"),
         (lambda: cukern.attention(q, kv, kv, softmax_scale="x"), TypeError, "^softmax_scale"),
         (lambda: cukern.attention(q, kv, kv, softmax_scale=float("inf")), ValueError, "^softmax_scale"),

@@ -9,7 +9,8 @@ from hypothesis import given, settings, strategies as st
 import cukern
 from cukern import _arrays, reference as ref
 
-from arrays import FLOAT_DTYPES, assert_close, poison_allocator, random_host, to_device, to_host, torch
+from arrays import (FLOAT_DTYPES, assert_close, poison_allocator, raise_as_expected, random_host, to_device,
+                    to_host, torch)
 
 gpu = pytest.mark.gpu
 needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
@@ -166,7 +167,8 @@ def _run_case(c):
     dx, dw, db = cukern.group_norm_backward(dyd, xd, g, dev(w), mean, rstd)
     edx, edw, edb = ref.group_norm_backward(dy, x, g, w, to_host(mean), to_host(rstd))
     assert _layout_of(dx) == _layout_of(y)
-    gg = dy.astype(np.float64) * (w.astype(np.float64).reshape((1, ch) + (1,) * (len(shape) - 2)) if w is not None else 1.0)
+    per_channel = (1, ch) + (1,) * (len(shape) - 2)
+    gg = dy.astype(np.float64) * (w.astype(np.float64).reshape(per_channel) if w is not None else 1.0)
     dx_scale = float(np.sqrt(np.mean((to_host(rstd).repeat(ch // g, axis=1).reshape(
         (n, ch) + (1,) * (len(shape) - 2)) * gg) ** 2))) if gg.size else 0.0
     assert_close(dx, edx, dtype, "dx", scale=dx_scale)
@@ -292,32 +294,40 @@ def test_against_torch_forward_and_autograd(shape, groups, layout, dtype):
 
 # ---- bad inputs and degenerate shapes (GPU: they need device arrays) -----------------------------
 
-@gpu
-def test_bad_inputs_name_the_argument():
-    import cupy
-
-    x = cupy.arange(2 * 6 * 5, dtype=np.float32).reshape(2, 6, 5)
-    w = cupy.ones(6, np.float32)
-    st_ = cupy.ones((2, 3), np.float32)
-    cases = [
+def _bad_input_cases(xp):
+    """(call, exception, message pattern) for arrays of module ``xp`` (CuPy, or NumPy standing
+    in for device arrays on the CPU)."""
+    x = xp.arange(2 * 6 * 5, dtype=np.float32).reshape(2, 6, 5)
+    w = xp.ones(6, np.float32)
+    st_ = xp.ones((2, 3), np.float32)
+    return [
         (lambda: cukern.group_norm(x, 4), ValueError, r"^num_groups: 6 channels cannot be split into 4"),
         (lambda: cukern.group_norm(x, 0), ValueError, "^num_groups: must be positive"),
         (lambda: cukern.group_norm(x, 2.0), TypeError, "^num_groups: expected an int"),
         (lambda: cukern.group_norm(x[0, 0], 1), ValueError, r"^x: expected \(N, C, \*spatial\)"),
         (lambda: cukern.group_norm(x.astype(np.float64), 3), ValueError, "^x: dtype float64"),
-        (lambda: cukern.group_norm(x, 3, cupy.ones(5, np.float32)), ValueError, r"^weight: shape \(5,\)"),
+        (lambda: cukern.group_norm(x, 3, xp.ones(5, np.float32)), ValueError, r"^weight: shape \(5,\)"),
         (lambda: cukern.group_norm(x, 3, w, w.astype(np.float16)), ValueError, "^bias: dtype float16 differs"),
         (lambda: cukern.group_norm(x, 3, eps=-1), ValueError, "^eps: "),
-        (lambda: cukern.group_norm_backward(x, x, 3, w, st_, cupy.ones((2, 2), np.float32)), ValueError,
+        (lambda: cukern.group_norm_backward(x, x, 3, w, st_, xp.ones((2, 2), np.float32)), ValueError,
          r"^rstd: shape \(2, 2\) does not match \(N, num_groups\) = \(2, 3\)"),
-        (lambda: cukern.group_norm_backward(x, x, 3, w, st_.astype(np.float16), st_), ValueError, "^mean: dtype float16"),
+        (lambda: cukern.group_norm_backward(x, x, 3, w, st_.astype(np.float16), st_), ValueError,
+         "^mean: dtype float16"),
         (lambda: cukern.group_norm_backward(x[:1], x, 3, w, st_, st_), ValueError, r"^dy: shape \(1, 6, 5\)"),
         (lambda: cukern.group_norm_backward(x, x, 4, w, st_, st_), ValueError, "^num_groups: "),
         (lambda: cukern.group_norm_backward(x, x, 3, w, None, st_), TypeError, "^mean: required"),
     ]
-    for call, exc, pattern in cases:
-        with pytest.raises(exc, match=pattern):
-            call()
+
+
+def test_bad_inputs_name_the_argument_without_a_gpu(host_arrays_as_device):
+    raise_as_expected(_bad_input_cases(np))
+
+
+@gpu
+def test_bad_inputs_name_the_argument():
+    import cupy
+
+    raise_as_expected(_bad_input_cases(cupy))
 
 
 @gpu

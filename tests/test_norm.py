@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 import cukern
 from cukern import reference as ref
 
-from arrays import (FLOAT_DTYPES, assert_close, np_dtype, poison_allocator, random_host, spin,
+from arrays import (FLOAT_DTYPES, assert_close, np_dtype, poison_allocator, raise_as_expected, random_host, spin,
                     to_device, to_host, torch)
 
 gpu = pytest.mark.gpu
@@ -378,35 +378,45 @@ def test_runs_on_cupys_current_stream():
 
 # ---- bad inputs (GPU: they need device arrays) ---------------------------------------------------
 
+def _bad_input_cases(xp):
+    """(call, exception, message pattern) for arrays of module ``xp`` (CuPy, or NumPy standing
+    in for device arrays on the CPU; host-array cases only with CuPy)."""
+    x = xp.ones((4, 8), np.float32) + xp.arange(8, dtype=np.float32)
+    w = xp.ones(8, np.float32)
+    cases = [
+        (lambda: cukern.layer_norm(x.astype(np.float64)), ValueError, "^x: dtype float64"),
+        (lambda: cukern.rms_norm(x.astype(np.int32)), ValueError, "^x: dtype int32"),
+        (lambda: cukern.layer_norm(x, xp.ones(7, np.float32)), ValueError, r"^weight: shape \(7,\)"),
+        (lambda: cukern.layer_norm(x, w, xp.ones((8, 1), np.float32)), ValueError, "^bias: shape"),
+        (lambda: cukern.layer_norm(x, w.astype(np.float16)), ValueError, "^weight: dtype float16 differs"),
+        (lambda: cukern.rms_norm(x, residual=xp.ones((4, 9), np.float32)), ValueError, "^residual: shape"),
+        (lambda: cukern.rms_norm(x, w, eps=-1.0), ValueError, "^eps: "),
+        (lambda: cukern.rms_norm(x, w, eps=float("nan")), ValueError, "^eps: "),
+        (lambda: cukern.rms_norm(x, w, eps="big"), TypeError, "^eps: "),
+        (lambda: cukern.layer_norm(xp.zeros((), np.float32)), ValueError, "^x: must have at least one axis"),
+        (lambda: cukern.layer_norm(x, np.ones(8, np.float32)), TypeError, "^weight: a host"),
+        (lambda: cukern.rms_norm_backward(x, x, w, xp.ones(5, np.float32)), ValueError, "^rstd: shape"),
+        (lambda: cukern.rms_norm_backward(x, x, w, xp.ones(4, np.float16)), ValueError, "^rstd: dtype float16"),
+        (lambda: cukern.layer_norm_backward(x[:2], x, w, xp.ones(4, np.float32), xp.ones(4, np.float32)),
+         ValueError, r"^x: shape \(4, 8\) does not match \(2, 8\)"),
+        (lambda: cukern.layer_norm_backward(x, x, w, None, xp.ones(4, np.float32)), TypeError, "^mean: required"),
+        (lambda: cukern.rms_norm_backward(x, x, w, xp.ones(4, np.float32), dresidual=x[:, :4]),
+         ValueError, "^dresidual: shape"),
+    ]
+    if xp is np:  # NumPy arrays stand in for device arrays here
+        cases = [c for c in cases if "host" not in c[2]]
+    return cases
+
+
+def test_bad_inputs_name_the_argument_without_a_gpu(host_arrays_as_device):
+    raise_as_expected(_bad_input_cases(np))
+
+
 @gpu
 def test_bad_inputs_name_the_argument():
     import cupy
 
-    x = cupy.ones((4, 8), np.float32) + cupy.arange(8, dtype=np.float32)
-    w = cupy.ones(8, np.float32)
-    cases = [
-        (lambda: cukern.layer_norm(x.astype(np.float64)), ValueError, "^x: dtype float64"),
-        (lambda: cukern.rms_norm(x.astype(np.int32)), ValueError, "^x: dtype int32"),
-        (lambda: cukern.layer_norm(x, cupy.ones(7, np.float32)), ValueError, r"^weight: shape \(7,\)"),
-        (lambda: cukern.layer_norm(x, w, cupy.ones((8, 1), np.float32)), ValueError, "^bias: shape"),
-        (lambda: cukern.layer_norm(x, w.astype(np.float16)), ValueError, "^weight: dtype float16 differs"),
-        (lambda: cukern.rms_norm(x, residual=cupy.ones((4, 9), np.float32)), ValueError, "^residual: shape"),
-        (lambda: cukern.rms_norm(x, w, eps=-1.0), ValueError, "^eps: "),
-        (lambda: cukern.rms_norm(x, w, eps=float("nan")), ValueError, "^eps: "),
-        (lambda: cukern.rms_norm(x, w, eps="big"), TypeError, "^eps: "),
-        (lambda: cukern.layer_norm(cupy.zeros((), np.float32)), ValueError, "^x: must have at least one axis"),
-        (lambda: cukern.layer_norm(x, np.ones(8, np.float32)), TypeError, "^weight: a host"),
-        (lambda: cukern.rms_norm_backward(x, x, w, cupy.ones(5, np.float32)), ValueError, "^rstd: shape"),
-        (lambda: cukern.rms_norm_backward(x, x, w, cupy.ones(4, np.float16)), ValueError, "^rstd: dtype float16"),
-        (lambda: cukern.layer_norm_backward(x[:2], x, w, cupy.ones(4, np.float32), cupy.ones(4, np.float32)),
-         ValueError, r"^x: shape \(4, 8\) does not match \(2, 8\)"),
-        (lambda: cukern.layer_norm_backward(x, x, w, None, cupy.ones(4, np.float32)), TypeError, "^mean: required"),
-        (lambda: cukern.rms_norm_backward(x, x, w, cupy.ones(4, np.float32), dresidual=x[:, :4]),
-         ValueError, "^dresidual: shape"),
-    ]
-    for call, exc, pattern in cases:
-        with pytest.raises(exc, match=pattern):
-            call()
+    raise_as_expected(_bad_input_cases(cupy))
 
 
 @gpu
