@@ -211,6 +211,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
         }
         __syncthreads();  // the next iteration's loads overwrite the buffer read here
     }
+    cp_async_wait<0>();   // (no copy may be in flight at exit, e.g. with no key tile)
 
     // Normalize, write O and the log-sum-exp.
     T* og = out + b * o_sb + h * o_sh;

@@ -24,10 +24,13 @@ DTYPES = ("float16", "bfloat16")
 FWD_CONFIGS = {32: (4, 2, 64, 64, True), 64: (4, 2, 64, 64, True), 96: (4, 2, 32, 32, False),
                128: (4, 2, 32, 32, False), 256: (4, 1, 32, 32, False)}
 HEAD_DIMS = tuple(FWD_CONFIGS)
-# head_dim -> (warps of the dK/dV kernel (16 keys each), queries a tile there; warps of the
-# dQ kernel (16 queries each), keys a tile there). No 256 yet: its dK and dV accumulators
-# (256 floats a thread at 16 keys a warp) need the head dim split over warps.
-BWD_CONFIGS = {32: (4, 64, 4, 64), 64: (4, 64, 4, 64), 96: (4, 32, 4, 64), 128: (4, 32, 4, 64)}
+# head_dim -> backward block (cuda_src/attention_bwd.cu, attention_bwd_dkdv): (queries a step,
+# keys a block, warps, warps over queries in S = Q K^T, warps over keys in dK/dV, warps over
+# queries in dQ). Register budget: the dK and dV accumulators (keys x D) spread over all warps.
+BWD_CONFIGS = {32: (128, 128, 8, 4, 8, 4), 64: (128, 128, 8, 4, 4, 4), 96: (64, 128, 8, 2, 4, 4),
+               128: (64, 128, 8, 2, 4, 2), 256: (64, 64, 8, 4, 2, 2)}
+# head_dim -> deterministic dQ kernel (attention_bwd_dq): (warps of 16 queries, keys a tile).
+DQ_CONFIGS = {32: (4, 64), 64: (4, 64), 96: (4, 64), 128: (4, 64), 256: (4, 32)}
 BWD_HEAD_DIMS = tuple(BWD_CONFIGS)
 
 
@@ -46,12 +49,24 @@ def _fwd_instance(ctype: str, d: int, causal: bool) -> tuple[str, int, int, int]
     return name, warps, 16 * mt * warps, bn
 
 
-def _bwd_instances(ctype: str, d: int, causal: bool) -> tuple[str, str, str]:
-    """(Dsum instance, dK/dV instance, dQ instance)."""
-    w1, bm, w2, bn = BWD_CONFIGS[d]
+def _bwd_instances(ctype: str, d: int, causal: bool, deterministic: bool) -> tuple[str, ...]:
+    """The backward's kernels in launch order: Dsum, dK/dV, then dQ (deterministic) or
+    dK/dV with atomic dQ partial sums and their conversion."""
     c = "true" if causal else "false"
-    return (f"attention_bwd_dot<{ctype}, {d}>", f"attention_bwd_dkdv<{ctype}, {d}, {w1}, {bm}, {c}>",
-            f"attention_bwd_dq<{ctype}, {d}, {w2}, {bn}, {c}>")
+    dot = f"attention_bwd_dot<{ctype}, {d}>"
+    dkdv = (f"attention_bwd_dkdv<{ctype}, {d}, {', '.join(map(str, BWD_CONFIGS[d]))}, {c}, "
+            f"{'false' if deterministic else 'true'}>")
+    if deterministic:
+        w2, bn = DQ_CONFIGS[d]
+        return dot, dkdv, f"attention_bwd_dq<{ctype}, {d}, {w2}, {bn}, {c}>"
+    return dot, dkdv, f"attention_bwd_dq_convert<{ctype}>"
+
+
+def _bwd_smem(d: int, itemsize: int) -> int:
+    """Dynamic shared memory of attention_bwd_dkdv: K, V, Q and dO (double-buffered), P and
+    dS, lse and Dsum (double-buffered), and 1 KB to align the tiles."""
+    bm, bn = BWD_CONFIGS[d][:2]
+    return (2 * bn + 4 * bm) * _row_elems(d) * itemsize + 2 * bm * _row_elems(bn) * itemsize + 4 * bm * 4 + 1024
 
 
 def instances() -> list[str]:
@@ -66,7 +81,8 @@ def bwd_instances() -> list[str]:
     for dt in DTYPES:
         for d in BWD_HEAD_DIMS:
             for c in (False, True):
-                names += [n for n in _bwd_instances(_arrays.DTYPES[dt][0], d, c) if n not in names]
+                for det in (False, True):
+                    names += [n for n in _bwd_instances(_arrays.DTYPES[dt][0], d, c, det) if n not in names]
     return names
 
 
@@ -187,9 +203,11 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         dout: (B, Sq, H, D) gradient of ``out``, q's dtype.
         q, k, v, causal, softmax_scale: as given to the forward.
         out, lse: the forward's output and log-sum-exp (``return_lse=True``).
-        deterministic: accepted for FlashAttention's signature; the kernels are always
-            deterministic (no atomics: dK/dV sum over query heads and tiles in a fixed order,
-            dQ has its own pass), so every call gives the same bits.
+        deterministic: False (default, as FlashAttention): dQ is summed over key tiles with
+            float32 atomics (5 matrix products a tile pair; the last bits of dq may differ run
+            to run). True: dQ has its own pass (7 products, about 1.3x the backward's time)
+            and every gradient has the same bits on every call. dk and dv are deterministic
+            either way (a fixed-order sum over query tiles and heads).
 
     Returns:
         dq (B, Sq, H, D), dk and dv (B, Sk, Hkv, D) — dk and dv summed over the query heads
@@ -215,26 +233,33 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
             for a in (dq, dk, dv):
                 _arrays.fill(a, 0.0)
             return dq.obj, dk.obj, dv.obj
-        dot_i, dkdv_i, dq_i = _bwd_instances(qa.ctype, D, bool(causal))
-        w1, bm, w2, bn = BWD_CONFIGS[D]
+        dot_i, dkdv_i, dq_i = _bwd_instances(qa.ctype, D, bool(causal), bool(deterministic))
         strides = lambda a: tuple(np.int64(s) for s in a.strides[:3])  # noqa: E731
         dsum = _arrays.empty(qa, (B, H, Sq), "float32")
+        # deterministic=False: dQ's float32 partial sums (B, Sq, H, D), zeroed by the Dsum
+        # kernel, then added to by atomics.
+        dq_accum = None if deterministic else _arrays.empty(qa, (B, Sq, H, D), "float32")
         fn = _kernels.function(BWD_SOURCE, dot_i, device)
         rows = B * Sq * H
         _kernels.launch(fn, min(-(-rows // DOT_THREADS), 65535), DOT_THREADS,
-                        (da, oa, *strides(da), *strides(oa), dsum, np.int32(B), np.int32(Sq), np.int32(H)))
+                        (da, oa, *strides(da), *strides(oa), dsum, dq_accum, np.int32(B), np.int32(Sq),
+                         np.int32(H)))
         tail = (np.int32(H), np.int32(Hkv), np.int32(Sq), np.int32(Sk), np.float32(scale),
                 np.float32(scale * LOG2E))
         fn = _kernels.function(BWD_SOURCE, dkdv_i, device)
-        bn1 = 16 * w1
-        smem = (2 * bn1 + 4 * bm) * _row_elems(D) * qa.itemsize + 4 * bm * 4
-        _kernels.launch(fn, (-(-Sk // bn1), B * Hkv), w1 * 32, (
-            qa, ka, va, da, la, dsum, dk, dv, *strides(qa), *strides(ka), *strides(va), *strides(da),
-            *strides(dk), *strides(dv), *tail), shared_mem=smem)
+        bn1, warps = BWD_CONFIGS[D][1:3]
+        _kernels.launch(fn, (-(-Sk // bn1), B * Hkv), warps * 32, (
+            qa, ka, va, da, la, dsum, dk, dv, dq_accum, *strides(qa), *strides(ka), *strides(va),
+            *strides(da), *strides(dk), *strides(dv), *tail), shared_mem=_bwd_smem(D, qa.itemsize))
         fn = _kernels.function(BWD_SOURCE, dq_i, device)
-        bm2 = 16 * w2
-        smem = (2 * bm2 + 4 * bn) * _row_elems(D) * qa.itemsize
-        _kernels.launch(fn, (-(-Sq // bm2), B * H), w2 * 32, (
-            qa, ka, va, da, la, dsum, dq, *strides(qa), *strides(ka), *strides(va), *strides(da),
-            *strides(dq), *tail), shared_mem=smem)
+        if deterministic:
+            w2, bn = DQ_CONFIGS[D]
+            smem = (2 * 16 * w2 + 4 * bn) * _row_elems(D) * qa.itemsize
+            _kernels.launch(fn, (-(-Sq // (16 * w2)), B * H), w2 * 32, (
+                qa, ka, va, da, la, dsum, dq, *strides(qa), *strides(ka), *strides(va), *strides(da),
+                *strides(dq), *tail), shared_mem=smem)
+        else:
+            n = B * Sq * H * D
+            _kernels.launch(fn, min(-(-n // (8 * DOT_THREADS)), 65535 * 16), DOT_THREADS,
+                            (dq_accum, dq, np.int64(n), np.float32(scale)))
     return dq.obj, dk.obj, dv.obj

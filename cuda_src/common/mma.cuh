@@ -1,4 +1,4 @@
-// Tensor-core and asynchronous-copy primitives of sm_80+ as inline PTX: cp.async (16 bytes,
+// Tensor-core and asynchronous-copy primitives of sm_80+ as inline PTX: cp.async (16 and 4 bytes,
 // zero-filled past the end of the data), ldmatrix (x4, plain and transposed), and
 // mma.sync m16n8k16 with float32 accumulators for bf16 and fp16 operands.
 //
@@ -17,6 +17,11 @@ __device__ __forceinline__ unsigned int smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                  :: "r"(smem_addr(smem)), "l"(gmem), "r"(valid ? 16 : 0));
+}
+// Copies 4 bytes global -> shared (through L1); when !valid, writes 4 zero bytes.
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+                 :: "r"(smem_addr(smem)), "l"(gmem), "r"(valid ? 4 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

@@ -1,0 +1,67 @@
+"""Time attention backward configurations against torch's SDPA backends (GPU host).
+
+    python3 tools/tune_attention_bwd.py [--quick] [--default]
+
+--quick skips the S8192 case; --default times only the shipped configuration.
+
+For each head dim, each backward block shape of CANDIDATES (queries a step, keys a block,
+warps, warp layouts: see cukern.attention.BWD_CONFIGS) is set into BWD_CONFIGS and the
+forward + backward is timed (device time, median) with deterministic=False and True, at the
+bench shapes; printed in TFLOP/s (FlashAttention's count: 3.5x the forward's FLOPs) with the
+ratio to FLASH_ATTENTION (FlashAttention-2) and CUDNN_ATTENTION in the same run.
+"""
+import importlib
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import cukern
+from cukern import _bench
+
+attn = importlib.import_module("cukern.attention")
+CANDIDATES = {64: [(128, 128, 8, 4, 4, 4), (64, 128, 8, 2, 4, 4), (128, 64, 8, 4, 2, 4)],
+              128: [(64, 128, 8, 2, 4, 2), (64, 64, 4, 2, 2, 2), (64, 128, 8, 4, 4, 2)]}
+SHAPES = [(32, 16, 2048, 128, False), (32, 16, 2048, 128, True), (4, 32, 8192, 128, True),
+          (16, 32, 2048, 64, True)]
+
+
+def main():
+    quick = "--quick" in sys.argv
+    print(torch.cuda.get_device_name())
+    for B, H, S, D, causal in SHAPES[:2] + SHAPES[3:] if quick else SHAPES:
+        q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        flops = 3.5 * 4 * B * H * S * S * D / (2 if causal else 1)
+        ref = {}
+        for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+            qt, kt, vt = (a.detach().transpose(1, 2).requires_grad_(True) for a in (q, k, v))
+
+            def run(be=be, qt=qt, kt=kt, vt=vt):
+                with sdpa_kernel(be):
+                    o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                return torch.autograd.grad(o, (qt, kt, vt), do.transpose(1, 2))
+            ref[name] = _bench.time_cuda(run, warmup=3, reps=10)
+        expect = [g.transpose(1, 2).float() for g in run()]
+        print(f"\nB{B} H{H} S{S} d{D}{' causal' if causal else ''} fwd+bwd: flash "
+              f"{flops / ref['flash'] / 1e9:.0f} TFLOP/s, cudnn {flops / ref['cudnn'] / 1e9:.0f} TFLOP/s")
+        saved = dict(attn.BWD_CONFIGS)
+        for cfg in [saved[D]] if "--default" in sys.argv else CANDIDATES[D]:
+            attn.BWD_CONFIGS[D] = cfg
+            for det in (False, True):
+                def ours(det=det):
+                    out, lse = cukern.attention(q, k, v, causal=causal, return_lse=True)
+                    return cukern.attention_backward(do, q, k, v, out, lse, causal=causal, deterministic=det)
+                try:
+                    errs = [((g.float() - e).norm() / e.norm()).item() for g, e in zip(ours(), expect)]
+                    ms = _bench.time_cuda(ours, warmup=3, reps=10)
+                    print(f"  {cfg} det={det!s:5}: {flops / ms / 1e9:5.0f} TFLOP/s  {ref['flash'] / ms:4.2f}x flash  "
+                          f"{ref['cudnn'] / ms:4.2f}x cudnn  (rel. err dq dk dv {' '.join(f'{e:.1e}' for e in errs)})")
+                except Exception as e:  # noqa: BLE001
+                    print(f"  {cfg} det={det}: failed: {type(e).__name__}: {str(e)[:160]}")
+        attn.BWD_CONFIGS.clear()
+        attn.BWD_CONFIGS.update(saved)
+
+
+if __name__ == "__main__":
+    main()
