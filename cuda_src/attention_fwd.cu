@@ -38,7 +38,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
     constexpr int DT = D / 8;       // head-dim n-tiles
     static_assert(D % 16 == 0 && BNC % 16 == 0 && BN % BNC == 0, "tile shapes");
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    T* sQ = reinterpret_cast<T*>(smem_raw);
+    // Tiles from a 1 KB-aligned base (the launch adds 1 KB): each tile starts at a multiple of
+    // its row length, so (tile + lane offset) ^ (kk << 5) is k-step kk's swizzled address, and
+    // whole-row offsets stay ldmatrix immediates.
+    T* sQ = reinterpret_cast<T*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
     T* sK = sQ + BM * ROW;        // [2][BN][ROW]
     T* sV = sK + 2 * BN * ROW;    // [2][BN][ROW]
 
@@ -59,7 +62,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
     // is fixed; the chunk index is 2*kk + (a lane bit), so the swizzled byte offset is
     // (base ^ (kk << 5)) plus a row offset: an XOR and an add, no per-kk registers.
     const unsigned int q_off = a_offset(lane, ROW_BYTES), k_off = b_offset(lane, ROW_BYTES), v_off = q_off;
-    const unsigned int sQa = smem_addr(sQ), sKa = smem_addr(sK), sVa = smem_addr(sV);
+    const unsigned int sKa = smem_addr(sK), sVa = smem_addr(sV);
+    const unsigned int qw = smem_addr(sQ) + warp * 16 * ROW_BYTES + q_off;   // this warp's Q rows
 
     int n_blocks = (Sk + BN - 1) / BN;
     if (CAUSAL) {
@@ -102,7 +106,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
 #pragma unroll
                 for (int kk = 0; kk < D / 16; ++kk)
                     ldmatrix_x4(qf[QREG ? mt : 0][QREG ? kk : 0],
-                                sQa + tile_row(mt) * ROW_BYTES + (q_off ^ (kk << 5)));
+                                (qw ^ (kk << 5)) + mt * WARPS * 16 * ROW_BYTES);
         }
 
         for (int sub = 0; sub < BN / BNC; ++sub) {
@@ -112,7 +116,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int j = 0; j < NT; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
-            const unsigned int sKb = sKa + (buf * BN + sub * BNC) * ROW_BYTES;
+            const unsigned int kw = sKa + (buf * BN + sub * BNC) * ROW_BYTES + k_off;
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) {
                 unsigned int a[MT][4];
@@ -122,13 +126,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
 #pragma unroll
                         for (int e = 0; e < 4; ++e) a[mt][e] = qf[QREG ? mt : 0][QREG ? kk : 0][e];
                     } else {
-                        ldmatrix_x4(a[mt], sQa + tile_row(mt) * ROW_BYTES + (q_off ^ (kk << 5)));
+                        ldmatrix_x4(a[mt], (qw ^ (kk << 5)) + mt * WARPS * 16 * ROW_BYTES);
                     }
                 }
 #pragma unroll
                 for (int nt = 0; nt < BNC / 16; ++nt) {
                     unsigned int r[4];
-                    ldmatrix_x4(r, sKb + nt * 16 * ROW_BYTES + (k_off ^ (kk << 5)));
+                    ldmatrix_x4(r, (kw ^ (kk << 5)) + nt * 16 * ROW_BYTES);
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
                         mma_16816<T>(s[mt][2 * nt], a[mt], r[0], r[1]);
@@ -186,7 +190,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
 
             // O += P V: P from the S accumulators (C layout = A layout in pairs of n-tiles); each
             // V fragment pair feeds MT m-tiles.
-            const unsigned int sVb = sVa + (buf * BN + sub * BNC) * ROW_BYTES;
+            const unsigned int vw = sVa + (buf * BN + sub * BNC) * ROW_BYTES + v_off;
 #pragma unroll
             for (int kk = 0; kk < BNC / 16; ++kk) {
                 unsigned int a[MT][4];
@@ -200,7 +204,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
 #pragma unroll
                 for (int dt = 0; dt < D / 16; ++dt) {
                     unsigned int r[4];
-                    ldmatrix_x4_trans(r, sVb + kk * 16 * ROW_BYTES + (v_off ^ (dt << 5)));
+                    ldmatrix_x4_trans(r, (vw ^ (dt << 5)) + kk * 16 * ROW_BYTES);
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
                         mma_16816<T>(o[mt][2 * dt], a[mt], r[0], r[1]);

@@ -170,7 +170,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
     lse = _arrays.empty(qa, (B, H, Sq), "float32") if return_lse else None
     if B * H * Sq:
         inst, warps, bm, bn = _fwd_instance(qa.ctype, D, bool(causal))
-        smem = (bm + 4 * bn) * _row_elems(D) * qa.itemsize
+        smem = (bm + 4 * bn) * _row_elems(D) * qa.itemsize + 1024   # (+ 1 KB to align the tiles)
         with _arrays.launch_context(qa):
             fn = _kernels.function(SOURCE, inst, device)
             if Sk == 0:  # no keys: zeros, lse = +inf
