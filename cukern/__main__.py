@@ -1,7 +1,9 @@
-"""``python -m cukern info | bench``: what cukern sees here, and the benchmark against PyTorch.
+"""``python -m cukern info | bench | train-demo | profile``: what cukern sees here, the
+benchmark against PyTorch, the training demo with and without ``cukern.torch.patch()``, and
+the profile of its steps by kernel category.
 
-``info`` works on any machine (no GPU needed). ``bench`` needs a CUDA GPU, a CUDA build of
-torch and CuPy; without them it says what is missing and exits with status 2.
+``info`` works on any machine (no GPU needed). The others need a CUDA GPU, a CUDA build of
+torch and CuPy; without them they say what is missing and exit with status 2.
 """
 from __future__ import annotations
 
@@ -201,6 +203,87 @@ def cmd_bench(args) -> int:
     return 1 if any(r.get("error") for r in results) else 0
 
 
+# ---- train-demo and profile -----------------------------------------------------------------
+
+def _training_unavailable() -> str | None:
+    from cukern import _bench
+
+    return _bench.unavailable_reason()
+
+
+def cmd_train_demo(args) -> int:
+    reason = _training_unavailable()
+    if reason:
+        print(f"cukern train-demo: cannot run here: {reason}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    from cukern import demo
+
+    cfg = demo.config(args)
+    rank = int(os.environ.get("RANK", "0"))
+    say = print if rank == 0 else (lambda *a, **k: None)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    compiles = {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
+    patches = {"both": [False, True], "on": [True], "off": [False]}[args.patch]
+    say(f"train-demo: GPT {cfg.layers} layers, dim {cfg.dim}, {cfg.heads} heads, vocab {cfg.vocab}, "
+        f"seq {cfg.seq}, {cfg.norm} norm; batch {args.batch} x accum {args.accum} x {world} rank(s), "
+        f"{args.steps} steps, bf16 autocast", flush=True)
+    runs = {}
+    for compiled in compiles:
+        for patched in patches:
+            name = f"{'cukern.patch()' if patched else 'PyTorch'}{' + compile' if compiled else ''}"
+            say(f"{name}:", flush=True)
+            r = demo.train(cfg, steps=args.steps, batch_size=args.batch, patched=patched, compiled=compiled,
+                           accum=args.accum, seed=args.seed, log=say if args.verbose else None)
+            say(f"  {r['params'] / 1e6:.0f}M parameters; loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}; "
+                f"{r['tokens_per_s']:,.0f} tokens/s", flush=True)
+            if patched and not compiled:
+                say(f"  calls: {r['counts']}")
+            runs[name] = r
+    lines = []
+    for compiled in compiles:
+        suffix = " + compile" if compiled else ""
+        a, b = runs.get(f"PyTorch{suffix}"), runs.get(f"cukern.patch(){suffix}")
+        if a and b:
+            diff = max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
+            tail = sum(abs(x - y) for x, y in zip(a["losses"][-20:], b["losses"][-20:])) / min(20, len(a["losses"]))
+            lines.append(f"{'compiled' if compiled else 'eager'}: tokens/s {a['tokens_per_s']:,.0f} -> "
+                         f"{b['tokens_per_s']:,.0f} ({b['tokens_per_s'] / a['tokens_per_s']:.3f}x); "
+                         f"loss difference max {diff:.4f}, mean of the last 20 steps {tail:.4f}; "
+                         f"final loss {a['losses'][-1]:.4f} vs {b['losses'][-1]:.4f}")
+    for line in lines:
+        say(line)
+    if world > 1:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if args.json and rank == 0:
+        Path(args.json).write_text(json.dumps({"config": vars(args), "runs": runs, "summary": lines}, indent=1) + "\n")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    reason = _training_unavailable()
+    if reason:
+        print(f"cukern profile: cannot run here: {reason}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    from cukern import demo
+
+    cfg = demo.config(args)
+    print(f"profile: {args.steps} training steps of the demo GPT ({cfg.layers} layers, dim {cfg.dim}, "
+          f"seq {cfg.seq}, batch {args.batch}, bf16 autocast), GPU time by kernel category", flush=True)
+    before = demo.profile_steps(cfg, steps=args.steps, batch_size=args.batch, patched=False)
+    after = demo.profile_steps(cfg, steps=args.steps, batch_size=args.batch, patched=True)
+    print(demo.format_shares(before, after))
+    if args.chart:
+        if demo.chart(before, after, args.chart):
+            print(f"chart written to {args.chart}")
+        else:
+            print("no chart: matplotlib is not installed")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"pytorch_ms": before, "patched_ms": after}, indent=1) + "\n")
+    return 0
+
+
 def _positive(text: str) -> int:
     try:
         n = int(text)
@@ -230,6 +313,32 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=_positive, metavar="N", help="warm-up runs per case (default 10, quick 3)")
     p.add_argument("--list", action="store_true", help="list the cases and exit (no GPU needed)")
     p.set_defaults(func=cmd_bench)
+
+    from cukern import _demo_config as demo_cfg   # (no torch import here)
+    p = sub.add_parser(
+        "train-demo", help="train the demo GPT with and without cukern.torch.patch() (needs a CUDA GPU)",
+        description="Train a GPT-2-style decoder on self-made data in bf16 autocast, with and without "
+                    "cukern.torch.patch(), from the same seed; report the losses' agreement and tokens/s. "
+                    "Runs under torchrun with DistributedDataParallel.")
+    demo_cfg.add_model_args(p)
+    p.add_argument("--steps", type=_positive, default=200)
+    p.add_argument("--accum", type=_positive, default=1, help="micro-batches a step (gradient accumulation)")
+    p.add_argument("--compile", choices=("no", "yes", "both"), default="no", help="torch.compile the model")
+    p.add_argument("--patch", choices=("both", "on", "off"), default="both")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--verbose", action="store_true", help="print the loss every 20 steps")
+    p.add_argument("--json", metavar="PATH", help="also write losses and figures to PATH")
+    p.set_defaults(func=cmd_train_demo)
+    p = sub.add_parser(
+        "profile", help="GPU time by kernel category of the demo's training steps, with and without patch()",
+        description="Run a few training steps of the demo GPT under torch.profiler, without and with "
+                    "cukern.torch.patch(), and print the GPU time a step by category (attention, matrix "
+                    "multiply, normalization, embedding, elementwise, communication, other).")
+    demo_cfg.add_model_args(p)
+    p.add_argument("--steps", type=_positive, default=5)
+    p.add_argument("--chart", metavar="PNG", help="also draw a chart (needs matplotlib)")
+    p.add_argument("--json", metavar="PATH")
+    p.set_defaults(func=cmd_profile)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

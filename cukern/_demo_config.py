@@ -1,0 +1,32 @@
+"""The demo model's size and its command-line flags (no torch import: ``python -m cukern``
+builds its parser from this without loading torch)."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+
+@dataclass
+class Config:
+    """A GPT-2-style decoder; the defaults are about 356M parameters at sequence 2048."""
+    layers: int = 24
+    dim: int = 1024
+    heads: int = 16
+    vocab: int = 50304
+    seq: int = 2048
+    norm: str = "layer"   # "layer" or "rms"
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    d = Config()
+    p.add_argument("--layers", type=int, default=d.layers)
+    p.add_argument("--dim", type=int, default=d.dim)
+    p.add_argument("--heads", type=int, default=d.heads)
+    p.add_argument("--vocab", type=int, default=d.vocab)
+    p.add_argument("--seq", type=int, default=d.seq)
+    p.add_argument("--norm", choices=("layer", "rms"), default=d.norm)
+    p.add_argument("--batch", type=int, default=8, help="sequences a micro-batch (a rank)")
+
+
+def config(a) -> Config:
+    return Config(layers=a.layers, dim=a.dim, heads=a.heads, vocab=a.vocab, seq=a.seq, norm=a.norm)

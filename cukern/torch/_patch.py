@@ -1,0 +1,65 @@
+"""``patch()`` / ``unpatch()``: route ``torch.nn.functional``'s layer_norm, rms_norm,
+group_norm, embedding and scaled_dot_product_attention — and so the nn modules that call
+them (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.Embedding, nn.MultiheadAttention's
+attention) — to cukern for the calls it supports, to PyTorch for the others.
+
+Code that bound a function before patching (``from torch.nn.functional import
+layer_norm``) keeps PyTorch's; ``torch.layer_norm`` and other aliases are not touched.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch.nn.functional as F
+
+from . import _functional
+
+_WRAPPERS = {
+    "layer_norm": _functional.layer_norm,
+    "rms_norm": _functional.rms_norm,
+    "group_norm": _functional.group_norm,
+    "embedding": _functional.embedding,
+    "scaled_dot_product_attention": _functional.scaled_dot_product_attention,
+}
+_lock = threading.Lock()
+_depth = 0
+
+
+class _Patched:
+    """What ``patch()`` returns: already in effect; as a context manager, undone on exit."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        unpatch()
+        return False
+
+
+def patch() -> _Patched:
+    """Route the functions above to cukern (nested calls count: each ``patch()`` wants one
+    ``unpatch()``). Usable as ``cukern.torch.patch()`` or ``with cukern.torch.patch(): ...``."""
+    global _depth
+    _functional.prepare()
+    with _lock:
+        if _depth == 0:
+            for name, fn in _WRAPPERS.items():
+                setattr(F, name, fn)
+        _depth += 1
+    return _Patched()
+
+
+def unpatch() -> None:
+    """Undo one ``patch()``; the last one restores PyTorch's functions."""
+    global _depth
+    with _lock:
+        if _depth == 0:
+            return
+        _depth -= 1
+        if _depth == 0:
+            for name in _WRAPPERS:
+                setattr(F, name, _functional.ORIGINAL[name])
+
+
+def is_patched() -> bool:
+    return _depth > 0

@@ -1,0 +1,360 @@
+"""cukern.torch: custom ops (opcheck, autograd, torch.compile), drop-in functions and modules,
+patch()/unpatch() and its fallbacks, autocast, gradient accumulation, the training demo, and
+DistributedDataParallel. The routing and fallback logic runs on the CPU (CI); the rest on a GPU."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import cukern.torch as ct  # noqa: E402
+from cukern import demo  # noqa: E402
+from cukern.torch import _functional  # noqa: E402
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA build of torch and a GPU")
+ORIG = _functional.ORIGINAL
+NAMES = ("layer_norm", "rms_norm", "group_norm", "embedding", "scaled_dot_product_attention")
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    ct.reset_counts()
+    yield
+    while ct.is_patched():
+        ct.unpatch()
+
+
+# ---- CPU: routing, fallbacks, modules ------------------------------------------------------
+
+def test_patch_as_function_and_context_manager_and_nested():
+    assert not ct.is_patched() and all(getattr(F, n) is ORIG[n] for n in NAMES)
+    ct.patch()
+    assert all(getattr(F, n) is getattr(ct, n) for n in NAMES)
+    with ct.patch():   # nested: the inner exit leaves the outer patch in place
+        assert F.layer_norm is ct.layer_norm
+    assert F.layer_norm is ct.layer_norm
+    ct.unpatch()
+    assert all(getattr(F, n) is ORIG[n] for n in NAMES)
+    ct.unpatch()   # an extra unpatch is harmless
+    with ct.patch():
+        assert nn.LayerNorm(8)(torch.ones(2, 8)).shape == (2, 8)
+    assert F.scaled_dot_product_attention is ORIG["scaled_dot_product_attention"]
+
+
+def test_patch_is_undone_when_the_block_raises():
+    with pytest.raises(RuntimeError, match="boom"):
+        with ct.patch():
+            raise RuntimeError("boom")
+    assert not ct.is_patched() and F.embedding is ORIG["embedding"]
+
+
+def test_cpu_tensors_fall_back_to_pytorch_with_identical_results():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 8, generator=g)
+    w, b = torch.randn(8, generator=g), torch.randn(8, generator=g)
+    xg = torch.randn(2, 4, 3, 5, generator=g)
+    idx = torch.randint(0, 10, (3, 4), generator=g)
+    table = torch.randn(10, 8, generator=g)
+    q, k, v = (torch.randn(1, 2, 5, 8, generator=g) for _ in range(3))
+    with ct.patch():
+        got = [F.layer_norm(x, (8,), w, b), F.rms_norm(x, (8,), w), F.group_norm(xg, 2),
+               F.embedding(idx, table, padding_idx=1), F.scaled_dot_product_attention(q, k, v, is_causal=True)]
+    expect = [ORIG["layer_norm"](x, (8,), w, b), ORIG["rms_norm"](x, (8,), w), ORIG["group_norm"](xg, 2),
+              ORIG["embedding"](idx, table, padding_idx=1), ORIG["scaled_dot_product_attention"](q, k, v, is_causal=True)]
+    for a, e in zip(got, expect):
+        assert torch.equal(a, e)
+    c = ct.counts(reasons=True)
+    for n in NAMES:
+        assert c[n]["cukern"] == 0 and c[n]["torch"] == 1 and sum(c[n]["torch_reasons"].values()) == 1
+    ct.reset_counts()
+    assert ct.counts() == {}
+
+
+@pytest.mark.parametrize("cls, args", [(nn.LayerNorm, (16,)), (nn.RMSNorm, (16,)), (nn.GroupNorm, (4, 16)),
+                                       (nn.Embedding, (30, 16))])
+def test_modules_are_drop_ins_with_the_same_state_dict(cls, args):
+    ours = getattr(ct, cls.__name__)(*args)
+    theirs = cls(*args)
+    assert isinstance(ours, cls)
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.uniform_(-1, 1)
+    ours.load_state_dict(theirs.state_dict())   # checkpoints load either way
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randint(0, 30, (3, 5)) if cls is nn.Embedding else torch.randn(3, 16, 5).transpose(1, 2)
+    if cls is nn.GroupNorm:
+        x = torch.randn(3, 16, 5)
+    assert torch.equal(ours(x), theirs(x))   # on the CPU: PyTorch's own computation
+
+
+def test_demo_model_runs_on_the_cpu_and_categories():
+    cfg = demo.Config(layers=2, dim=32, heads=2, vocab=50, seq=16)
+    model = demo.GPT(cfg)
+    tokens, targets = demo.batch(torch.Generator().manual_seed(0), 2, cfg.seq, cfg.vocab, "cpu")
+    assert tokens.shape == targets.shape == (2, 16) and torch.equal(tokens[:, 1:], targets[:, :-1])
+    with ct.patch():
+        loss = model(tokens, targets)
+    loss.backward()
+    assert 3.0 < loss.item() < 5.0   # about ln(50) at initialization
+    assert demo.category("sm90_xmma_gemm_bf16bf16_bf16f32") == "matrix multiply"
+    assert demo.category("void attention_bwd_dkdv<cuk_bf16, 128>") == "attention"
+    assert demo.category("pytorch_flash::flash_fwd_kernel") == "attention"
+    assert demo.category("void norm_fwd<cuk_bf16>") == "normalization"
+    assert demo.category("void sum_partial_rows<float>") == "normalization"
+    assert demo.category("embedding_bwd_chunks") == "embedding"
+    assert demo.category("ncclDevKernel_AllReduce_Sum_f32") == "communication"
+    assert demo.category("void at::native::vectorized_elementwise_kernel<4>") == "elementwise"
+    assert demo.category("something_else") == "other"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+@pytest.mark.parametrize("command", ["train-demo", "profile"])
+def test_training_commands_say_what_is_missing_without_a_gpu(command):
+    r = subprocess.run([sys.executable, "-m", "cukern", command, "--steps", "1"], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 2 and f"cukern {command}: cannot run here" in r.stderr
+
+
+# ---- GPU: numerics against PyTorch, autocast, fallbacks -------------------------------------
+
+def _close(a, b, dtype):
+    tol = {torch.float32: (2e-4, 2e-5), torch.float16: (1e-2, 1e-2), torch.bfloat16: (3e-2, 3e-2)}[dtype]
+    torch.testing.assert_close(a.float(), b.float(), rtol=tol[0], atol=tol[1])
+
+
+def _grads(fn, *inputs):
+    """(output, grads of inputs that require grad) with a random upstream gradient."""
+    out = fn(*inputs)
+    g = torch.randn(out.shape, generator=torch.Generator(device=out.device).manual_seed(1), device=out.device,
+                    dtype=out.dtype)
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    return out, torch.autograd.grad(out, leaves, g)
+
+
+def _leaf(shape, dtype, seed, scale=1.0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(shape, generator=g, device="cuda", dtype=torch.float32) * scale).to(dtype).requires_grad_(True)
+
+
+FN_CASES = {
+    "layer_norm": lambda dt: ((_leaf((4, 50, 96), dt, 0), (96,), _leaf((96,), dt, 1), _leaf((96,), dt, 2), 1e-5),
+                              lambda F_, x, s, w, b, e: F_.layer_norm(x, s, w, b, e)),
+    "layer_norm_2d_shape": lambda dt: ((_leaf((4, 6, 8, 12), dt, 0), (8, 12), _leaf((8, 12), dt, 1), None, 1e-5),
+                                       lambda F_, x, s, w, b, e: F_.layer_norm(x, s, w, b, e)),
+    "rms_norm": lambda dt: ((_leaf((4, 50, 96), dt, 0, 0.01), (96,), _leaf((96,), dt, 1)),
+                            lambda F_, x, s, w: F_.rms_norm(x, s, w)),   # eps=None matters at this scale
+    "group_norm": lambda dt: ((_leaf((3, 16, 7, 5), dt, 0), 4, _leaf((16,), dt, 1), _leaf((16,), dt, 2)),
+                              lambda F_, x, g, w, b: F_.group_norm(x, g, w, b)),
+    "group_norm_channels_last": lambda dt: (
+        (_leaf((3, 16, 7, 5), dt, 0).detach().to(memory_format=torch.channels_last).requires_grad_(True), 4,
+         _leaf((16,), dt, 1), None), lambda F_, x, g, w, b: F_.group_norm(x, g, w, b)),
+    "embedding": lambda dt: ((torch.randint(0, 40, (5, 9), device="cuda"), _leaf((40, 64), dt, 0), 3),
+                             lambda F_, i, w, p: F_.embedding(i, w, padding_idx=p)),
+    "embedding_scaled": lambda dt: ((torch.randint(0, 40, (5, 9), device="cuda"), _leaf((40, 64), dt, 0)),
+                                    lambda F_, i, w: F_.embedding(i, w, scale_grad_by_freq=True)),
+}
+ATTN_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", list(FN_CASES))
+def test_functions_match_pytorch_forward_and_backward(case, dtype):
+    inputs, call = FN_CASES[case](dtype)
+    out, grads = _grads(lambda *a: call(ct, *a), *inputs)
+    ref, ref_grads = _grads(lambda *a: call(_functional.ORIGINAL_F, *a), *inputs)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    if case == "group_norm_channels_last":
+        assert out.stride() == inputs[0].stride()   # the layout is kept
+    _close(out, ref, dtype)
+    for g, r in zip(grads, ref_grads):
+        _close(g, r, dtype if dtype != torch.bfloat16 else torch.bfloat16)
+    name = case.split("_2d")[0].replace("_channels_last", "").replace("_scaled", "")
+    assert ct.counts()[name]["cukern"] == 1 and ct.counts()[name]["torch"] == 0
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", ATTN_DTYPES)
+@pytest.mark.parametrize("causal, hkv, d", [(False, 8, 64), (True, 8, 128), (True, 2, 64), (False, 1, 96)])
+def test_sdpa_matches_pytorch_forward_and_backward(dtype, causal, hkv, d):
+    q = _leaf((2, 8, 300, d), dtype, 0)
+    k, v = _leaf((2, hkv, 300, d), dtype, 1), _leaf((2, hkv, 300, d), dtype, 2)
+    gqa = hkv != 8
+    out, grads = _grads(lambda q, k, v: ct.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa),
+                        q, k, v)
+    kw = {"enable_gqa": True} if gqa else {}
+    ref, ref_grads = _grads(lambda q, k, v: ORIG["scaled_dot_product_attention"](q, k, v, is_causal=causal, **kw),
+                            q, k, v)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    _close(out, ref, dtype)
+    for g, r in zip(grads, ref_grads):
+        _close(g, r, dtype)
+    assert ct.counts()["scaled_dot_product_attention"] == {"cukern": 1, "torch": 0}
+
+
+@gpu
+@needs_cuda
+def test_unsupported_gpu_calls_fall_back_with_a_reason():
+    q = torch.randn(1, 2, 16, 64, device="cuda", dtype=torch.bfloat16)
+    kq = torch.randn(1, 2, 24, 64, device="cuda", dtype=torch.bfloat16)
+    mask = torch.ones(16, 16, device="cuda", dtype=torch.bool).tril()
+    calls = [
+        (lambda f: f(q, q, q, attn_mask=mask), "attn_mask or dropout"),
+        (lambda f: f(q.float(), q.float(), q.float()), "dtype torch.float32"),
+        (lambda f: f(q, kq, kq, is_causal=True), "causal with seqlen_q != seqlen_k"),
+        (lambda f: f(q[..., :48], q[..., :48], q[..., :48]), "batch or head_dim"),
+    ]
+    for call, reason in calls:
+        torch.testing.assert_close(call(ct.scaled_dot_product_attention),
+                                   call(ORIG["scaled_dot_product_attention"]), rtol=0, atol=0)
+    w = torch.randn(10, 8, device="cuda")
+    idx = torch.randint(0, 10, (4,), device="cuda")
+    torch.testing.assert_close(ct.embedding(idx, w.clone(), max_norm=1.0), ORIG["embedding"](idx, w.clone(), max_norm=1.0))
+    x = torch.randn(3, 8, device="cuda", dtype=torch.float64)
+    torch.testing.assert_close(ct.layer_norm(x, (8,)), ORIG["layer_norm"](x, (8,)))
+    c = ct.counts(reasons=True)
+    assert c["scaled_dot_product_attention"]["cukern"] == 0
+    assert set(c["scaled_dot_product_attention"]["torch_reasons"]) == {r for _, r in calls}
+    assert c["embedding"]["torch_reasons"] == {"max_norm or sparse": 1}
+    assert c["layer_norm"]["torch_reasons"] == {"dtype torch.float64": 1}
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_autocast_casts_as_pytorch_does(dtype):
+    x = _leaf((4, 64, 128), dtype, 0)
+    w, wg = _leaf((128,), torch.float32, 1), _leaf((64,), torch.float32, 3)
+    qkv = _leaf((2, 4, 128, 64), dtype, 2)
+    ct.patch()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = [F.layer_norm(x, (128,), w, w), F.rms_norm(x, (128,), w), F.group_norm(x, 4, wg, wg),
+               F.scaled_dot_product_attention(qkv, qkv, qkv, is_causal=True)]
+    ct.unpatch()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        expect = [ORIG["layer_norm"](x, (128,), w, w), ORIG["rms_norm"](x, (128,), w), ORIG["group_norm"](x, 4, wg, wg),
+                  ORIG["scaled_dot_product_attention"](qkv, qkv, qkv, is_causal=True)]
+    for a, e in zip(got, expect):
+        assert a.dtype == e.dtype
+        _close(a, e, torch.bfloat16 if torch.bfloat16 in (a.dtype, dtype) else a.dtype)
+    assert all(ct.counts()[n]["cukern"] == 1 for n in ("layer_norm", "rms_norm", "group_norm",
+                                                         "scaled_dot_product_attention"))
+
+
+@gpu
+@needs_cuda
+def test_gradient_accumulation_matches_pytorch():
+    cfg = demo.Config(layers=2, dim=128, heads=2, vocab=500, seq=64)
+    grads = []
+    for patched in (False, True):
+        torch.manual_seed(0)
+        model = demo.GPT(cfg).cuda()
+        gen = torch.Generator(device="cuda").manual_seed(3)
+        with ct.patch() if patched else _nothing():
+            for _ in range(3):   # three micro-batches into the same .grad
+                tokens, targets = demo.batch(gen, 4, cfg.seq, cfg.vocab, "cuda")
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    model(tokens, targets).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for n in grads[0]:
+        a, b = grads[0][n], grads[1][n]
+        assert (a - b).norm() <= 0.03 * a.norm() + 1e-6, n
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ---- GPU: opcheck and torch.compile ---------------------------------------------------------
+
+def _opcheck_cases():
+    def t(shape, dtype=torch.bfloat16, seed=0, grad=True):
+        return _leaf(shape, dtype, seed).detach().requires_grad_(grad)
+    ops = torch.ops.cukern
+    idx = torch.randint(0, 20, (3, 7), device="cuda")
+    return [
+        (ops.layer_norm.default, (t((6, 64)), t((64,), seed=1), t((64,), seed=2), 1e-5)),
+        (ops.layer_norm.default, (t((6, 64), torch.float32), None, None, 1e-5)),
+        (ops.rms_norm.default, (t((6, 64)), t((64,), seed=1), 1e-6)),
+        (ops.group_norm.default, (t((2, 8, 5, 3)), 4, t((8,), seed=1), t((8,), seed=2), 1e-5)),
+        (ops.group_norm.default, (t((2, 8, 5, 3)).detach().to(memory_format=torch.channels_last).requires_grad_(True),
+                                  2, None, None, 1e-5)),
+        (ops.embedding.default, (idx, t((20, 32)), None)),
+        (ops.embedding_scaled.default, (idx, t((20, 32)), 0)),
+        (ops.attention.default, (t((2, 40, 4, 64)), t((2, 40, 2, 64), seed=1), t((2, 40, 2, 64), seed=2), True, 0.125)),
+    ]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("i", range(8))
+def test_opcheck(i):
+    op, args = _opcheck_cases()[i]
+    torch.library.opcheck(op, args)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_compiled_model_has_no_graph_breaks_and_matches_eager(norm):
+    cfg = demo.Config(layers=2, dim=128, heads=2, vocab=500, seq=64, norm=norm)
+    torch.manual_seed(0)
+    model = demo.GPT(cfg).cuda()
+    tokens, targets = demo.batch(torch.Generator(device="cuda").manual_seed(0), 4, cfg.seq, cfg.vocab, "cuda")
+    torch._dynamo.reset()
+    with ct.patch():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            eager = model(tokens, targets)
+            compiled = torch.compile(model, fullgraph=True)(tokens, targets)   # fullgraph: a break raises
+        compiled.backward()
+        explain = torch._dynamo.explain(model)(tokens, targets)
+    assert explain.graph_break_count == 0
+    torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
+    assert all(p.grad is not None for p in model.parameters())
+
+
+# ---- GPU: the training demo and DistributedDataParallel -------------------------------------
+
+@gpu
+@needs_cuda
+def test_short_training_run_patched_and_unpatched_agree():
+    cfg = demo.Config(layers=2, dim=256, heads=4, vocab=1000, seq=256)
+    runs = [demo.train(cfg, steps=40, batch_size=8, patched=p, accum=2, timed_from=5) for p in (False, True)]
+    a, b = runs[0]["losses"], runs[1]["losses"]
+    assert a[-1] < a[0] - 0.3   # it learns (at least the skewed token frequencies)
+    assert max(abs(x - y) for x, y in zip(a, b)) < 0.05, (a, b)
+    c = runs[1]["counts"]
+    assert all(c[n]["cukern"] > 0 and c[n]["torch"] == 0 for n in ("layer_norm", "embedding",
+                                                                     "scaled_dot_product_attention"))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_ddp_on_two_gpus_patched_and_unpatched_agree(tmp_path):
+    out = tmp_path / "ddp.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "cukern",
+           "train-demo", "--layers", "2", "--dim", "256", "--heads", "4", "--vocab", "1000", "--seq", "256",
+           "--batch", "4", "--steps", "30", "--json", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    import json
+    runs = json.loads(out.read_text())["runs"]
+    a, b = runs["PyTorch"]["losses"], runs["cukern.patch()"]["losses"]
+    assert max(abs(x - y) for x, y in zip(a, b)) < 0.05
+    assert runs["cukern.patch()"]["counts"]["scaled_dot_product_attention"]["cukern"] > 0
