@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import attention as _attention
+from ..attention import HEAD_DIMS as _ATTN_HEAD_DIMS
 from . import _ops
 
 # PyTorch's own functions, saved before any patching (the fallbacks).
@@ -249,7 +249,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         else:
             b, h, sq, d = q.shape
             bk, hkv, sk, dk = k.shape
-            if bk != b or dk != d or d not in _attention.HEAD_DIMS:
+            if bk != b or dk != d or d not in _ATTN_HEAD_DIMS:
                 reason = "batch or head_dim"
             elif hkv != h and not (enable_gqa and hkv > 0 and h % hkv == 0):
                 reason = "heads"

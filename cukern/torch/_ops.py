@@ -15,10 +15,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import attention as _attention
-from .. import embedding as _embedding
-from .. import group_norm as _group_norm
-from .. import norm as _norm
+# (the functions: cukern's package namespace binds these names to them, not to the modules)
+from ..attention import attention as _attention_fwd, attention_backward as _attention_bwd
+from ..embedding import embedding as _embedding_fwd, embedding_backward as _embedding_bwd
+from ..group_norm import group_norm as _group_norm_fwd, group_norm_backward as _group_norm_bwd
+from ..norm import layer_norm as _layer_norm_fwd, layer_norm_backward as _layer_norm_bwd
+from ..norm import rms_norm as _rms_norm_fwd, rms_norm_backward as _rms_norm_bwd
 
 _LIB = "cukern"
 
@@ -37,7 +39,7 @@ def _grad_or_none(g: Tensor, present: bool) -> Optional[Tensor]:
 @torch.library.custom_op(f"{_LIB}::layer_norm", mutates_args=())
 def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """y (x's shape, contiguous), mean and rstd (float32, x.shape[:-1]) over the last axis."""
-    return _norm.layer_norm(x, weight, bias, eps, return_stats=True)
+    return _layer_norm_fwd(x, weight, bias, eps, return_stats=True)
 
 
 @layer_norm.register_fake
@@ -49,7 +51,7 @@ def _(x, weight, bias, eps):
 @torch.library.custom_op(f"{_LIB}::layer_norm_backward", mutates_args=())
 def layer_norm_backward(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor,
                         ) -> tuple[Tensor, Tensor, Tensor]:
-    dx, dw, db = _norm.layer_norm_backward(dy, x, weight, mean, rstd)
+    dx, dw, db = _layer_norm_bwd(dy, x, weight, mean, rstd)
     return dx, (dw if dw is not None else _none(x)), db
 
 
@@ -82,7 +84,7 @@ layer_norm.register_autograd(_layer_norm_grad, setup_context=_layer_norm_setup)
 @torch.library.custom_op(f"{_LIB}::rms_norm", mutates_args=())
 def rms_norm(x: Tensor, weight: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor]:
     """y (x's shape, contiguous) and rstd (float32, x.shape[:-1]) over the last axis."""
-    return _norm.rms_norm(x, weight, eps, return_stats=True)
+    return _rms_norm_fwd(x, weight, eps, return_stats=True)
 
 
 @rms_norm.register_fake
@@ -92,7 +94,7 @@ def _(x, weight, eps):
 
 @torch.library.custom_op(f"{_LIB}::rms_norm_backward", mutates_args=())
 def rms_norm_backward(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor) -> tuple[Tensor, Tensor]:
-    dx, dw = _norm.rms_norm_backward(dy, x, weight, rstd)
+    dx, dw = _rms_norm_bwd(dy, x, weight, rstd)
     return dx, (dw if dw is not None else _none(x))
 
 
@@ -133,7 +135,7 @@ def _like_layout(x: Tensor) -> Tensor:
 def group_norm(x: Tensor, num_groups: int, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
                ) -> tuple[Tensor, Tensor, Tensor]:
     """y (x's shape and layout), mean and rstd (float32, (N, num_groups))."""
-    return _group_norm.group_norm(x, num_groups, weight, bias, eps, return_stats=True)
+    return _group_norm_fwd(x, num_groups, weight, bias, eps, return_stats=True)
 
 
 @group_norm.register_fake
@@ -145,7 +147,7 @@ def _(x, num_groups, weight, bias, eps):
 @torch.library.custom_op(f"{_LIB}::group_norm_backward", mutates_args=())
 def group_norm_backward(dy: Tensor, x: Tensor, num_groups: int, weight: Optional[Tensor], mean: Tensor,
                         rstd: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    dx, dw, db = _group_norm.group_norm_backward(dy, x, num_groups, weight, mean, rstd)
+    dx, dw, db = _group_norm_bwd(dy, x, num_groups, weight, mean, rstd)
     return dx, (dw if dw is not None else _none(x)), db
 
 
@@ -177,7 +179,7 @@ group_norm.register_autograd(_group_norm_grad, setup_context=_group_norm_setup)
 @torch.library.custom_op(f"{_LIB}::embedding", mutates_args=())
 def embedding(indices: Tensor, weight: Tensor, padding_idx: Optional[int]) -> Tensor:
     """weight[indices]: (*indices.shape, D), contiguous."""
-    return _embedding.embedding(indices, weight, padding_idx)
+    return _embedding_fwd(indices, weight, padding_idx)
 
 
 @embedding.register_fake
@@ -188,7 +190,7 @@ def _(indices, weight, padding_idx):
 @torch.library.custom_op(f"{_LIB}::embedding_backward", mutates_args=())
 def embedding_backward(grad: Tensor, indices: Tensor, num_embeddings: int, padding_idx: Optional[int],
                        scale_grad_by_freq: bool) -> Tensor:
-    return _embedding.embedding_backward(grad, indices, num_embeddings, padding_idx, scale_grad_by_freq)
+    return _embedding_bwd(grad, indices, num_embeddings, padding_idx, scale_grad_by_freq)
 
 
 @embedding_backward.register_fake
@@ -215,7 +217,7 @@ embedding.register_autograd(_embedding_grad, setup_context=_embedding_setup)
 def embedding_scaled(indices: Tensor, weight: Tensor, padding_idx: Optional[int]) -> Tensor:
     """``embedding`` whose gradient is scaled by the inverse frequency of each index
     (``scale_grad_by_freq=True``)."""
-    return _embedding.embedding(indices, weight, padding_idx)
+    return _embedding_fwd(indices, weight, padding_idx)
 
 
 @embedding_scaled.register_fake
@@ -237,7 +239,7 @@ embedding_scaled.register_autograd(_embedding_scaled_grad, setup_context=_embedd
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     """q (B, Sq, H, D), k and v (B, Sk, Hkv, D) -> out (B, Sq, H, D) contiguous and the
     log-sum-exp (B, H, Sq) float32."""
-    return _attention.attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
+    return _attention_fwd(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
 
 
 @attention.register_fake
@@ -249,7 +251,7 @@ def _(q, k, v, causal, scale):
 @torch.library.custom_op(f"{_LIB}::attention_backward", mutates_args=())
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
                        scale: float, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
-    return _attention.attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
+    return _attention_bwd(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
                                          deterministic=deterministic)
 
 
