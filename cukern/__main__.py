@@ -211,6 +211,11 @@ def _training_unavailable() -> str | None:
     return _bench.unavailable_reason()
 
 
+def _ops(args):
+    """--ops a,b,c -> the functions patch() routes (None: all)."""
+    return tuple(o.strip() for o in args.ops.split(",") if o.strip()) if args.ops else None
+
+
 def cmd_train_demo(args) -> int:
     reason = _training_unavailable()
     if reason:
@@ -233,7 +238,7 @@ def cmd_train_demo(args) -> int:
             name = f"{'cukern.patch()' if patched else 'PyTorch'}{' + compile' if compiled else ''}"
             say(f"{name}:", flush=True)
             r = demo.train(cfg, steps=args.steps, batch_size=args.batch, patched=patched, compiled=compiled,
-                           accum=args.accum, seed=args.seed, log=say if args.verbose else None)
+                           accum=args.accum, seed=args.seed, log=say if args.verbose else None, ops=_ops(args))
             say(f"  {r['params'] / 1e6:.0f}M parameters; loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}; "
                 f"{r['tokens_per_s']:,.0f} tokens/s", flush=True)
             if patched and not compiled:
@@ -257,7 +262,8 @@ def cmd_train_demo(args) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     if args.json and rank == 0:
-        Path(args.json).write_text(json.dumps({"config": vars(args), "runs": runs, "summary": lines}, indent=1) + "\n")
+        conf = {k: v for k, v in vars(args).items() if k != "func"}
+        Path(args.json).write_text(json.dumps({"config": conf, "runs": runs, "summary": lines}, indent=1) + "\n")
     return 0
 
 
@@ -272,7 +278,7 @@ def cmd_profile(args) -> int:
     print(f"profile: {args.steps} training steps of the demo GPT ({cfg.layers} layers, dim {cfg.dim}, "
           f"seq {cfg.seq}, batch {args.batch}, bf16 autocast), GPU time by kernel category", flush=True)
     before = demo.profile_steps(cfg, steps=args.steps, batch_size=args.batch, patched=False)
-    after = demo.profile_steps(cfg, steps=args.steps, batch_size=args.batch, patched=True)
+    after = demo.profile_steps(cfg, steps=args.steps, batch_size=args.batch, patched=True, ops=_ops(args))
     print(demo.format_shares(before, after))
     if args.chart:
         if demo.chart(before, after, args.chart):
@@ -327,6 +333,8 @@ def main(argv=None) -> int:
     p.add_argument("--patch", choices=("both", "on", "off"), default="both")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verbose", action="store_true", help="print the loss every 20 steps")
+    p.add_argument("--ops", metavar="A,B", help="the functions patch() routes (default all: layer_norm, rms_norm, "
+                   "group_norm, embedding, scaled_dot_product_attention)")
     p.add_argument("--json", metavar="PATH", help="also write losses and figures to PATH")
     p.set_defaults(func=cmd_train_demo)
     p = sub.add_parser(
@@ -337,6 +345,7 @@ def main(argv=None) -> int:
     demo_cfg.add_model_args(p)
     p.add_argument("--steps", type=_positive, default=5)
     p.add_argument("--chart", metavar="PNG", help="also draw a chart (needs matplotlib)")
+    p.add_argument("--ops", metavar="A,B", help="the functions patch() routes (default all)")
     p.add_argument("--json", metavar="PATH")
     p.set_defaults(func=cmd_profile)
     args = parser.parse_args(argv)

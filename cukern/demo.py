@@ -96,7 +96,7 @@ def _dist():
 
 
 def train(cfg: Config, *, steps: int, batch_size: int, patched: bool, compiled: bool = False, accum: int = 1,
-          seed: int = 0, lr: float = 6e-4, timed_from: int = 5, log=None) -> dict:
+          seed: int = 0, lr: float = 6e-4, timed_from: int = 5, log=None, ops=None) -> dict:
     """Train ``steps`` optimizer steps (each ``accum`` micro-batches) in bf16 autocast.
     Returns {"losses": [...], "tokens_per_s": ..., "counts": ...} (rank 0's losses, averaged
     over ranks under DDP; tokens/s summed over ranks, from step ``timed_from`` on)."""
@@ -114,7 +114,7 @@ def train(cfg: Config, *, steps: int, batch_size: int, patched: bool, compiled: 
     gen = torch.Generator(device=device).manual_seed(seed * 1000 + rank)
     ct.reset_counts()
     losses, t0 = [], None
-    ctx = ct.patch() if patched else contextlib.nullcontext()
+    ctx = ct.patch(ops) if patched else contextlib.nullcontext()
     with ctx:
         for step in range(steps):
             if step == timed_from:
@@ -167,7 +167,7 @@ def category(kernel_name: str) -> str:
     return "other"
 
 
-def profile_steps(cfg: Config, *, steps: int, batch_size: int, patched: bool, warmup: int = 3) -> dict:
+def profile_steps(cfg: Config, *, steps: int, batch_size: int, patched: bool, warmup: int = 3, ops=None) -> dict:
     """GPU time by category over ``steps`` training steps (after ``warmup``): {category: ms}."""
     import cukern.torch as ct
 
@@ -176,7 +176,7 @@ def profile_steps(cfg: Config, *, steps: int, batch_size: int, patched: bool, wa
     model = GPT(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     gen = torch.Generator(device=device).manual_seed(0)
-    ctx = ct.patch() if patched else contextlib.nullcontext()
+    ctx = ct.patch(ops) if patched else contextlib.nullcontext()
 
     def step():
         tokens, targets = batch(gen, batch_size, cfg.seq, cfg.vocab, device)

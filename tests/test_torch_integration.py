@@ -48,6 +48,16 @@ def test_patch_as_function_and_context_manager_and_nested():
     assert F.scaled_dot_product_attention is ORIG["scaled_dot_product_attention"]
 
 
+def test_patch_a_subset_of_the_functions():
+    with ct.patch(ops=("layer_norm", "embedding")):
+        assert F.layer_norm is ct.layer_norm and F.embedding is ct.embedding
+        assert F.scaled_dot_product_attention is ORIG["scaled_dot_product_attention"]
+    assert F.layer_norm is ORIG["layer_norm"] and F.embedding is ORIG["embedding"]
+    with pytest.raises(ValueError, match="ops: unknown"):
+        ct.patch(ops=("softmax",))
+    assert not ct.is_patched()
+
+
 def test_patch_is_undone_when_the_block_raises():
     with pytest.raises(RuntimeError, match="boom"):
         with ct.patch():

@@ -12,9 +12,9 @@ Needs torch (a CUDA build for the kernels; on other tensors everything falls bac
 from . import _ops as ops
 from ._functional import (counts, embedding, group_norm, layer_norm, reset_counts, rms_norm,
                           scaled_dot_product_attention)
-from ._patch import is_patched, patch, unpatch
+from ._patch import OPS, is_patched, patch, unpatch
 from .modules import Embedding, GroupNorm, LayerNorm, RMSNorm
 
-__all__ = ["patch", "unpatch", "is_patched", "counts", "reset_counts", "layer_norm", "rms_norm",
+__all__ = ["OPS", "patch", "unpatch", "is_patched", "counts", "reset_counts", "layer_norm", "rms_norm",
            "group_norm", "embedding", "scaled_dot_product_attention", "LayerNorm", "RMSNorm",
            "GroupNorm", "Embedding", "ops"]

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from . import _functional
 
-_WRAPPERS = {
+_WRAPPERS = {  # (the order of OPS)
     "layer_norm": _functional.layer_norm,
     "rms_norm": _functional.rms_norm,
     "group_norm": _functional.group_norm,
@@ -23,6 +23,7 @@ _WRAPPERS = {
 }
 _lock = threading.Lock()
 _depth = 0
+_routed: tuple[str, ...] = ()
 
 
 class _Patched:
@@ -36,30 +37,45 @@ class _Patched:
         return False
 
 
-def patch() -> _Patched:
+def patch(ops=None) -> _Patched:
     """Route the functions above to cukern (nested calls count: each ``patch()`` wants one
-    ``unpatch()``). Usable as ``cukern.torch.patch()`` or ``with cukern.torch.patch(): ...``."""
-    global _depth
+    ``unpatch()``). Usable as ``cukern.torch.patch()`` or ``with cukern.torch.patch(): ...``.
+
+    Args:
+        ops: names of the functions to route (default: all five, ``OPS``), e.g.
+            ``ops=("layer_norm", "embedding")`` to leave attention to PyTorch. The outermost
+            ``patch()`` decides.
+    """
+    global _depth, _routed
+    names = OPS if ops is None else tuple(ops)
+    unknown = sorted(set(names) - set(OPS))
+    if unknown:
+        raise ValueError(f"ops: unknown {unknown}; choose from {list(OPS)}")
     _functional.prepare()
     with _lock:
         if _depth == 0:
-            for name, fn in _WRAPPERS.items():
-                setattr(F, name, fn)
+            _routed = names
+            for name in names:
+                setattr(F, name, _WRAPPERS[name])
         _depth += 1
     return _Patched()
 
 
 def unpatch() -> None:
     """Undo one ``patch()``; the last one restores PyTorch's functions."""
-    global _depth
+    global _depth, _routed
     with _lock:
         if _depth == 0:
             return
         _depth -= 1
         if _depth == 0:
-            for name in _WRAPPERS:
+            for name in _routed:
                 setattr(F, name, _functional.ORIGINAL[name])
+            _routed = ()
 
 
 def is_patched() -> bool:
     return _depth > 0
+
+
+OPS = tuple(_WRAPPERS)
