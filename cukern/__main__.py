@@ -205,10 +205,15 @@ def cmd_bench(args) -> int:
 
 # ---- train-demo and profile -----------------------------------------------------------------
 
-def _training_unavailable() -> str | None:
+def _refuse(command: str) -> int | None:
+    """EXIT_UNAVAILABLE, with what is missing on stderr, where the GPU commands cannot run."""
     from cukern import _bench
 
-    return _bench.unavailable_reason()
+    reason = _bench.unavailable_reason()
+    if reason:
+        print(f"cukern {command}: cannot run here: {reason}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    return None
 
 
 def _ops(args):
@@ -217,10 +222,8 @@ def _ops(args):
 
 
 def cmd_train_demo(args) -> int:
-    reason = _training_unavailable()
-    if reason:
-        print(f"cukern train-demo: cannot run here: {reason}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
+    if (refused := _refuse("train-demo")) is not None:
+        return refused
     from cukern import demo
 
     cfg = demo.config(args)
@@ -268,10 +271,8 @@ def cmd_train_demo(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    reason = _training_unavailable()
-    if reason:
-        print(f"cukern profile: cannot run here: {reason}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
+    if (refused := _refuse("profile")) is not None:
+        return refused
     from cukern import demo
 
     cfg = demo.config(args)
