@@ -102,9 +102,7 @@ def prepare() -> None:
 def _probe(op: str, dtype: torch.dtype, ac: torch.dtype, device: torch.device) -> torch.dtype:
     x = torch.ones((2, 4, 2, 8), dtype=dtype, device=device)
     with torch.autocast("cuda", dtype=ac):
-        if op == "layer_norm":
-            y = ORIGINAL[op](x, (8,))
-        elif op == "rms_norm":
+        if op in ("layer_norm", "rms_norm"):
             y = ORIGINAL[op](x, (8,))
         elif op == "group_norm":
             y = ORIGINAL[op](x, 2)

@@ -182,9 +182,11 @@ def embedding(indices: Tensor, weight: Tensor, padding_idx: Optional[int]) -> Te
     return _embedding_fwd(indices, weight, padding_idx)
 
 
-@embedding.register_fake
-def _(indices, weight, padding_idx):
+def _embedding_fake(indices, weight, padding_idx):
     return weight.new_empty((*indices.shape, weight.shape[1]))
+
+
+embedding.register_fake(_embedding_fake)
 
 
 @torch.library.custom_op(f"{_LIB}::embedding_backward", mutates_args=())
@@ -220,9 +222,7 @@ def embedding_scaled(indices: Tensor, weight: Tensor, padding_idx: Optional[int]
     return _embedding_fwd(indices, weight, padding_idx)
 
 
-@embedding_scaled.register_fake
-def _(indices, weight, padding_idx):
-    return weight.new_empty((*indices.shape, weight.shape[1]))
+embedding_scaled.register_fake(_embedding_fake)
 
 
 def _embedding_scaled_grad(ctx, grad):
