@@ -113,8 +113,14 @@ class DeviceArray:
         return _wrap(self.obj.reshape(shape), self.name)
 
 
+_torch_dtype_names: dict[object, str] = {}
+
+
 def _torch_dtype_name(t) -> str:
-    return str(t.dtype).replace("torch.", "")
+    name = _torch_dtype_names.get(t.dtype)
+    if name is None:
+        name = _torch_dtype_names[t.dtype] = str(t.dtype).replace("torch.", "")
+    return name
 
 
 def _wrap(obj, name: str) -> DeviceArray:
@@ -283,7 +289,8 @@ def launch_context(like: DeviceArray):
         if like.kind == "torch":
             import torch
 
-            ptr = torch.cuda.current_stream(like.device).cuda_stream
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # (no Stream object a call)
+            ptr = raw(like.device) if raw is not None else torch.cuda.current_stream(like.device).cuda_stream
             stream = _streams.get((like.device, ptr))
             if stream is None:
                 with warnings.catch_warnings():  # CuPy 14 prefers Stream.from_external, which

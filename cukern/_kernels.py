@@ -18,6 +18,10 @@ import re
 import threading
 from pathlib import Path
 
+import numpy as np
+
+from ._arrays import DeviceArray
+
 __all__ = ["CompileError", "source_dir", "load_source", "function", "COMPILE_OPTIONS"]
 
 # -std=c++17 for `if constexpr`. CUKERN_EXTRA_NVRTC_OPTIONS (space-separated) adds options
@@ -132,21 +136,25 @@ def resident_blocks(fn, threads: int, device: int) -> int:
     return n
 
 
+_smem_opt_in: dict[int, int] = {}
+_NULL = np.uint64(0)
+
+
 def launch(fn, grid, block, args, shared_mem: int = 0) -> None:
     """Launch on the current CuPy stream: ``grid`` blocks of ``block`` threads (ints or
     tuples) with ``shared_mem`` bytes of dynamic shared memory. ``args``: DeviceArray (its
     pointer), None (a null pointer) or NumPy scalars of the exact C type of the parameter."""
-    import numpy as np
-
     converted = []
     for a in args:
         if a is None:
-            converted.append(np.uint64(0))
-        elif hasattr(a, "ptr") and hasattr(a, "shape"):
+            converted.append(_NULL)
+        elif type(a) is DeviceArray:
             converted.append(np.uint64(a.ptr))
         else:
             converted.append(a)
-    if shared_mem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared_mem:
-        fn.max_dynamic_shared_size_bytes = shared_mem  # the opt-in above the default 48 KB
+    if shared_mem > 48 * 1024 and _smem_opt_in.get(id(fn), 0) < shared_mem:
+        if fn.max_dynamic_shared_size_bytes < shared_mem:
+            fn.max_dynamic_shared_size_bytes = shared_mem  # the opt-in above the default 48 KB
+        _smem_opt_in[id(fn)] = shared_mem   # (kernels live as long as _cache: ids stay valid)
     fn(grid if isinstance(grid, tuple) else (grid,), block if isinstance(block, tuple) else (block,),
        tuple(converted), shared_mem=shared_mem)

@@ -68,11 +68,13 @@ class GPT(nn.Module):
 
 def batch(gen: torch.Generator, b: int, s: int, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, targets): each row repeats a random pattern of 16-64 tokens drawn with skewed
-    frequencies (token = vocab * u^3), 5% of tokens uniform noise."""
-    period = int(torch.randint(16, 65, (1,), generator=gen, device=device).item())
-    u = torch.rand((b, period), generator=gen, device=device)
+    frequencies (token = vocab * u^3), 5% of tokens uniform noise. Drawn on the device with no
+    host synchronization, so the host can queue the next step while the GPU runs this one."""
+    period = torch.randint(16, 65, (1,), generator=gen, device=device)
+    u = torch.rand((b, 64), generator=gen, device=device)
     pattern = (u * u * u * vocab).long().clamp_(max=vocab - 1)
-    seq = pattern.repeat(1, -(-(s + 1) // period))[:, : s + 1]
+    pos = torch.arange(s + 1, device=device) % period
+    seq = pattern.gather(1, pos.expand(b, -1))
     noise = torch.rand(seq.shape, generator=gen, device=device) < 0.05
     seq = torch.where(noise, torch.randint(0, vocab, seq.shape, generator=gen, device=device), seq)
     return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
@@ -140,11 +142,19 @@ def train(cfg: Config, *, steps: int, batch_size: int, patched: bool, compiled: 
             if log and (step % 20 == 0 or step == steps - 1):
                 log(f"  step {step:4d}  loss {total.item():.4f}")
         torch.cuda.synchronize(device)
+    # Which CUDA devices cukern's kernels were built for, over all ranks (each rank's own).
+    from cukern._kernels import cached_instances
+    devices = sorted({d for _, _, d in cached_instances()})
+    if world > 1:
+        import torch.distributed as dist
+        every = [None] * world
+        dist.all_gather_object(every, devices)
+        devices = [d for rank_devices in every for d in rank_devices]
     elapsed = time.perf_counter() - t0 if t0 is not None else float("nan")
     timed = max(0, steps - timed_from)
     tps = timed * accum * batch_size * cfg.seq * world / elapsed if timed else float("nan")
     return {"losses": [float(x) for x in torch.stack(losses).tolist()], "tokens_per_s": tps,
-            "counts": ct.counts(), "params": params(model), "rank": rank}
+            "counts": ct.counts(), "params": params(model), "rank": rank, "kernel_devices": devices}
 
 
 # ---- profile ---------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..attention import HEAD_DIMS as _ATTN_HEAD_DIMS
-from . import _ops
+from . import _eager, _ops
 
 # PyTorch's own functions, saved before any patching (the fallbacks).
 ORIGINAL: dict[str, Callable] = {name: getattr(F, name) for name in
@@ -30,6 +30,11 @@ ORIGINAL: dict[str, Callable] = {name: getattr(F, name) for name in
 ORIGINAL_F = types.SimpleNamespace(**ORIGINAL)   # (the same, as attributes: ORIGINAL_F.layer_norm)
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 _HALF = (torch.float16, torch.bfloat16)
+
+def _compiling() -> bool:
+    """Inside a torch.compile trace: the custom ops (traceable) instead of the eager path."""
+    return torch.compiler.is_compiling()
+
 
 # ---- counts ----------------------------------------------------------------------------------
 
@@ -41,7 +46,7 @@ _lock = threading.Lock()
 def _count(op: str, reason: Optional[str]) -> None:
     """Eager calls only: inside a torch.compile trace the routing is fixed in the graph
     (visible there as torch.ops.cukern.*), and a trace-time count would mislead."""
-    if torch.compiler.is_compiling():
+    if _compiling():
         return
     with _lock:
         _counts[op]["cukern" if reason is None else "torch"] += 1
@@ -150,8 +155,9 @@ def layer_norm(input: Tensor, normalized_shape, weight: Optional[Tensor] = None,
         return ORIGINAL["layer_norm"](input, normalized_shape, weight, bias, eps)
     _count("layer_norm", None)
     lead = x.shape[: x.dim() - (1 if isinstance(normalized_shape, int) else len(normalized_shape))]
-    y = _ops.layer_norm(x.reshape(*lead, d), None if w is None else w.reshape(d),
-                        None if b is None else b.reshape(d), float(eps))[0]
+    args = (x.reshape(*lead, d), None if w is None else w.reshape(d), None if b is None else b.reshape(d),
+            float(eps))
+    y = _ops.layer_norm(*args)[0] if _compiling() else _eager.layer_norm(*args)
     return y.view(x.shape)
 
 
@@ -170,7 +176,8 @@ def rms_norm(input: Tensor, normalized_shape, weight: Optional[Tensor] = None, e
     _count("rms_norm", None)
     e = float(torch.finfo(torch.float32).eps) if eps is None else float(eps)
     lead = x.shape[: x.dim() - (1 if isinstance(normalized_shape, int) else len(normalized_shape))]
-    y = _ops.rms_norm(x.reshape(*lead, d), None if w is None else w.reshape(d), e)[0]
+    args = (x.reshape(*lead, d), None if w is None else w.reshape(d), e)
+    y = _ops.rms_norm(*args)[0] if _compiling() else _eager.rms_norm(*args)
     return y.view(x.shape)
 
 
@@ -193,7 +200,9 @@ def group_norm(input: Tensor, num_groups: int, weight: Optional[Tensor] = None, 
         x.permute(0, *range(2, x.dim()), 1).is_contiguous()
     if not (channels_last or x.is_contiguous()):
         x = x.contiguous()
-    return _ops.group_norm(x, num_groups, w, b, float(eps))[0]
+    if _compiling():
+        return _ops.group_norm(x, num_groups, w, b, float(eps))[0]
+    return _eager.group_norm(x, num_groups, w, b, float(eps))
 
 
 # ---- embedding -------------------------------------------------------------------------------
@@ -215,6 +224,8 @@ def embedding(input: Tensor, weight: Tensor, padding_idx: Optional[int] = None, 
         _count("embedding", reason)
         return ORIGINAL["embedding"](input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
     _count("embedding", None)
+    if not _compiling():
+        return _eager.embedding(input, weight, padding_idx, bool(scale_grad_by_freq))
     op = _ops.embedding_scaled if scale_grad_by_freq else _ops.embedding
     return op(input, weight, padding_idx)
 
@@ -262,5 +273,6 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
                                                         scale=scale, **kwargs)
     _count("scaled_dot_product_attention", None)
     s = _ops.default_scale(q.shape[-1]) if scale is None else float(scale)
-    out = _ops.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bool(is_causal), s)[0]
+    args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bool(is_causal), s)
+    out = _ops.attention(*args)[0] if _compiling() else _eager.attention(*args)
     return out.transpose(1, 2)
