@@ -278,16 +278,21 @@ def cmd_profile(args) -> int:
     cfg = demo.config(args)
     print(f"profile: {args.steps} training steps of the demo GPT ({cfg.layers} layers, dim {cfg.dim}, "
           f"seq {cfg.seq}, batch {args.batch}, bf16 autocast), GPU time by kernel category", flush=True)
-    before = demo.profile_steps(cfg, steps=args.steps, batch_size=args.batch, patched=False)
-    after = demo.profile_steps(cfg, steps=args.steps, batch_size=args.batch, patched=True, ops=_ops(args))
+    before, kernels_before = demo.profile_steps(cfg, steps=args.steps, batch_size=args.batch, patched=False)
+    after, kernels_after = demo.profile_steps(cfg, steps=args.steps, batch_size=args.batch, patched=True,
+                                              ops=_ops(args))
     print(demo.format_shares(before, after))
+    if args.top:
+        print(demo.format_top(kernels_before, args.top, "PyTorch"))
+        print(demo.format_top(kernels_after, args.top, "cukern.patch()"))
     if args.chart:
         if demo.chart(before, after, args.chart):
             print(f"chart written to {args.chart}")
         else:
             print("no chart: matplotlib is not installed")
     if args.json:
-        Path(args.json).write_text(json.dumps({"pytorch_ms": before, "patched_ms": after}, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps({"pytorch_ms": before, "patched_ms": after, "pytorch_kernels_ms":
+                                               kernels_before, "patched_kernels_ms": kernels_after}, indent=1) + "\n")
     return 0
 
 
@@ -346,6 +351,7 @@ def main(argv=None) -> int:
     demo_cfg.add_model_args(p)
     p.add_argument("--steps", type=_positive, default=5)
     p.add_argument("--chart", metavar="PNG", help="also draw a chart (needs matplotlib)")
+    p.add_argument("--top", type=int, default=0, metavar="N", help="also list the N kernels with the most GPU time")
     p.add_argument("--ops", metavar="A,B", help="the functions patch() routes (default all)")
     p.add_argument("--json", metavar="PATH")
     p.set_defaults(func=cmd_profile)

@@ -177,8 +177,10 @@ def category(kernel_name: str) -> str:
     return "other"
 
 
-def profile_steps(cfg: Config, *, steps: int, batch_size: int, patched: bool, warmup: int = 3, ops=None) -> dict:
-    """GPU time by category over ``steps`` training steps (after ``warmup``): {category: ms}."""
+def profile_steps(cfg: Config, *, steps: int, batch_size: int, patched: bool, warmup: int = 3, ops=None,
+                  ) -> tuple[dict, dict]:
+    """GPU time a step over ``steps`` training steps (after ``warmup``): ({category: ms},
+    {kernel name: ms})."""
     import cukern.torch as ct
 
     _, _, device = _dist()
@@ -206,10 +208,23 @@ def profile_steps(cfg: Config, *, steps: int, batch_size: int, patched: bool, wa
             torch.cuda.synchronize(device)
     shares: dict[str, float] = {name: 0.0 for name, _ in CATEGORIES}
     shares["other"] = 0.0
+    kernels: dict[str, float] = {}
     for e in prof.key_averages():
         if e.device_time_total > 0:
-            shares[category(e.key)] += e.device_time_total / 1e3 / steps
-    return shares
+            ms = e.device_time_total / 1e3 / steps
+            shares[category(e.key)] += ms
+            kernels[e.key] = kernels.get(e.key, 0.0) + ms
+    return shares, kernels
+
+
+def format_top(kernels: dict, n: int, title: str) -> str:
+    """The ``n`` kernels with the most GPU time a step, with their categories."""
+    total = sum(kernels.values())
+    lines = [f"{title}: the {n} largest kernels (ms a step, share, category)"]
+    for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:n]:
+        short = name if len(name) <= 90 else name[:87] + "..."
+        lines.append(f"  {ms:8.2f} {ms / total * 100:5.1f}%  {category(name):15s} {short}")
+    return "\n".join(lines)
 
 
 def format_shares(before: dict, after: dict) -> str:

@@ -123,6 +123,8 @@ def test_demo_model_runs_on_the_cpu_and_categories():
     assert demo.category("ncclDevKernel_AllReduce_Sum_f32") == "communication"
     assert demo.category("void at::native::vectorized_elementwise_kernel<4>") == "elementwise"
     assert demo.category("something_else") == "other"
+    top = demo.format_top({"void norm_fwd<float>": 1.0, "ampere_gemm": 3.0, "x": 0.5}, 2, "t").splitlines()
+    assert len(top) == 3 and "ampere_gemm" in top[1] and "66.7%" in top[1] and "normalization" in top[2]
 
 
 def test_demo_batches_repeat_a_pattern_and_need_no_host_sync():

@@ -97,14 +97,38 @@ def main() -> None:
         print(f"tiny demo step ({'patched' if patched else 'PyTorch'}): "
               f"{cfg.seq / r['tokens_per_s'] * 1e3:.2f} ms of host time")
 
+    # Where layer_norm's forward + backward host time goes.
+    from cukern.norm import layer_norm as ln_fwd, layer_norm_backward as ln_bwd
+    x, w, b = (t.detach() for t in (torch.randn(64, 1024, device="cuda"), torch.randn(1024, device="cuda"),
+                                     torch.randn(1024, device="cuda")))
+    dy = torch.randn_like(x)
+    _, mean, rstd = ln_fwd(x, w, b, 1e-5, return_stats=True)
+    xg, wg, bg = (t.clone().requires_grad_(True) for t in (x, w, b))
+    parts = {
+        "array forward (with stats)": lambda: ln_fwd(x, w, b, 1e-5, return_stats=True),
+        "array backward": lambda: ln_bwd(dy, x, w, mean, rstd),
+        "torch.empty x5": lambda: [torch.empty(64, 1024, device="cuda") for _ in range(5)],
+        "Function forward (graph built)": lambda: _eager.layer_norm(xg, wg, bg, 1e-5),
+        "Function forward + backward": lambda: torch.autograd.backward(_eager.layer_norm(xg, wg, bg, 1e-5), dy),
+        "grad(), no accumulation": lambda: torch.autograd.grad(_eager.layer_norm(xg, wg, bg, 1e-5), (xg, wg, bg), dy),
+    }
+    for name, fn in parts.items():
+        print(f"  layer_norm {name:34s} {per_call_us(fn, a.iters):8.1f} µs")
+    with torch.autograd.set_multithreading_enabled(False):
+        print(f"  layer_norm {'fwd + bwd, backward on this thread':34s} "
+              f"{per_call_us(parts['Function forward + backward'], a.iters):8.1f} µs")
+        print(f"  layer_norm {'PyTorch, backward on this thread':34s} "
+              f"{per_call_us(lambda: torch.autograd.backward(F.layer_norm(xg, (1024,), wg, bg), dy), a.iters):8.1f} µs")
+
     if a.profile:
         c = cases()["layer_norm"]
         prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(a.iters):
-            torch.autograd.backward(c[1](), c[4])
-        torch.cuda.synchronize()
-        prof.disable()
+        with torch.autograd.set_multithreading_enabled(False):   # (backward on the profiled thread)
+            prof.enable()
+            for _ in range(a.iters):
+                torch.autograd.backward(c[1](), c[4])
+            torch.cuda.synchronize()
+            prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
