@@ -258,6 +258,11 @@ def cmd_train_demo(args) -> int:
                          f"{b['tokens_per_s']:,.0f} ({b['tokens_per_s'] / a['tokens_per_s']:.3f}x); "
                          f"loss difference max {diff:.4f}, mean of the last 20 steps {tail:.4f}; "
                          f"final loss {a['losses'][-1]:.4f} vs {b['losses'][-1]:.4f}")
+    a, b = runs.get("PyTorch"), runs.get("PyTorch + compile")
+    if a and b:   # the scale of bf16 noise: PyTorch against itself, eager vs compiled
+        diff = [abs(x - y) for x, y in zip(a["losses"], b["losses"])]
+        lines.append(f"for scale, PyTorch eager vs PyTorch compiled: loss difference max {max(diff):.4f}, "
+                     f"mean of the last 20 steps {sum(diff[-20:]) / len(diff[-20:]):.4f}")
     for line in lines:
         say(line)
     if world > 1:

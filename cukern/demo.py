@@ -160,9 +160,13 @@ def train(cfg: Config, *, steps: int, batch_size: int, patched: bool, compiled: 
 # ---- profile ---------------------------------------------------------------------------------
 
 CATEGORIES = [
-    ("attention", r"flash|fmha|attention|sdpa|_efficient_attention|mha"),
+    # (cuDNN's attention backward has helper kernels: dot(dO, O) and the dQ conversion)
+    ("attention", r"flash|fmha|attention|sdpa|_efficient_attention|mha|dot_do_o|convert_dq"),
     ("matrix multiply", r"gemm|cutlass|xmma|nvjet|cublas|matmul|splitK"),
-    ("normalization", r"norm|partial_rows"),
+    # (PyTorch's LayerNorm weight/bias gradient is GammaBetaBackward; GroupNorm's statistics
+    # kernels are RowwiseMoments and ComputeFusedParams)
+    ("normalization", r"layer_norm|rms_norm|group_norm|norm_fwd|norm_bwd|batch_norm|GammaBeta|RowwiseMoments|"
+                      r"ComputeFusedParams|GroupNorm|LayerNorm|RMSNorm|partial_rows"),
     ("embedding", r"embedding|index_select|indexSelect|RadixSort|radix_sort"),
     ("communication", r"nccl"),
     ("elementwise", r"elementwise|vectorized|unrolled|reduce|fill|copy|Copy|cat|gelu|softmax|cross_entropy|"
