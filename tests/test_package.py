@@ -133,3 +133,31 @@ def test_installed_wheel_finds_its_sources(dists, tmp_path):
     file, src = out.splitlines()
     assert Path(file).resolve() == site / "cukern" / "__init__.py"
     assert Path(src).resolve() == site / "cukern" / "cuda_src"
+
+
+def test_kernel_arguments_are_packed_as_the_c_parameter_list():
+    """The launch buffer: each value at its natural alignment, as the kernel's C parameters."""
+    import struct
+
+    import numpy as np
+
+    from cukern import _kernels
+    from cukern._arrays import DeviceArray
+
+    arr = DeviceArray(None, "cupy", 0x7F0000001000, (4,), (1,), "float32", 0, "a")
+    layout, values = _kernels.pack_params((arr, np.int32(-3), None, np.float32(1.5), np.int64(2**40),
+                                           np.uint64(7), np.uint32(9)))
+    assert layout.size == 8 + 4 + 4 + 8 + 4 + 4 + 8 + 8 + 4   # int32 and float32 padded before 8-byte items
+    buf = bytearray(layout.size)
+    layout.pack_into(buf, 0, *values)
+    assert struct.unpack_from("<Q", buf, 0)[0] == 0x7F0000001000
+    assert struct.unpack_from("<i", buf, 8)[0] == -3
+    assert struct.unpack_from("<Q", buf, 16)[0] == 0
+    assert struct.unpack_from("<f", buf, 24)[0] == 1.5
+    assert struct.unpack_from("<q", buf, 32)[0] == 2**40
+    assert struct.unpack_from("<Q", buf, 40)[0] == 7
+    assert struct.unpack_from("<I", buf, 48)[0] == 9
+    with pytest.raises(TypeError, match="C type"):
+        _kernels.pack_params((3,))          # a Python int has no C type
+    with pytest.raises(TypeError, match="C type"):
+        _kernels.pack_params((np.float64(1.0),))

@@ -35,6 +35,11 @@ def per_call_us(fn, iters: int) -> float:
     return (time.perf_counter() - t) / iters * 1e6
 
 
+def _enter_exit(ctx) -> None:
+    with ctx:
+        pass
+
+
 def cases():
     dev = "cuda"
     x = torch.randn(64, 1024, device=dev, requires_grad=True)
@@ -92,7 +97,7 @@ def main() -> None:
         print(f"{name:14s} {both[0]:18.1f} {both[1]:7.1f} {both[2]:7.1f}   {fwd[0]:18.1f} {fwd[1]:7.1f} {fwd[2]:7.1f}")
 
     cfg = demo.Config(layers=24, dim=256, heads=4, vocab=1024, seq=128)
-    for patched in (False, True):
+    for patched in ((False, True) if a.steps else ()):
         r = demo.train(cfg, steps=a.steps, batch_size=1, patched=patched)
         print(f"tiny demo step ({'patched' if patched else 'PyTorch'}): "
               f"{cfg.seq / r['tokens_per_s'] * 1e3:.2f} ms of host time")
@@ -119,6 +124,41 @@ def main() -> None:
               f"{per_call_us(parts['Function forward + backward'], a.iters):8.1f} µs")
         print(f"  layer_norm {'PyTorch, backward on this thread':34s} "
               f"{per_call_us(lambda: torch.autograd.backward(F.layer_norm(xg, (1024,), wg, bg), dy), a.iters):8.1f} µs")
+
+    # The stages of one array-function forward, each timed alone.
+    from cukern import _arrays, _kernels
+    import numpy as np
+    xa = _arrays.as_device_array(x, "x")
+    inst = "norm_fwd<float, false, 4, 2, 128, 128, 1, 1>"
+    fn = _kernels.function("norm.cu", inst, 0)
+    y = _arrays.empty(xa, xa.shape)
+    args = (xa, np.int64(1024), None, np.int64(0), xa, xa, y, None, None, None, np.int64(64), np.int32(1024),
+            np.float32(1e-5))
+
+    def launch_only():
+        with _arrays.launch_context(xa):
+            _kernels.launch(fn, 8, 128, args)
+
+    p, nul = np.uint64(xa.ptr), np.uint64(0)
+    raw_args = (p, np.int64(1024), nul, np.int64(0), p, p, np.uint64(y.ptr), nul, nul, nul, np.int64(64),
+                np.int32(1024), np.float32(1e-5))
+
+    def raw_cupy():   # CuPy's own argument handling, for comparison
+        fn((8,), (128,), raw_args)
+
+    stages = {
+        "as_device_array(x)": lambda: _arrays.as_device_array(x, "x"),
+        "torch.empty(64, 1024)": lambda: torch.empty((64, 1024), dtype=torch.float32, device=x.device),
+        "_arrays.empty": lambda: _arrays.empty(xa, xa.shape),
+        "launch_context enter/exit": lambda: _enter_exit(_arrays.launch_context(xa)),
+        "launch_context + launch": launch_only,
+        "cupy RawKernel call alone": raw_cupy,
+        "kernels.function lookup": lambda: _kernels.function("norm.cu", inst, 0),
+        "kernels.pack_params": lambda: _kernels.pack_params(args),
+        "np.int64(...) x3": lambda: (np.int64(1), np.int64(2), np.int64(3)),
+    }
+    for name, fn_ in stages.items():
+        print(f"  stage {name:34s} {per_call_us(fn_, 4 * a.iters):8.1f} µs")
 
     if a.profile:
         c = cases()["layer_norm"]
