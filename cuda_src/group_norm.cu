@@ -119,6 +119,30 @@ __device__ __forceinline__ void for_each_vec(const Geometry& g, F&& f, E&& unit_
     }
 }
 
+// The batch's vectors of two tensors of one shape (dy and x), at off + u * stride for
+// u < count: all loads issued first (so they are in flight together), then f(u, fa, fb) for
+// each pair, unpacked to float32.
+template <typename T, int VEC, int U, typename F>
+__device__ __forceinline__ void for_each_pair(const T* a, const T* b, long long off, long long stride, int count,
+                                              F&& f) {
+    Vec<T, VEC> av[U], bv[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        if (u < count) {
+            av[u] = load_vec<T, VEC>(a + off + u * stride);
+            bv[u] = load_vec<T, VEC>(b + off + u * stride);
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        if (u >= count) continue;
+        float fa[VEC], fb[VEC];
+        unpack(av[u], fa);
+        unpack(bv[u], fb);
+        f(u, fa, fb);
+    }
+}
+
 }  // namespace gn
 
 // ---------------------------------------------------------------------------------------------
@@ -292,27 +316,14 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_bwd(
 #pragma unroll
         for (int j = 0; j < (CL ? VEC : 1); ++j) as[j] = ab[j] = 0.f;
         gn::for_each_vec<CL, VEC, THREADS, U>(geo, [&](long long off, long long stride, int count, int) {
-            Vec<T, VEC> dv[U], xv[U];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                if (u < count) {
-                    dv[u] = load_stream<T, VEC>(dyg + off + u * stride);
-                    xv[u] = load_stream<T, VEC>(xg + off + u * stride);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                if (u >= count) continue;
-                float fd[VEC], fx[VEC];
-                unpack(dv[u], fd);
-                unpack(xv[u], fx);
+            gn::for_each_pair<T, VEC, U>(dyg, xg, off, stride, count, [&](int, const float (&fd)[VEC], const float (&fx)[VEC]) {
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
                     const int jj = CL ? j : 0;
                     as[jj] += fd[j] * (fx[j] - ml);
                     ab[jj] += fd[j];
                 }
-            }
+            });
         }, [&](int ch, int task) {
             if constexpr (!CL) {
                 // A task is done: its sums go to the channel (one segment) or to a task slot.
@@ -411,27 +422,14 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_bwd(
 #pragma unroll
             for (int j = 0; j < (CL ? VEC : 1); ++j)
                 a[j] = w ? rl * to_float(w[min(c0 + ch + j, geo.C - 1)]) : rl;
-            Vec<T, VEC> dv[U], xv[U];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                if (u < count) {
-                    dv[u] = load_vec<T, VEC>(dyg + off + u * stride);
-                    xv[u] = load_vec<T, VEC>(xg + off + u * stride);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                if (u >= count) continue;
-                float fd[VEC], fx[VEC];
-                unpack(dv[u], fd);
-                unpack(xv[u], fx);
+            gn::for_each_pair<T, VEC, U>(dyg, xg, off, stride, count, [&](int u, float (&fd)[VEC], const float (&fx)[VEC]) {
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
                     const int jj = CL ? j : 0;
                     fd[j] = fmaf(fd[j], a[jj], fmaf(bl, fx[j] - ml, cl));
                 }
                 store_stream<T, VEC>(dxg + off + u * stride, pack<T, VEC>(fd));
-            }
+            });
         }, [](int, int) {});
         __syncthreads();  // the next tile reuses scratch and the partial-row reads are done
     }
