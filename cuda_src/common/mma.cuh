@@ -45,23 +45,24 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned int (&r)[4], const vo
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(smem)));
 }
 
-// c += a * b for one m16n8k16 tile.
+// c += a * b for one m16n8k16 tile. (One asm text for both element types: the macro only
+// fills in the PTX type name, which must be part of the string literal.)
+#define CUK_MMA_16816_ASM(TYPE)                                                                    \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 {%0, %1, %2, %3}, " \
+                 "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"                                \
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                 \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
 template <typename T>
 __device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned int (&a)[4], unsigned int b0,
                                           unsigned int b1);
 template <>
 __device__ __forceinline__ void mma_16816<cuk_bf16>(float (&c)[4], const unsigned int (&a)[4],
                                                     unsigned int b0, unsigned int b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-                 "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    CUK_MMA_16816_ASM("bf16");
 }
 template <>
 __device__ __forceinline__ void mma_16816<cuk_half>(float (&c)[4], const unsigned int (&a)[4],
                                                     unsigned int b0, unsigned int b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-                 "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    CUK_MMA_16816_ASM("f16");
 }
+#undef CUK_MMA_16816_ASM
