@@ -31,6 +31,7 @@ ORIGINAL_F = types.SimpleNamespace(**ORIGINAL)   # (the same, as attributes: ORI
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 _HALF = (torch.float16, torch.bfloat16)
 
+
 def _compiling() -> bool:
     """Inside a torch.compile trace: the custom ops (traceable) instead of the eager path."""
     return torch.compiler.is_compiling()
