@@ -1,17 +1,19 @@
 """cukern: hand-written CUDA kernels for transformer training, compiled at run time by NVRTC.
 
 Array in, array out: CuPy arrays in give CuPy arrays out; torch CUDA tensors in give torch
-tensors out (zero copy). NumPy references of every op are in ``cukern.reference``.
+tensors out (zero copy). NumPy references of every op are in ``cukern.reference``; PyTorch
+integration (autograd, torch.compile, drop-ins, ``patch()``) in ``cukern.torch``.
+
+The array functions are those of the kernel families listed in ``cukern._registry``.
 """
 from ._faults import check_errors
-from .attention import attention, attention_backward
 from ._kernels import CompileError
-from .embedding import embedding, embedding_backward
-from .group_norm import group_norm, group_norm_backward
-from .norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
+from ._registry import families as _families
+from ._version import __version__  # noqa: F401 (the package's version)
 
-__version__ = "0.1.0"
+for _family in _families():
+    for _fn in _family.api:
+        globals()[_fn.__name__] = _fn
 
-__all__ = ["layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward", "group_norm",
-           "group_norm_backward", "embedding", "embedding_backward", "attention", "attention_backward",
-           "check_errors", "CompileError"]
+__all__ = [fn.__name__ for f in _families() for fn in f.api] + ["check_errors", "CompileError"]
+del _family, _fn

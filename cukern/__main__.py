@@ -2,8 +2,9 @@
 benchmark against PyTorch, the training demo with and without ``cukern.torch.patch()``, and
 the profile of its steps by kernel category.
 
-``info`` works on any machine (no GPU needed). The others need a CUDA GPU, a CUDA build of
-torch and CuPy; without them they say what is missing and exit with status 2.
+``info`` (and ``bench --list``) work on any machine. The others need a CUDA GPU, a CUDA build
+of torch and CuPy; without them they say what is missing, with the same hints, and exit with
+status 2.
 """
 from __future__ import annotations
 
@@ -151,23 +152,19 @@ class _Progress:
 def cmd_bench(args) -> int:
     from cukern import _bench
 
-    selected = [c for c in _bench.cases(quick=args.quick)
-                if not args.filter or args.filter.lower() in c.name.lower()]
+    table = _bench.torch_cases(quick=args.quick) if args.torch else _bench.cases(quick=args.quick)
+    selected = [c for c in table if not args.filter or args.filter.lower() in c.name.lower()]
     if args.list:
         for c in selected:
-            print(f"{c.name:28s} {c.family:10s} {c.shape_label} {c.dtype}")
+            print(f"{c.name:34s} {c.family:10s} {c.shape_label} {c.dtype}")
         return 0
     if not selected:
-        names = ", ".join(c.name for c in _bench.cases())
+        names = ", ".join(c.name for c in table)
         print(f"cukern bench: no case matches --filter {args.filter!r} (cases: {names})",
               file=sys.stderr)
         return EXIT_UNAVAILABLE
-    reason = _bench.unavailable_reason()
-    if reason:
-        print(f"cukern bench: cannot run here: {reason}", file=sys.stderr)
-        print("cukern bench needs a CUDA GPU, a CUDA build of PyTorch and CuPy "
-              "(`python -m cukern info` shows what is found).", file=sys.stderr)
-        return EXIT_UNAVAILABLE
+    if (refused := _refuse("bench")) is not None:
+        return refused
 
     warmup = args.warmup if args.warmup is not None else (3 if args.quick else 10)
     reps = args.reps if args.reps is not None else (20 if args.quick else 100)
@@ -175,7 +172,8 @@ def cmd_bench(args) -> int:
     print(f"device: {dev['name']} (compute capability {dev['capability']}, {dev['sms']} SMs, "
           f"{dev['memory_bytes'] / 2**30:.1f} GiB, L2 {dev['l2_bytes'] / 2**20:.0f} MiB)")
     print(f"cukern {ver['cukern']}, torch {ver['torch']} (CUDA {ver['torch_cuda']}), "
-          f"cupy {ver['cupy']}, NVRTC {ver['nvrtc']}")
+          f"cupy {ver['cupy']}, NVRTC {ver['nvrtc']}"
+          + (f", liger-kernel {_bench.liger_version() or 'not installed'}" if args.torch else ""))
     print(f"timing: median of {reps} runs after {warmup} warm-up, CUDA events"
           + (" (--quick shapes)" if args.quick else ""), flush=True)
     copy = _bench.copy_bandwidth()
@@ -187,15 +185,21 @@ def cmd_bench(args) -> int:
     print(flush=True)
 
     progress = _Progress()
+    run = _bench.run_torch_cases if args.torch else _bench.run_cases
     try:
-        results = _bench.run_cases(selected, progress, warmup=warmup, reps=reps, copy_gbps=copy,
-                                   matmul_tflops=matmul)
+        results = run(selected, progress, warmup=warmup, reps=reps, copy_gbps=copy, matmul_tflops=matmul)
     finally:
         progress.done()
-    print(_bench.format_table(results))
+    if args.torch:
+        print("through cukern.torch with autograd (the PyTorch user's call) against the array API, PyTorch "
+              "eager, torch.compile and Liger-Kernel; ms by the bench's method, an isolated call's ms, and host "
+              "microseconds a call with the device kept busy", flush=True)
+        print(_bench.format_torch_table(results))
+    else:
+        print(_bench.format_table(results))
 
     if args.json:
-        record = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": args.quick,
+        record = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": args.quick, "torch": args.torch,
                   "warmup": warmup, "reps": reps, "device": dev, "versions": ver,
                   "copy_gbps": copy, "matmul_tflops": matmul, "results": results}
         Path(args.json).write_text(json.dumps(record, indent=2, default=str) + "\n")
@@ -206,12 +210,16 @@ def cmd_bench(args) -> int:
 # ---- train-demo and profile -----------------------------------------------------------------
 
 def _refuse(command: str) -> int | None:
-    """EXIT_UNAVAILABLE, with what is missing on stderr, where the GPU commands cannot run."""
+    """EXIT_UNAVAILABLE, with what is missing and the same hints on stderr, where a GPU command
+    cannot run (bench, train-demo, profile alike)."""
     from cukern import _bench
 
     reason = _bench.unavailable_reason()
     if reason:
         print(f"cukern {command}: cannot run here: {reason}", file=sys.stderr)
+        print(f"cukern {command} needs a CUDA GPU, a CUDA build of PyTorch and CuPy with its CUDA libraries "
+              "(pip install \".[cuda13,torch]\" or \".[cuda12,torch]\"); `python -m cukern info` shows what "
+              "is found.", file=sys.stderr)
         return EXIT_UNAVAILABLE
     return None
 
@@ -224,9 +232,9 @@ def _ops(args):
 def cmd_train_demo(args) -> int:
     if (refused := _refuse("train-demo")) is not None:
         return refused
-    from cukern import demo
+    from cukern.demo import config, train
 
-    cfg = demo.config(args)
+    cfg = config(args)
     rank = int(os.environ.get("RANK", "0"))
     say = print if rank == 0 else (lambda *a, **k: None)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -240,7 +248,7 @@ def cmd_train_demo(args) -> int:
         for patched in patches:
             name = f"{'cukern.patch()' if patched else 'PyTorch'}{' + compile' if compiled else ''}"
             say(f"{name}:", flush=True)
-            r = demo.train(cfg, steps=args.steps, batch_size=args.batch, patched=patched, compiled=compiled,
+            r = train(cfg, steps=args.steps, batch_size=args.batch, patched=patched, compiled=compiled,
                            accum=args.accum, seed=args.seed, log=say if args.verbose else None, ops=_ops(args))
             say(f"  {r['params'] / 1e6:.0f}M parameters; loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}; "
                 f"{r['tokens_per_s']:,.0f} tokens/s", flush=True)
@@ -311,54 +319,77 @@ def _positive(text: str) -> int:
     return n
 
 
+class _Help(argparse.HelpFormatter):
+    """Every option's help ends with its default: the value, "off" for a flag, or what the
+    help text itself says (when it names the default already)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        if isinstance(action, argparse._StoreTrueAction):
+            return f"{text} (default: off)"
+        return f"{text} (default: %(default)s)"
+
+
 def main(argv=None) -> int:
+    fmt = _Help
+    gpu = " (needs a CUDA GPU)"
     parser = argparse.ArgumentParser(
-        prog="python -m cukern",
+        prog="python -m cukern", formatter_class=fmt,
         description="cukern: hand-written CUDA kernels for transformer training.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = sub.add_parser("info", help="versions, GPU, NVRTC and the kernel cache (no GPU needed)")
+    p = sub.add_parser("info", help="versions, GPU, NVRTC and the kernel cache (no GPU needed)", formatter_class=fmt,
+                       description="What cukern finds here: its version and sources, Python, NumPy, CuPy, "
+                                   "PyTorch, NVRTC, the GPUs and the kernel cache. Needs no GPU.")
     p.set_defaults(func=cmd_info)
     p = sub.add_parser(
-        "bench", help="time every op against PyTorch (needs a CUDA GPU)",
+        "bench", help="time every op against PyTorch" + gpu, formatter_class=fmt,
         description="Time every op against its PyTorch equivalent with CUDA events, at the "
                     "workload's shapes, and report GB/s (or TFLOP/s), the share of the device's "
-                    "measured copy bandwidth (or matrix rate), and the speed-up over torch.")
+                    "measured copy bandwidth (or matrix rate), and the speed-up over torch. With "
+                    "--torch: every family through cukern.torch with autograd, against PyTorch eager, "
+                    "torch.compile and Liger-Kernel (when installed), with host time a call." + gpu + ".")
+    p.add_argument("--torch", action="store_true", help="the PyTorch-path table instead of the array API's")
     p.add_argument("--quick", action="store_true", help="smaller shapes and fewer runs")
-    p.add_argument("--filter", metavar="SUBSTR", help="only the cases whose name contains SUBSTR")
-    p.add_argument("--json", metavar="PATH", help="also write the results to PATH as JSON")
-    p.add_argument("--reps", type=_positive, metavar="N", help="timed runs per case (default 100, quick 20)")
-    p.add_argument("--warmup", type=_positive, metavar="N", help="warm-up runs per case (default 10, quick 3)")
-    p.add_argument("--list", action="store_true", help="list the cases and exit (no GPU needed)")
+    p.add_argument("--filter", metavar="SUBSTR", help="only the cases whose name contains SUBSTR (default: all)")
+    p.add_argument("--json", metavar="PATH", help="also write the results to PATH as JSON (default: no file)")
+    p.add_argument("--reps", type=_positive, metavar="N", help="timed runs per case (default: 100, --quick 20)")
+    p.add_argument("--warmup", type=_positive, metavar="N", help="warm-up runs per case (default: 10, --quick 3)")
+    p.add_argument("--list", action="store_true", help="list the cases and exit (needs no GPU)")
     p.set_defaults(func=cmd_bench)
 
-    from cukern import _demo_config as demo_cfg   # (no torch import here)
+    from cukern.demo import options as demo_cfg   # (no torch import here)
     p = sub.add_parser(
-        "train-demo", help="train the demo GPT with and without cukern.torch.patch() (needs a CUDA GPU)",
+        "train-demo", help="train the demo GPT with and without cukern.torch.patch()" + gpu, formatter_class=fmt,
         description="Train a GPT-2-style decoder on self-made data in bf16 autocast, with and without "
                     "cukern.torch.patch(), from the same seed; report the losses' agreement and tokens/s. "
-                    "Runs under torchrun with DistributedDataParallel.")
+                    "Runs on one GPU as it is; started by torchrun (torchrun --nproc_per_node N -m cukern "
+                    "train-demo ...) it trains with DistributedDataParallel, one GPU a rank." + gpu + ".")
     demo_cfg.add_model_args(p)
-    p.add_argument("--steps", type=_positive, default=200)
+    p.add_argument("--steps", type=_positive, default=200, help="optimizer steps a run")
     p.add_argument("--accum", type=_positive, default=1, help="micro-batches a step (gradient accumulation)")
-    p.add_argument("--compile", choices=("no", "yes", "both"), default="no", help="torch.compile the model")
-    p.add_argument("--patch", choices=("both", "on", "off"), default="both")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", choices=("no", "yes", "both"), default="no",
+                   help="torch.compile the model (both: eager and compiled runs)")
+    p.add_argument("--patch", choices=("both", "on", "off"), default="both",
+                   help="runs with cukern.torch.patch() (on), without (off), or both")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
     p.add_argument("--verbose", action="store_true", help="print the loss every 20 steps")
-    p.add_argument("--ops", metavar="A,B", help="the functions patch() routes (default all: layer_norm, rms_norm, "
-                   "group_norm, embedding, scaled_dot_product_attention)")
-    p.add_argument("--json", metavar="PATH", help="also write losses and figures to PATH")
+    p.add_argument("--ops", metavar="A,B", help="the functions patch() routes (default: all of cukern.torch.OPS)")
+    p.add_argument("--json", metavar="PATH", help="also write losses and figures to PATH (default: no file)")
     p.set_defaults(func=cmd_train_demo)
     p = sub.add_parser(
-        "profile", help="GPU time by kernel category of the demo's training steps, with and without patch()",
+        "profile", help="GPU time by kernel category of the demo's training steps, with and without patch()" + gpu,
+        formatter_class=fmt,
         description="Run a few training steps of the demo GPT under torch.profiler, without and with "
                     "cukern.torch.patch(), and print the GPU time a step by category (attention, matrix "
-                    "multiply, normalization, embedding, elementwise, communication, other).")
+                    "multiply, normalization, embedding, elementwise, communication, other)" + gpu + ".")
     demo_cfg.add_model_args(p)
-    p.add_argument("--steps", type=_positive, default=5)
-    p.add_argument("--chart", metavar="PNG", help="also draw a chart (needs matplotlib)")
+    p.add_argument("--steps", type=_positive, default=5, help="profiled steps (after 3 warm-up steps)")
+    p.add_argument("--chart", metavar="PNG", help="also draw a chart to PNG (needs matplotlib; default: none)")
     p.add_argument("--top", type=int, default=0, metavar="N", help="also list the N kernels with the most GPU time")
-    p.add_argument("--ops", metavar="A,B", help="the functions patch() routes (default all)")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--ops", metavar="A,B", help="the functions patch() routes (default: all of cukern.torch.OPS)")
+    p.add_argument("--json", metavar="PATH", help="also write the figures to PATH (default: no file)")
     p.set_defaults(func=cmd_profile)
     args = parser.parse_args(argv)
     if args.command is None:

@@ -8,20 +8,24 @@ imported with ``cupy.from_dlpack`` (zero copy) and answered with CuPy arrays.
 
 Kernels are launched on the caller's current stream: torch's for torch tensors, CuPy's for
 everything else. Nothing here synchronizes the device.
+
+The NumPy references (``cukern.reference``) check their arguments with the same family checks
+as the kernels: ``as_host_array`` gives them the same view of a NumPy array, so a bad argument
+gets the same message from both.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
-import warnings
 
 import numpy as np
 
-__all__ = ["DeviceArray", "as_device_array", "empty", "zeros", "launch_context", "DTYPES"]
+__all__ = ["DeviceArray", "as_device_array", "as_host_array", "empty", "empty_like", "zeros",
+           "launch_stream", "DTYPES"]
 
 # dtype name -> (CUDA storage type in cuda_src/common/dtype.cuh, bytes per element)
-DTYPES = {"float32": ("float", 4), "float16": ("cuk_half", 2), "bfloat16": ("cuk_bf16", 2)}
+DTYPES = {"float32": ("float", 4), "float16": ("cuk::half", 2), "bfloat16": ("cuk::bf16", 2)}
+FLOATS = tuple(DTYPES)
 
 _DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
 
@@ -32,13 +36,13 @@ class DeviceArray:
     __slots__ = ("obj", "kind", "ptr", "shape", "strides", "dtype", "device", "name")
 
     def __init__(self, obj, kind, ptr, shape, strides, dtype, device, name):
-        self.obj = obj          # the torch.Tensor or cupy.ndarray itself
-        self.kind = kind        # "torch" or "cupy"
+        self.obj = obj          # the torch.Tensor, cupy.ndarray (or, for references, numpy array)
+        self.kind = kind        # "torch", "cupy" or "numpy"
         self.ptr = ptr
         self.shape = tuple(shape)
         self.strides = tuple(strides)  # in elements
         self.dtype = dtype      # "float32", "float16", "bfloat16", "int32", "int64", ...
-        self.device = device    # CUDA device ordinal
+        self.device = device    # CUDA device ordinal (-1 for host arrays)
         self.name = name        # the argument's name, for messages
 
     @property
@@ -51,11 +55,16 @@ class DeviceArray:
 
     @property
     def itemsize(self) -> int:
-        return np.dtype(self.dtype).itemsize if self.dtype != "bfloat16" else 2
+        return 2 if self.dtype == "bfloat16" else np.dtype(self.dtype).itemsize
 
     @property
     def ctype(self) -> str:
         return DTYPES[self.dtype][0]
+
+    @property
+    def key(self) -> tuple:
+        """What a launch plan depends on: everything but the address, and its 16-byte alignment."""
+        return (self.kind, self.shape, self.strides, self.dtype, self.device, self.ptr % 16 == 0)
 
     def row_stride(self) -> int | None:
         """Element stride between consecutive rows when viewed as (rows, shape[-1]).
@@ -81,18 +90,18 @@ class DeviceArray:
 
     def contiguous(self) -> "DeviceArray":
         """A C-contiguous copy (or self when already contiguous), same type and device."""
+        if is_contiguous(self):
+            return self
         if self.kind == "torch":
             obj = self.obj.contiguous()
-        elif self.obj.flags.c_contiguous:
-            return self
+        elif self.kind == "numpy":
+            obj = np.ascontiguousarray(self.obj)
         else:
             import cupy
 
             with cupy.cuda.Device(self.device):  # (ascontiguousarray would make 0-d arrays 1-d)
                 obj = self.obj.copy(order="C")
-        if obj is self.obj:
-            return self
-        return _wrap(obj, self.name)
+        return wrap(obj, self.name)
 
     def copy(self) -> "DeviceArray":
         """A fresh C-contiguous copy (new allocation: 256-byte aligned), even when ``self`` is
@@ -101,19 +110,26 @@ class DeviceArray:
             import torch
 
             obj = self.obj.clone(memory_format=torch.contiguous_format)
+        elif self.kind == "numpy":
+            obj = self.obj.copy(order="C")
         else:
             import cupy
 
             with cupy.cuda.Device(self.device):
                 obj = self.obj.copy(order="C")
-        return _wrap(obj, self.name)
+        return wrap(obj, self.name)
 
     def reshape(self, shape) -> "DeviceArray":
         """View of a contiguous array with another shape."""
-        return _wrap(self.obj.reshape(shape), self.name)
+        return wrap(self.obj.reshape(shape), self.name)
+
+    def permute(self, axes) -> "DeviceArray":
+        obj = self.obj.permute(*axes) if self.kind == "torch" else self.obj.transpose(axes)
+        return wrap(obj, self.name)
 
 
 _torch_dtype_names: dict[object, str] = {}
+_torch_tensor = None   # torch.Tensor once torch has been imported by someone
 
 
 def _torch_dtype_name(t) -> str:
@@ -123,9 +139,12 @@ def _torch_dtype_name(t) -> str:
     return name
 
 
-def _wrap(obj, name: str) -> DeviceArray:
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(obj, torch.Tensor):
+def wrap(obj, name: str) -> DeviceArray:
+    """A DeviceArray of a torch tensor, CuPy array or NumPy array (no checks)."""
+    global _torch_tensor
+    if _torch_tensor is None and "torch" in sys.modules:
+        _torch_tensor = sys.modules["torch"].Tensor
+    if _torch_tensor is not None and isinstance(obj, _torch_tensor):
         return DeviceArray(obj, "torch", obj.data_ptr(), obj.shape, obj.stride(),
                            _torch_dtype_name(obj), obj.device.index, name)
     itemsize = obj.dtype.itemsize
@@ -134,29 +153,43 @@ def _wrap(obj, name: str) -> DeviceArray:
         if s % itemsize:
             raise ValueError(f"{name}: strides {obj.strides} are not multiples of the item size")
         strides.append(s // itemsize)
-    return DeviceArray(obj, "cupy", obj.data.ptr, obj.shape, strides, _np_dtype_name(obj.dtype),
-                       obj.device.id, name)
+    if isinstance(obj, np.ndarray):
+        return DeviceArray(obj, "numpy", obj.ctypes.data, obj.shape, strides, obj.dtype.name, -1, name)
+    return DeviceArray(obj, "cupy", obj.data.ptr, obj.shape, strides, obj.dtype.name, obj.device.id, name)
 
 
-def _np_dtype_name(dt) -> str:
-    return np.dtype(dt).name
+def _not_an_array(obj, name: str) -> TypeError:
+    """The error for an argument that is no array at all, saying what it is."""
+    if isinstance(obj, (str, bytes)):
+        what = f"a string ({obj!r:.40})"
+    elif isinstance(obj, (bool, np.bool_)):
+        what = f"a bool ({obj!r})"
+    elif isinstance(obj, (int, float, complex, np.number)):
+        what = f"a {type(obj).__name__} scalar ({obj!r})"
+    else:
+        what = f"a {type(obj).__module__}.{type(obj).__qualname__}"
+    return TypeError(f"{name}: expected a CuPy array or a torch CUDA tensor, got {what}")
 
 
-def as_device_array(obj, name: str, dtypes=("float32", "float16", "bfloat16")) -> DeviceArray:
+def as_device_array(obj, name: str, dtypes=FLOATS) -> DeviceArray:
     """Validate one argument: a CUDA array of one of ``dtypes``. Errors name the argument."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(obj, torch.Tensor):
+    if _torch_tensor is not None and type(obj) is _torch_tensor and obj.is_cuda:   # the hot path
+        arr = DeviceArray(obj, "torch", obj.data_ptr(), obj.shape, obj.stride(), _torch_dtype_name(obj),
+                          obj.device.index, name)
+    elif obj is None:
+        raise TypeError(f"{name}: required, got None")
+    elif isinstance(obj, np.ndarray):
+        raise TypeError(
+            f"{name}: a host (NumPy) array; cukern runs on CUDA arrays (cupy.asarray(...) or a "
+            "torch CUDA tensor). The NumPy references are in cukern.reference")
+    elif "torch" in sys.modules and isinstance(obj, sys.modules["torch"].Tensor):
         if obj.device.type != "cuda":
             raise TypeError(
                 f"{name}: a torch tensor on {obj.device}; cukern runs on CUDA tensors "
                 "(move it with .cuda(), or use cukern.reference for a NumPy computation)")
-        arr = _wrap(obj, name)
-    elif isinstance(obj, np.ndarray) or np.isscalar(obj):
-        raise TypeError(
-            f"{name}: a host (NumPy) array; cukern runs on CUDA arrays (cupy.asarray(...) or a "
-            "torch CUDA tensor). The NumPy references are in cukern.reference")
+        arr = wrap(obj, name)
     elif type(obj).__module__.split(".")[0] == "cupy" and hasattr(obj, "data") and hasattr(obj, "device"):
-        arr = _wrap(obj, name)
+        arr = wrap(obj, name)
     elif hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
         dev_type, _ = obj.__dlpack_device__()
         if int(dev_type) not in _DLPACK_CUDA:
@@ -164,14 +197,30 @@ def as_device_array(obj, name: str, dtypes=("float32", "float16", "bfloat16")) -
                             "cukern runs on CUDA arrays")
         import cupy
 
-        arr = _wrap(cupy.from_dlpack(obj), name)
-    elif obj is None:
-        raise TypeError(f"{name}: required, got None")
+        arr = wrap(cupy.from_dlpack(obj), name)
     else:
-        raise TypeError(f"{name}: expected a CuPy array or a torch CUDA tensor, got {type(obj).__name__}")
+        raise _not_an_array(obj, name)
     if arr.dtype not in dtypes:
         raise ValueError(f"{name}: dtype {arr.dtype} is not supported (expected one of {', '.join(dtypes)})")
     return arr
+
+
+def as_host_array(obj, name: str, dtypes=FLOATS) -> DeviceArray:
+    """The references' counterpart of ``as_device_array``: a NumPy array (or anything
+    ``np.asarray`` takes but a scalar or a string) of one of ``dtypes`` or float64 (the
+    references compute in float64 and accept it wherever a float dtype is)."""
+    if obj is None:
+        raise TypeError(f"{name}: required, got None")
+    if isinstance(obj, (str, bytes, int, float, complex, np.number, np.bool_)):
+        raise _not_an_array(obj, name).__class__(
+            str(_not_an_array(obj, name)).replace("a CuPy array or a torch CUDA tensor", "an array"))
+    a = np.asarray(obj)
+    if a.dtype == object:
+        raise TypeError(f"{name}: expected an array, got {type(obj).__name__}")
+    allowed = tuple(dtypes) + (("float64",) if set(dtypes) & set(FLOATS) else ())
+    if a.dtype.name not in allowed:
+        raise ValueError(f"{name}: dtype {a.dtype.name} is not supported (expected one of {', '.join(allowed)})")
+    return wrap(a, name)
 
 
 def same_device(*arrays: DeviceArray | None) -> int:
@@ -185,6 +234,8 @@ def same_device(*arrays: DeviceArray | None) -> int:
     return first.device
 
 
+# ---- allocation --------------------------------------------------------------------------------
+
 def empty(like: DeviceArray, shape, dtype: str | None = None) -> DeviceArray:
     """A new contiguous array of the same kind and device as ``like``."""
     dtype = dtype or like.dtype
@@ -192,12 +243,47 @@ def empty(like: DeviceArray, shape, dtype: str | None = None) -> DeviceArray:
         import torch
 
         obj = torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=like.obj.device)
+    elif like.kind == "numpy":
+        obj = np.empty(tuple(shape), dtype=_np_dtype(dtype))
     else:
         import cupy
 
         with cupy.cuda.Device(like.device):
-            obj = cupy.empty(tuple(shape), dtype=_cupy_dtype(dtype))
-    return _wrap(obj, "output")
+            obj = cupy.empty(tuple(shape), dtype=_np_dtype(dtype))
+    return wrap(obj, "output")
+
+
+def stride_order(shape, strides) -> tuple[int, ...]:
+    """The axes from the largest stride to the smallest (ties: the outer axis first)."""
+    return tuple(sorted(range(len(shape)), key=lambda i: (-strides[i], i)))
+
+
+def like_strides(shape, strides) -> tuple[int, ...]:
+    """Dense strides (elements) for ``shape`` in the stride order of ``strides``: the layout
+    of an output that keeps its input's layout (a dense input gets its own strides back)."""
+    out, step = [0] * len(shape), 1
+    for ax in reversed(stride_order(shape, strides)):
+        out[ax] = step
+        step *= max(shape[ax], 1)
+    return tuple(out)
+
+
+def empty_like(like: DeviceArray, dtype: str | None = None) -> DeviceArray:
+    """A new array of ``like``'s shape laid out in ``like``'s stride order (``like_strides``)."""
+    order = stride_order(like.shape, like.strides)
+    if order == tuple(range(like.ndim)):
+        return empty(like, like.shape, dtype)
+    if like.kind == "torch":
+        import torch
+
+        obj = torch.empty_strided(like.shape, like_strides(like.shape, like.strides),
+                                  dtype=getattr(torch, dtype or like.dtype), device=like.obj.device)
+        return wrap(obj, "output")
+    stored = empty(like, tuple(like.shape[i] for i in order), dtype)
+    inverse = [0] * like.ndim
+    for pos, ax in enumerate(order):
+        inverse[ax] = pos
+    return stored.permute(inverse)
 
 
 def _to_channels_last_axes(ndim: int) -> tuple[int, ...]:
@@ -210,34 +296,27 @@ def _from_channels_last_axes(ndim: int) -> tuple[int, ...]:
     return (0, ndim - 1) + tuple(range(1, ndim - 1))
 
 
-def _permute(obj, axes):
-    return obj.permute(*axes) if hasattr(obj, "permute") else obj.transpose(axes)
-
-
 def empty_channels_last(like: DeviceArray, shape, dtype: str | None = None) -> DeviceArray:
     """A new (N, C, *S) array stored channels-last, i.e. a view of a contiguous (N, *S, C)."""
     shape = tuple(shape)
     stored = tuple(shape[i] for i in _to_channels_last_axes(len(shape)))
-    base = empty(like, stored, dtype)
-    return _wrap(_permute(base.obj, _from_channels_last_axes(len(shape))), "output")
+    return empty(like, stored, dtype).permute(_from_channels_last_axes(len(shape)))
 
 
 def channels_last(arr: DeviceArray) -> DeviceArray:
     """``arr`` (N, C, *S) stored channels-last: itself when it already is, else a copy."""
     if is_channels_last(arr):
         return arr
-    stored = _permute(arr.obj, _to_channels_last_axes(arr.ndim))
-    copy = _wrap(stored, arr.name).contiguous()
-    return _wrap(_permute(copy.obj, _from_channels_last_axes(arr.ndim)), arr.name)
+    copy = arr.permute(_to_channels_last_axes(arr.ndim)).contiguous()
+    return copy.permute(_from_channels_last_axes(arr.ndim))
 
 
 def is_channels_last(arr: DeviceArray) -> bool:
     """Whether (N, C, *S) is stored densely as (N, *S, C) (axes of size 1 may have any stride)."""
     if arr.ndim < 3:
         return False
-    axes = _to_channels_last_axes(arr.ndim)
     expect = 1
-    for ax in reversed(axes):
+    for ax in reversed(_to_channels_last_axes(arr.ndim)):
         n = arr.shape[ax]
         if n != 1 and arr.strides[ax] != expect:
             return False
@@ -257,7 +336,7 @@ def is_contiguous(arr: DeviceArray) -> bool:
 
 def zeros(like: DeviceArray, shape, dtype: str | None = None) -> DeviceArray:
     out = empty(like, shape, dtype)
-    out.obj.fill_(0) if out.kind == "torch" else out.obj.fill(0)
+    fill(out, 0.0)
     return out
 
 
@@ -265,11 +344,16 @@ def fill(arr: DeviceArray, value: float) -> None:
     """Fill on the caller's stream (used only for degenerate shapes)."""
     if arr.kind == "torch":
         arr.obj.fill_(value)
-    else:
+    elif arr.kind == "numpy":
         arr.obj.fill(value)
+    else:
+        import cupy
+
+        with cupy.cuda.Device(arr.device):
+            arr.obj.fill(value)
 
 
-def _cupy_dtype(dtype: str):
+def _np_dtype(dtype: str):
     if dtype == "bfloat16":
         import ml_dtypes
 
@@ -277,30 +361,52 @@ def _cupy_dtype(dtype: str):
     return np.dtype(dtype)
 
 
-_streams: dict[tuple[int, int], object] = {}
+# ---- streams and devices -----------------------------------------------------------------------
+
+_raw_stream = None
 
 
-@contextlib.contextmanager
-def launch_context(like: DeviceArray):
-    """Make ``like``'s device current, and for torch tensors torch's current stream CuPy's."""
-    import cupy
-
-    with cupy.cuda.Device(like.device):
-        if like.kind == "torch":
+def launch_stream(like: DeviceArray) -> int:
+    """The raw handle of the caller's current stream on ``like``'s device: torch's for torch
+    tensors, CuPy's otherwise. The caller must have made that device current."""
+    global _raw_stream
+    if like.kind == "torch":
+        if _raw_stream is None:
             import torch
 
-            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # (no Stream object a call)
-            ptr = raw(like.device) if raw is not None else torch.cuda.current_stream(like.device).cuda_stream
-            stream = _streams.get((like.device, ptr))
-            if stream is None:
-                with warnings.catch_warnings():  # CuPy 14 prefers Stream.from_external, which
-                    warnings.simplefilter("ignore", DeprecationWarning)  # needs __cuda_stream__
-                    stream = cupy.cuda.ExternalStream(ptr, like.device)
-                _streams[(like.device, ptr)] = stream
-            with stream:
-                yield
-        else:
-            yield
+            _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+                lambda d: torch.cuda.current_stream(d).cuda_stream)
+        return _raw_stream(like.device)
+    import cupy
+
+    return cupy.cuda.get_current_stream().ptr
+
+
+class on_device:
+    """Make ``device`` current for the block (CUDA's runtime device, which the driver's launch
+    and CuPy's allocations use), restoring the previous one after; a no-op when it already is."""
+
+    __slots__ = ("device", "previous")
+    _runtime = None
+
+    def __init__(self, device: int):
+        self.device = device
+
+    def __enter__(self):
+        rt = on_device._runtime
+        if rt is None:
+            import cupy
+
+            rt = on_device._runtime = cupy.cuda.runtime
+        self.previous = rt.getDevice()
+        if self.previous != self.device:
+            rt.setDevice(self.device)
+        return self
+
+    def __exit__(self, *exc):
+        if self.previous != self.device:
+            on_device._runtime.setDevice(self.previous)
+        return False
 
 
 def as_cupy(arr: DeviceArray):
@@ -311,5 +417,5 @@ def as_cupy(arr: DeviceArray):
     if arr.kind == "cupy":
         return arr.obj
     mem = cupy.cuda.UnownedMemory(arr.ptr, arr.size * arr.itemsize, arr.obj, arr.device)
-    return cupy.ndarray(arr.shape, _cupy_dtype(arr.dtype), cupy.cuda.MemoryPointer(mem, 0),
+    return cupy.ndarray(arr.shape, _np_dtype(arr.dtype), cupy.cuda.MemoryPointer(mem, 0),
                         tuple(s * arr.itemsize for s in arr.strides))

@@ -4,15 +4,23 @@ Every case times cukern against the PyTorch equivalent in one process, on torch 
 takes them zero-copy), with CUDA events on torch's current stream: the median of many runs
 after warm-up. Each result is also given as a ratio to a ceiling measured in the same run: the
 device's device-to-device copy bandwidth for memory-bound ops (bytes read + written), the bf16
-matrix-product rate for FLOP-bound ones (PERFORMANCE.md says why ratios, not absolute times).
+matrix-product rate for FLOP-bound ones. Absolute times move between machines and runs; ratios
+taken in one run hold.
 
-The cases live in one table, ``cases()``; a family adds its rows there, with its shapes in
-``WORKLOAD``. torch and CuPy are imported only inside the functions that run on the GPU, so
-``import cukern`` (and ``import cukern._bench``) never imports them.
+Two kinds of case, both declared by the families (``bench`` and ``torch_bench`` of each
+``FAMILY``) and discovered here:
+
+* :class:`Case`: the array API against PyTorch's op (``python -m cukern bench``);
+* :class:`TorchCase`: the op as a PyTorch user runs it, through ``cukern.torch`` with
+  autograd, against PyTorch eager, ``torch.compile`` and Liger-Kernel when it is installed,
+  with the array API's time for the same work and the host time a call
+  (``python -m cukern bench --torch``).
+
+torch and CuPy are imported only inside the functions that run on the GPU, so ``import cukern``
+(and ``import cukern._bench``) never imports them.
 """
 from __future__ import annotations
 
-import functools
 import math
 import re
 import statistics
@@ -20,29 +28,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from . import __version__
-from .attention import attention, attention_backward
-from .embedding import embedding, embedding_backward
-from .group_norm import group_norm, group_norm_backward
-from .norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
+from ._version import __version__
 
-__all__ = ["Case", "Timing", "WORKLOAD", "cases", "time_cuda", "time_cuda_detail", "copy_bandwidth",
-           "matmul_rate", "run_cases", "run_case", "summarize", "format_table", "unavailable_reason",
-           "asv_results"]
-
-# The workload of DESIGN.md, per family: the full shapes, and the smaller ones of --quick.
-WORKLOAD = {
-    "norm": {"full": (65536, 4096), "quick": (8192, 4096), "dtype": "bfloat16"},
-    # (N, C, H, W) and groups: the diffusion/UNet block of PERFORMANCE.md
-    "group_norm": {"full": (16, 512, 64, 64), "quick": (4, 512, 64, 64), "groups": 32, "dtype": "bfloat16"},
-    # (batch, heads, seqlen, head_dim, causal): the attention cases of the issue
-    "attention": {"full": [(32, 16, 2048, 128, False), (32, 16, 2048, 128, True),
-                           (4, 32, 8192, 128, True), (16, 32, 2048, 64, True)],
-                  "quick": [(4, 16, 2048, 128, False), (4, 16, 2048, 128, True),
-                            (1, 32, 4096, 128, True), (4, 32, 2048, 64, True)], "dtype": "bfloat16"},
-    # (tokens, vocabulary, model dim)
-    "embedding": {"full": (65536, 128256, 4096), "quick": (8192, 32000, 4096), "dtype": "bfloat16"},
-}
+__all__ = ["Case", "TorchCase", "Timing", "cases", "torch_cases", "time_cuda", "time_cuda_detail", "host_us",
+           "copy_bandwidth", "matmul_rate", "run_cases", "run_case", "run_torch_cases", "summarize",
+           "format_table", "format_torch_table", "unavailable_reason", "asv_results", "asv_benchmarks"]
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 SHORT_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -65,8 +55,8 @@ class Case:
     ``make(seed)`` builds one input set (a dict of random torch CUDA tensors); ``cukern_fn``
     and ``torch_fn`` take that dict and return the output tensor or a tuple of outputs in the
     same order (compared once, outside the timing). ``nbytes`` is the floor of bytes that must
-    move (PERFORMANCE.md); ``flops`` is set for FLOP-bound cases, which are then reported in
-    TFLOP/s against the matrix rate instead of GB/s against the copy bandwidth.
+    move; ``flops`` is set for FLOP-bound cases, which are then reported in TFLOP/s against the
+    matrix rate instead of GB/s against the copy bandwidth.
     """
     name: str
     family: str
@@ -76,6 +66,31 @@ class Case:
     make: Callable[[int], dict]
     cukern_fn: Callable[[dict], Any]
     torch_fn: Callable[[dict], Any]
+    flops: int | None = None
+
+    @property
+    def shape_label(self) -> str:
+        return "x".join(str(n) for n in self.shape)
+
+
+@dataclass(frozen=True)
+class TorchCase:
+    """One op as a PyTorch user runs it: ``forward(F, t)`` calls the op through ``F`` — the
+    namespace of ``torch.nn.functional`` or of ``cukern.torch`` (the drop-ins) — on the autograd
+    leaves ``t["leaves"]`` of an input set ``make(seed)``; with ``backward`` the step is the
+    forward and ``torch.autograd.grad`` of it with ``t["dy"]``, else the forward under
+    ``torch.no_grad``. ``array(t)`` does the same work through the array API; ``liger(t)``, if
+    given, the forward through Liger-Kernel (timed when liger-kernel is installed)."""
+    name: str
+    family: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    make: Callable[[int], dict]
+    forward: Callable[[Any, dict], Any]
+    array: Callable[[dict], Any]
+    liger: Callable[[dict], Any] | None = None
+    backward: bool = True
     flops: int | None = None
 
     @property
@@ -94,91 +109,20 @@ def slug(name: str) -> str:
 
 
 def cases(quick: bool = False, family: str | None = None) -> list[Case]:
-    """Every benchmark case, in table order; ``quick`` takes the smaller shapes of WORKLOAD."""
-    size = "quick" if quick else "full"
-    table: list[Case] = []
+    """Every array-API case of every family, in table order; ``quick`` takes smaller shapes."""
+    from ._registry import families
 
-    # -- norms: (N, D); passes of N*D elements: fwd 2 (x, y), fwd+bwd 5 (+ dy, x, dx),
-    #    fused residual 4 (x, r in; y, h out). Weights and statistics are O(N + D), left out.
-    w = WORKLOAD["norm"]
-    nd, dt = w[size], w["dtype"]
-    inputs = functools.partial(_norm_inputs, nd, dt)
-    table += [
-        Case("layer_norm fwd", "norm", nd, dt, elements_bytes(nd, dt, 2),
-             functools.partial(inputs, bias=True), _ln_fwd, _torch_ln_fwd),
-        Case("rms_norm fwd", "norm", nd, dt, elements_bytes(nd, dt, 2),
-             functools.partial(inputs, bias=False), _rms_fwd, _torch_rms_fwd),
-        Case("layer_norm fwd+bwd", "norm", nd, dt, elements_bytes(nd, dt, 5),
-             functools.partial(inputs, bias=True, grad=True), _ln_fwdbwd, _torch_ln_fwdbwd),
-        Case("rms_norm fwd+bwd", "norm", nd, dt, elements_bytes(nd, dt, 5),
-             functools.partial(inputs, bias=False, grad=True), _rms_fwdbwd, _torch_rms_fwdbwd),
-        Case("layer_norm +residual fwd", "norm", nd, dt, elements_bytes(nd, dt, 4),
-             functools.partial(inputs, bias=True, residual=True), _ln_res, _torch_ln_res),
-        Case("rms_norm +residual fwd", "norm", nd, dt, elements_bytes(nd, dt, 4),
-             functools.partial(inputs, bias=False, residual=True), _rms_res, _torch_rms_res),
-    ]
-
-    # -- group norm: (N, C, H, W); passes of the tensor as for the norms: fwd 2, fwd+bwd 5.
-    #    Contiguous and channels-last inputs (torch's channels_last memory format).
-    w = WORKLOAD["group_norm"]
-    shape, dt, groups = w[size], w["dtype"], w["groups"]
-    for cl in (False, True):
-        gin = functools.partial(_gn_inputs, shape, dt, groups, channels_last=cl)
-        tag = " channels_last" if cl else ""
-        table += [
-            Case(f"group_norm{tag} fwd", "group_norm", shape, dt, elements_bytes(shape, dt, 2),
-                 gin, _gn_fwd, _torch_gn_fwd),
-            Case(f"group_norm{tag} fwd+bwd", "group_norm", shape, dt, elements_bytes(shape, dt, 5),
-                 functools.partial(gin, grad=True), _gn_fwdbwd, _torch_gn_fwdbwd),
-        ]
-
-    # -- embedding: T tokens from a (V, D) table. fwd: read T rows, write T rows (2 T·D);
-    #    bwd (dense): read T grad rows, write the V·D table gradient ((T + V)·D).
-    w = WORKLOAD["embedding"]
-    (T, V, D), dt = w[size], w["dtype"]
-    emb = functools.partial(_embedding_inputs, T, V, D, dt)
-    fwd_bytes, bwd_bytes = elements_bytes((2 * T, D), dt), elements_bytes((T + V, D), dt)
-    table += [
-        Case("embedding fwd", "embedding", (T, V, D), dt, fwd_bytes, emb, _emb_fwd, _torch_emb_fwd),
-        Case("embedding bwd", "embedding", (T, V, D), dt, bwd_bytes,
-             functools.partial(emb, grad=True), _emb_bwd, _torch_emb_bwd),
-        Case("embedding bwd zipf", "embedding", (T, V, D), dt, bwd_bytes,
-             functools.partial(emb, grad=True, zipf=True), _emb_bwd, _torch_emb_bwd),
-        Case("embedding fwd+bwd", "embedding", (T, V, D), dt, fwd_bytes + bwd_bytes,
-             functools.partial(emb, grad=True), _emb_fwdbwd, _torch_emb_fwdbwd),
-    ]
-    # -- attention forward: FLOP-bound, 4·B·H·S²·D (half when causal), against torch's SDPA
-    #    with the FLASH_ATTENTION backend (FlashAttention-2) and the CUDNN_ATTENTION backend.
-    w = WORKLOAD["attention"]
-    dt = w["dtype"]
-    for B, H, S, D, causal in w[size]:
-        flops = 4 * B * H * S * S * D // (2 if causal else 1)
-        long = " long" if S > 2048 else ""  # (the same label for the --quick shape of a case)
-        tag = f"attention{' causal' if causal else ''}{long} d{D}"
-        make = functools.partial(_attn_inputs, B, H, S, D, dt)
-        for backend in ("flash", "cudnn"):
-            table.append(Case(f"{tag} fwd vs {backend}", "attention", (B, H, S, D), dt,
-                              elements_bytes((4 * B, S, H, D), dt), make,
-                              functools.partial(_attn_fwd, causal=causal),
-                              functools.partial(_torch_attn_fwd, causal=causal, backend=backend),
-                              flops=flops))
-        # forward + backward: FLOPs counted as FlashAttention does, backward = 2.5 x forward
-        for backend in ("flash", "cudnn"):
-            table.append(Case(f"{tag} fwd+bwd vs {backend}", "attention", (B, H, S, D), dt,
-                              elements_bytes((8 * B, S, H, D), dt), functools.partial(make, grad=True),
-                              functools.partial(_attn_fwdbwd, causal=causal),
-                              functools.partial(_torch_attn_fwdbwd, causal=causal, backend=backend),
-                              flops=int(3.5 * flops)))
-    return [c for c in table if family is None or c.family == family]
+    return [c for f in families() if f.bench and family in (None, f.name) for c in f.bench(quick)]
 
 
-def _randn(shape, dtype: str, gen):
-    import torch
+def torch_cases(quick: bool = False, family: str | None = None) -> list[TorchCase]:
+    """Every PyTorch-path case of every family (``bench --torch``)."""
+    from ._registry import families
 
-    return torch.randn(shape, dtype=getattr(torch, dtype), device="cuda", generator=gen)
+    return [c for f in families() if f.torch_bench and family in (None, f.name) for c in f.torch_bench(quick)]
 
 
-def _generator(seed: int):
+def generator(seed: int):
     import torch
 
     gen = torch.Generator(device="cuda")
@@ -186,231 +130,10 @@ def _generator(seed: int):
     return gen
 
 
-def _norm_inputs(shape, dtype, seed, *, bias, grad=False, residual=False) -> dict:
-    gen = _generator(seed)
-    d = shape[-1]
-    t = {"x": _randn(shape, dtype, gen), "w": _randn((d,), dtype, gen),
-         "b": _randn((d,), dtype, gen) if bias else None}
-    if residual:
-        t["r"] = _randn(shape, dtype, gen)
-    if grad:
-        t["dy"] = _randn(shape, dtype, gen)
-        # torch's autograd leaves, sharing storage with the cukern inputs
-        t["xg"] = t["x"].detach().requires_grad_(True)
-        t["wg"] = t["w"].detach().requires_grad_(True)
-        t["bg"] = t["b"].detach().requires_grad_(True) if bias else None
-    return t
-
-
-def _ln_fwd(t):
-    return layer_norm(t["x"], t["w"], t["b"])
-
-
-def _torch_ln_fwd(t):
-    import torch.nn.functional as F
-
-    x = t["x"]
-    return F.layer_norm(x, (x.shape[-1],), t["w"], t["b"])
-
-
-def _rms_fwd(t):
-    return rms_norm(t["x"], t["w"])
-
-
-def _torch_rms_fwd(t):
-    import torch.nn.functional as F
-
-    x = t["x"]
-    return F.rms_norm(x, (x.shape[-1],), t["w"], eps=1e-6)
-
-
-def _ln_fwdbwd(t):
-    y, mean, rstd = layer_norm(t["x"], t["w"], t["b"], return_stats=True)
-    dx, dw, db = layer_norm_backward(t["dy"], t["x"], t["w"], mean, rstd)
-    return y, dx, dw, db
-
-
-def _torch_ln_fwdbwd(t):
-    import torch
-    import torch.nn.functional as F
-
-    x, w, b = t["xg"], t["wg"], t["bg"]
-    y = F.layer_norm(x, (x.shape[-1],), w, b)
-    dx, dw, db = torch.autograd.grad(y, (x, w, b), t["dy"])
-    return y.detach(), dx, dw, db
-
-
-def _rms_fwdbwd(t):
-    y, rstd = rms_norm(t["x"], t["w"], return_stats=True)
-    dx, dw = rms_norm_backward(t["dy"], t["x"], t["w"], rstd)
-    return y, dx, dw
-
-
-def _torch_rms_fwdbwd(t):
-    import torch
-    import torch.nn.functional as F
-
-    x, w = t["xg"], t["wg"]
-    y = F.rms_norm(x, (x.shape[-1],), w, eps=1e-6)
-    dx, dw = torch.autograd.grad(y, (x, w), t["dy"])
-    return y.detach(), dx, dw
-
-
-def _ln_res(t):
-    return layer_norm(t["x"], t["w"], t["b"], residual=t["r"])
-
-
-def _torch_ln_res(t):
-    import torch.nn.functional as F
-
-    h = t["x"] + t["r"]
-    return F.layer_norm(h, (h.shape[-1],), t["w"], t["b"]), h
-
-
-def _rms_res(t):
-    return rms_norm(t["x"], t["w"], residual=t["r"])
-
-
-def _torch_rms_res(t):
-    import torch.nn.functional as F
-
-    h = t["x"] + t["r"]
-    return F.rms_norm(h, (h.shape[-1],), t["w"], eps=1e-6), h
-
-
-def _gn_inputs(shape, dtype, groups, seed, *, channels_last=False, grad=False) -> dict:
-    gen = _generator(seed)
-    x = _randn(shape, dtype, gen)
-    if channels_last:  # (N, C, *S) stored as (N, *S, C)
-        x = x.movedim(1, -1).contiguous().movedim(-1, 1)
-    c = shape[1]
-    t = {"x": x, "w": _randn((c,), dtype, gen), "b": _randn((c,), dtype, gen), "g": groups}
-    if grad:
-        dy = _randn(shape, dtype, gen)
-        t["dy"] = dy.movedim(1, -1).contiguous().movedim(-1, 1) if channels_last else dy
-        t["xg"] = t["x"].detach().requires_grad_(True)
-        t["wg"] = t["w"].detach().requires_grad_(True)
-        t["bg"] = t["b"].detach().requires_grad_(True)
-    return t
-
-
-def _gn_fwd(t):
-    return group_norm(t["x"], t["g"], t["w"], t["b"])
-
-
-def _torch_gn_fwd(t):
-    import torch.nn.functional as F
-
-    return F.group_norm(t["x"], t["g"], t["w"], t["b"])
-
-
-def _gn_fwdbwd(t):
-    y, mean, rstd = group_norm(t["x"], t["g"], t["w"], t["b"], return_stats=True)
-    dx, dw, db = group_norm_backward(t["dy"], t["x"], t["g"], t["w"], mean, rstd)
-    return y, dx, dw, db
-
-
-def _torch_gn_fwdbwd(t):
-    import torch
-    import torch.nn.functional as F
-
-    x, w, b = t["xg"], t["wg"], t["bg"]
-    y = F.group_norm(x, t["g"], w, b)
-    dx, dw, db = torch.autograd.grad(y, (x, w, b), t["dy"])
-    return y.detach(), dx, dw, db
-
-
-def _attn_inputs(B, H, S, D, dtype, seed, *, grad=False) -> dict:
-    gen = _generator(seed)
-    t = {k: _randn((B, S, H, D), dtype, gen) for k in ("q", "k", "v")}
-    if grad:
-        t["do"] = _randn((B, S, H, D), dtype, gen)
-        for k in ("q", "k", "v"):  # torch's autograd leaves, sharing storage
-            t[k + "g"] = t[k].detach().requires_grad_(True)
-    return t
-
-
-def _attn_fwdbwd(t, causal):
-    out, lse = attention(t["q"], t["k"], t["v"], causal=causal, return_lse=True)
-    return (out,) + attention_backward(t["do"], t["q"], t["k"], t["v"], out, lse, causal=causal)
-
-
-def _torch_attn_fwdbwd(t, causal, backend):
-    import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    which = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
-    q, k, v = (t[n + "g"] for n in ("q", "k", "v"))
-    with sdpa_kernel(which):
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=causal).transpose(1, 2)
-        dq, dk, dv = torch.autograd.grad(out, (q, k, v), t["do"])
-    return out.detach(), dq, dk, dv
-
-
-def _attn_fwd(t, causal):
-    return attention(t["q"], t["k"], t["v"], causal=causal)
-
-
-def _torch_attn_fwd(t, causal, backend):
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    which = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
-    with sdpa_kernel(which):
-        out = F.scaled_dot_product_attention(*(t[k].transpose(1, 2) for k in ("q", "k", "v")), is_causal=causal)
-    return out.transpose(1, 2)
-
-
-def _embedding_inputs(T, V, D, dtype, seed, *, grad=False, zipf=False) -> dict:
-    import numpy as np
+def randn(shape, dtype: str, gen):
     import torch
 
-    gen = _generator(seed)
-    if zipf:  # a Zipf-like token distribution, as in real text (a few very hot tokens)
-        ranks = np.random.default_rng(seed).zipf(1.2, T) % V
-        idx = torch.from_numpy(ranks.astype(np.int64)).cuda()
-    else:
-        idx = torch.randint(0, V, (T,), device="cuda", generator=gen)
-    t = {"idx": idx, "w": _randn((V, D), dtype, gen)}
-    if grad:
-        t["dy"] = _randn((T, D), dtype, gen)
-        t["wg"] = t["w"].detach().requires_grad_(True)
-    return t
-
-
-def _emb_fwd(t):
-    return embedding(t["idx"], t["w"])
-
-
-def _torch_emb_fwd(t):
-    import torch.nn.functional as F
-
-    return F.embedding(t["idx"], t["w"])
-
-
-def _emb_bwd(t):
-    return embedding_backward(t["dy"], t["idx"], t["w"].shape[0])
-
-
-def _torch_emb_bwd(t):
-    import torch
-
-    return torch.ops.aten.embedding_dense_backward(t["dy"], t["idx"], t["w"].shape[0], -1, False)
-
-
-def _emb_fwdbwd(t):
-    return embedding(t["idx"], t["w"]), embedding_backward(t["dy"], t["idx"], t["w"].shape[0])
-
-
-def _torch_emb_fwdbwd(t):
-    import torch
-    import torch.nn.functional as F
-
-    y = F.embedding(t["idx"], t["wg"])
-    (dw,) = torch.autograd.grad(y, (t["wg"],), t["dy"])
-    return y.detach(), dw
+    return torch.randn(shape, dtype=getattr(torch, dtype), device="cuda", generator=gen)
 
 
 # ---- pure arithmetic (no GPU) ----------------------------------------------------------------
@@ -601,13 +324,15 @@ def _hold_device(ms: float) -> None:
 
 
 def time_cuda_detail(fn: Callable, *, warmup: int = 10, reps: int = 100,
-                     input_sets: Sequence | None = None) -> Timing:
+                     input_sets: Sequence | None = None, hold: bool = True) -> Timing:
     """Time ``fn`` with a CUDA event pair around each of ``reps`` calls after ``warmup`` calls.
 
     With ``input_sets``, call ``i`` is ``fn(input_sets[i % len(input_sets)])``; else ``fn()``.
     Events are recorded on torch's current stream, where cukern launches for torch tensors.
     Before the timed calls the stream is held busy (``torch.cuda._sleep``) for as long as the
-    host needs to queue them, so a sample is the device's time for one call.
+    host needs to queue them, so a sample is the device's time for one call. With
+    ``hold=False`` each call is timed alone after the device has drained (synchronizing
+    before each), so the host time in front of its kernels shows: an isolated call.
     """
     import torch
 
@@ -627,14 +352,44 @@ def time_cuda_detail(fn: Callable, *, warmup: int = 10, reps: int = 100,
 
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    _hold_device(1.0 + 1.25 * host_ms * reps)
+    if hold:
+        _hold_device(1.0 + 1.25 * host_ms * reps)
     for i in range(reps):
         starts[i].record()
         call(1 + warmup + i)
         ends[i].record()
+        if not hold:
+            torch.cuda.synchronize()
     torch.cuda.synchronize()
     samples = [s.elapsed_time(e) for s, e in zip(starts, ends)]
     return Timing(statistics.median(samples), samples, host_ms)
+
+
+def host_us(fn: Callable, *, calls: int = 100, input_sets: Sequence | None = None) -> float:
+    """Host time a call in microseconds, with the device kept busy: the calls are queued
+    behind a long sleep kernel, so none waits for the device and the host clock measures what
+    Python, the framework and the driver spend in front of the kernels."""
+    import torch
+
+    sets = list(input_sets) if input_sets is not None else None
+
+    def call(i):
+        return fn(sets[i % len(sets)]) if sets is not None else fn()
+
+    for i in range(3):
+        call(i)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    call(0)
+    probe_ms = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    _hold_device(5.0 + 2.0 * probe_ms * calls)
+    t0 = time.perf_counter()
+    for i in range(calls):
+        call(i)
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
 
 
 def time_cuda(fn: Callable, *, warmup: int = 10, reps: int = 100,
@@ -655,7 +410,7 @@ def copy_bandwidth(nbytes: int = 1 << 30, *, warmup: int = 5, reps: int = 50) ->
     import torch
 
     nbytes = max(nbytes, 8 * l2_bytes())
-    src = _randn((nbytes // 2,), "bfloat16", _generator(0))
+    src = randn((nbytes // 2,), "bfloat16", generator(0))
     dst = torch.empty_like(src)
     ms = time_cuda(lambda: dst.copy_(src), warmup=warmup, reps=reps)
     return gbps(2 * src.numel() * src.element_size(), ms)
@@ -665,8 +420,8 @@ def matmul_rate(n: int = 8192, *, warmup: int = 5, reps: int = 30) -> float:
     """The bf16 matrix-product rate, TFLOP/s, of torch's ``n``x``n``x``n`` product."""
     import torch
 
-    gen = _generator(0)
-    a, b = _randn((n, n), "bfloat16", gen), _randn((n, n), "bfloat16", gen)
+    gen = generator(0)
+    a, b = randn((n, n), "bfloat16", gen), randn((n, n), "bfloat16", gen)
     ms = time_cuda(lambda: torch.mm(a, b), warmup=warmup, reps=reps)
     return tflops(2 * n ** 3, ms)
 
@@ -749,61 +504,256 @@ def run_cases(cases: Sequence[Case], progress: Callable[[int, int, Case], None] 
     return results
 
 
-def asv_results(cases: Sequence[Case], *, warmup: int = 10, reps: int = 100) -> dict:
-    """Everything one asv ``setup_cache`` measures: ``{"skip": reason}`` with no GPU, else the
-    ceilings, the device and the result record of each case by name."""
-    reason = unavailable_reason()
-    if reason:
-        return {"skip": reason}
-    copy = copy_bandwidth()
-    mm = matmul_rate() if any(c.flops is not None for c in cases) else None
-    results = run_cases(cases, warmup=warmup, reps=reps, copy_gbps=copy, matmul_tflops=mm)
-    return {"skip": None, "device": device_info(), "versions": versions(), "copy_gbps": copy,
-            "matmul_tflops": mm, "cases": {r["name"]: r for r in results}}
+# ---- the PyTorch path (bench --torch) ---------------------------------------------------------
+
+TORCH_IMPLS = ("array", "cukern.torch", "eager", "compile", "liger")
+
+
+def liger_version() -> str | None:
+    """Liger-Kernel's version when it is installed (and importable), else None."""
+    try:
+        import liger_kernel  # noqa: F401
+    except Exception:  # noqa: BLE001 - absent or broken: no Liger column
+        return None
+    from importlib import metadata
+
+    try:
+        return metadata.version("liger-kernel")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _step(case: TorchCase, forward: Callable) -> Callable:
+    """fn(t): the case's forward through ``forward`` and, with ``case.backward``, the
+    gradients of its leaves by ``torch.autograd.grad``."""
+    import torch
+
+    if case.backward:
+        def run(t):
+            y = forward(t)
+            return (y.detach(), *torch.autograd.grad(y, t["leaves"], t["dy"]))
+    else:
+        def run(t):
+            with torch.no_grad():
+                return forward(t)
+    return run
+
+
+def torch_impls(case: TorchCase) -> dict[str, Callable]:
+    """The implementations a PyTorch-path case compares, by column name."""
+    import functools
+
+    import torch
+    import torch.nn.functional as F
+
+    import cukern.torch as ct
+
+    impls = {"array": case.array,
+             "cukern.torch": _step(case, functools.partial(case.forward, ct)),
+             "eager": _step(case, functools.partial(case.forward, F)),
+             "compile": _step(case, torch.compile(functools.partial(case.forward, F)))}
+    if case.liger is not None and liger_version() is not None:
+        impls["liger"] = _step(case, case.liger)
+    return impls
+
+
+def run_torch_case(case: TorchCase, *, warmup: int = 10, reps: int = 100, copy_gbps: float | None = None,
+                   matmul_tflops: float | None = None, l2: int | None = None) -> dict:
+    """Time every implementation of a PyTorch-path case: the bench's method (device kept busy,
+    median of events), one isolated call (the device idle before it, so host time in front of
+    the kernels shows), and host microseconds a call."""
+    import torch
+
+    import cukern.torch as ct
+
+    nsets = input_set_count(case.nbytes, l2 if l2 is not None else l2_bytes())
+    sets = [case.make(seed) for seed in range(nsets)]
+    impls = torch_impls(case)
+    expect = impls["eager"](sets[0])
+    errors = {name: relative_error(fn(sets[0]), expect) for name, fn in impls.items() if name != "eager"}
+    ct.reset_counts()
+    impls["cukern.torch"](sets[0])
+    counts = ct.counts(reasons=True)
+    routed = bool(counts) and all(c["torch"] == 0 and c["cukern"] > 0 for c in counts.values())
+    torch.cuda.synchronize()
+    ms = {name: time_cuda_detail(fn, warmup=warmup, reps=reps, input_sets=sets).median_ms
+          for name, fn in impls.items()}
+    isolated = {name: time_cuda_detail(impls[name], warmup=3, reps=max(5, reps // 4), input_sets=sets,
+                                       hold=False).median_ms for name in ("cukern.torch", "eager")}
+    host = {name: host_us(impls[name], calls=max(20, reps), input_sets=sets)
+            for name in ("array", "cukern.torch", "eager")}
+    r = {"name": case.name, "family": case.family, "shape": list(case.shape), "dtype": case.dtype,
+         "bytes": case.nbytes, "flops": case.flops, "ms": ms, "isolated_ms": isolated, "host_us": host,
+         "rel_err": errors, "routed": routed, "fallbacks": {k: v.get("torch_reasons") for k, v in counts.items()
+                                                             if v.get("torch")},
+         "input_sets": nsets, "reps": reps}
+    mine = ms["cukern.torch"]
+    r["torch_over_array"] = mine / ms["array"] if ms["array"] > 0 else None
+    for peer in ("eager", "compile", "liger"):
+        r[f"vs_{peer}"] = ms[peer] / mine if peer in ms and mine > 0 else None
+    r["host_vs_eager"] = host["cukern.torch"] / host["eager"] if host["eager"] > 0 else None
+    if case.flops is None:
+        r["gbps"] = gbps(case.nbytes, mine)
+        r["pct_of_copy"] = 100.0 * r["gbps"] / copy_gbps if copy_gbps else None
+    else:
+        r["tflops"] = tflops(case.flops, mine)
+        r["pct_of_matmul"] = 100.0 * r["tflops"] / matmul_tflops if matmul_tflops else None
+    return r
+
+
+def run_torch_cases(cases: Sequence[TorchCase], progress: Callable | None = None, *, warmup: int = 10,
+                    reps: int = 100, copy_gbps: float | None = None, matmul_tflops: float | None = None) -> list[dict]:
+    """Every PyTorch-path case; a case that raises gets a record with ``error`` set."""
+    import torch
+
+    l2 = l2_bytes()
+    results = []
+    for i, case in enumerate(cases):
+        if progress is not None:
+            progress(i + 1, len(cases), case)
+        try:
+            results.append(run_torch_case(case, warmup=warmup, reps=reps, copy_gbps=copy_gbps,
+                                          matmul_tflops=matmul_tflops, l2=l2))
+        except Exception as e:  # noqa: BLE001 - report it in the table, run the next case
+            results.append(error_result(case, f"{type(e).__name__}: {e}".strip()))
+        torch.cuda.empty_cache()
+    return results
+
+
+def format_torch_table(results: list[dict]) -> str:
+    """The PyTorch-path results: median ms of each implementation (the bench's method), the
+    ratios, the isolated call's time and the host time a call."""
+    head = ("case", "shape", "array ms", "cukern.torch ms", "/array", "eager ms", "compile ms", "Liger ms",
+            "vs eager", "vs compile", "vs Liger", "isolated ms (ct/eager)", "host us (ct/eager/array)")
+    rows = []
+
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    for r in results:
+        shape = "x".join(str(n) for n in r["shape"]) + " " + SHORT_DTYPE.get(r["dtype"], r["dtype"])
+        if r.get("error"):
+            rows.append((r["name"], shape, "error") + ("",) * (len(head) - 3))
+            continue
+        ms, iso, host = r["ms"], r["isolated_ms"], r["host_us"]
+        rows.append((r["name"] + ("" if r["routed"] else " (fell back!)"), shape, f(ms["array"], ".3f"),
+                     f(ms["cukern.torch"], ".3f"), f(r["torch_over_array"], ".2f"), f(ms["eager"], ".3f"),
+                     f(ms["compile"], ".3f"), f(ms.get("liger"), ".3f"), f(r["vs_eager"], ".2f") + "x",
+                     f(r["vs_compile"], ".2f") + "x", f(r["vs_liger"], ".2f") + ("x" if r["vs_liger"] else ""),
+                     f"{iso['cukern.torch']:.3f} / {iso['eager']:.3f}",
+                     f"{host['cukern.torch']:.0f} / {host['eager']:.0f} / {host['array']:.0f}"))
+    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
+    left = {0, 1}
+
+    def line(row):
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+
+    out = [line(head), "  ".join("-" * w for w in widths)] + [line(row) for row in rows]
+    notes = [f"! {r['name']}: {r['error']}" for r in results if r.get("error")]
+    for r in results:
+        if r.get("error"):
+            continue
+        bad = {k: v for k, v in r["rel_err"].items() if not v <= AGREE.get(r["dtype"], 2e-2)}
+        if bad:
+            notes.append(f"! {r['name']}: outputs differ from PyTorch eager's (relative L2 error "
+                         + ", ".join(f"{k} {v:.2e}" for k, v in bad.items()) + ")")
+        if r.get("fallbacks"):
+            notes.append(f"! {r['name']}: cukern.torch fell back to PyTorch: {r['fallbacks']}")
+    return "\n".join(out + ([""] + notes if notes else []))
 
 
 # ---- asv -------------------------------------------------------------------------------------
 
-ASV_TIMEOUT = 1800  # seconds: the first run of a kernel instance compiles it (NVRTC)
+ASV_TIMEOUT = 3600  # seconds: one setup_cache measures every case (and compiles the kernels)
+# A benchmark's version: asv keeps a history only across results of one version. Bump it when
+# what a number means changes (a case's shape, its byte count, the timing method), not when
+# the code that measures it moves.
+ASV_VERSION = "1"
 
 
-def asv_module(family: str, namespace: dict) -> None:
-    """Fill an asv benchmark module's namespace with the ``family``'s cases as metrics.
+def asv_results(*, warmup: int = 10, reps: int = 100, quick: bool = False) -> dict:
+    """Everything one asv ``setup_cache`` measures: ``{"skip": reason}`` with no GPU, else the
+    ceilings, the device and the result record of every case, array API and PyTorch path."""
+    reason = unavailable_reason()
+    if reason:
+        return {"skip": reason}
+    array, path = cases(quick), torch_cases(quick)
+    copy = copy_bandwidth()
+    mm = matmul_rate() if any(c.flops is not None for c in array + path) else None
+    results = run_cases(array, warmup=warmup, reps=reps, copy_gbps=copy, matmul_tflops=mm)
+    torch_results = run_torch_cases(path, warmup=warmup, reps=reps, copy_gbps=copy, matmul_tflops=mm)
+    return {"skip": None, "device": device_info(), "versions": versions(), "copy_gbps": copy,
+            "matmul_tflops": mm, "cases": {r["name"]: r for r in results},
+            "torch_cases": {r["name"]: r for r in torch_results}}
 
-    For each case: ``track_<case>_gbps`` (or ``_tflops``) and ``track_<case>_speedup``, plus
-    ``track_copy_gbps``. asv runs every benchmark in a fresh process, so everything is measured
-    once, in the module's ``setup_cache`` (``asv_results(cases(family=...))``), whose result
-    each track_ function reads; without a GPU ``setup`` skips them all. The module defines
-    ``setup_cache`` itself: asv keys the cache by the function's module and line, so one
-    defined here would be shared by every family's module.
-    """
-    cases_ = cases(family=family)
+
+def _metric(name: str, unit: str, pretty: str, read: Callable[[dict], Any]) -> Callable:
+    """An asv ``track_`` benchmark named ``name`` (module.function, as asv lists it) reading its
+    number from the measured dict."""
+    def track(measured):
+        value = read(measured)
+        if value is None:
+            raise NotImplementedError(f"{name}: not measured here")
+        return value
+
+    track.benchmark_name = name
+    track.__name__ = track.__qualname__ = "track__" + name.replace(".", "__")
+    track.unit = unit
+    track.timeout = ASV_TIMEOUT
+    track.version = ASV_VERSION
+    track.pretty_name = pretty
+    return track
+
+
+def _case_value(group: str, case_name: str, key: str):
+    def read(measured):
+        r = measured[group][case_name]
+        if r.get("error"):
+            raise RuntimeError(f"{case_name}: {r['error']}")
+        return r.get(key)
+    return read
+
+
+def asv_benchmarks(namespace: dict) -> None:
+    """Fill the asv module's namespace with a ``track_`` benchmark for every number of every
+    family: array-API cases as ``bench_<family>.track_<case>_{gbps|tflops|speedup}`` (and
+    ``bench_<family>.track_copy_gbps``, the ceiling), PyTorch-path cases as
+    ``bench_torch_<family>.track_<case>_{vs_eager|vs_compile|vs_liger|over_array|host_us}``.
+    Everything is measured once, in the module's ``setup_cache`` (``asv_results()``), which
+    every benchmark reads; without a GPU ``setup`` skips them all."""
+    from ._registry import families
 
     def setup(measured):
         if measured.get("skip"):
             raise NotImplementedError(measured["skip"])
 
-    def track_copy_gbps(measured):
-        return measured["copy_gbps"]
-
     namespace["setup_cache"].timeout = ASV_TIMEOUT
-    track_copy_gbps.unit = "GB/s"
-    track_copy_gbps.timeout = ASV_TIMEOUT
-    track_copy_gbps.pretty_name = f"{family}: device-to-device copy bandwidth (the ceiling)"
-    namespace.update(timeout=ASV_TIMEOUT, setup=setup, track_copy_gbps=track_copy_gbps)
-
-    for case in cases_:
-        rate = "tflops" if case.flops else "gbps"
-        for key, unit, what in ((rate, "TFLOP/s" if case.flops else "GB/s", rate),
-                                ("speedup", "x", "speedup")):
-            def track(measured, _name=case.name, _key=key):
-                r = measured["cases"][_name]
-                if r.get("error"):
-                    raise RuntimeError(f"{_name}: {r['error']}")
-                return r[_key]
-
-            track.__name__ = track.__qualname__ = f"track_{slug(case.name)}_{what}"
-            track.unit = unit
-            track.timeout = ASV_TIMEOUT
-            track.pretty_name = f"{family}: {case.name} ({case.shape_label} {case.dtype}), {what}"
-            namespace[track.__name__] = track
+    namespace.update(timeout=ASV_TIMEOUT, setup=setup)
+    tracks = []
+    for fam in families():
+        array, path = cases(family=fam.name), torch_cases(family=fam.name)
+        if array:
+            tracks.append(_metric(f"bench_{fam.name}.track_copy_gbps", "GB/s",
+                                  f"{fam.name}: device-to-device copy bandwidth (the ceiling)",
+                                  lambda m: m["copy_gbps"]))
+        for c in array:
+            rate = "tflops" if c.flops else "gbps"
+            label = f"{fam.name}: {c.name} ({c.shape_label} {c.dtype})"
+            tracks.append(_metric(f"bench_{fam.name}.track_{slug(c.name)}_{rate}", "TFLOP/s" if c.flops else "GB/s",
+                                  f"{label}, {rate}", _case_value("cases", c.name, rate)))
+            tracks.append(_metric(f"bench_{fam.name}.track_{slug(c.name)}_speedup", "x", f"{label}, speedup",
+                                  _case_value("cases", c.name, "speedup")))
+        for c in path:
+            label = f"{fam.name} via cukern.torch: {c.name} ({c.shape_label} {c.dtype})"
+            for key, unit, what in (("vs_eager", "x", "speed-up over PyTorch eager"),
+                                    ("vs_compile", "x", "speed-up over torch.compile"),
+                                    ("vs_liger", "x", "speed-up over Liger-Kernel"),
+                                    ("torch_over_array", "x", "time over the array API's"),
+                                    ("host_us", "us", "host time a call")):
+                read = _case_value("torch_cases", c.name, key)
+                if key == "host_us":
+                    read = (lambda inner: lambda m: inner(m)["cukern.torch"])(read)
+                tracks.append(_metric(f"bench_torch_{fam.name}.track_{slug(c.name)}_{key}", unit,
+                                      f"{label}, {what}", read))
+    for t in tracks:
+        namespace[t.__name__] = t

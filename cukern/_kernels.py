@@ -1,14 +1,19 @@
-"""Locating the CUDA sources, compiling template instances, and caching them per device.
+"""Kernel sources, compiling, declared signatures and launches: the device side every family uses.
 
-Every family (``norm``, ...) has one source file in ``cuda_src/``. Its local ``#include``
-directives are expanded here, so the text handed to NVRTC is self-contained: no include
-paths are needed, and CuPy's on-disk cache (keyed by the source text, the options and the
-name expressions) is invalidated by a change to any header, not only to the ``.cu`` file.
-
-A kernel is asked for by family source and template instance, e.g.
-``function("norm.cu", "norm_fwd<cuk_bf16, false, 8, 4, 128, 128>")``. Each instance is
-compiled in a module of its own the first time it is used on a device (a model uses a few
-instances; compiling all of them up front would cost a minute), then kept in memory.
+* Sources: every family has one ``.cu`` file in ``cuda_src/``; its local ``#include`` lines are
+  expanded here, so the text handed to NVRTC is self-contained (no include paths), and CuPy's
+  on-disk cache, keyed by that text, notices a change to any header.
+* Instances: a family names what it launches as :class:`Instance` objects (the source, the
+  template instance as an NVRTC name expression, e.g. ``norm_fwd<cuk::bf16, false, 8, ...>``,
+  and its dynamic shared memory). Each is compiled the first time it is used on a device, in a
+  module of its own, then kept (a model uses a few instances; compiling all takes a minute).
+* Signatures: the parameter list of every ``__global__`` template is read from the source
+  itself, so kernel arguments are packed against the declared C types, by parameter name. A
+  missing or unknown name, a pointer of the wrong element type, or a value out of its C type's
+  range is an error, never a shifted argument list.
+* Launches: :meth:`Kernel.prepare` resolves the arguments once (constants packed, array
+  arguments left as slots filled in per call); :class:`Launch` then packs the per-call pointers
+  into one C parameter buffer and calls ``cuLaunchKernel`` on the caller's stream.
 """
 from __future__ import annotations
 
@@ -18,16 +23,16 @@ import os
 import re
 import struct
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ._arrays import DeviceArray
+__all__ = ["CompileError", "Instance", "Slot", "Kernel", "Launch", "source_dir", "load_source", "kernel",
+           "signature", "sm_count", "COMPILE_OPTIONS"]
 
-__all__ = ["CompileError", "source_dir", "load_source", "function", "COMPILE_OPTIONS"]
-
-# -std=c++17 for `if constexpr`. CUKERN_EXTRA_NVRTC_OPTIONS (space-separated) adds options
-# for experiments, e.g. -DCUK_STREAM_HINTS; they are part of CuPy's cache key.
+# -std=c++17 for `if constexpr`. CUKERN_EXTRA_NVRTC_OPTIONS (space-separated) adds options for
+# experiments, e.g. -DCUK_STREAM_HINTS; they are part of CuPy's cache key.
 COMPILE_OPTIONS = ("--std=c++17", *os.environ.get("CUKERN_EXTRA_NVRTC_OPTIONS", "").split())
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
@@ -41,6 +46,8 @@ class CompileError(RuntimeError):
         self.log = log
         super().__init__(f"NVRTC failed to compile {instance}:\n{log}")
 
+
+# ---- sources ---------------------------------------------------------------------------------
 
 def source_dir() -> Path:
     """The ``cuda_src`` directory: inside the installed package, else in the source checkout."""
@@ -77,20 +84,164 @@ def load_source(name: str) -> str:
     return expand(root / name)
 
 
-_cache: dict[tuple[str, str, int], object] = {}
+# ---- instances and their declared signatures -------------------------------------------------
+
+@dataclass(frozen=True)
+class Instance:
+    """One template instance of a kernel: what NVRTC compiles and what a launch needs to know.
+
+    ``name`` is the NVRTC name expression; ``smem`` the dynamic shared memory in bytes (the
+    kernels that use it check this number against their own with a static_assert, so the
+    compile check catches a mismatch); ``threads`` the block size the kernel is built for."""
+    source: str
+    name: str
+    threads: int
+    smem: int = 0
+
+    @property
+    def kernel_name(self) -> str:
+        return self.name.split("<", 1)[0].strip()
+
+    @property
+    def template_args(self) -> tuple[str, ...]:
+        return _split_args(self.name[self.name.index("<") + 1:self.name.rindex(">")]) if "<" in self.name else ()
+
+
+@dataclass(frozen=True)
+class Param:
+    """One declared kernel parameter: its name, its C base type and whether it is a pointer."""
+    name: str
+    ctype: str
+    pointer: bool
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """A ``__global__`` function as the source declares it: template parameters and parameters."""
+    name: str
+    template: tuple[tuple[str, str], ...]   # (kind, name): ("typename", "T"), ("int", "VEC"), ...
+    params: tuple[Param, ...]
+
+
+def _strip_comments(text: str) -> str:
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
+    return re.sub(r"//[^\n]*", "", text)
+
+
+def _split_args(text: str) -> tuple[str, ...]:
+    """Top-level comma split (template arguments may hold nested <...> or (...))."""
+    out, depth, cur = [], 0, []
+    for ch in text:
+        if ch in "<(":
+            depth += 1
+        elif ch in ">)":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+    if "".join(cur).strip():
+        out.append("".join(cur).strip())
+    return tuple(out)
+
+
+_GLOBAL = re.compile(r"(?:template\s*<(?P<tpl>[^{};]*?)>\s*)?__global__\s+void\s+"
+                     r"(?:__launch_bounds__\s*\([^)]*\)\s*)?(?P<name>\w+)\s*\((?P<params>[^)]*)\)")
+_QUALIFIERS = {"const", "volatile", "__restrict__", "__grid_constant__"}
+
+
+def _parse_param(text: str, where: str) -> Param:
+    pointer = "*" in text
+    words = [w for w in re.findall(r"[\w:]+", text.replace("*", " ")) if w not in _QUALIFIERS]
+    if len(words) < 2:
+        raise ValueError(f"{where}: cannot read the kernel parameter {text!r}")
+    return Param(words[-1], " ".join(words[:-1]), pointer)
+
+
+@functools.lru_cache(maxsize=None)
+def declarations(source: str) -> dict[str, Declaration]:
+    """Every ``__global__`` function of ``cuda_src/<source>`` by name, read from its text."""
+    found = {}
+    for m in _GLOBAL.finditer(_strip_comments(load_source(source))):
+        tpl = tuple(tuple(p.rsplit(None, 1)) for p in _split_args(m.group("tpl") or ""))
+        params = tuple(_parse_param(p, f"{source}: {m.group('name')}") for p in _split_args(m.group("params")))
+        found[m.group("name")] = Declaration(m.group("name"), tpl, params)
+    return found
+
+
+# C scalar types -> struct codes (native size and alignment: the C parameter-buffer layout).
+_SCALAR_CODES = {"long long": "q", "int": "i", "float": "f", "unsigned long long": "Q", "unsigned int": "I",
+                 "double": "d"}
+# Element types of pointers -> dtype names of the arrays that may be passed.
+_STANDARD_ELEMENTS = {"float": "float32", "double": "float64", "long long": "int64", "int": "int32",
+                      "unsigned char": "uint8", "unsigned long long": "uint64", "unsigned int": "uint32",
+                      "char": "int8", "void": None}
+
+
+def _element_dtypes() -> dict[str, str | None]:
+    from ._arrays import DTYPES
+
+    table = dict(_STANDARD_ELEMENTS)
+    table.update({ctype: name for name, (ctype, _) in DTYPES.items()})
+    return table
+
+
+@dataclass(frozen=True)
+class Signature:
+    """The parameters of one instance with template types resolved: for each, its name and
+    either a struct code (scalars) or the dtype name its pointer takes (None: any)."""
+    kernel: str
+    names: tuple[str, ...]
+    codes: tuple[str, ...]            # struct code a parameter; "P" for pointers
+    dtypes: tuple[str | None, ...]    # pointers: the element dtype; scalars: None
+
+
+@functools.lru_cache(maxsize=None)
+def signature(inst: Instance) -> Signature:
+    """The declared parameter list of ``inst``, template types resolved from its arguments."""
+    decl = declarations(inst.source).get(inst.kernel_name)
+    if decl is None:
+        raise ValueError(f"{inst.source} declares no __global__ function {inst.kernel_name!r}")
+    targs = inst.template_args
+    if len(targs) != len(decl.template):
+        raise ValueError(f"{inst.name}: {len(targs)} template arguments, but {inst.kernel_name} declares "
+                         f"{len(decl.template)} ({', '.join(' '.join(t) for t in decl.template)})")
+    types = {name: arg for (kind, name), arg in zip(decl.template, targs) if kind in ("typename", "class")}
+    elements = _element_dtypes()
+    codes, dtypes = [], []
+    for p in decl.params:
+        ctype = types.get(p.ctype, p.ctype)
+        if p.pointer:
+            if ctype not in elements:
+                raise ValueError(f"{inst.name}: parameter {p.name} points to {ctype}, which has no dtype here")
+            codes.append("P")
+            dtypes.append(elements[ctype])
+        else:
+            code = _SCALAR_CODES.get(ctype)
+            if code is None:
+                raise ValueError(f"{inst.name}: parameter {p.name} has C type {ctype}, which cannot be packed")
+            codes.append(code)
+            dtypes.append(None)
+    return Signature(inst.kernel_name, tuple(p.name for p in decl.params), tuple(codes), tuple(dtypes))
+
+
+# ---- compiling -------------------------------------------------------------------------------
+
+_functions: dict[tuple[str, str, int], object] = {}
 _lock = threading.Lock()
 
 
 def function(source: str, instance: str, device: int):
     """The compiled ``cupy.RawKernel`` for ``instance`` of ``cuda_src/<source>`` on ``device``."""
     key = (source, instance, device)
-    fn = _cache.get(key)
+    fn = _functions.get(key)
     if fn is not None:
         return fn
     import cupy
 
     with _lock:
-        fn = _cache.get(key)
+        fn = _functions.get(key)
         if fn is None:
             with cupy.cuda.Device(device):
                 try:  # CuPy may compile in the constructor or at the first lookup
@@ -99,19 +250,18 @@ def function(source: str, instance: str, device: int):
                     fn = module.get_function(instance)
                 except cupy.cuda.compiler.CompileException as e:
                     raise CompileError(instance, str(e)) from None
-            _cache[key] = fn
+            _functions[key] = fn
     return fn
 
 
 def cached_instances() -> list[tuple[str, str, int]]:
     """(source, instance, device) of every kernel compiled in this process so far."""
-    return sorted(_cache)
+    return sorted(_functions)
 
 
-# ---- launching ----------------------------------------------------------------------------
+# ---- launching -------------------------------------------------------------------------------
 
 _sm_counts: dict[int, int] = {}
-_occupancy: dict[tuple[int, int, int], int] = {}
 
 
 def sm_count(device: int) -> int:
@@ -119,65 +269,31 @@ def sm_count(device: int) -> int:
     if n is None:
         import cupy
 
-        n = cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
-        _sm_counts[device] = n
+        n = _sm_counts[device] = cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
     return n
 
 
-def resident_blocks(fn, threads: int, device: int) -> int:
-    """How many blocks of ``fn`` fit on the whole device at once (the persistent grid size)."""
-    key = (id(fn), threads, device)
-    n = _occupancy.get(key)
-    if n is None:
-        import cupy
+class Slot:
+    """An array argument filled in per call: buffer ``index`` of the plan's buffer list, plus
+    ``offset`` bytes (a part of a scratch block)."""
 
-        with cupy.cuda.Device(device):
-            per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, threads, 0)
-        n = max(1, per_sm) * sm_count(device)
-        _occupancy[key] = n
-    return n
+    __slots__ = ("index", "offset")
+
+    def __init__(self, index: int, offset: int = 0):
+        self.index, self.offset = index, offset
+
+    def __add__(self, offset: int) -> "Slot":
+        return Slot(self.index, self.offset + offset)
+
+    def __repr__(self) -> str:
+        return f"Slot({self.index}{f', {self.offset}' if self.offset else ''})"
 
 
-_smem_opt_in: dict[int, int] = {}
-_fptrs: dict[int, int] = {}
-
-# Kernel arguments are packed into one buffer, laid out as the C parameter list (each value at
-# its natural alignment, which struct's native mode gives), and handed to cuLaunchKernel
-# through CU_LAUNCH_PARAM_BUFFER_POINTER: no per-argument wrapper objects, which is most of
-# the host time of a CuPy RawKernel call with 10-40 arguments.
-_CODES = {np.int64: "q", np.int32: "i", np.uint64: "Q", np.uint32: "I", np.float32: "f"}
-_PARAM_BYTES = 1024
-_structs: dict[str, struct.Struct] = {}
+# Kernel arguments are packed into one buffer laid out as the C parameter list (each value at
+# its natural alignment, which struct's native mode gives) and handed to cuLaunchKernel through
+# CU_LAUNCH_PARAM_BUFFER_POINTER: no per-argument wrapper objects.
+_PARAM_BYTES = 4096
 _local = threading.local()
-
-
-def pack_params(args) -> tuple[struct.Struct, list]:
-    """(layout, values) of a kernel's arguments: DeviceArray -> its pointer, None -> a null
-    pointer, NumPy scalars of the exact C type of the parameter (int64, int32, uint64, uint32,
-    float32) -> their value. Anything else is a TypeError (a Python int would have no C type)."""
-    codes, values = ["@"], []
-    for a in args:
-        t = type(a)
-        if t is DeviceArray:
-            codes.append("Q")
-            values.append(a.ptr)
-        elif a is None:
-            codes.append("Q")
-            values.append(0)
-        else:
-            code = _CODES.get(t)
-            if code is None:
-                raise TypeError(f"kernel argument {a!r} of type {t.__name__}: pass a DeviceArray, None, or a "
-                                "NumPy scalar of the parameter's C type (int64, int32, uint64, uint32, float32)")
-            codes.append(code)
-            values.append(a)
-    fmt = "".join(codes)
-    layout = _structs.get(fmt)
-    if layout is None:
-        layout = _structs[fmt] = struct.Struct(fmt)
-        if layout.size > _PARAM_BYTES:
-            raise ValueError(f"kernel arguments take {layout.size} bytes; at most {_PARAM_BYTES} are supported")
-    return layout, values
 
 
 def _param_buffer():
@@ -189,35 +305,140 @@ def _param_buffer():
         # CU_LAUNCH_PARAM_BUFFER_POINTER (1), the buffer, CU_LAUNCH_PARAM_BUFFER_SIZE (2), a
         # pointer to its size, CU_LAUNCH_PARAM_END (0)
         extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(buf), 2, ctypes.addressof(size), 0)
-        st = _local.params = (buf, size, extra, ctypes.addressof(extra))
+        st = _local.params = (buf, size, ctypes.addressof(extra))
     return st
 
 
 def _dims(d) -> tuple[int, int, int]:
     if isinstance(d, tuple):
-        return (tuple(d) + (1, 1))[:3]
-    return d, 1, 1
+        return tuple(int(v) for v in (tuple(d) + (1, 1))[:3])
+    return int(d), 1, 1
 
 
-def launch(fn, grid, block, args, shared_mem: int = 0) -> None:
-    """Launch on the current CuPy stream: ``grid`` blocks of ``block`` threads (ints or
-    tuples) with ``shared_mem`` bytes of dynamic shared memory. ``args``: DeviceArray (its
-    pointer), None (a null pointer) or NumPy scalars of the exact C type of the parameter."""
+_LIMITS = {"q": (-2**63, 2**63 - 1), "i": (-2**31, 2**31 - 1), "Q": (0, 2**64 - 1), "I": (0, 2**32 - 1)}
+
+
+class Kernel:
+    """A compiled instance on one device, with its declared signature."""
+
+    def __init__(self, inst: Instance, device: int):
+        self.instance = inst
+        self.device = device
+        self.fn = function(inst.source, inst.name, device)
+        self.ptr = self.fn.kernel.ptr
+        self.signature = signature(inst)
+        self._occupancy: dict[int, int] = {}
+        if inst.smem > 48 * 1024 and self.fn.max_dynamic_shared_size_bytes < inst.smem:
+            self.fn.max_dynamic_shared_size_bytes = inst.smem   # the opt-in above the default 48 KB
+
+    def resident_blocks(self, threads: int | None = None) -> int:
+        """How many blocks fit on the whole device at once (the persistent grid size)."""
+        threads = threads or self.instance.threads
+        n = self._occupancy.get(threads)
+        if n is None:
+            import cupy
+
+            with cupy.cuda.Device(self.device):
+                per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                    self.ptr, threads, self.instance.smem)
+            n = self._occupancy[threads] = max(1, per_sm) * sm_count(self.device)
+        return n
+
+    def prepare(self, grid, block=None, **args) -> "Launch":
+        """A launch of ``grid`` blocks (int or tuple) of ``block`` threads (default: the
+        instance's) with the arguments by parameter name (see ``pack``)."""
+        dtypes = args.pop("dtypes", {})
+        layout, values, slots = pack(self.signature, self.instance.name, args, dtypes)
+        return Launch(self, _dims(grid), _dims(block or self.instance.threads), layout, values, slots)
+
+
+def pack(sig: Signature, what: str, args: dict, dtypes: dict) -> tuple[struct.Struct, list, tuple]:
+    """(layout, values, slots): ``args`` by parameter name checked against the declared
+    signature and laid out as the C parameter list. A value is a Python number for a scalar
+    (packed as the declared C type; an integer type takes integers only, within its range),
+    ``Slot(i)`` for an array filled in per call (its dtype, ``dtypes[i]``, must be the pointer's
+    element type), a DeviceArray for a fixed array, or None for a null pointer."""
+    missing = [n for n in sig.names if n not in args]
+    unknown = [n for n in args if n not in sig.names]
+    if missing or unknown:
+        raise TypeError(f"{what}: arguments do not match the declared parameters "
+                        f"(missing {missing}, unknown {unknown})")
+    values, slots, fmt = [], [], ["@"]
+    for i, (name, code, dtype) in enumerate(zip(sig.names, sig.codes, sig.dtypes)):
+        v = args[name]
+        if code == "P":
+            fmt.append("Q")
+            if v is None:
+                values.append(0)
+                continue
+            if isinstance(v, Slot):
+                got = dtypes.get(v.index)
+                slots.append((i, v.index, v.offset))
+                values.append(0)
+            elif hasattr(v, "ptr") and hasattr(v, "dtype"):
+                got = v.dtype
+                values.append(int(v.ptr))
+            else:
+                raise TypeError(f"{what}: parameter {name} is a pointer; got {v!r}")
+            if dtype is not None and got is not None and got != dtype:
+                raise TypeError(f"{what}: parameter {name} points to {dtype}, but the array given has dtype {got}")
+            continue
+        fmt.append(code)
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+            raise TypeError(f"{what}: parameter {name} is a scalar of C type {code!r}; got {v!r}")
+        if code in _LIMITS:
+            if isinstance(v, (float, np.floating)):
+                raise TypeError(f"{what}: parameter {name} is an integer; got {v!r}")
+            lo, hi = _LIMITS[code]
+            if not lo <= int(v) <= hi:
+                raise ValueError(f"{what}: {name} = {v} is outside the range of its C type [{lo}, {hi}]")
+            values.append(int(v))
+        else:
+            values.append(float(v))
+    layout = struct.Struct("".join(fmt))
+    if layout.size > _PARAM_BYTES:
+        raise ValueError(f"{what}: arguments take {layout.size} bytes; at most {_PARAM_BYTES}")
+    return layout, values, tuple(slots)
+
+
+class Launch:
+    """One prepared launch: constants packed; per call, the slots' pointers and the stream."""
+
+    __slots__ = ("kernel", "grid", "block", "layout", "values", "slots", "_args")
+
+    def __init__(self, kernel: Kernel, grid, block, layout: struct.Struct, values: list, slots):
+        self.kernel, self.grid, self.block = kernel, grid, block
+        self.layout, self.values, self.slots = layout, values, slots
+        self._args = (kernel.ptr, *grid, *block, kernel.instance.smem)
+
+    def __call__(self, bufs, ptrs, stream: int) -> None:
+        """Launch with ``ptrs[slot]`` for each slot, on ``stream`` (a raw CUDA stream handle).
+        (The signature of a plan step: ``bufs`` is the plan's buffer list, unused here.)"""
+        values = self.values
+        if self.slots:
+            values = values.copy()
+            for at, slot, offset in self.slots:
+                values[at] = ptrs[slot] + offset
+        buf, size, extra = _param_buffer()
+        self.layout.pack_into(buf, 0, *values)
+        size.value = self.layout.size
+        _launch_kernel(*self._args, stream, 0, extra)
+
+
+def _launch_kernel(*args):
+    global _launch_kernel
     import cupy
 
-    layout, values = pack_params(args)
-    key = id(fn)   # (kernels live as long as _cache: ids stay valid)
-    if shared_mem > 48 * 1024 and _smem_opt_in.get(key, 0) < shared_mem:
-        if fn.max_dynamic_shared_size_bytes < shared_mem:
-            fn.max_dynamic_shared_size_bytes = shared_mem  # the opt-in above the default 48 KB
-        _smem_opt_in[key] = shared_mem
-    fptr = _fptrs.get(key)
-    if fptr is None:
-        fptr = _fptrs[key] = fn.kernel.ptr
-    buf, size, _, extra = _param_buffer()
-    layout.pack_into(buf, 0, *values)
-    size.value = layout.size
-    gx, gy, gz = _dims(grid)
-    bx, by, bz = _dims(block)
-    cupy.cuda.driver.launchKernel(fptr, gx, gy, gz, bx, by, bz, shared_mem, cupy.cuda.get_current_stream().ptr,
-                                  0, extra)
+    _launch_kernel = cupy.cuda.driver.launchKernel
+    _launch_kernel(*args)
+
+
+_kernels: dict[tuple[Instance, int], Kernel] = {}
+
+
+def kernel(inst: Instance, device: int) -> Kernel:
+    """The :class:`Kernel` for ``inst`` on ``device`` (compiled on first use)."""
+    k = _kernels.get((inst, device))
+    if k is None:
+        k = _kernels[(inst, device)] = Kernel(inst, device)
+    return k

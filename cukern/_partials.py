@@ -6,23 +6,23 @@ the gradient has the same bits on every run. No floating-point atomics anywhere.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from . import _arrays, _kernels
-from ._arrays import DeviceArray
+from ._kernels import Instance, Slot
 
 SOURCE = "partial_sum.cu"
+THREADS = (32, 8)   # a block: 32 columns x 8 slices of the partial rows
 
 
-def instances() -> list[str]:
-    return [f"sum_partial_rows<{ctype}>" for ctype, _ in _arrays.DTYPES.values()]
+def instance(dtype: str) -> Instance:
+    return Instance(SOURCE, f"sum_partial_rows<{_arrays.DTYPES[dtype][0]}>", THREADS[0] * THREADS[1])
 
 
-def sum_rows(part: DeviceArray | None, like: DeviceArray, nparts: int, cols: int, device: int):
-    """(nparts, cols) float32 partials -> (cols,) array of ``like``'s dtype and kind, or None."""
-    if part is None:
-        return None
-    out = _arrays.empty(like, (cols,))
-    fn = _kernels.function(SOURCE, f"sum_partial_rows<{like.ctype}>", device)
-    _kernels.launch(fn, -(-cols // 32), (32, 8), (part, np.int32(nparts), np.int32(cols), out))
-    return out
+def instances() -> list[Instance]:
+    return [instance(dtype) for dtype in _arrays.DTYPES]
+
+
+def sum_rows(builder, part: Slot, out: Slot, nparts: int, cols: int, dtype: str, device: int) -> None:
+    """Add to a plan the launch that sums (nparts, cols) float32 partials at ``part`` into the
+    (cols,) array ``out`` of ``dtype``."""
+    k = _kernels.kernel(instance(dtype), device)
+    builder.launch(k, -(-cols // THREADS[0]), THREADS, part=part, nparts=nparts, cols=cols, out=out)

@@ -1,147 +1,276 @@
-"""Fused attention on tensor cores (kernels: cuda_src/attention_fwd.cu).
+"""Fused attention on tensor cores (kernels: cuda_src/attention_fwd.cu, cuda_src/attention_bwd.cu).
 
 Layout as flash-attention: q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k,
 kv_heads, head_dim) with kv_heads dividing heads (grouped-query and multi-query attention
-read the shared K/V heads in place). dtypes: float16, bfloat16 (the tensor-core types);
-softmax and accumulation in float32. The log-sum-exp is float32 (batch, heads, seqlen_q).
+read the shared K/V heads in place). Every array is read and written through its batch,
+sequence and head strides (unit stride over head_dim), so PyTorch's SDPA layout (B, H, S, D),
+its transpose of a (B, S, H, D) projection, and packed qkv views need no copy; outputs take
+the stride order of the input they belong to (out and dq like q, dk like k, dv like v) when
+that input is dense, else they are contiguous. dtypes: float16, bfloat16 (the tensor-core
+types); softmax and accumulation in float32. The log-sum-exp is float32 (batch, heads, seqlen_q).
+
+The whole Python side of the family: configurations, array functions with launch plans, the
+NumPy references, benchmark cases and PyTorch bindings (``FAMILY`` at the end).
 """
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
-from . import _arrays, _kernels
+from . import _arrays, _bench, _checks, _kernels
 from ._arrays import DeviceArray
+from ._family import DropIn, Family, TorchOp
+from ._kernels import Instance
+from ._plans import Builder, Plan, PlanCache
 
 __all__ = ["attention", "attention_backward"]
 
 SOURCE = "attention_fwd.cu"
 BWD_SOURCE = "attention_bwd.cu"
 DTYPES = ("float16", "bfloat16")
-# head_dim -> (warps a block, 16-row m-tiles a warp, keys a staged tile, keys a compute
-# sub-tile, Q fragments in registers). Measured: docs/notes-attention.md.
-FWD_CONFIGS = {32: (4, 2, 64, 64, True), 64: (4, 2, 64, 64, True), 96: (4, 2, 32, 32, False),
-               128: (4, 2, 32, 32, False), 256: (4, 1, 32, 32, False)}
-HEAD_DIMS = tuple(FWD_CONFIGS)
-# head_dim -> backward block (cuda_src/attention_bwd.cu, attention_bwd_dkdv): (queries a step,
-# keys a block, warps, warps over queries in S = Q K^T, warps over keys in dK/dV, warps over
-# queries in dQ). Register budget: the dK and dV accumulators (keys x D) spread over all warps.
-BWD_CONFIGS = {32: (128, 128, 8, 4, 8, 4), 64: (128, 128, 8, 4, 4, 4), 96: (64, 128, 8, 2, 4, 4),
-               128: (64, 128, 8, 2, 4, 2), 256: (64, 64, 8, 4, 2, 2)}
-# head_dim -> deterministic dQ kernel (attention_bwd_dq): (warps of 16 queries, keys a tile).
-DQ_CONFIGS = {32: (4, 64), 64: (4, 64), 96: (4, 64), 128: (4, 64), 256: (4, 32)}
-BWD_HEAD_DIMS = tuple(BWD_CONFIGS)
-
-
-def _row_elems(d: int) -> int:
-    """Shared-memory row length of the kernels (row_elems in cuda_src/common/attn_tile.cuh)."""
-    return 64 if d <= 64 else -(-d // 64) * 64
-DOT_THREADS = 256
 LOG2E = 1.4426950408889634
 
 
-def _fwd_instance(ctype: str, d: int, causal: bool) -> tuple[str, int, int, int]:
-    """(instance, warps, query rows a block, keys a tile)."""
-    warps, mt, bn, bnc, qreg = FWD_CONFIGS[d]
-    name = (f"attention_fwd<{ctype}, {d}, {warps}, {mt}, {bn}, {bnc}, {'true' if qreg else 'false'}, "
-            f"{'true' if causal else 'false'}>")
-    return name, warps, 16 * mt * warps, bn
+def row_elems(d: int) -> int:
+    """Shared-memory row length of the kernels (row_elems in cuda_src/common/attn_tile.cuh):
+    head_dim padded to a multiple of 64 elements."""
+    return 64 if d <= 64 else -(-d // 64) * 64
 
 
-def _bwd_instances(ctype: str, d: int, causal: bool, deterministic: bool) -> tuple[str, ...]:
-    """The backward's kernels in launch order: Dsum, dK/dV, then dQ (deterministic) or
-    dK/dV with atomic dQ partial sums and their conversion."""
-    c = "true" if causal else "false"
-    dot = f"attention_bwd_dot<{ctype}, {d}>"
-    dkdv = (f"attention_bwd_dkdv<{ctype}, {d}, {', '.join(map(str, BWD_CONFIGS[d]))}, {c}, "
-            f"{'false' if deterministic else 'true'}>")
-    if deterministic:
-        w2, bn = DQ_CONFIGS[d]
-        return dot, dkdv, f"attention_bwd_dq<{ctype}, {d}, {w2}, {bn}, {c}>"
-    return dot, dkdv, f"attention_bwd_dq_convert<{ctype}>"
+def _ctype(dtype: str) -> str:
+    return _arrays.DTYPES[dtype][0]
 
 
-def _bwd_smem(d: int, itemsize: int) -> int:
-    """Dynamic shared memory of attention_bwd_dkdv: K, V, Q and dO (double-buffered), P and
-    dS, lse and Dsum (double-buffered), and 1 KB to align the tiles."""
-    bm, bn = BWD_CONFIGS[d][:2]
-    return (2 * bn + 4 * bm) * _row_elems(d) * itemsize + 2 * bm * _row_elems(bn) * itemsize + 4 * bm * 4 + 1024
+def _b(flag: bool) -> str:
+    return "true" if flag else "false"
 
 
-def instances() -> list[str]:
-    """Every forward kernel instance the front can launch (for the compile check)."""
-    return [_fwd_instance(_arrays.DTYPES[dt][0], d, c)[0]
-            for dt in DTYPES for d in HEAD_DIMS for c in (False, True)]
+# ---- kernel configurations --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """attention_fwd: ``warps`` a block, ``mt`` 16-row m-tiles a warp, ``bn`` keys a staged
+    tile, ``bnc`` keys a compute sub-tile, ``qreg``: Q fragments kept in registers."""
+    warps: int
+    mt: int
+    bn: int
+    bnc: int
+    qreg: bool
+
+    @property
+    def block_rows(self) -> int:
+        return 16 * self.mt * self.warps
+
+    def smem(self, d: int, itemsize: int) -> int:
+        """Q, two K and two V tiles, and 1 KB to align the tiles."""
+        return (self.block_rows + 4 * self.bn) * row_elems(d) * itemsize + 1024
+
+    def instance(self, dtype: str, d: int, causal: bool) -> Instance:
+        smem = self.smem(d, _arrays.DTYPES[dtype][1])
+        return Instance(SOURCE, f"attention_fwd<{_ctype(dtype)}, {d}, {self.warps}, {self.mt}, {self.bn}, "
+                                f"{self.bnc}, {_b(self.qreg)}, {_b(causal)}, {smem}>", 32 * self.warps, smem)
 
 
-def bwd_instances() -> list[str]:
-    """Every backward kernel instance (cuda_src/attention_bwd.cu)."""
-    names = []
+@dataclass(frozen=True)
+class BwdConfig:
+    """attention_bwd_dkdv, FlashAttention-2's backward block: ``bm`` queries a step, ``bn`` keys
+    a block, ``warps``, and the warps over queries in S = Q K^T (``wm_s``), over keys in dK/dV
+    (``wn_kv``) and over queries in dQ (``wm_q``)."""
+    bm: int
+    bn: int
+    warps: int
+    wm_s: int
+    wn_kv: int
+    wm_q: int
+
+    def smem(self, d: int, itemsize: int) -> int:
+        """K, V, Q and dO (double-buffered), P and dS, lse and Dsum (double-buffered), and
+        1 KB to align the tiles."""
+        return ((2 * self.bn + 4 * self.bm) * row_elems(d) * itemsize + 2 * self.bm * row_elems(self.bn) * itemsize
+                + 4 * self.bm * 4 + 1024)
+
+    def instance(self, dtype: str, d: int, causal: bool, deterministic: bool) -> Instance:
+        smem = self.smem(d, _arrays.DTYPES[dtype][1])
+        return Instance(BWD_SOURCE, f"attention_bwd_dkdv<{_ctype(dtype)}, {d}, {self.bm}, {self.bn}, {self.warps}, "
+                                    f"{self.wm_s}, {self.wn_kv}, {self.wm_q}, {_b(causal)}, {_b(not deterministic)}, "
+                                    f"{smem}>", 32 * self.warps, smem)
+
+
+@dataclass(frozen=True)
+class DqConfig:
+    """attention_bwd_dq (deterministic=True): ``warps`` of 16 queries, ``bn`` keys a tile."""
+    warps: int
+    bn: int
+
+    def smem(self, d: int, itemsize: int) -> int:
+        return (2 * 16 * self.warps + 4 * self.bn) * row_elems(d) * itemsize
+
+    def instance(self, dtype: str, d: int, causal: bool) -> Instance:
+        smem = self.smem(d, _arrays.DTYPES[dtype][1])
+        return Instance(BWD_SOURCE, f"attention_bwd_dq<{_ctype(dtype)}, {d}, {self.warps}, {self.bn}, {_b(causal)}, "
+                                    f"{smem}>", 32 * self.warps, smem)
+
+
+@dataclass(frozen=True, eq=False)   # (hashed by identity: plans are keyed by it, on every call)
+class Configs:
+    """Configurations by head dim (measured: docs/notes-attention.md). ``dot_threads``: the
+    Dsum and dQ-conversion kernels' blocks."""
+    fwd: tuple[tuple[int, FwdConfig], ...]
+    bwd: tuple[tuple[int, BwdConfig], ...]
+    dq: tuple[tuple[int, DqConfig], ...]
+    dot_threads: int = 256
+
+    @property
+    def head_dims(self) -> tuple[int, ...]:
+        return tuple(d for d, _ in self.fwd)
+
+    @property
+    def bwd_head_dims(self) -> tuple[int, ...]:
+        return tuple(d for d, _ in self.bwd)
+
+    def get(self, which: str, d: int):
+        return dict(getattr(self, which))[d]
+
+    def replace(self, which: str, d: int, config) -> "Configs":
+        """A new Configs with ``config`` for head dim ``d`` in table ``which`` (the tuning
+        tools try candidates this way; the shipped CONFIGS never changes)."""
+        import dataclasses
+
+        table = tuple((k, config if k == d else c) for k, c in getattr(self, which))
+        return dataclasses.replace(self, **{which: table})
+
+    def dot(self, dtype: str, d: int) -> Instance:
+        return Instance(BWD_SOURCE, f"attention_bwd_dot<{_ctype(dtype)}, {d}>", self.dot_threads)
+
+    def convert(self, dtype: str, d: int) -> Instance:
+        return Instance(BWD_SOURCE, f"attention_bwd_dq_convert<{_ctype(dtype)}, {d}>", self.dot_threads)
+
+
+CONFIGS = Configs(
+    fwd=((32, FwdConfig(4, 2, 64, 64, True)), (64, FwdConfig(4, 2, 64, 64, True)), (96, FwdConfig(4, 2, 32, 32, False)),
+         (128, FwdConfig(4, 2, 32, 32, False)), (256, FwdConfig(4, 1, 32, 32, False))),
+    # Register budget of the backward: the dK and dV accumulators (keys x D) spread over all warps.
+    bwd=((32, BwdConfig(128, 128, 8, 4, 8, 4)), (64, BwdConfig(128, 128, 8, 4, 4, 4)),
+         (96, BwdConfig(64, 128, 8, 2, 4, 4)), (128, BwdConfig(64, 128, 8, 2, 4, 2)),
+         (256, BwdConfig(64, 64, 8, 4, 2, 2))),
+    dq=((32, DqConfig(4, 64)), (64, DqConfig(4, 64)), (96, DqConfig(4, 64)), (128, DqConfig(4, 64)),
+        (256, DqConfig(4, 32))),
+)
+HEAD_DIMS = CONFIGS.head_dims
+BWD_HEAD_DIMS = CONFIGS.bwd_head_dims
+
+
+def instances(configs: Configs = CONFIGS) -> list[Instance]:
+    """Every kernel instance the fronts can launch, forward and backward (compile check)."""
+    out = [cfg.instance(dt, d, c) for dt in DTYPES for d, cfg in configs.fwd for c in (False, True)]
     for dt in DTYPES:
-        for d in BWD_HEAD_DIMS:
+        for d, cfg in configs.bwd:
+            out.append(configs.dot(dt, d))
+            out.append(configs.convert(dt, d))
             for c in (False, True):
-                for det in (False, True):
-                    names += [n for n in _bwd_instances(_arrays.DTYPES[dt][0], d, c, det) if n not in names]
-    return names
+                out += [cfg.instance(dt, d, c, det) for det in (False, True)]
+                out.append(configs.get("dq", d).instance(dt, d, c))
+    return out
 
 
-def _check(arr, name: str) -> DeviceArray:
-    a = _arrays.as_device_array(arr, name, dtypes=("float32",) + DTYPES)
+# ---- argument checks (kernels and references alike) -----------------------------------------
+
+def _check_rank(a: DeviceArray) -> None:
     if a.dtype == "float32":
-        raise ValueError(f"{name}: float32 is not supported: attention runs on tensor cores in float16 "
+        raise ValueError(f"{a.name}: float32 is not supported: attention runs on tensor cores in float16 "
                          "or bfloat16 (softmax and accumulation are float32 inside); cast q, k and v")
     if a.ndim != 4:
-        raise ValueError(f"{name}: expected (batch, seqlen, heads, head_dim), got shape {a.shape}")
-    # cp.async moves 16-byte chunks: rows must start 16-byte aligned; else read a fresh copy
-    # (a contiguous view at a misaligned address stays misaligned under contiguous()).
-    if (a.shape[-1] > 1 and a.strides[-1] != 1) or a.ptr % 16 or any(st % 8 for st in a.strides[:3]):
-        a = a.copy()
-    return a
+        raise ValueError(f"{a.name}: expected (batch, seqlen, heads, head_dim), got shape {a.shape}")
 
 
-def _check_qkv(q, k, v, head_dims, which: str):
-    """(qa, ka, va) after the checks both directions share; ``which`` names the direction in
-    the head-dim message ("" or " by the backward")."""
-    qa, ka, va = _check(q, "q"), _check(k, "k"), _check(v, "v")
-    B, Sq, H, D = qa.shape
-    Bk, Sk, Hkv, Dk = ka.shape
-    for name, a in (("k", ka), ("v", va)):
+def _check_qkv(qa, ka, va, head_dims, which: str) -> None:
+    for a in (qa, ka, va):
+        _check_rank(a)
+    b, sq, h, d = qa.shape
+    bk, sk, hkv, dk = ka.shape
+    for a in (ka, va):
         if a.dtype != qa.dtype:
-            raise ValueError(f"{name}: dtype {a.dtype} differs from q's {qa.dtype}")
+            raise ValueError(f"{a.name}: dtype {a.dtype} differs from q's {qa.dtype}")
     if va.shape != ka.shape:
         raise ValueError(f"v: shape {va.shape} does not match k's {ka.shape}")
-    if Bk != B:
-        raise ValueError(f"k: batch {Bk} does not match q's {B}")
-    if Dk != D:
-        raise ValueError(f"k: head_dim {Dk} does not match q's {D}")
-    if Hkv == 0 or H % Hkv:
-        raise ValueError(f"k: {Hkv} kv heads do not divide q's {H} heads (grouped-query attention "
+    if bk != b:
+        raise ValueError(f"k: batch {bk} does not match q's {b}")
+    if dk != d:
+        raise ValueError(f"k: head_dim {dk} does not match q's {d}")
+    if hkv == 0 or h % hkv:
+        raise ValueError(f"k: {hkv} kv heads do not divide q's {h} heads (grouped-query attention "
                          "needs heads % kv_heads == 0)")
-    if D not in head_dims:
-        raise ValueError(f"q: head_dim {D} is not supported{which} (supported: "
-                         f"{', '.join(map(str, head_dims))})")
-    if B * H > 65535:
-        raise ValueError(f"q: batch * heads = {B * H} exceeds 65535 (one grid axis); split the batch")
-    return qa, ka, va
+    if head_dims is not None and d not in head_dims:
+        raise ValueError(f"q: head_dim {d} is not supported{which} (supported: {', '.join(map(str, head_dims))})")
+    if b * h > 65535:
+        raise ValueError(f"q: batch * heads = {b * h} exceeds 65535 (one grid axis); split the batch")
+
+
+def _check_like_q(a: DeviceArray, ref: DeviceArray) -> None:
+    _check_rank(a)
+    if a.shape != ref.shape:
+        raise ValueError(f"{a.name}: shape {a.shape} does not match {ref.name}'s {ref.shape}")
+    if a.dtype != ref.dtype:
+        raise ValueError(f"{a.name}: dtype {a.dtype} differs from {ref.name}'s {ref.dtype}")
+
+
+def _check_lse(la: DeviceArray, qa: DeviceArray) -> None:
+    b, sq, h, _ = qa.shape
+    if la.shape != (b, h, sq):
+        raise ValueError(f"lse: shape {la.shape} does not match (batch, heads, seqlen_q) = {(b, h, sq)}")
 
 
 def _scale(softmax_scale, d: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(d)
-    try:
-        s = float(softmax_scale)
-    except (TypeError, ValueError):
-        raise TypeError(f"softmax_scale: expected a number, got {type(softmax_scale).__name__}") from None
-    if not (math.isfinite(s) and s > 0):
-        raise ValueError(f"softmax_scale: must be finite and positive, got {softmax_scale}")
     # The kernels take scale and scale*log2(e) as float32: both must be normal numbers there
     # (0 or inf would turn masked scores into NaN).
-    tiny, big = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
-    if not (tiny <= s and s * LOG2E <= big):
-        raise ValueError(f"softmax_scale: {softmax_scale} is outside float32's normal range "
-                         f"[{tiny:.3g}, {big / LOG2E:.3g}]")
-    return s
+    return _checks.positive_float32(softmax_scale, "softmax_scale", log2e=True)
+
+
+def _misaligned(a: DeviceArray) -> bool:
+    """cp.async moves 16-byte chunks: rows must start 16-byte aligned. Such a view is read from
+    a fresh copy (a contiguous view at a misaligned address stays misaligned under contiguous())."""
+    return (a.shape[-1] > 1 and a.strides[-1] != 1) or a.ptr % 16 != 0 or any(s % 8 for s in a.strides[:3])
+
+
+def _strides3(strides) -> dict:
+    return dict(zip(("sb", "ss", "sh"), strides[:3]))
+
+
+def _read(b: Builder, i: int, a: DeviceArray) -> tuple:
+    """The batch, sequence and head strides the kernels read input ``i`` with (a fresh copy's
+    when it is misaligned: the plan then copies it first)."""
+    if _misaligned(a):
+        b.fix(i, DeviceArray.copy)
+        return _contiguous_strides(a.shape)
+    return a.strides
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, step = [0] * len(shape), 1
+    for ax in reversed(range(len(shape))):
+        strides[ax] = step
+        step *= shape[ax]
+    return tuple(strides)
+
+
+def _like(a: DeviceArray, copied: bool) -> tuple:
+    """Strides of an output laid out like input ``a`` (after its fix-up, if any)."""
+    return _contiguous_strides(a.shape) if copied else _arrays.like_strides(a.shape, a.strides)
+
+
+# ---- forward --------------------------------------------------------------------------------
+
+_FWD = PlanCache()
+
+
+def _qkv(q, k, v) -> list:
+    return [_arrays.as_device_array(q, "q", _arrays.FLOATS), _arrays.as_device_array(k, "k", _arrays.FLOATS),
+            _arrays.as_device_array(v, "v", _arrays.FLOATS)]
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
@@ -149,7 +278,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
 
     Args:
         q: (B, Sq, H, D) float16 or bfloat16 (CuPy array or torch CUDA tensor), unit stride
-            over D; other strides (e.g. a slice of a packed qkv tensor) are read in place.
+            over D; any batch, sequence and head strides (SDPA's (B, H, S, D) transposed, a
+            slice of a packed qkv tensor) are read in place.
         k, v: (B, Sk, Hkv, D) of q's dtype; Hkv divides H (GQA / MQA).
         causal: mask keys after the query, aligned to the bottom right when Sq != Sk
             (query i sees keys j <= i + Sk - Sq); a query that sees no key outputs zeros.
@@ -158,49 +288,67 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
             query that sees no key).
 
     Returns:
-        ``out`` (B, Sq, H, D) of q's dtype, contiguous; with ``return_lse`` ``(out, lse)``.
+        ``out`` (B, Sq, H, D) of q's dtype, laid out like q (its stride order) when q is
+        dense, else contiguous; with ``return_lse`` ``(out, lse)``.
     """
-    qa, ka, va = _check_qkv(q, k, v, HEAD_DIMS, "")
-    B, Sq, H, D = qa.shape
-    Sk, Hkv = ka.shape[1], ka.shape[2]
-    scale = _scale(softmax_scale, D)
+    return _attention(q, k, v, causal, softmax_scale, return_lse, CONFIGS)
+
+
+def _attention(q, k, v, causal, softmax_scale, return_lse, configs: Configs):
+    arrays = _qkv(q, k, v)
+    plain = softmax_scale is None or type(softmax_scale) in (float, int)
+    key = (bool(causal), softmax_scale, bool(return_lse), configs, *(a.key for a in arrays))
+    plan = _FWD.get(key) if plain else None
+    if plan is None:
+        plan = _plan_forward(arrays, bool(causal), softmax_scale, bool(return_lse), configs)
+        if plain:
+            _FWD.put(key, plan)
+    bufs = plan(arrays)
+    return (bufs[3].obj, bufs[4].obj) if return_lse else bufs[3].obj
+
+
+def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs) -> Plan:
+    qa, ka, va = arrays
+    _check_qkv(qa, ka, va, configs.head_dims, "")
+    batch, sq, h, d = qa.shape
+    sk, hkv = ka.shape[1], ka.shape[2]
+    scale = _scale(softmax_scale, d)
     device = _arrays.same_device(qa, ka, va)
-
-    out = _arrays.empty(qa, (B, Sq, H, D))
-    lse = _arrays.empty(qa, (B, H, Sq), "float32") if return_lse else None
-    if B * H * Sq:
-        inst, warps, bm, bn = _fwd_instance(qa.ctype, D, bool(causal))
-        smem = (bm + 4 * bn) * _row_elems(D) * qa.itemsize + 1024   # (+ 1 KB to align the tiles)
-        with _arrays.launch_context(qa):
-            fn = _kernels.function(SOURCE, inst, device)
-            if Sk == 0:  # no keys: zeros, lse = +inf
-                _arrays.fill(out, 0.0)
+    b = Builder(arrays)
+    qs, ks, vs = (_read(b, i, a) for i, a in enumerate(arrays))
+    q_copied = any(i == 0 for i, _ in b.fixes)
+    out = b.alloc(qa.shape, qa.dtype, "contiguous" if q_copied else "like", 0)
+    lse = b.alloc((batch, h, sq), "float32") if return_lse else None
+    if batch * h * sq:
+        if sk == 0:  # no keys: zeros, lse = +inf
+            def empty_keys(bufs, ptrs, stream):
+                _arrays.fill(bufs[out.index], 0.0)
                 if lse is not None:
-                    _arrays.fill(lse, float("inf"))
-            else:
-                _kernels.launch(fn, (-(-Sq // bm), B * H), warps * 32, (
-                    qa, ka, va, out, lse,
-                    *(np.int64(s) for s in qa.strides[:3]), *(np.int64(s) for s in ka.strides[:3]),
-                    *(np.int64(s) for s in va.strides[:3]), *(np.int64(s) for s in out.strides[:3]),
-                    np.int32(H), np.int32(Hkv), np.int32(Sq), np.int32(Sk), np.float32(scale * LOG2E)),
-                    shared_mem=smem)
-    return (out.obj, lse.obj) if return_lse else out.obj
+                    _arrays.fill(bufs[lse.index], float("inf"))
+            b.step(empty_keys)
+        else:
+            cfg = configs.get("fwd", d)
+            k = _kernels.kernel(cfg.instance(qa.dtype, d, causal), device)
+            os_ = _like(qa, q_copied)
+            b.launch(k, (-(-sq // cfg.block_rows), batch * h), q=b.slot(0), k=b.slot(1), v=b.slot(2), out=out,
+                     lse=lse, **{f"q_{n}": s for n, s in _strides3(qs).items()},
+                     **{f"k_{n}": s for n, s in _strides3(ks).items()},
+                     **{f"v_{n}": s for n, s in _strides3(vs).items()},
+                     **{f"o_{n}": s for n, s in _strides3(os_).items()},
+                     H=h, Hkv=hkv, Sq=sq, Sk=sk, scale_log2=scale * LOG2E)
+    return b.plan(device)
 
 
-def _check_like_q(arr, name: str, ref: DeviceArray) -> DeviceArray:
-    a = _check(arr, name)
-    if a.shape != ref.shape:
-        raise ValueError(f"{name}: shape {a.shape} does not match {ref.name}'s {ref.shape}")
-    if a.dtype != ref.dtype:
-        raise ValueError(f"{name}: dtype {a.dtype} differs from {ref.name}'s {ref.dtype}")
-    return a
+# ---- backward -------------------------------------------------------------------------------
+
+_BWD = PlanCache()
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, deterministic=False):
     """Gradients of ``attention``: ``(dq, dk, dv)``.
 
     Args:
-        dout: (B, Sq, H, D) gradient of ``out``, q's dtype.
+        dout: (B, Sq, H, D) gradient of ``out``, q's dtype, any batch/sequence/head strides.
         q, k, v, causal, softmax_scale: as given to the forward.
         out, lse: the forward's output and log-sum-exp (``return_lse=True``).
         deterministic: False (default, as FlashAttention): dQ is summed over key tiles with
@@ -211,55 +359,331 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
 
     Returns:
         dq (B, Sq, H, D), dk and dv (B, Sk, Hkv, D) — dk and dv summed over the query heads
-        that share each K/V head — contiguous, of q's dtype.
+        that share each K/V head — of q's dtype, each laid out like its input (q, k, v) when
+        that input is dense, else contiguous.
     """
-    qa, ka, va = _check_qkv(q, k, v, BWD_HEAD_DIMS, " by the backward")
-    B, Sq, H, D = qa.shape
-    Sk, Hkv = ka.shape[1], ka.shape[2]
-    da = _check_like_q(dout, "dout", qa)
-    oa = _check_like_q(out, "out", qa)
-    la = _arrays.as_device_array(lse, "lse", dtypes=("float32",))
-    if la.shape != (B, H, Sq):
-        raise ValueError(f"lse: shape {la.shape} does not match (batch, heads, seqlen_q) = {(B, H, Sq)}")
-    la = la.contiguous()
-    scale = _scale(softmax_scale, D)
-    device = _arrays.same_device(qa, ka, va, da, oa, la)
+    return _attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, CONFIGS)
 
-    dq = _arrays.empty(qa, qa.shape)
-    dk = _arrays.empty(qa, ka.shape)
-    dv = _arrays.empty(qa, va.shape)
-    with _arrays.launch_context(qa):
-        if B * H * Sq == 0 or Sk == 0:
-            for a in (dq, dk, dv):
-                _arrays.fill(a, 0.0)
-            return dq.obj, dk.obj, dv.obj
-        dot_i, dkdv_i, dq_i = _bwd_instances(qa.ctype, D, bool(causal), bool(deterministic))
-        strides = lambda a: tuple(np.int64(s) for s in a.strides[:3])  # noqa: E731
-        dsum = _arrays.empty(qa, (B, H, Sq), "float32")
-        # deterministic=False: dQ's float32 partial sums (B, Sq, H, D), zeroed by the Dsum
-        # kernel, then added to by atomics.
-        dq_accum = None if deterministic else _arrays.empty(qa, (B, Sq, H, D), "float32")
-        fn = _kernels.function(BWD_SOURCE, dot_i, device)
-        rows = B * Sq * H
-        _kernels.launch(fn, min(-(-rows // DOT_THREADS), 65535), DOT_THREADS,
-                        (da, oa, *strides(da), *strides(oa), dsum, dq_accum, np.int32(B), np.int32(Sq),
-                         np.int32(H)))
-        tail = (np.int32(H), np.int32(Hkv), np.int32(Sq), np.int32(Sk), np.float32(scale),
-                np.float32(scale * LOG2E))
-        fn = _kernels.function(BWD_SOURCE, dkdv_i, device)
-        bn1, warps = BWD_CONFIGS[D][1:3]
-        _kernels.launch(fn, (-(-Sk // bn1), B * Hkv), warps * 32, (
-            qa, ka, va, da, la, dsum, dk, dv, dq_accum, *strides(qa), *strides(ka), *strides(va),
-            *strides(da), *strides(dk), *strides(dv), *tail), shared_mem=_bwd_smem(D, qa.itemsize))
-        fn = _kernels.function(BWD_SOURCE, dq_i, device)
-        if deterministic:
-            w2, bn = DQ_CONFIGS[D]
-            smem = (2 * 16 * w2 + 4 * bn) * _row_elems(D) * qa.itemsize
-            _kernels.launch(fn, (-(-Sq // (16 * w2)), B * H), w2 * 32, (
-                qa, ka, va, da, la, dsum, dq, *strides(qa), *strides(ka), *strides(va), *strides(da),
-                *strides(dq), *tail), shared_mem=smem)
-        else:
-            n = B * Sq * H * D
-            _kernels.launch(fn, min(-(-n // (8 * DOT_THREADS)), 65535 * 16), DOT_THREADS,
-                            (dq_accum, dq, np.int64(n), np.float32(scale)))
-    return dq.obj, dk.obj, dv.obj
+
+def _attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, configs: Configs):
+    arrays = [_arrays.as_device_array(dout, "dout", _arrays.FLOATS), *_qkv(q, k, v),
+              _arrays.as_device_array(out, "out", _arrays.FLOATS), _arrays.as_device_array(lse, "lse", ("float32",))]
+    plain = softmax_scale is None or type(softmax_scale) in (float, int)
+    key = (bool(causal), softmax_scale, bool(deterministic), configs, *(a.key for a in arrays))
+    plan = _BWD.get(key) if plain else None
+    if plan is None:
+        plan = _plan_backward(arrays, bool(causal), softmax_scale, bool(deterministic), configs)
+        if plain:
+            _BWD.put(key, plan)
+    bufs = plan(arrays)
+    return bufs[6].obj, bufs[7].obj, bufs[8].obj
+
+
+def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Configs) -> Plan:
+    da, qa, ka, va, oa, la = arrays
+    _check_qkv(qa, ka, va, configs.bwd_head_dims, " by the backward")
+    _check_like_q(da, qa)
+    _check_like_q(oa, qa)
+    _check_lse(la, qa)
+    batch, sq, h, d = qa.shape
+    sk, hkv = ka.shape[1], ka.shape[2]
+    scale = _scale(softmax_scale, d)
+    device = _arrays.same_device(qa, ka, va, da, oa, la)
+    b = Builder(arrays)
+    ds, qs, ks, vs, os_ = (_read(b, i, a) for i, a in enumerate(arrays[:5]))
+    if not _arrays.is_contiguous(la):
+        b.fix(5, DeviceArray.contiguous)
+    copied = {i for i, _ in b.fixes}
+    dq = b.alloc(qa.shape, qa.dtype, "contiguous" if 1 in copied else "like", 1)
+    dk = b.alloc(ka.shape, qa.dtype, "contiguous" if 2 in copied else "like", 2)
+    dv = b.alloc(va.shape, qa.dtype, "contiguous" if 3 in copied else "like", 3)
+    if batch * h * sq == 0 or sk == 0:
+        def zeros(bufs, ptrs, stream):
+            for o in (dq, dk, dv):
+                _arrays.fill(bufs[o.index], 0.0)
+        b.step(zeros)
+        return b.plan(device, first=1)
+    dqs, dks, dvs = _like(qa, 1 in copied), _like(ka, 2 in copied), _like(va, 3 in copied)
+    dsum = b.alloc((batch, h, sq), "float32")
+    # deterministic=False: dQ's float32 partial sums (B, Sq, H, D), zeroed by the Dsum kernel,
+    # then added to by atomics.
+    dq_accum = None if deterministic else b.alloc((batch, sq, h, d), "float32")
+    threads = configs.dot_threads
+    rows = batch * sq * h
+    k = _kernels.kernel(configs.dot(qa.dtype, d), device)
+    b.launch(k, min(-(-rows // threads), 65535), dout=b.slot(0), out=b.slot(4),
+             **{f"d_{n}": s for n, s in _strides3(ds).items()}, **{f"o_{n}": s for n, s in _strides3(os_).items()},
+             dsum=dsum, dq_accum=dq_accum, B=batch, Sq=sq, H=h)
+    tail = dict(H=h, Hkv=hkv, Sq=sq, Sk=sk, scale=scale, scale_log2=scale * LOG2E)
+    strided = {**{f"q_{n}": s for n, s in _strides3(qs).items()}, **{f"k_{n}": s for n, s in _strides3(ks).items()},
+               **{f"v_{n}": s for n, s in _strides3(vs).items()}, **{f"d_{n}": s for n, s in _strides3(ds).items()}}
+    cfg = configs.get("bwd", d)
+    k = _kernels.kernel(cfg.instance(qa.dtype, d, causal, deterministic), device)
+    b.launch(k, (-(-sk // cfg.bn), batch * hkv), q=b.slot(1), k=b.slot(2), v=b.slot(3), dout=b.slot(0),
+             lse=b.slot(5), dsum=dsum, dk=dk, dv=dv, dq_accum=dq_accum, **strided,
+             **{f"dk_{n}": s for n, s in _strides3(dks).items()}, **{f"dv_{n}": s for n, s in _strides3(dvs).items()},
+             **tail)
+    if deterministic:
+        qcfg = configs.get("dq", d)
+        k = _kernels.kernel(qcfg.instance(qa.dtype, d, causal), device)
+        b.launch(k, (-(-sq // (16 * qcfg.warps)), batch * h), q=b.slot(1), k=b.slot(2), v=b.slot(3),
+                 dout=b.slot(0), lse=b.slot(5), dsum=dsum, dq=dq, **strided,
+                 **{f"dq_{n}": s for n, s in _strides3(dqs).items()}, **tail)
+    else:
+        k = _kernels.kernel(configs.convert(qa.dtype, d), device)
+        n8 = batch * sq * h * d // 8
+        b.launch(k, min(-(-n8 // threads), 65535 * 16), acc=dq_accum, dq=dq, B=batch, Sq=sq, H=h,
+                 **{f"dq_{n}": s for n, s in _strides3(dqs).items()}, scale=scale)
+    return b.plan(device, first=1)
+
+
+# ---- NumPy references ------------------------------------------------------------------------
+
+def _host_qkv(q, k, v, head_dims=None):
+    qa, ka, va = (_arrays.as_host_array(a, n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
+    _check_qkv(qa, ka, va, head_dims, "")
+    return qa, ka, va
+
+
+def _ref_scores(q, k, scale, causal):
+    """(p, kh): softmax probabilities (B, H, Sq, Sk) with rows that see no key all zero, and
+    the keys repeated per query head."""
+    batch, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    kh = np.repeat(k, h // hkv, axis=2)  # (B, Sk, H, D): query head h reads kv head h // rep
+    s = np.einsum("bqhd,bkhd->bhqk", q, kh) * scale
+    if causal:
+        keep = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
+        s = np.where(keep[None, None], s, -np.inf)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        m = s.max(axis=-1, keepdims=True) if sk else np.full(s.shape[:-1] + (1,), -np.inf)
+        m_safe = np.where(np.isfinite(m), m, 0.0)
+        p = np.exp(s - m_safe)
+        l_ = p.sum(axis=-1, keepdims=True)
+        p = np.where(l_ > 0, p / np.where(l_ > 0, l_, 1.0), 0.0)
+        lse = np.where(l_[..., 0] > 0, np.log(np.where(l_[..., 0] > 0, l_[..., 0], 1.0)) + m_safe[..., 0], np.inf)
+    return p, lse
+
+
+def reference_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
+    """``attention`` in float64: out (B, Sq, H, D) [, lse (B, H, Sq)]; causal masking aligned
+    to the bottom right; a query that sees no key gives zeros and lse = +inf (as the kernel)."""
+    qa, ka, va = _host_qkv(q, k, v)
+    qf, kf, vf = (a.obj.astype(np.float64) for a in (qa, ka, va))
+    p, lse = _ref_scores(qf, kf, _scale(softmax_scale, qa.shape[-1]), causal)
+    vh = np.repeat(vf, qa.shape[2] // ka.shape[2], axis=2)
+    out = np.einsum("bhqk,bkhd->bqhd", p, vh)
+    return (out, lse) if return_lse else out
+
+
+def reference_attention_backward(dout, q, k, v, out=None, lse=None, *, causal=False, softmax_scale=None,
+                                 deterministic=False):
+    """``attention_backward`` in float64: (dq, dk, dv), dk and dv summed over the query heads
+    sharing a K/V head. ``out`` and ``lse`` are recomputed (given ones are shape-checked)."""
+    qa, ka, va = _host_qkv(q, k, v)
+    da = _arrays.as_host_array(dout, "dout")
+    _check_like_q(da, qa)
+    if out is not None:
+        _check_like_q(_arrays.as_host_array(out, "out"), qa)
+    if lse is not None:
+        _check_lse(_arrays.as_host_array(lse, "lse", ("float32",)), qa)
+    qf, kf, vf, dof = (a.obj.astype(np.float64) for a in (qa, ka, va, da))
+    batch, sq, h, d = qf.shape
+    sk, hkv = kf.shape[1], kf.shape[2]
+    rep = h // hkv
+    scale = _scale(softmax_scale, d)
+    p, _ = _ref_scores(qf, kf, scale, causal)
+    kh, vh = np.repeat(kf, rep, axis=2), np.repeat(vf, rep, axis=2)
+    dvh = np.einsum("bhqk,bqhd->bkhd", p, dof)
+    dp = np.einsum("bqhd,bkhd->bhqk", dof, vh)
+    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+    dq = np.einsum("bhqk,bkhd->bqhd", ds, kh) * scale
+    dkh = np.einsum("bhqk,bqhd->bkhd", ds, qf) * scale
+    return dq, dkh.reshape(batch, sk, hkv, rep, d).sum(axis=3), dvh.reshape(batch, sk, hkv, rep, d).sum(axis=3)
+
+
+# ---- benchmark cases ----------------------------------------------------------------------------
+
+# (batch, heads, seqlen, head_dim, causal): batch * seqlen = 64k tokens, and long sequences.
+WORKLOAD = {"full": [(32, 16, 2048, 128, False), (32, 16, 2048, 128, True), (4, 32, 8192, 128, True),
+                     (16, 32, 2048, 64, True)],
+            "quick": [(4, 16, 2048, 128, False), (4, 16, 2048, 128, True), (1, 32, 4096, 128, True),
+                      (4, 32, 2048, 64, True)], "dtype": "bfloat16"}
+
+
+def _inputs(B, H, S, D, dtype, seed, *, grad=False, sdpa=False) -> dict:
+    """q, k, v (B, S, H, D); with ``sdpa`` the PyTorch-path layout instead: (B, H, S, D) leaves."""
+    gen = _bench.generator(seed)
+    shape = (B, H, S, D) if sdpa else (B, S, H, D)
+    t = {n: _bench.randn(shape, dtype, gen) for n in ("q", "k", "v")}
+    if grad:
+        t["do"] = t["dy"] = _bench.randn(shape, dtype, gen)
+        t["leaves"] = tuple(t[n].detach().requires_grad_(True) for n in ("q", "k", "v"))
+    return t
+
+
+def _sdpa(t, causal, backend, leaves=False):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    which = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    q, k, v = t["leaves"] if leaves else (t[n] for n in ("q", "k", "v"))
+    with sdpa_kernel(which):
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              is_causal=causal).transpose(1, 2)
+
+
+def _fwd(t, causal):
+    return attention(t["q"], t["k"], t["v"], causal=causal)
+
+
+def _fwd_bwd(t, causal):
+    out, lse = attention(t["q"], t["k"], t["v"], causal=causal, return_lse=True)
+    return (out, *attention_backward(t["do"], t["q"], t["k"], t["v"], out, lse, causal=causal))
+
+
+def _torch_fwd_bwd(t, causal, backend):
+    import torch
+
+    out = _sdpa(t, causal, backend, leaves=True)
+    return (out.detach(), *torch.autograd.grad(out, t["leaves"], t["do"]))
+
+
+def bench_cases(quick: bool) -> list:
+    """FLOP-bound: 4·B·H·S²·D (half when causal) forward, FlashAttention's count for the
+    backward (2.5 x forward), against torch's SDPA with the FLASH_ATTENTION backend
+    (FlashAttention-2) and the CUDNN_ATTENTION backend."""
+    dt = WORKLOAD["dtype"]
+    cases = []
+    for B, H, S, D, causal in WORKLOAD["quick" if quick else "full"]:
+        flops = 4 * B * H * S * S * D // (2 if causal else 1)
+        long = " long" if S > 2048 else ""  # (the same label for the --quick shape of a case)
+        tag = f"attention{' causal' if causal else ''}{long} d{D}"
+        make = functools.partial(_inputs, B, H, S, D, dt)
+        for backend in ("flash", "cudnn"):
+            cases.append(_bench.Case(f"{tag} fwd vs {backend}", "attention", (B, H, S, D), dt,
+                                     _bench.elements_bytes((4 * B, S, H, D), dt), make,
+                                     functools.partial(_fwd, causal=causal),
+                                     functools.partial(_sdpa, causal=causal, backend=backend), flops=flops))
+        for backend in ("flash", "cudnn"):
+            cases.append(_bench.Case(f"{tag} fwd+bwd vs {backend}", "attention", (B, H, S, D), dt,
+                                     _bench.elements_bytes((8 * B, S, H, D), dt), functools.partial(make, grad=True),
+                                     functools.partial(_fwd_bwd, causal=causal),
+                                     functools.partial(_torch_fwd_bwd, causal=causal, backend=backend),
+                                     flops=int(3.5 * flops)))
+    return cases
+
+
+def _sdpa_forward_on(F, t, causal):
+    """The PyTorch user's call: F.scaled_dot_product_attention on (B, H, S, D) leaves."""
+    q, k, v = t["leaves"]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def _sdpa_array(t, causal):
+    """The same work through the array API, on the same (B, H, S, D) tensors read through
+    their transposes (no copies)."""
+    q, k, v, do = (t[n].transpose(1, 2) for n in ("q", "k", "v", "dy"))
+    out, lse = attention(q, k, v, causal=causal, return_lse=True)
+    dq, dk, dv = attention_backward(do, q, k, v, out, lse, causal=causal)
+    return tuple(a.transpose(1, 2) for a in (out, dq, dk, dv))
+
+
+def torch_bench_cases(quick: bool) -> list:
+    """The SDPA drop-in (B, H, S, D) forward + backward against PyTorch's own choice of kernel
+    (cuDNN on Hopper), torch.compile, and the array API on the same tensors."""
+    B, H, S, D, causal = WORKLOAD["quick" if quick else "full"][1]
+    dt = WORKLOAD["dtype"]
+    flops = int(3.5 * 4 * B * H * S * S * D // 2)
+    return [_bench.TorchCase(f"sdpa causal d{D} fwd+bwd", "attention", (B, H, S, D), dt,
+                             _bench.elements_bytes((8 * B, S, H, D), dt),
+                             functools.partial(_inputs, B, H, S, D, dt, grad=True, sdpa=True),
+                             functools.partial(_sdpa_forward_on, causal=causal),
+                             functools.partial(_sdpa_array, causal=causal), flops=flops)]
+
+
+# ---- PyTorch bindings -------------------------------------------------------------------------
+
+def _empty_like(t):
+    """An output laid out as the front lays out one like ``t`` (the same function decides)."""
+    import torch
+
+    return torch.empty_strided(t.shape, _arrays.like_strides(t.shape, t.stride()), dtype=t.dtype, device=t.device)
+
+
+def _fake(q, k, v, causal, scale):
+    import torch
+
+    b, sq, h, _ = q.shape
+    return _empty_like(q), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+def _bwd_fake(dout, q, k, v, out, lse, causal, scale, deterministic):
+    return _empty_like(q), _empty_like(k), _empty_like(v)
+
+
+TORCH_OPS = (
+    TorchOp("attention", "(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)",
+            forward=lambda q, k, v, c, s: attention(q, k, v, causal=c, softmax_scale=s, return_lse=True),
+            inference=lambda q, k, v, c, s: attention(q, k, v, causal=c, softmax_scale=s),
+            fake=_fake,
+            save=lambda inputs, outputs: ((*inputs[:3], *outputs), inputs[3:]),
+            backward_schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
+                            "float scale, bool deterministic) -> (Tensor, Tensor, Tensor)",
+            backward=lambda do, q, k, v, o, lse, c, s, det: attention_backward(
+                do, q, k, v, o, lse, causal=c, softmax_scale=s, deterministic=det),
+            backward_fake=_bwd_fake,
+            backward_args=lambda saved, state, grads, T: (grads[0], *saved, *state, T.deterministic()),
+            grads_to=(0, 1, 2)),
+)
+
+
+def _route(T, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """(B, H, S, D) inputs of float16/bfloat16 (after autocast), no mask tensor, no dropout,
+    a supported head_dim, grouped-query K/V with ``enable_gqa``, ``is_causal`` with equal
+    query and key lengths (PyTorch aligns the causal mask to the top left, cukern to the
+    bottom right: they agree only there)."""
+    q, k, v = query, key, value
+    if not (q.is_cuda and k.is_cuda and v.is_cuda):
+        return "not CUDA tensors"
+    dt = T.autocast_dtype("scaled_dot_product_attention", q.dtype)
+    q, k, v = T.cast(q, dt), T.cast(k, dt), T.cast(v, dt)
+    if attn_mask is not None or dropout_p != 0.0:
+        return "attn_mask or dropout"
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        return "shape"
+    if q.dtype not in T.HALF_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtype {q.dtype}"
+    if not (q.device == k.device == v.device):
+        return "devices differ"
+    b, h, sq, d = q.shape
+    bk, hkv, sk, dk = k.shape
+    if bk != b or dk != d or d not in HEAD_DIMS:
+        return "batch or head_dim"
+    if hkv != h and not (enable_gqa and hkv > 0 and h % hkv == 0):
+        return "heads"
+    if is_causal and sq != sk:
+        return "causal with seqlen_q != seqlen_k"
+    if b * h > 65535 or sq == 0 or sk == 0:
+        return "size"
+    s = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    # (B, H, S, D) read through its transpose; the output comes back in SDPA's layout: no copies.
+    return "attention", (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bool(is_causal), s), _transpose12
+
+
+def _transpose12(t):
+    return t.transpose(1, 2)
+
+
+FAMILY = Family(
+    name="attention",
+    api=(attention, attention_backward),
+    references={"attention": reference_attention, "attention_backward": reference_attention_backward},
+    instances=instances,
+    bench=bench_cases,
+    torch_bench=torch_bench_cases,
+    torch_ops=TORCH_OPS,
+    # Under torch.compile PyTorch runs SDPA on cuDNN's Hopper kernels, faster than these
+    # FlashAttention-2-class kernels (docs/torch.md): compiled graphs keep PyTorch's.
+    dropins=(DropIn("scaled_dot_product_attention", _route, compile=False, probe=lambda f, x: f(x, x, x)),),
+)

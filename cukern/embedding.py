@@ -4,78 +4,145 @@ Shapes: ``indices`` any shape (*), int32 or int64; ``weight`` (V, D); outputs (*
 dtypes: float32, float16, bfloat16 for weight and grad; accumulation in float32.
 Out-of-range indices never touch memory out of bounds: they are recorded on the device and
 raised as ``IndexError`` by ``cukern.check_errors()`` (or at once with ``check=True``).
+
+The whole Python side of the family: configurations, array functions with launch plans, the
+NumPy references, benchmark cases and PyTorch bindings (``FAMILY`` at the end).
 """
 from __future__ import annotations
 
-import operator
+import functools
+from dataclasses import dataclass
 
 import numpy as np
 
-from . import _arrays, _faults, _kernels
+from . import _arrays, _bench, _checks, _faults, _kernels
+from ._arrays import DeviceArray
+from ._family import DropIn, Family, ModuleSpec, TorchOp
+from ._kernels import Instance
+from ._plans import Builder, Plan, PlanCache
 
 __all__ = ["embedding", "embedding_backward"]
 
 SOURCE = "embedding.cu"
 INDEX_CTYPES = {"int32": "int", "int64": "long long"}
-FWD_THREADS = 512  # 128 measured 4x slower at D = 4096 (tools/tune_embedding.py)
-# Rows of at most this many bytes go a warp a token (embedding_fwd_warp): measured faster up
-# to D = 2048 bf16 and slower at 4096 (tools/experiment_embedding_warpsort.py).
-WARP_ROW_BYTES = 4096
-WARP_THREADS = 256
-CHUNK = 64           # sorted entries a block of the backward sums
-BWD_THREADS, BWD_NV = 128, 4   # column tile: BWD_THREADS * BWD_NV vectors
-COMBINE_THREADS = 128
 
 
-def instances() -> list[str]:
-    """Every kernel instance the fronts below can launch (for the compile check)."""
-    names = []
-    for ctype, itemsize in _arrays.DTYPES.values():
+# ---- kernel configurations --------------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)   # (hashed by identity: plans are keyed by it, on every call)
+class Configs:
+    """Launch shapes, measured (docs/notes-embedding.md):
+
+    fwd_threads: a block a token (512: 128 measured 4x slower at D = 4096); rows of at most
+    warp_row_bytes go a warp a token in blocks of warp_threads (faster up to D = 2048 bf16,
+    slower at 4096); the backward sums ``chunk`` sorted entries a block over a column tile of
+    bwd_threads * bwd_nv vectors, and the combine kernel takes combine_threads columns."""
+    fwd_threads: int = 512
+    warp_row_bytes: int = 4096
+    warp_threads: int = 256
+    chunk: int = 64
+    bwd_threads: int = 128
+    bwd_nv: int = 4
+    combine_threads: int = 128
+    keys_threads: int = 256
+
+    def fwd(self, dtype: str, index: str, vec: int, warp: bool) -> Instance:
+        ctype, ic = _arrays.DTYPES[dtype][0], INDEX_CTYPES[index]
+        if warp:
+            return Instance(SOURCE, f"embedding_fwd_warp<{ctype}, {ic}, {vec}, {self.warp_threads}>", self.warp_threads)
+        return Instance(SOURCE, f"embedding_fwd<{ctype}, {ic}, {vec}, {self.fwd_threads}>", self.fwd_threads)
+
+    def keys(self, index: str) -> Instance:
+        return Instance(SOURCE, f"embedding_bwd_keys<{INDEX_CTYPES[index]}>", self.keys_threads)
+
+    def zero(self, dtype: str, vec: int) -> Instance:
+        return Instance(SOURCE, f"embedding_bwd_zero<{_arrays.DTYPES[dtype][0]}, {vec}, {self.fwd_threads}>",
+                        self.fwd_threads)
+
+    def chunks(self, dtype: str, vec: int) -> Instance:
+        return Instance(SOURCE, f"embedding_bwd_chunks<{_arrays.DTYPES[dtype][0]}, {vec}, {self.bwd_nv}, "
+                                f"{self.bwd_threads}>", self.bwd_threads)
+
+    def combine(self, dtype: str) -> Instance:
+        return Instance(SOURCE, f"embedding_bwd_combine<{_arrays.DTYPES[dtype][0]}, {self.combine_threads}>",
+                        self.combine_threads)
+
+
+CONFIGS = Configs()
+
+
+def instances(configs: Configs = CONFIGS) -> list[Instance]:
+    """Every kernel instance the fronts can launch (for the compile check)."""
+    out = []
+    for dtype, (_, itemsize) in _arrays.DTYPES.items():
         for vec in sorted({1, 16 // itemsize}):
-            names += [f"embedding_fwd<{ctype}, {ic}, {vec}, {FWD_THREADS}>" for ic in INDEX_CTYPES.values()]
-            names += [f"embedding_fwd_warp<{ctype}, {ic}, {vec}, {WARP_THREADS}>" for ic in INDEX_CTYPES.values()]
-            names.append(f"embedding_bwd_chunks<{ctype}, {vec}, {BWD_NV}, {BWD_THREADS}>")
-            names.append(f"embedding_bwd_zero<{ctype}, {vec}, {FWD_THREADS}>")
-        names.append(f"embedding_bwd_combine<{ctype}, {COMBINE_THREADS}>")
-    names += [f"embedding_bwd_keys<{ic}>" for ic in INDEX_CTYPES.values()]
-    return names
+            out += [configs.fwd(dtype, ix, vec, warp) for warp in (False, True) for ix in INDEX_CTYPES]
+            out += [configs.chunks(dtype, vec), configs.zero(dtype, vec)]
+        out.append(configs.combine(dtype))
+    return out + [configs.keys(ix) for ix in INDEX_CTYPES]
 
 
-def _vec(itemsize: int, D: int, *arrays) -> int:
+def _vec(itemsize: int, d: int, *arrays) -> int:
     vec = 16 // itemsize
-    if D % vec or any(a.ptr % 16 for a in arrays):
+    if d % vec or any(a is not None and a.ptr % 16 for a in arrays):
         return 1
     return vec
 
 
-def _check_indices(indices):
-    return _arrays.as_device_array(indices, "indices", dtypes=tuple(INDEX_CTYPES)).contiguous()
+# ---- argument checks (kernels and references alike) -----------------------------------------
+
+def _check_weight(wa: DeviceArray) -> None:
+    if wa.ndim != 2:
+        raise ValueError(f"{wa.name}: must be 2-D (num_embeddings, embedding_dim), got shape {wa.shape}")
 
 
-def _validate_now(ia, V: int) -> None:
-    """check=True: find the first out-of-range index now (one host synchronization)."""
-    if ia.size == 0:
-        return
-    c = _arrays.as_cupy(ia)
-    with _arrays.launch_context(ia):
-        bad = (c < 0) | (c >= V)
-        if bool(bad.any()):
-            value = int(c.ravel()[int(bad.ravel().argmax())])
-            raise IndexError(f"indices: index {value} is out of range for {V} embeddings "
-                             f"(valid: 0 to {V - 1})")
-
-
-def _padding(padding_idx, V: int) -> int:
+def _padding(padding_idx, v: int) -> int:
     """torch's rule: -V <= padding_idx < V; negative counts from the end. -1 for none."""
     if padding_idx is None:
         return -1
-    try:
-        p = operator.index(padding_idx)
-    except TypeError:
-        raise TypeError(f"padding_idx: expected an int or None, got {type(padding_idx).__name__}") from None
-    if not -V <= p < V:
-        raise ValueError(f"padding_idx: {p} is out of range for {V} embeddings (need -{V} <= padding_idx < {V})")
-    return p % V
+    p = _checks.index(padding_idx, "padding_idx")
+    if not -v <= p < v:
+        raise ValueError(f"padding_idx: {p} is out of range for {v} embeddings (need -{v} <= padding_idx < {v})")
+    return p % v
+
+
+def _num_embeddings(num_embeddings) -> int:
+    v = _checks.index(num_embeddings, "num_embeddings")
+    if v < 1:
+        raise ValueError(f"num_embeddings: must be at least 1, got {v}")
+    return v
+
+
+def _check_grad(ga: DeviceArray, ia: DeviceArray) -> None:
+    if ga.ndim < 1 or ga.shape[:-1] != ia.shape:
+        raise ValueError(f"{ga.name}: shape {ga.shape} does not match indices' shape {ia.shape} + (embedding_dim,)")
+
+
+def _out_of_range(ia: DeviceArray, v: int) -> int | None:
+    """The first out-of-range index (one host synchronization), or None. NumPy, CuPy and
+    torch arrays alike."""
+    a = ia.obj
+    if ia.size == 0:
+        return None
+    bad = (a < 0) | (a >= v)
+    if not bool(bad.any()):
+        return None
+    return int(a[bad].reshape(-1)[0])
+
+
+def _raise_out_of_range(ia: DeviceArray, v: int) -> None:
+    value = _out_of_range(ia, v)
+    if value is not None:
+        raise IndexError(f"{ia.name}: index {value} is out of range for {v} embeddings (valid: 0 to {v - 1})")
+
+
+def _indices(obj) -> DeviceArray:
+    return _arrays.as_device_array(obj, "indices", tuple(INDEX_CTYPES))
+
+
+# ---- forward --------------------------------------------------------------------------------
+
+_FWD = PlanCache()
 
 
 def embedding(indices, weight, padding_idx=None, *, check=False):
@@ -93,33 +160,49 @@ def embedding(indices, weight, padding_idx=None, *, check=False):
     Returns:
         (*, D) of weight's dtype, the same array type as ``weight``.
     """
-    ia = _check_indices(indices)
-    wa = _arrays.as_device_array(weight, "weight")
-    if wa.ndim != 2:
-        raise ValueError(f"weight: must be 2-D (num_embeddings, embedding_dim), got shape {wa.shape}")
-    device = _arrays.same_device(ia, wa)
-    V, D = wa.shape
-    _padding(padding_idx, V)
-    wa = wa.contiguous()
-    out = _arrays.empty(wa, ia.shape + (D,))
-    ntok = ia.size
+    return _embedding(indices, weight, padding_idx, check, CONFIGS)
+
+
+def _embedding(indices, weight, padding_idx, check, configs: Configs):
+    arrays = [_indices(indices), _arrays.as_device_array(weight, "weight")]
+    plain = padding_idx is None or type(padding_idx) is int
+    key = (padding_idx, configs, *(a.key for a in arrays))
+    plan = _FWD.get(key) if plain else None
+    if plan is None:
+        plan = _plan_forward(arrays, padding_idx, configs)
+        if plain:
+            _FWD.put(key, plan)
     if check:
-        _validate_now(ia, V)
-    if ntok and D:
-        vec = _vec(wa.itemsize, D, wa, out)
-        ic = INDEX_CTYPES[ia.dtype]
-        if D * wa.itemsize <= WARP_ROW_BYTES:
-            fn = _kernels.function(SOURCE, f"embedding_fwd_warp<{wa.ctype}, {ic}, {vec}, {WARP_THREADS}>", device)
-            threads, per_block = WARP_THREADS, WARP_THREADS // 32
-        else:
-            fn = _kernels.function(SOURCE, f"embedding_fwd<{wa.ctype}, {ic}, {vec}, {FWD_THREADS}>", device)
-            threads, per_block = FWD_THREADS, 1
-        rec = _faults.record(device)
-        with _arrays.launch_context(wa):
-            grid = min(-(-ntok // per_block), _kernels.resident_blocks(fn, threads, device))
-            _kernels.launch(fn, grid, threads, (ia, np.int64(ntok), wa, np.int64(V), np.int32(D),
-                                                   out, np.uint64(rec.data.ptr)))
-    return out.obj
+        _raise_out_of_range(arrays[0], arrays[1].shape[0])
+    return plan(arrays)[2].obj
+
+
+def _plan_forward(arrays, padding_idx, configs: Configs) -> Plan:
+    ia, wa = arrays
+    _check_weight(wa)
+    device = _arrays.same_device(ia, wa)
+    v, d = wa.shape
+    _padding(padding_idx, v)
+    b = Builder(arrays)
+    if not _arrays.is_contiguous(ia):
+        b.fix(0, DeviceArray.contiguous)
+    if not _arrays.is_contiguous(wa):
+        b.fix(1, DeviceArray.contiguous)
+    out = b.alloc(ia.shape + (d,), wa.dtype)
+    ntok = ia.size
+    if ntok and d:
+        vec = _vec(wa.itemsize, d, wa if _arrays.is_contiguous(wa) else None)
+        warp = d * wa.itemsize <= configs.warp_row_bytes
+        k = _kernels.kernel(configs.fwd(wa.dtype, ia.dtype, vec, warp), device)
+        per_block = configs.warp_threads // 32 if warp else 1
+        b.launch(k, min(-(-ntok // per_block), k.resident_blocks()), indices=b.slot(0), ntok=ntok,
+                 weight=b.slot(1), V=v, D=d, out=out, fault=_arrays.wrap(_faults.record(device), "fault record"))
+    return b.plan(device, first=1)
+
+
+# ---- backward -------------------------------------------------------------------------------
+
+_BWD = PlanCache()
 
 
 def embedding_backward(grad, indices, num_embeddings, padding_idx=None, scale_grad_by_freq=False, *,
@@ -138,52 +221,258 @@ def embedding_backward(grad, indices, num_embeddings, padding_idx=None, scale_gr
         (V, D) of grad's dtype: per index the float32 sum of its grad rows, rounded once;
         rows never looked up are zero. Bitwise deterministic (sorted, fixed-order sums).
     """
-    ga = _arrays.as_device_array(grad, "grad")
-    ia = _check_indices(indices)
-    try:
-        V = operator.index(num_embeddings)
-    except TypeError:
-        raise TypeError(f"num_embeddings: expected an int, got {type(num_embeddings).__name__}") from None
-    if V < 1:
-        raise ValueError(f"num_embeddings: must be at least 1, got {V}")
-    if ga.ndim < 1 or ga.shape[:-1] != ia.shape:
-        raise ValueError(f"grad: shape {ga.shape} does not match indices' shape {ia.shape} + (embedding_dim,)")
-    device = _arrays.same_device(ga, ia)
-    pad = _padding(padding_idx, V)
-    D = ga.shape[-1]
-    ga = ga.contiguous()
-    ntok = ia.size
+    return _embedding_backward(grad, indices, num_embeddings, padding_idx, scale_grad_by_freq, check, CONFIGS)
+
+
+def _embedding_backward(grad, indices, num_embeddings, padding_idx, scale_grad_by_freq, check, configs: Configs):
+    arrays = [_arrays.as_device_array(grad, "grad"), _indices(indices)]
+    plain = type(num_embeddings) is int and (padding_idx is None or type(padding_idx) is int)
+    key = (num_embeddings, padding_idx, bool(scale_grad_by_freq), configs, *(a.key for a in arrays))
+    plan = _BWD.get(key) if plain else None
+    if plan is None:
+        plan = _plan_backward(arrays, num_embeddings, padding_idx, bool(scale_grad_by_freq), configs)
+        if plain:
+            _BWD.put(key, plan)
     if check:
-        _validate_now(ia, V)
-    if not (ntok and D):
-        return _arrays.zeros(ga, (V, D)).obj
-    dw = _arrays.empty(ga, (V, D))
+        _raise_out_of_range(arrays[1], num_embeddings)
+    return plan(arrays)[2].obj
+
+
+def _sort_keys(slot: int):
+    """A plan step: sort the int64 keys in place of their slot, in the framework's own sort on
+    the caller's stream (keys are unique, so any sort gives the same order)."""
+    def step(bufs, ptrs, stream):
+        keys = bufs[slot]
+        if keys.kind == "torch":
+            import torch
+
+            bufs[slot] = _arrays.wrap(torch.sort(keys.obj).values, "keys")
+            ptrs[slot] = bufs[slot].ptr
+        else:
+            keys.obj.sort()
+    return step
+
+
+def _plan_backward(arrays, num_embeddings, padding_idx, scale, configs: Configs) -> Plan:
+    ga, ia = arrays
+    v = _num_embeddings(num_embeddings)
+    _check_grad(ga, ia)
+    device = _arrays.same_device(ga, ia)
+    pad = _padding(padding_idx, v)
+    d = ga.shape[-1]
+    ntok = ia.size
     if ntok >= 2**32:
         raise ValueError(f"indices: {ntok} tokens; at most 2**32 - 1 are supported")
-    rec = np.uint64(_faults.record(device).data.ptr)
-    with _arrays.launch_context(ga):
-        keys = _arrays.empty(ga, (ntok,), "int64")
-        touched = _arrays.zeros(ga, (V,), "uint8")
-        fn = _kernels.function(SOURCE, f"embedding_bwd_keys<{INDEX_CTYPES[ia.dtype]}>", device)
-        _kernels.launch(fn, min(-(-ntok // 256), 4 * _kernels.sm_count(device) * 8), 256,
-                        (ia, np.int64(ntok), np.int64(V), np.int64(pad), keys, touched, rec))
-        vec = _vec(ga.itemsize, D, ga, dw)
-        fn = _kernels.function(SOURCE, f"embedding_bwd_zero<{ga.ctype}, {vec}, {FWD_THREADS}>", device)
-        _kernels.launch(fn, min(V, _kernels.resident_blocks(fn, FWD_THREADS, device)), FWD_THREADS,
-                        (touched, np.int64(V), np.int32(D), dw))
-        _arrays.as_cupy(keys).sort()  # unique keys: any sort order is the same, deterministic
+    b = Builder(arrays)
+    for i, a in enumerate(arrays):
+        if not _arrays.is_contiguous(a):
+            b.fix(i, DeviceArray.contiguous)
+    dw = b.alloc((v, d), ga.dtype)
+    if not (ntok and d):
+        b.step(lambda bufs, ptrs, stream: _arrays.fill(bufs[dw.index], 0.0))
+        return b.plan(device)
+    fault = _arrays.wrap(_faults.record(device), "fault record")
+    keys = b.alloc((ntok,), "int64")
+    touched = b.alloc((v,), "uint8")
+    nchunks = -(-ntok // configs.chunk)
+    part = b.alloc((nchunks, 2, d), "float32")
+    pidx = b.alloc((nchunks, 2), "int64")
+    pcnt = b.alloc((nchunks, 2), "int32")
+    own = b.alloc((nchunks,), "int32")
+    vec = _vec(ga.itemsize, d, ga if _arrays.is_contiguous(ga) else None)
+    b.step(lambda bufs, ptrs, stream: _arrays.fill(bufs[touched.index], 0))
+    k = _kernels.kernel(configs.keys(ia.dtype), device)
+    b.launch(k, min(-(-ntok // configs.keys_threads), 32 * _kernels.sm_count(device)), indices=b.slot(1),
+             ntok=ntok, V=v, padding=pad, keys=keys, touched=touched, fault=fault)
+    k = _kernels.kernel(configs.zero(ga.dtype, vec), device)
+    b.launch(k, min(v, k.resident_blocks()), touched=touched, V=v, D=d, dweight=dw)
+    b.step(_sort_keys(keys.index))
+    k = _kernels.kernel(configs.chunks(ga.dtype, vec), device)
+    tile = configs.bwd_threads * configs.bwd_nv * vec
+    b.launch(k, (nchunks, -(-d // tile)), keys=keys, n=ntok, C=configs.chunk, grad=b.slot(0), V=v, D=d,
+             scale_by_freq=int(scale), dweight=dw, part=part, pidx=pidx, pcnt=pcnt, own=own)
+    k = _kernels.kernel(configs.combine(ga.dtype), device)
+    b.launch(k, (nchunks, -(-d // configs.combine_threads)), part=part, pidx=pidx, pcnt=pcnt, own=own,
+             nchunks=nchunks, D=d, scale_by_freq=int(scale), dweight=dw)
+    return b.plan(device)
 
-        nchunks = -(-ntok // CHUNK)
-        part = _arrays.empty(ga, (nchunks, 2, D), "float32")
-        pidx = _arrays.empty(ga, (nchunks, 2), "int64")
-        pcnt = _arrays.empty(ga, (nchunks, 2), "int32")
-        own = _arrays.empty(ga, (nchunks,), "int32")
-        tile = BWD_THREADS * BWD_NV * vec
-        fn = _kernels.function(SOURCE, f"embedding_bwd_chunks<{ga.ctype}, {vec}, {BWD_NV}, {BWD_THREADS}>", device)
-        _kernels.launch(fn, (nchunks, -(-D // tile)), BWD_THREADS, (
-            keys, np.int64(ntok), np.int32(CHUNK), ga, np.int64(V), np.int32(D),
-            np.int32(bool(scale_grad_by_freq)), dw, part, pidx, pcnt, own))
-        fn = _kernels.function(SOURCE, f"embedding_bwd_combine<{ga.ctype}, {COMBINE_THREADS}>", device)
-        _kernels.launch(fn, (nchunks, -(-D // COMBINE_THREADS)), COMBINE_THREADS, (
-            part, pidx, pcnt, own, np.int64(nchunks), np.int32(D), np.int32(bool(scale_grad_by_freq)), dw))
-    return dw.obj
+
+# ---- NumPy references ------------------------------------------------------------------------
+
+def reference_embedding(indices, weight, padding_idx=None, *, check=False):
+    """``embedding`` in float64: ``weight[indices]``. Out-of-range indices raise IndexError
+    (``check`` is accepted for the same signature; the reference always checks)."""
+    ia = _arrays.as_host_array(indices, "indices", tuple(INDEX_CTYPES))
+    wa = _arrays.as_host_array(weight, "weight")
+    _check_weight(wa)
+    v = wa.shape[0]
+    _padding(padding_idx, v)
+    _raise_out_of_range(ia, v)
+    return wa.obj.astype(np.float64)[ia.obj.astype(np.int64)]
+
+
+def reference_embedding_backward(grad, indices, num_embeddings, padding_idx=None, scale_grad_by_freq=False, *,
+                                 check=False):
+    """``embedding_backward`` in float64: row v is the sum (np.add.at) of the grad rows whose
+    index is v, divided by its count with ``scale_grad_by_freq``; zero for rows never looked up
+    and for the padding row."""
+    ga = _arrays.as_host_array(grad, "grad")
+    ia = _arrays.as_host_array(indices, "indices", tuple(INDEX_CTYPES))
+    v = _num_embeddings(num_embeddings)
+    _check_grad(ga, ia)
+    pad = _padding(padding_idx, v)
+    _raise_out_of_range(ia, v)
+    d = ga.shape[-1]
+    flat, rows = ia.obj.reshape(-1).astype(np.int64), ga.obj.astype(np.float64).reshape(-1, d)
+    out = np.zeros((v, d), np.float64)
+    np.add.at(out, flat, rows)
+    if scale_grad_by_freq:
+        counts = np.bincount(flat, minlength=v).astype(np.float64)
+        out /= np.maximum(counts, 1.0)[:, None]
+    if pad >= 0:
+        out[pad] = 0.0
+    return out
+
+
+# ---- benchmark cases ----------------------------------------------------------------------------
+
+# (tokens, vocabulary, model dim): LLaMA-3's table for a batch of 32 x 2048 tokens.
+WORKLOAD = {"full": (65536, 128256, 4096), "quick": (8192, 32000, 4096), "dtype": "bfloat16"}
+
+
+def _inputs(T, V, D, dtype, seed, *, grad=False, zipf=False) -> dict:
+    import torch
+
+    gen = _bench.generator(seed)
+    if zipf:  # a Zipf-like token distribution, as in real text (a few very hot tokens)
+        ranks = np.random.default_rng(seed).zipf(1.2, T) % V
+        idx = torch.from_numpy(ranks.astype(np.int64)).cuda()
+    else:
+        idx = torch.randint(0, V, (T,), device="cuda", generator=gen)
+    t = {"idx": idx, "w": _bench.randn((V, D), dtype, gen)}
+    if grad:
+        t["dy"] = _bench.randn((T, D), dtype, gen)
+        t["leaves"] = (t["w"].detach().requires_grad_(True),)
+    return t
+
+
+def _fwd(t):
+    return embedding(t["idx"], t["w"])
+
+
+def _torch_fwd(t):
+    import torch.nn.functional as F
+
+    return F.embedding(t["idx"], t["w"])
+
+
+def _bwd(t):
+    return embedding_backward(t["dy"], t["idx"], t["w"].shape[0])
+
+
+def _torch_bwd(t):
+    import torch
+
+    return torch.ops.aten.embedding_dense_backward(t["dy"], t["idx"], t["w"].shape[0], -1, False)
+
+
+def _fwd_bwd(t):
+    return embedding(t["idx"], t["w"]), embedding_backward(t["dy"], t["idx"], t["w"].shape[0])
+
+
+def _forward_on(F, t):
+    if F is None:
+        import torch.nn.functional as F
+    return F.embedding(t["idx"], t["leaves"][0])
+
+
+def _torch_fwd_bwd(t):
+    import torch
+
+    y = _forward_on(None, t)
+    return (y.detach(), *torch.autograd.grad(y, t["leaves"], t["dy"]))
+
+
+def bench_cases(quick: bool) -> list:
+    """T tokens from a (V, D) table. fwd: read T rows, write T rows (2 T·D); bwd (dense): read
+    T grad rows, write the V·D table gradient ((T + V)·D)."""
+    (T, V, D), dt = WORKLOAD["quick" if quick else "full"], WORKLOAD["dtype"]
+    make = functools.partial(_inputs, T, V, D, dt)
+    fwd_bytes, bwd_bytes = _bench.elements_bytes((2 * T, D), dt), _bench.elements_bytes((T + V, D), dt)
+    shape = (T, V, D)
+    return [
+        _bench.Case("embedding fwd", "embedding", shape, dt, fwd_bytes, make, _fwd, _torch_fwd),
+        _bench.Case("embedding bwd", "embedding", shape, dt, bwd_bytes, functools.partial(make, grad=True), _bwd,
+                    _torch_bwd),
+        _bench.Case("embedding bwd zipf", "embedding", shape, dt, bwd_bytes,
+                    functools.partial(make, grad=True, zipf=True), _bwd, _torch_bwd),
+        _bench.Case("embedding fwd+bwd", "embedding", shape, dt, fwd_bytes + bwd_bytes,
+                    functools.partial(make, grad=True), _fwd_bwd, _torch_fwd_bwd),
+    ]
+
+
+def _liger(t):
+    from liger_kernel.ops.experimental.embedding import LigerEmbeddingFunction
+
+    return LigerEmbeddingFunction.apply(t["leaves"][0], t["idx"])
+
+
+def torch_bench_cases(quick: bool) -> list:
+    (T, V, D), dt = WORKLOAD["quick" if quick else "full"], WORKLOAD["dtype"]
+    nbytes = _bench.elements_bytes((2 * T, D), dt) + _bench.elements_bytes((T + V, D), dt)
+    return [_bench.TorchCase("embedding fwd+bwd", "embedding", (T, V, D), dt, nbytes,
+                             functools.partial(_inputs, T, V, D, dt, grad=True), _forward_on, _fwd_bwd,
+                             liger=_liger)]
+
+
+# ---- PyTorch bindings -------------------------------------------------------------------------
+
+def _fake(indices, weight, padding_idx, scale_grad_by_freq):
+    return weight.new_empty((*indices.shape, weight.shape[1]))
+
+
+def _bwd_fake(grad, indices, num_embeddings, padding_idx, scale_grad_by_freq):
+    return (grad.new_empty((num_embeddings, grad.shape[-1])),)
+
+
+TORCH_OPS = (
+    TorchOp("embedding", "(Tensor indices, Tensor weight, int? padding_idx, bool scale_grad_by_freq) -> Tensor",
+            forward=lambda i, w, p, s: (embedding(i, w, p),),
+            inference=lambda i, w, p, s: embedding(i, w, p),
+            fake=lambda i, w, p, s: (_fake(i, w, p, s),),
+            save=lambda inputs, outputs: ((inputs[0],), (inputs[1].shape[0], inputs[2], inputs[3])),
+            backward_schema="(Tensor grad, Tensor indices, int num_embeddings, int? padding_idx, "
+                            "bool scale_grad_by_freq) -> Tensor",
+            backward=lambda g, i, v, p, s: (embedding_backward(g, i, v, p, s),),
+            backward_fake=_bwd_fake,
+            backward_args=lambda saved, state, grads, T: (grads[0], saved[0], *state),
+            grads_to=(1,)),
+)
+
+
+def _route(T, input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
+           sparse=False):
+    if not (input.is_cuda and weight.is_cuda and input.device == weight.device):
+        return "not CUDA tensors on one device"
+    if input.dtype not in T.INDEX_DTYPES or weight.dtype not in T.FLOAT_DTYPES or weight.dim() != 2:
+        return "dtype or weight shape"
+    if max_norm is not None or sparse:
+        return "max_norm or sparse"
+    if padding_idx is not None and not -weight.shape[0] <= padding_idx < weight.shape[0]:
+        return "padding_idx out of range"
+    return "embedding", (input, weight, padding_idx, bool(scale_grad_by_freq)), None
+
+
+FAMILY = Family(
+    name="embedding",
+    api=(embedding, embedding_backward),
+    references={"embedding": reference_embedding, "embedding_backward": reference_embedding_backward},
+    instances=instances,
+    bench=bench_cases,
+    torch_bench=torch_bench_cases,
+    torch_ops=TORCH_OPS,
+    dropins=(DropIn("embedding", _route, compile=True),),
+    modules=(ModuleSpec("Embedding", "Embedding", "embedding",
+                        lambda m, x: (x, m.weight, m.padding_idx, m.max_norm, m.norm_type, m.scale_grad_by_freq,
+                                      m.sparse)),),
+)

@@ -42,20 +42,56 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+class DryRun(Exception):
+    """Raised where a launch plan would run: ``plan`` holds it (fix-ups, allocations, steps)."""
+
+    def __init__(self, plan):
+        super().__init__("dry run")
+        self.plan = plan
+
+
+class FakeKernel:
+    """A kernel instance that is never compiled: its signature is read from the source, and
+    ``prepare`` packs the arguments against it as a real launch does (so a front's arguments
+    are checked by name, C type and dtype on the CPU)."""
+
+    def __init__(self, inst, device):
+        from cukern import _kernels
+
+        self.instance, self.device = inst, device
+        self.signature = _kernels.signature(inst)
+
+    def resident_blocks(self, threads=None):
+        return 132 * 4
+
+    def prepare(self, grid, block=None, **args):
+        from cukern import _kernels
+
+        dtypes = args.pop("dtypes", {})
+        layout, values, slots = _kernels.pack(self.signature, self.instance.name, args, dtypes)
+        return ("launch", self.instance, grid, block, dict(zip(self.signature.names, values)), slots)
+
+
 @pytest.fixture
 def host_arrays_as_device(monkeypatch):
-    """Let NumPy arrays pass for device arrays, so that the argument checks, which run before
-    any allocation or launch, can be tested without a GPU."""
-    from cukern import _arrays
+    """Let NumPy arrays pass for device arrays and stop every call where its launch plan would
+    run (``DryRun``, holding the plan): the argument checks and the plan building, kernel
+    arguments packed against the kernels' declared signatures included, run without a GPU."""
+    from cukern import _arrays, _kernels, _plans
 
-    def fake(obj, name, dtypes=("float32", "float16", "bfloat16")):
+    def fake(obj, name, dtypes=_arrays.FLOATS):
         if obj is None:
             raise TypeError(f"{name}: required, got None")
-        a = np.asarray(obj)
-        arr = _arrays.DeviceArray(a, "cupy", a.ctypes.data, a.shape, [st // a.itemsize for st in a.strides],
-                                  a.dtype.name, 0, name)
+        arr = _arrays.wrap(np.asarray(obj), name)
+        arr.device = 0
         if arr.dtype not in dtypes:
             raise ValueError(f"{name}: dtype {arr.dtype} is not supported")
         return arr
 
+    def dry(self, arrays):
+        raise DryRun(self)
+
     monkeypatch.setattr(_arrays, "as_device_array", fake)
+    monkeypatch.setattr(_kernels, "kernel", FakeKernel)
+    monkeypatch.setattr(_kernels, "sm_count", lambda device: 132)
+    monkeypatch.setattr(_plans.Plan, "__call__", dry)

@@ -1,30 +1,48 @@
-"""Every kernel instance compiles under NVRTC for sm_80 and sm_90 with no register spills.
+"""Every kernel instance compiles under NVRTC for sm_80 and sm_90 with no register spills, and
+every instance's declared signature and shared-memory size agree with its family's config.
 
 Runs with no GPU: NVRTC is driven directly (``cukern._nvrtc``), with the real sources from
-``cuda_src/``, and ptxas's resource report (registers, stack frame, spills) is read from
-the program log. Each family is compiled once per architecture per session; the compiles of
-all (family, arch) pairs run side by side in threads (ctypes releases the GIL), ~20 s each.
+``cuda_src/``, and ptxas's resource report (registers, stack frame, spills) is read from the
+program log. The kernels come from the families themselves (``cukern._registry``): a new
+family is checked without touching this file. Each (family, source) is compiled once per
+architecture per session; the compiles run side by side in threads (ctypes releases the GIL).
+The kernels that take dynamic shared memory check the size their config computes against
+their own with a static_assert, so a disagreement fails the compile.
+
+The whole-tree compile (marker ``compile``) is most of a CPU run: ``-m "not compile"`` leaves it out.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
-import importlib
 import os
 import re
 
 import pytest
 
 import cukern
-from cukern import _kernels, _nvrtc
+from cukern import _kernels, _nvrtc, _registry
 
-# Kernel sources by family module: "module" has SOURCE (its file in cuda_src/) and instances()
-# (every template instance the front can launch, as name expressions); "module:bwd" names a
-# module's second source, BWD_SOURCE with bwd_instances().
-FAMILIES = ("cukern.norm", "cukern.group_norm", "cukern.embedding", "cukern._partials", "cukern.attention",
-            "cukern.attention:bwd")
 ARCHS = ("sm_80", "sm_90")
-PAIRS = [(family, arch) for family in FAMILIES for arch in ARCHS]
+
+
+def _units() -> list[tuple[str, str]]:
+    """(kernel module, source) of every source a family or shared module launches."""
+    out = []
+    for name, instances in _registry.kernel_modules():
+        for source in sorted({i.source for i in instances()}):
+            out.append((name, source))
+    return out
+
+
+UNITS = _units()
+PAIRS = [(module, source, arch) for module, source in UNITS for arch in ARCHS]
+
+
+def instances_of(module: str, source: str) -> list:
+    fn = dict(_registry.kernel_modules())[module]
+    return [i for i in fn() if i.source == source]
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,73 +64,90 @@ def nvrtc():
     return _nvrtc
 
 
-def source_and_instances(family: str) -> tuple[str, list[str]]:
-    name, _, part = family.partition(":")
-    module = importlib.import_module(name)
-    if part:
-        return getattr(module, f"{part.upper()}_SOURCE"), getattr(module, f"{part}_instances")()
-    return module.SOURCE, module.instances()
-
-
-def _compile(family: str, arch: str):
-    return _nvrtc.compile_instances(*source_and_instances(family), arch)
+def _compile(module: str, source: str, arch: str):
+    return _nvrtc.compile_instances(source, [i.name for i in instances_of(module, source)], arch)
 
 
 @pytest.fixture(scope="module")
 def reports(nvrtc):
-    """{(family, arch): Future of the list of ResourceUsage}; compiled once, in parallel."""
+    """{(module, source, arch): Future of the list of ResourceUsage}; compiled once, in parallel."""
     workers = max(1, min(len(PAIRS), len(os.sched_getaffinity(0))))
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = {pair: pool.submit(_compile, *pair) for pair in PAIRS}
-        yield futures
+        yield {pair: pool.submit(_compile, *pair) for pair in PAIRS}
 
 
-def _report(reports, family, arch):
-    return reports[(family, arch)].result()  # re-raises a CompileError here
+def _report(reports, module, source, arch):
+    return reports[(module, source, arch)].result()  # re-raises a CompileError here
 
 
 def test_nvrtc_loads_in_ci():
-    """CI must run the compile check, not skip it: libnvrtc comes from nvidia-cuda-nvrtc-cu12."""
+    """CI must run the compile check, not skip it: libnvrtc comes with the cuda12/cuda13 extras."""
     reason = nvrtc_missing()
     if reason is None:
         return
     if os.environ.get("CI"):
-        pytest.fail(f"CI is set but libnvrtc cannot be loaded, so the compile check would be "
-                    f"skipped: {reason}")
+        pytest.fail(f"CI is set but libnvrtc cannot be loaded, so the compile check would be skipped: {reason}")
     pytest.skip(f"libnvrtc cannot be loaded (not CI): {reason}")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_family_declares_instances(family):
-    source, names = source_and_instances(family)
-    assert isinstance(source, str) and (_kernels.source_dir() / source).is_file()
-    assert names, f"{family}.instances() is empty"
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    assert not dupes, f"{family}.instances() lists these more than once: {dupes}"
+def test_every_family_declares_kernels():
+    names = [name for name, _ in _registry.kernel_modules()]
+    assert set(_registry.FAMILIES) <= set(names)
+    for name, fn in _registry.kernel_modules():
+        insts = fn()
+        assert insts, f"{name} declares no kernel instances"
+        dupes = sorted(n for n, c in collections.Counter(i.name for i in insts).items() if c > 1)
+        assert not dupes, f"{name} lists these more than once: {dupes}"
+        for i in insts:
+            assert (_kernels.source_dir() / i.source).is_file(), i.source
+            assert i.threads > 0 and i.threads % 32 == 0 and i.smem >= 0, i
 
 
-@pytest.mark.parametrize("family, arch", PAIRS)
-def test_every_instance_compiles(reports, family, arch):
+@pytest.mark.parametrize("module, source", UNITS)
+def test_every_instance_has_a_declared_signature(module, source):
+    """The parameter list of every instance is read from its source, template types resolved:
+    the launches are packed against it by name (see test_kernel_arguments_*)."""
+    for inst in instances_of(module, source):
+        sig = _kernels.signature(inst)
+        assert sig.names and len(sig.names) == len(sig.codes) == len(sig.dtypes), inst.name
+        assert all(c == "P" or d is None for c, d in zip(sig.codes, sig.dtypes))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("module, source, arch", PAIRS)
+def test_every_instance_compiles(reports, module, source, arch):
     """Each requested instance got a ptxas report, and no unrequested kernel did."""
-    usages = _report(reports, family, arch)
-    requested = set(source_and_instances(family)[1])
+    usages = _report(reports, module, source, arch)
+    requested = {i.name for i in instances_of(module, source)}
     reported = {u.instance for u in usages}
-    missing = sorted(requested - reported)
-    extra = sorted(reported - requested)
+    missing, extra = sorted(requested - reported), sorted(reported - requested)
     assert not missing and not extra, (
-        f"{family} for {arch}: {len(missing)} requested instance(s) without a ptxas report "
+        f"{source} for {arch}: {len(missing)} requested instance(s) without a ptxas report "
         f"{missing[:10]}; {len(extra)} reported but not requested {extra[:10]}")
     assert all(u.arch == arch for u in usages)
 
 
-@pytest.mark.parametrize("family, arch", PAIRS)
-def test_no_spills(reports, family, arch):
+@pytest.mark.compile
+@pytest.mark.parametrize("module, source, arch", PAIRS)
+def test_no_spills(reports, module, source, arch):
     """ptxas reports 0 bytes of stack frame, spill stores and spill loads for every instance."""
-    usages = _report(reports, family, arch)
+    usages = _report(reports, module, source, arch)
     offenders = [u for u in usages if u.spill_stores or u.spill_loads or u.stack_frame]
-    assert not offenders, f"{family} for {arch}: {len(offenders)} instance(s) spill:\n" + "\n".join(
+    assert not offenders, f"{source} for {arch}: {len(offenders)} instance(s) spill:\n" + "\n".join(
         f"  {u.instance}: {u.registers} registers, {u.stack_frame} B stack frame, "
         f"{u.spill_stores} B spill stores, {u.spill_loads} B spill loads" for u in offenders)
+
+
+@pytest.mark.compile
+def test_a_wrong_shared_memory_size_fails_the_compile(nvrtc):
+    """The static_assert that holds Python's shared-memory size to the kernel's own."""
+    from cukern import attention
+
+    inst = attention.CONFIGS.get("fwd", 64).instance("bfloat16", 64, False)
+    wrong = re.sub(r", (\d+)>$", lambda m: f", {int(m.group(1)) + 16}>", inst.name)
+    with pytest.raises(cukern.CompileError) as info:
+        nvrtc.compile_instances(inst.source, [wrong], "sm_80")
+    assert "shared" in info.value.log.lower() or "static assertion" in info.value.log.lower(), info.value.log
 
 
 def test_unknown_instance_raises_compile_error(nvrtc):
@@ -137,10 +172,10 @@ def test_broken_source_raises_compile_error(nvrtc, monkeypatch):
     assert "broken.cu" in str(err)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_source_is_self_contained(family):
+@pytest.mark.parametrize("source", sorted({s for _, s in UNITS}))
+def test_source_is_self_contained(source):
     """The text handed to NVRTC has its local includes expanded: no include paths needed."""
-    text = _kernels.load_source(source_and_instances(family)[0])
+    text = _kernels.load_source(source)
     left = [line for line in text.splitlines() if re.match(r'\s*#\s*include\s+"', line)]
     assert not left, f"unexpanded includes: {left}"
 
@@ -155,7 +190,7 @@ def test_load_source_expands_common_headers():
 @pytest.mark.gpu
 def test_runtime_compile_error_carries_the_log_and_the_instance():
     """The path that runs kernels (CuPy RawModule) reports a failing instance the same way."""
-    bad = "norm_fwd<cuk_bf16, true, 8, 4, 128, 128, 1, does_not_exist>"
+    bad = "norm_fwd<cuk::bf16, true, 8, 4, 128, 128, 1, does_not_exist>"
     with pytest.raises(cukern.CompileError) as info:
         _kernels.function("norm.cu", bad, 0)
     assert info.value.instance == bad

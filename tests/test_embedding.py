@@ -167,8 +167,11 @@ def test_reference_out_of_range_and_bad_arguments():
         ref.embedding(np.array([0]), np.ones(4))
     with pytest.raises(ValueError, match=r"^grad: shape"):
         ref.embedding_backward(np.ones((3, 2)), np.array([0, 1]), 4)
-    for n in (0, -1, 2.5):
+    for n in (0, -1):
         with pytest.raises(ValueError, match="^num_embeddings: "):
+            ref.embedding_backward(np.ones((2, 2)), np.array([0, 1]), n)
+    for n in (2.5, "4", True):   # as the kernels: an int is required
+        with pytest.raises(TypeError, match="^num_embeddings: expected an int"):
             ref.embedding_backward(np.ones((2, 2)), np.array([0, 1]), n)
 
 

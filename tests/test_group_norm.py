@@ -84,8 +84,11 @@ def test_sizes_beyond_32_bits_are_refused(host_arrays_as_device):
         x = np.lib.stride_tricks.as_strided(np.ones(1, np.float16), shape=shape, strides=(0,) * len(shape))
         with pytest.raises(ValueError, match="beyond the kernels' 32-bit range"):
             cukern.group_norm(x, 1 if shape[1] != 16 else 4)
+        g = 1 if shape[1] != 16 else 4
+        stats = np.zeros((min(shape[0], 4), g), np.float32)
+        stats = np.lib.stride_tricks.as_strided(stats, shape=(shape[0], g), strides=(0, 4))
         with pytest.raises(ValueError, match="beyond the kernels' 32-bit range"):
-            cukern.group_norm_backward(x, x, 1 if shape[1] != 16 else 4, None, None, None)
+            cukern.group_norm_backward(x, x, g, None, stats, stats)
 
 
 # ---- the kernels against the reference (GPU) ---------------------------------------------------

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 import cukern
 from cukern import reference as ref
 
-from arrays import (FLOAT_DTYPES, assert_close, np_dtype, poison_allocator, raise_as_expected, random_host, spin,
+from arrays import (FLOAT_DTYPES, assert_close, poison_allocator, raise_as_expected, random_host, spin,
                     to_device, to_host, torch)
 
 gpu = pytest.mark.gpu

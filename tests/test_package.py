@@ -86,7 +86,7 @@ def test_wheel_contents(dists):
     _, wheel = dists
     names = set(zipfile.ZipFile(wheel).namelist())
     for need in ("cukern/__init__.py", "cukern/_kernels.py", "cukern/cuda_src/norm.cu",
-                 "cukern/cuda_src/common/dtype.cuh"):
+                 "cukern/cuda_src/common/dtype.cuh", "cukern/demo/model.py"):
         assert need in names, f"{need} missing from {wheel.name}: {sorted(names)}"
     sources = {p.relative_to(REPO).as_posix() for p in (REPO / "cuda_src").rglob("*")
                if p.is_file() and p.suffix in (".cu", ".cuh")}
@@ -94,6 +94,7 @@ def test_wheel_contents(dists):
     assert sources <= shipped, f"not in the wheel: {sorted(sources - shipped)}"
     assert not [n for n in names if n.endswith(".pyc") or "__pycache__" in n]
     assert not [n for n in names if n.startswith(("tests/", "asv_bench/", "cuda_src/"))]
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), "the LICENSE file is not in the wheel"
 
 
 @pytest.mark.packaging
@@ -105,10 +106,17 @@ def test_wheel_metadata(dists):
     assert meta["Name"] == "cukern"
     assert meta["Version"] == cukern.__version__
     assert meta["Requires-Python"] == ">=3.10"
-    assert set(meta.get_all("Provides-Extra")) >= {"cuda12", "cuda13", "test", "bench"}
-    requires = meta.get_all("Requires-Dist")
-    assert any(r.startswith("numpy") for r in requires)
-    assert not [r for r in requires if r.startswith("torch")], "torch must not be a dependency"
+    assert set(meta.get_all("Provides-Extra")) == {"cuda12", "cuda13", "torch", "bench", "dev"}
+    assert meta["License-Expression"] == "BSD-3-Clause"
+    assert meta["Description-Content-Type"] == "text/markdown" and "# cukern" in meta.get_payload()
+    assert meta.get_all("Project-URL") and any("Python :: 3.12" in c for c in meta.get_all("Classifier"))
+    requires = [r.replace("'", '"') for r in meta.get_all("Requires-Dist")]
+    base = [r for r in requires if "extra ==" not in r]
+    assert [r.split(">")[0].split(";")[0].strip() for r in base] == ["numpy"], base
+    # CUDA flavours come with their toolkit libraries (NVRTC, headers); dev pins none.
+    assert any(r.startswith("cupy-cuda13x[ctk]") and 'extra == "cuda13"' in r for r in requires)
+    assert any(r.startswith("cupy-cuda12x[ctk]") and 'extra == "cuda12"' in r for r in requires)
+    assert not [r for r in requires if 'extra == "dev"' in r and ("cupy" in r or "nvidia" in r or "torch" in r)]
 
 
 @pytest.mark.packaging
@@ -116,7 +124,8 @@ def test_sdist_contents(dists):
     sdist, _ = dists
     with tarfile.open(sdist) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
-    for need in ("pyproject.toml", "cukern/__init__.py", "cuda_src/norm.cu", "cuda_src/common/dtype.cuh"):
+    for need in ("pyproject.toml", "LICENSE", "README.md", "cukern/__init__.py", "cuda_src/norm.cu",
+                 "cuda_src/common/dtype.cuh"):
         assert need in names, f"{need} missing from {sdist.name}"
 
 
@@ -135,29 +144,50 @@ def test_installed_wheel_finds_its_sources(dists, tmp_path):
     assert Path(src).resolve() == site / "cukern" / "cuda_src"
 
 
-def test_kernel_arguments_are_packed_as_the_c_parameter_list():
-    """The launch buffer: each value at its natural alignment, as the kernel's C parameters."""
-    import struct
+# ---- what the README tells a new user ------------------------------------------------------------
 
-    import numpy as np
+def _pyproject() -> dict:
+    import tomllib
 
-    from cukern import _kernels
-    from cukern._arrays import DeviceArray
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
 
-    arr = DeviceArray(None, "cupy", 0x7F0000001000, (4,), (1,), "float32", 0, "a")
-    layout, values = _kernels.pack_params((arr, np.int32(-3), None, np.float32(1.5), np.int64(2**40),
-                                           np.uint64(7), np.uint32(9)))
-    assert layout.size == 8 + 4 + 4 + 8 + 4 + 4 + 8 + 8 + 4   # int32 and float32 padded before 8-byte items
-    buf = bytearray(layout.size)
-    layout.pack_into(buf, 0, *values)
-    assert struct.unpack_from("<Q", buf, 0)[0] == 0x7F0000001000
-    assert struct.unpack_from("<i", buf, 8)[0] == -3
-    assert struct.unpack_from("<Q", buf, 16)[0] == 0
-    assert struct.unpack_from("<f", buf, 24)[0] == 1.5
-    assert struct.unpack_from("<q", buf, 32)[0] == 2**40
-    assert struct.unpack_from("<Q", buf, 40)[0] == 7
-    assert struct.unpack_from("<I", buf, 48)[0] == 9
-    with pytest.raises(TypeError, match="C type"):
-        _kernels.pack_params((3,))          # a Python int has no C type
-    with pytest.raises(TypeError, match="C type"):
-        _kernels.pack_params((np.float64(1.0),))
+
+def _readme_installs() -> list[str]:
+    """The extras of every ``pip install ... ".[a,b]"`` line in the README's code blocks."""
+    text = (REPO / "README.md").read_text()
+    blocks = re.findall(r"```(?:bash|sh)?\n(.*?)```", text, flags=re.S)
+    extras = []
+    for block in blocks:
+        for line in block.splitlines():
+            if re.match(r"\s*(python -m )?pip install", line):
+                extras += re.findall(r'"(?:-e )?\.\[([^\]]+)\]"', line)
+    return extras
+
+
+def test_readme_install_lines_name_extras_that_exist():
+    """Every extra the README's install lines name is defined in pyproject.toml, and the
+    README names the ones a user picks between (the two CUDA flavours, torch, dev)."""
+    defined = set(_pyproject()["project"]["optional-dependencies"])
+    named = [e.strip() for group in _readme_installs() for e in group.split(",")]
+    assert named, "the README has no pip install line with extras"
+    assert set(named) <= defined, f"the README names undefined extras: {sorted(set(named) - defined)}"
+    assert {"cuda12", "cuda13", "torch", "dev"} <= set(named)
+
+
+def test_readme_test_command_and_marker_agree_with_pyproject():
+    text = (REPO / "README.md").read_text()
+    assert "python -m pytest -q" in text and "python -m cukern bench" in text
+    markers = " ".join(_pyproject()["tool"]["pytest"]["ini_options"]["markers"])
+    assert '-m "not compile"' in text and "compile:" in markers
+
+
+def test_nothing_refers_to_files_outside_the_project():
+    """A user's clone has only the repository: no file may point at the developers' notes."""
+    outside = re.compile(r"(DESIGN|PERFORMANCE|METHOD|HOPPER)\.md|\.\./shared/|shared/gpu-host")
+    offenders = []
+    for path in REPO.rglob("*"):
+        if (path.is_file() and path.suffix in (".py", ".md", ".sh", ".toml", ".cu", ".cuh", ".cfg", ".json")
+                and not any(part in (".git", ".whl", "results", "__pycache__", ".venv") for part in path.parts)):
+            if outside.search(path.read_text(errors="replace")) and path != Path(__file__).resolve():
+                offenders.append(str(path.relative_to(REPO)))
+    assert not offenders, f"these files refer to files outside the repository: {offenders}"

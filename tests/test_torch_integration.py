@@ -15,7 +15,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import cukern.torch as ct  # noqa: E402
 from cukern import demo  # noqa: E402
-from cukern.torch import _functional  # noqa: E402
+from cukern.torch import _functional, _tools  # noqa: E402
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA build of torch and a GPU")
@@ -77,7 +77,8 @@ def test_cpu_tensors_fall_back_to_pytorch_with_identical_results():
         got = [F.layer_norm(x, (8,), w, b), F.rms_norm(x, (8,), w), F.group_norm(xg, 2),
                F.embedding(idx, table, padding_idx=1), F.scaled_dot_product_attention(q, k, v, is_causal=True)]
     expect = [ORIG["layer_norm"](x, (8,), w, b), ORIG["rms_norm"](x, (8,), w), ORIG["group_norm"](xg, 2),
-              ORIG["embedding"](idx, table, padding_idx=1), ORIG["scaled_dot_product_attention"](q, k, v, is_causal=True)]
+              ORIG["embedding"](idx, table, padding_idx=1),
+              ORIG["scaled_dot_product_attention"](q, k, v, is_causal=True)]
     for a, e in zip(got, expect):
         assert torch.equal(a, e)
     c = ct.counts(reasons=True)
@@ -143,86 +144,104 @@ def test_demo_batches_repeat_a_pattern_and_need_no_host_sync():
     assert int(tokens.min()) >= 0 and int(tokens.max()) < 1000
 
 
-def _stand_ins(monkeypatch):
-    """Replace the array functions under cukern.torch._eager by PyTorch CPU computations (the
-    backward ones recompute through autograd), to test the eager path's autograd wiring here."""
-    from cukern.torch import _eager
+def _recompute(fn, inputs, dy):
+    """Gradients of fn(*inputs) w.r.t. its tensor inputs (None for the others) on the CPU."""
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(True) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                  for t in inputs]
+        out = fn(*leaves)
+        live = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        grads = iter(torch.autograd.grad(out, live, dy, allow_unused=True))
+        return [next(grads) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in leaves]
 
-    def recompute(fn, inputs, dy):
-        with torch.enable_grad():
-            leaves = [None if t is None else t.detach().requires_grad_(True) for t in inputs]
-            out = fn(*leaves)
-            live = [t for t in leaves if t is not None]
-            grads = iter(torch.autograd.grad(out, live, dy))
-            return [None if t is None else next(grads) for t in leaves]
 
-    def ln_fwd(x, w, b, eps, return_stats=False):
-        y = F.layer_norm(x, x.shape[-1:], w, b, eps)
-        return (y, x.mean(-1), x.mean(-1)) if return_stats else y
+def _cpu_stand_ins():
+    """Each family's TorchOp with its array functions replaced by PyTorch CPU computations (the
+    backward recomputes through autograd): the op's own save / backward_args / grads_to wiring
+    is what is tested, through the same eager autograd.Function the drop-ins use."""
+    import dataclasses
 
-    def ln_bwd(dy, x, w, mean, rstd):
-        dx, dw = recompute(lambda x, w: F.layer_norm(x, x.shape[-1:], w, None, 1e-5), (x, w), dy)
-        return dx, dw, dy.reshape(-1, dy.shape[-1]).sum(0)
+    from cukern import _registry
+    from cukern.torch import _ops
 
-    def rms_fwd(x, w, eps, return_stats=False):
-        y = F.rms_norm(x, x.shape[-1:], w, eps)
-        return (y, x.mean(-1)) if return_stats else y
+    def ln(x, w, b, eps):
+        return F.layer_norm(x, x.shape[-1:], w, b, eps)
 
-    def rms_bwd(dy, x, w, rstd):
-        return tuple(recompute(lambda x, w: F.rms_norm(x, x.shape[-1:], w, 1e-6), (x, w), dy))
+    def rms(x, w, eps):
+        return F.rms_norm(x, x.shape[-1:], w, eps)
 
-    def emb_fwd(i, w, p):
-        return F.embedding(i, w, p)
+    def sdpa(q, k, v, causal, scale):
+        return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal,
+                                              scale=scale).transpose(1, 2)
 
-    def emb_bwd(g, i, v, p, scale):
-        w = torch.zeros(v, g.shape[-1], dtype=g.dtype)
-        return recompute(lambda w: F.embedding(i, w, p, scale_grad_by_freq=scale), (w,), g)[0]
-
-    def attn_fwd(q, k, v, causal=False, softmax_scale=None, return_lse=False):
-        out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal,
-                                             scale=softmax_scale).transpose(1, 2)
-        return (out, q.new_zeros(q.shape[0], q.shape[2], q.shape[1])) if return_lse else out
-
-    def attn_bwd(do, q, k, v, out, lse, causal=False, softmax_scale=None, deterministic=False):
-        return tuple(recompute(lambda q, k, v: attn_fwd(q, k, v, causal, softmax_scale), (q, k, v), do))
-
-    for name, fn in [("_layer_norm_fwd", ln_fwd), ("_layer_norm_bwd", ln_bwd), ("_rms_norm_fwd", rms_fwd),
-                     ("_rms_norm_bwd", rms_bwd), ("_embedding_fwd", emb_fwd), ("_embedding_bwd", emb_bwd),
-                     ("_attention_fwd", attn_fwd), ("_attention_bwd", attn_bwd)]:
-        monkeypatch.setattr(_eager, name, fn)
-    return _eager
+    stats = lambda x, n: x.reshape(*x.shape[:2], -1).mean(-1)[:, :n] if n else x.mean(-1)  # noqa: E731
+    fake = {
+        "layer_norm": (lambda x, w, b, e: (ln(x, w, b, e), x.mean(-1), x.mean(-1)),
+                       lambda dy, x, w, m, r: tuple(_recompute(lambda x, w: ln(x, w, None, 1e-5), (x, w), dy))
+                       + (dy.reshape(-1, dy.shape[-1]).sum(0),)),
+        "rms_norm": (lambda x, w, e: (rms(x, w, e), x.mean(-1)),
+                     lambda dy, x, w, r: tuple(_recompute(lambda x, w: rms(x, w, 1e-6), (x, w), dy))),
+        "group_norm": (lambda x, g, w, b, e: (F.group_norm(x, g, w, b, e), stats(x, g), stats(x, g)),
+                       lambda dy, x, g, w, m, r: tuple(_recompute(lambda x, w: F.group_norm(x, g, w, None, 1e-5),
+                                                                  (x, w), dy)) + (dy.sum((0, 2)),)),
+        "embedding": (lambda i, w, p, s: (F.embedding(i, w, p),),
+                      lambda g, i, v, p, s: tuple(_recompute(
+                          lambda w: F.embedding(i, w, p, scale_grad_by_freq=s), (torch.zeros(v, g.shape[-1]),), g))),
+        "attention": (lambda q, k, v, c, s: (sdpa(q, k, v, c, s), q.new_zeros(q.shape[0], q.shape[2], q.shape[1])),
+                      lambda do, q, k, v, o, lse, c, s, det: tuple(_recompute(lambda q, k, v: sdpa(q, k, v, c, s),
+                                                                              (q, k, v), do))),
+    }
+    out = {}
+    for family in _registry.families():
+        for spec in family.torch_ops:
+            fwd, bwd = fake[spec.name]
+            stand_in = dataclasses.replace(spec, forward=fwd, backward=bwd, inference=None)
+            out[spec.name] = _ops._function(stand_in, _ops._arity(spec.schema))
+    return out
 
 
 @pytest.mark.parametrize("which", ["x", "w", "both"])
-def test_eager_path_routes_each_gradient_to_its_input(monkeypatch, which):
-    eager = _stand_ins(monkeypatch)
+def test_each_ops_autograd_wiring_routes_every_gradient_to_its_input(which):
+    fns = _cpu_stand_ins()
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 16, generator=g).requires_grad_(which in ("x", "both"))
     w = torch.randn(16, generator=g).requires_grad_(which in ("w", "both"))
     b = torch.randn(16, generator=g).requires_grad_(which == "both")
+    xg = torch.randn(3, 8, 5, generator=g).requires_grad_(which in ("x", "both"))
+    wg = torch.randn(8, generator=g).requires_grad_(which in ("w", "both"))
     q, k, v = (torch.randn(2, 6, 2, 8, generator=g).requires_grad_(which != "w") for _ in range(3))
     idx = torch.randint(0, 10, (4, 3), generator=g)
     emb = torch.randn(10, 16, generator=g).requires_grad_(which != "x")
     calls = [
-        (lambda: eager.layer_norm(x, w, b, 1e-5), lambda: F.layer_norm(x, (16,), w, b, 1e-5), (x, w, b)),
-        (lambda: eager.rms_norm(x, w, 1e-6), lambda: F.rms_norm(x, (16,), w, 1e-6), (x, w)),
-        (lambda: eager.embedding(idx, emb, 2, True), lambda: F.embedding(idx, emb, 2, scale_grad_by_freq=True), (emb,)),
-        (lambda: eager.attention(q, k, v, True, 0.3),
+        ("layer_norm", (x, w, b, 1e-5), lambda: F.layer_norm(x, (16,), w, b, 1e-5), (x, w, b)),
+        ("rms_norm", (x, w, 1e-6), lambda: F.rms_norm(x, (16,), w, 1e-6), (x, w)),
+        ("group_norm", (xg, 4, wg, None, 1e-5), lambda: F.group_norm(xg, 4, wg, None, 1e-5), (xg, wg)),
+        ("embedding", (idx, emb, 2, True), lambda: F.embedding(idx, emb, 2, scale_grad_by_freq=True), (emb,)),
+        ("attention", (q, k, v, True, 0.3),
          lambda: F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True,
                                                 scale=0.3).transpose(1, 2), (q, k, v)),
     ]
-    for ours, ref, inputs in calls:
+    assert {c[0] for c in calls} == set(fns), "a family's op has no stand-in here"
+    for name, args, ref, inputs in calls:
         live = [t for t in inputs if t.requires_grad]
-        out, expect = ours(), ref()
+        out, expect = fns[name].apply(*args), ref()
         torch.testing.assert_close(out, expect)
         if not live:
-            assert out.grad_fn is None
             continue
         dy = torch.randn(out.shape, generator=g)
         for a, e in zip(torch.autograd.grad(out, live, dy), torch.autograd.grad(expect, live, dy)):
-            torch.testing.assert_close(a, e)
-    with torch.no_grad():   # no autograd: the plain forward, no graph
-        assert eager.layer_norm(x, w, b, 1e-5).grad_fn is None
+            torch.testing.assert_close(a, e, msg=name)
+
+
+def test_drop_ins_keep_pytorchs_signatures():
+    import inspect
+
+    for name in ct.OPS:
+        try:
+            expect = inspect.signature(ORIG[name])
+        except ValueError:   # a builtin (scaled_dot_product_attention): nothing to compare
+            continue
+        assert inspect.signature(getattr(ct, name)) == expect, name
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
@@ -327,7 +346,7 @@ def test_eager_path_and_custom_ops_give_the_same_bits(case, monkeypatch):
     torch.use_deterministic_algorithms(True)   # (attention's dq: no atomics, so bits repeat)
     try:
         for compiling in (False, True):
-            monkeypatch.setattr(_functional, "_compiling", lambda c=compiling: c)
+            monkeypatch.setattr(_tools, "compiling", lambda c=compiling: c)
             runs.append(_grads(lambda *a: call(ct, *a), *inputs))
     finally:
         torch.use_deterministic_algorithms(False)
@@ -348,12 +367,13 @@ def test_unsupported_gpu_calls_fall_back_with_a_reason():
         (lambda f: f(q, kq, kq, is_causal=True), "causal with seqlen_q != seqlen_k"),
         (lambda f: f(q[..., :48], q[..., :48], q[..., :48]), "batch or head_dim"),
     ]
-    for call, reason in calls:
+    for call, _ in calls:
         torch.testing.assert_close(call(ct.scaled_dot_product_attention),
                                    call(ORIG["scaled_dot_product_attention"]), rtol=0, atol=0)
     w = torch.randn(10, 8, device="cuda")
     idx = torch.randint(0, 10, (4,), device="cuda")
-    torch.testing.assert_close(ct.embedding(idx, w.clone(), max_norm=1.0), ORIG["embedding"](idx, w.clone(), max_norm=1.0))
+    torch.testing.assert_close(ct.embedding(idx, w.clone(), max_norm=1.0),
+                               ORIG["embedding"](idx, w.clone(), max_norm=1.0))
     x = torch.randn(3, 8, device="cuda", dtype=torch.float64)
     torch.testing.assert_close(ct.layer_norm(x, (8,)), ORIG["layer_norm"](x, (8,)))
     c = ct.counts(reasons=True)

@@ -68,11 +68,13 @@ def main():
             rv = D * 2 // 16
 
             def run(sort):
-                kern[sort]((sms * 8,), (256,), (idx.data_ptr(), np.int64(T), w.data_ptr(), np.int32(rv), out.data_ptr()))
+                kern[sort]((sms * 8,), (256,),
+                           (idx.data_ptr(), np.int64(T), w.data_ptr(), np.int32(rv), out.data_ptr()))
 
             line = []
             for name, fn in (("cukern", lambda: cukern.embedding(idx, w)), ("warp", lambda: run(False)),
-                             ("warp+sort", lambda: run(True)), ("torch", lambda: torch.nn.functional.embedding(idx, w))):
+                             ("warp+sort", lambda: run(True)),
+                             ("torch", lambda: torch.nn.functional.embedding(idx, w))):
                 with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
                     ms = _bench.time_cuda(fn, warmup=5, reps=30)
                     if name.startswith("warp"):

@@ -5,6 +5,7 @@ channels-last tile sizes, and (mode ncu) one forward and backward a layout for N
     ncu --clock-control none --metrics dram__bytes_read.sum,... -k regex:group_norm \\
         python3 tools/probe_group_norm.py ncu
 """
+import dataclasses
 import importlib
 import sys
 
@@ -35,13 +36,13 @@ def main(mode):
     runs = [((16, 512, 64, 64), 32, ts) for ts in (1, 0)]
     runs += [((64, 512, 32, 32), 8, 1), ((256, 512, 16, 16), 2, 1), ((16, 512, 64, 64), 128, 1)]
     for shape, g, tiles_per_sm in runs:
-        gn.CL_TILES_PER_SM = tiles_per_sm
+        configs = dataclasses.replace(gn.CONFIGS, tiles_per_sm=tiles_per_sm)   # (a new object; CONFIGS stays)
         for cl in (False, True):
             x, dy = make(shape, cl), make(shape, cl)
             w = torch.randn(shape[1], device="cuda", dtype=torch.bfloat16)
-            y, m, r = cukern.group_norm(x, g, w, w, return_stats=True)
-            f = _bench.time_cuda(lambda: cukern.group_norm(x, g, w, w, return_stats=True), warmup=5, reps=30)
-            b = _bench.time_cuda(lambda: cukern.group_norm_backward(dy, x, g, w, m, r), warmup=5, reps=30)
+            y, m, r = gn._forward(x, g, w, w, 1e-5, True, configs)
+            f = _bench.time_cuda(lambda: gn._forward(x, g, w, w, 1e-5, True, configs), warmup=5, reps=30)
+            b = _bench.time_cuda(lambda: gn._backward(dy, x, g, w, m, r, configs), warmup=5, reps=30)
             nb = x.numel() * 2
             print(f"{shape} groups {g} {'channels_last' if cl else 'contiguous'} (CL_TILES_PER_SM {tiles_per_sm}): "
                   f"fwd {f*1e3:.1f} us {2*nb/f/1e6/copy*100:.0f}% | bwd {b*1e3:.1f} us {3*nb/b/1e6/copy*100:.0f}%")

@@ -2,8 +2,8 @@
 
     python3 tools/tune_attention.py
 
-For each head dim, each (warps, m-tiles a warp, keys a tile, Q in registers) of CANDIDATES is
-set into cukern.attention.FWD_CONFIGS and timed (device time, median) at the bench shapes,
+For each head dim, each attention.FwdConfig of CANDIDATES is passed to the front in a Configs
+object of its own (the shipped CONFIGS is never changed) and timed (device time, median) at the bench shapes,
 printed in TFLOP/s with the ratio to the FLASH_ATTENTION (FlashAttention-2) and
 CUDNN_ATTENTION backends measured in the same run.
 """
@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import cukern
 from cukern import _bench
 
 attn = importlib.import_module("cukern.attention")
-CANDIDATES = {64: [(4, 2, 64, 64, True), (4, 2, 128, 64, True), (4, 2, 64, 32, True)],
-              128: [(4, 2, 64, 32, False), (4, 2, 32, 32, False), (4, 2, 128, 32, False), (4, 2, 64, 64, False)]}
+C = attn.FwdConfig   # (warps, m-tiles a warp, keys a staged tile, keys a compute sub-tile, Q in registers)
+CANDIDATES = {64: [C(4, 2, 64, 64, True), C(4, 2, 128, 64, True), C(4, 2, 64, 32, True)],
+              128: [C(4, 2, 64, 32, False), C(4, 2, 32, 32, False), C(4, 2, 128, 32, False), C(4, 2, 64, 64, False)]}
 SHAPES = [(32, 16, 2048, 128, False), (32, 16, 2048, 128, True), (16, 32, 2048, 64, True),
           (16, 32, 2048, 64, False)]
 
@@ -38,19 +38,16 @@ def main():
         expect = run().transpose(1, 2).float()
         print(f"\nB{B} H{H} S{S} d{D}{' causal' if causal else ''}: flash {flops / ref['flash'] / 1e9:.0f} "
               f"TFLOP/s, cudnn {flops / ref['cudnn'] / 1e9:.0f} TFLOP/s")
-        saved = dict(attn.FWD_CONFIGS)
         for cfg in CANDIDATES[D]:
-            attn.FWD_CONFIGS[D] = cfg
+            configs = attn.CONFIGS.replace("fwd", D, cfg)
             try:
-                out = cukern.attention(q, k, v, causal=causal)
+                out = attn._attention(q, k, v, causal, None, False, configs)
                 err = ((out.float() - expect).norm() / expect.norm()).item()
-                ms = _bench.time_cuda(lambda: cukern.attention(q, k, v, causal=causal), warmup=3, reps=10)
+                ms = _bench.time_cuda(lambda: attn._attention(q, k, v, causal, None, False, configs), warmup=3, reps=10)
                 print(f"  {cfg}: {flops / ms / 1e9:5.0f} TFLOP/s  {ref['flash'] / ms:4.2f}x flash  "
                       f"{ref['cudnn'] / ms:4.2f}x cudnn  (rel. err {err:.1e})")
             except Exception as e:  # noqa: BLE001
                 print(f"  {cfg}: failed: {type(e).__name__}: {str(e)[:160]}")
-        attn.FWD_CONFIGS.clear()
-        attn.FWD_CONFIGS.update(saved)
 
 
 if __name__ == "__main__":

@@ -4,11 +4,12 @@
 
 --quick skips the S8192 case; --default times only the shipped configuration.
 
-For each head dim, each backward block shape of CANDIDATES (queries a step, keys a block,
-warps, warp layouts: see cukern.attention.BWD_CONFIGS) is set into BWD_CONFIGS and the
-forward + backward is timed (device time, median) with deterministic=False and True, at the
-bench shapes; printed in TFLOP/s (FlashAttention's count: 3.5x the forward's FLOPs) with the
-ratio to FLASH_ATTENTION (FlashAttention-2) and CUDNN_ATTENTION in the same run.
+For each head dim, each backward block shape of CANDIDATES (attention.BwdConfig: queries a step,
+keys a block, warps, warp layouts) is passed to the fronts in a Configs object of its own (the
+shipped CONFIGS is never changed) and the forward + backward is timed (device time, median) with
+deterministic=False and True, at the bench shapes; printed in TFLOP/s (FlashAttention's count:
+3.5x the forward's FLOPs) with the ratio to FLASH_ATTENTION (FlashAttention-2) and
+CUDNN_ATTENTION in the same run.
 """
 import importlib
 import sys
@@ -17,12 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import cukern
 from cukern import _bench
 
 attn = importlib.import_module("cukern.attention")
-CANDIDATES = {64: [(128, 128, 8, 4, 4, 4), (64, 128, 8, 2, 4, 4), (128, 64, 8, 4, 2, 4)],
-              128: [(64, 128, 8, 2, 4, 2), (64, 64, 4, 2, 2, 2), (64, 128, 8, 4, 4, 2)]}
+C = attn.BwdConfig
+CANDIDATES = {64: [C(128, 128, 8, 4, 4, 4), C(64, 128, 8, 2, 4, 4), C(128, 64, 8, 4, 2, 4)],
+              128: [C(64, 128, 8, 2, 4, 2), C(64, 64, 4, 2, 2, 2), C(64, 128, 8, 4, 4, 2)]}
 SHAPES = [(32, 16, 2048, 128, False), (32, 16, 2048, 128, True), (4, 32, 8192, 128, True),
           (16, 32, 2048, 64, True)]
 
@@ -45,13 +46,12 @@ def main():
         expect = [g.transpose(1, 2).float() for g in run()]
         print(f"\nB{B} H{H} S{S} d{D}{' causal' if causal else ''} fwd+bwd: flash "
               f"{flops / ref['flash'] / 1e9:.0f} TFLOP/s, cudnn {flops / ref['cudnn'] / 1e9:.0f} TFLOP/s")
-        saved = dict(attn.BWD_CONFIGS)
-        for cfg in [saved[D]] if "--default" in sys.argv else CANDIDATES[D]:
-            attn.BWD_CONFIGS[D] = cfg
+        for cfg in [attn.CONFIGS.get("bwd", D)] if "--default" in sys.argv else CANDIDATES[D]:
+            configs = attn.CONFIGS.replace("bwd", D, cfg)
             for det in (False, True):
-                def ours(det=det):
-                    out, lse = cukern.attention(q, k, v, causal=causal, return_lse=True)
-                    return cukern.attention_backward(do, q, k, v, out, lse, causal=causal, deterministic=det)
+                def ours(det=det, configs=configs):
+                    out, lse = attn._attention(q, k, v, causal, None, True, configs)
+                    return attn._attention_backward(do, q, k, v, out, lse, causal, None, det, configs)
                 try:
                     errs = [((g.float() - e).norm() / e.norm()).item() for g, e in zip(ours(), expect)]
                     ms = _bench.time_cuda(ours, warmup=3, reps=10)
@@ -59,8 +59,6 @@ def main():
                           f"{ref['cudnn'] / ms:4.2f}x cudnn  (rel. err dq dk dv {' '.join(f'{e:.1e}' for e in errs)})")
                 except Exception as e:  # noqa: BLE001
                     print(f"  {cfg} det={det}: failed: {type(e).__name__}: {str(e)[:160]}")
-        attn.BWD_CONFIGS.clear()
-        attn.BWD_CONFIGS.update(saved)
 
 
 if __name__ == "__main__":

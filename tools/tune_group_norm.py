@@ -9,20 +9,22 @@ floor (fwd 2 passes, bwd 3) and as % of the copy bandwidth measured in the same 
 torch's time for the same step.
 """
 import argparse
+import dataclasses
 import importlib
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-import cukern
 from cukern import _bench
 gn = importlib.import_module("cukern.group_norm")  # (cukern.group_norm is also the function)
 
+# (threads, unroll, minb, blocks an SM): group_norm.Config
 CANDIDATES = {
-    "fwd": [(512, 4, 2, 1), (512, 8, 1, 1), (1024, 4, 1, 1), (512, 6, 1, 1), (1024, 2, 1, 1),
-            (512, 4, 2, 2)],
-    "bwd": [(512, 2, 1, 2), (512, 4, 1, 1), (1024, 2, 1, 1), (512, 3, 1, 1), (512, 2, 2, 2)],
+    "fwd": [gn.Config(512, 4, 2, 1), gn.Config(512, 8, 1, 1), gn.Config(1024, 4, 1, 1), gn.Config(512, 6, 1, 1),
+            gn.Config(1024, 2, 1, 1), gn.Config(512, 4, 2, 2)],
+    "bwd": [gn.Config(512, 2, 1, 2), gn.Config(512, 4, 1, 1), gn.Config(1024, 2, 1, 1), gn.Config(512, 3, 1, 1),
+            gn.Config(512, 2, 2, 2)],
 }
 
 
@@ -37,21 +39,18 @@ def main():
     p.add_argument("--groups", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--layouts", default="contiguous,channels_last")
-    p.add_argument("--cl-tiles-per-sm", default="1", help="comma-separated CL_TILES_PER_SM values to try")
+    p.add_argument("--cl-tiles-per-sm", default="1", help="comma-separated tiles_per_sm values to try")
     args = p.parse_args()
     shape = tuple(int(s) for s in args.shape.split(","))
     g = args.groups
     dt = getattr(torch, args.dtype)
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    copy = 2 * src.numel() / bench(lambda: dst.copy_(src)) / 1e6
-    del src, dst
+    copy = _bench.copy_bandwidth()
     nbytes = np.prod(shape) * torch.finfo(dt).bits // 8
     print(f"{torch.cuda.get_device_name()}  copy {copy:.0f} GB/s  shape {shape} groups {g} {args.dtype}")
     runs = [(name == "channels_last", t) for name in args.layouts.split(",")
             for t in ([float(t) for t in args.cl_tiles_per_sm.split(",")] if name == "channels_last" else [1])]
     for cl, tiles_per_sm in runs:
-        gn.CL_TILES_PER_SM = tiles_per_sm
+        base = dataclasses.replace(gn.CONFIGS, tiles_per_sm=tiles_per_sm)   # new objects; CONFIGS stays
         x = torch.randn(shape, device="cuda", dtype=dt)
         dy = torch.randn(shape, device="cuda", dtype=dt)
         if cl:
@@ -62,22 +61,19 @@ def main():
         t_fwd = bench(lambda: F.group_norm(x, g, w, b))
         yt = F.group_norm(xg, g, wg, bg)
         t_bwd = bench(lambda: torch.autograd.grad(yt, (xg, wg, bg), dy, retain_graph=True))
-        print(f"\n{'channels_last (CL_TILES_PER_SM %g)' % tiles_per_sm if cl else 'contiguous'}: torch fwd {t_fwd*1e3:.1f} us, bwd {t_bwd*1e3:.1f} us, "
-              f"fwd+bwd {(t_fwd+t_bwd)*1e3:.1f} us")
-        _, mean, rstd = cukern.group_norm(x, g, w, b, return_stats=True)
+        layout = f"channels_last (tiles_per_sm {tiles_per_sm:g})" if cl else "contiguous"
+        print(f"\n{layout}: torch fwd {t_fwd * 1e3:.1f} us, bwd {t_bwd * 1e3:.1f} us, "
+              f"fwd+bwd {(t_fwd + t_bwd) * 1e3:.1f} us")
+        _, mean, rstd = gn._forward(x, g, w, b, 1e-5, True, base)
         for kind in ("fwd", "bwd"):
-            saved = dict(gn.CONFIGS)
             for cfg in CANDIDATES[kind]:
-                gn.CONFIGS[(kind, cl)] = cfg
-                for k in list(gn.CONFIGS):
-                    if len(k) == 3 and k[:2] == (kind, cl):
-                        del gn.CONFIGS[k]
+                configs = dataclasses.replace(base, **{kind + ("_cl" if cl else ""): cfg})
                 try:
                     if kind == "fwd":
-                        fn = lambda: cukern.group_norm(x, g, w, b, return_stats=True)  # noqa: E731
+                        fn = lambda: gn._forward(x, g, w, b, 1e-5, True, configs)  # noqa: E731
                         passes = 2
                     else:
-                        fn = lambda: cukern.group_norm_backward(dy, x, g, w, mean, rstd)  # noqa: E731
+                        fn = lambda: gn._backward(dy, x, g, w, mean, rstd, configs)  # noqa: E731
                         passes = 3
                     ms = bench(fn)
                     gbps = passes * nbytes / ms / 1e6
@@ -86,8 +82,6 @@ def main():
                           f"{ref_ms/ms:5.2f}x torch")
                 except Exception as e:  # a configuration that does not compile or launch
                     print(f"  {kind} {cfg}: failed: {type(e).__name__}: {str(e)[:200]}")
-                gn.CONFIGS.clear()
-                gn.CONFIGS.update(saved)
 
 
 if __name__ == "__main__":

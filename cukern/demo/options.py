@@ -19,13 +19,14 @@ class Config:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     d = Config()
-    p.add_argument("--layers", type=int, default=d.layers)
-    p.add_argument("--dim", type=int, default=d.dim)
-    p.add_argument("--heads", type=int, default=d.heads)
-    p.add_argument("--vocab", type=int, default=d.vocab)
-    p.add_argument("--seq", type=int, default=d.seq)
-    p.add_argument("--norm", choices=("layer", "rms"), default=d.norm)
-    p.add_argument("--batch", type=int, default=8, help="sequences a micro-batch (a rank)")
+    g = p.add_argument_group("model (the defaults: the 356M demo GPT)")
+    g.add_argument("--layers", type=int, default=d.layers, help="transformer blocks")
+    g.add_argument("--dim", type=int, default=d.dim, help="model width")
+    g.add_argument("--heads", type=int, default=d.heads, help="attention heads (head_dim = dim / heads)")
+    g.add_argument("--vocab", type=int, default=d.vocab, help="vocabulary size (the embedding and the tied head)")
+    g.add_argument("--seq", type=int, default=d.seq, help="sequence length")
+    g.add_argument("--norm", choices=("layer", "rms"), default=d.norm, help="LayerNorm or RMSNorm")
+    g.add_argument("--batch", type=int, default=8, help="sequences a micro-batch (a rank)")
 
 
 def config(a) -> Config:

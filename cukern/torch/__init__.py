@@ -7,14 +7,14 @@ drop-in functions and modules, and ``patch()`` to route an unchanged model's cal
         loss.backward()                 # F.scaled_dot_product_attention go to cukern when they can
     print(cukern.torch.counts())        # {"layer_norm": {"cukern": 48, "torch": 0}, ...}
 
-Needs torch (a CUDA build for the kernels; on other tensors everything falls back).
+Needs torch (a CUDA build for the kernels; on other tensors everything falls back). The
+functions, ops and modules are those the kernel families declare (cukern._registry).
 """
-from . import _ops as ops
-from ._functional import (counts, embedding, group_norm, layer_norm, reset_counts, rms_norm,
-                          scaled_dot_product_attention)
+from ._functional import DROPINS as _DROPINS, counts, reset_counts
 from ._patch import OPS, is_patched, patch, unpatch
-from .modules import Embedding, GroupNorm, LayerNorm, RMSNorm
+from .modules import MODULES as _MODULES
 
-__all__ = ["OPS", "patch", "unpatch", "is_patched", "counts", "reset_counts", "layer_norm", "rms_norm",
-           "group_norm", "embedding", "scaled_dot_product_attention", "LayerNorm", "RMSNorm",
-           "GroupNorm", "Embedding", "ops"]
+globals().update(_DROPINS)
+globals().update(_MODULES)
+
+__all__ = ["OPS", "patch", "unpatch", "is_patched", "counts", "reset_counts", *_DROPINS, *_MODULES]

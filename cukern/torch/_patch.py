@@ -1,10 +1,11 @@
-"""``patch()`` / ``unpatch()``: route ``torch.nn.functional``'s layer_norm, rms_norm,
-group_norm, embedding and scaled_dot_product_attention — and so the nn modules that call
-them (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.Embedding, nn.MultiheadAttention's
-attention) — to cukern for the calls it supports, to PyTorch for the others.
+"""``patch()`` / ``unpatch()``: route the ``torch.nn.functional`` functions that the families
+declare drop-ins for (layer_norm, rms_norm, group_norm, embedding, scaled_dot_product_attention)
+— and so the nn modules that call them (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.Embedding,
+nn.MultiheadAttention's attention) — to cukern for the calls it supports, to PyTorch for the
+others.
 
-Code that bound a function before patching (``from torch.nn.functional import
-layer_norm``) keeps PyTorch's; ``torch.layer_norm`` and other aliases are not touched.
+Code that bound a function before patching (``from torch.nn.functional import layer_norm``)
+keeps PyTorch's; ``torch.layer_norm`` and other aliases are not touched.
 """
 from __future__ import annotations
 
@@ -12,15 +13,10 @@ import threading
 
 import torch.nn.functional as F
 
-from . import _functional
+from . import _tools
+from ._functional import DROPINS, ORIGINAL
 
-_WRAPPERS = {  # (the order of OPS)
-    "layer_norm": _functional.layer_norm,
-    "rms_norm": _functional.rms_norm,
-    "group_norm": _functional.group_norm,
-    "embedding": _functional.embedding,
-    "scaled_dot_product_attention": _functional.scaled_dot_product_attention,
-}
+OPS = tuple(DROPINS)
 _lock = threading.Lock()
 _depth = 0
 _routed: tuple[str, ...] = ()
@@ -42,7 +38,7 @@ def patch(ops=None) -> _Patched:
     ``unpatch()``). Usable as ``cukern.torch.patch()`` or ``with cukern.torch.patch(): ...``.
 
     Args:
-        ops: names of the functions to route (default: all five, ``OPS``), e.g.
+        ops: names of the functions to route (default: all, ``cukern.torch.OPS``), e.g.
             ``ops=("layer_norm", "embedding")`` to leave attention to PyTorch. The outermost
             ``patch()`` decides.
     """
@@ -51,12 +47,12 @@ def patch(ops=None) -> _Patched:
     unknown = sorted(set(names) - set(OPS))
     if unknown:
         raise ValueError(f"ops: unknown {unknown}; choose from {list(OPS)}")
-    _functional.prepare()
+    _tools.prepare()
     with _lock:
         if _depth == 0:
             _routed = names
             for name in names:
-                setattr(F, name, _WRAPPERS[name])
+                setattr(F, name, DROPINS[name])
         _depth += 1
     return _Patched()
 
@@ -70,12 +66,9 @@ def unpatch() -> None:
         _depth -= 1
         if _depth == 0:
             for name in _routed:
-                setattr(F, name, _functional.ORIGINAL[name])
+                setattr(F, name, ORIGINAL[name])
             _routed = ()
 
 
 def is_patched() -> bool:
     return _depth > 0
-
-
-OPS = tuple(_WRAPPERS)

@@ -1,30 +1,28 @@
-"""Drop-in modules: subclasses of nn.LayerNorm, nn.RMSNorm, nn.GroupNorm and nn.Embedding
-with the same constructor arguments, parameters and state_dict keys (checkpoints load either
-way), whose forward runs on cukern's kernels when the call is supported and on PyTorch's
-otherwise (see ``cukern.torch.counts``)."""
+"""Drop-in modules declared by the families: subclasses of nn.LayerNorm, nn.RMSNorm,
+nn.GroupNorm and nn.Embedding with the same constructor arguments, parameters and state_dict
+keys (checkpoints load either way), whose forward runs on cukern's kernels when the call is
+supported and on PyTorch's otherwise (see ``cukern.torch.counts``)."""
 from __future__ import annotations
 
-from torch import Tensor, nn
+from torch import nn
 
-from . import _functional
-
-
-class LayerNorm(nn.LayerNorm):
-    def forward(self, input: Tensor) -> Tensor:
-        return _functional.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+from .._registry import families
+from ._functional import DROPINS
 
 
-class RMSNorm(nn.RMSNorm):
-    def forward(self, x: Tensor) -> Tensor:
-        return _functional.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+def _module(spec) -> type:
+    fn, args = DROPINS[spec.functional], spec.args
+
+    def forward(self, input):
+        return fn(*args(self, input))
+
+    base = getattr(nn, spec.base)
+    return type(spec.name, (base,), {
+        "forward": forward, "__module__": __name__,
+        "__doc__": f"``torch.nn.{spec.base}`` whose forward calls ``cukern.torch.{spec.functional}``: "
+                   f"the same constructor, parameters and state_dict."})
 
 
-class GroupNorm(nn.GroupNorm):
-    def forward(self, input: Tensor) -> Tensor:
-        return _functional.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
-
-
-class Embedding(nn.Embedding):
-    def forward(self, input: Tensor) -> Tensor:
-        return _functional.embedding(input, self.weight, self.padding_idx, self.max_norm, self.norm_type,
-                                     self.scale_grad_by_freq, self.sparse)
+MODULES: dict[str, type] = {spec.name: _module(spec) for f in families() for spec in f.modules}
+globals().update(MODULES)
+__all__ = list(MODULES)

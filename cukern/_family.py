@@ -1,0 +1,97 @@
+"""What a kernel family declares, in one place, so that the rest of cukern discovers it.
+
+A family module (``cukern/norm.py``, ...) ends with ``FAMILY = Family(...)``; its name in
+``cukern._registry.FAMILIES`` is the one line that registers it. From the declaration:
+
+* ``cukern`` exports its array functions, ``cukern.reference`` its NumPy references;
+* the NVRTC compile check compiles every kernel instance it declares (``instances``);
+* ``python -m cukern bench`` and asv run its cases (``bench``, ``torch_bench``);
+* ``cukern.torch`` builds its custom ops, the eager autograd Functions, the drop-ins for
+  ``torch.nn.functional`` that ``patch()`` installs, and the nn modules (``torch_ops``,
+  ``dropins``, ``modules``).
+
+Nothing here imports torch or CuPy: the declarations are plain data and functions, and the
+functions import what they need when they run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+__all__ = ["Family", "TorchOp", "DropIn", "ModuleSpec"]
+
+
+@dataclass(frozen=True)
+class TorchOp:
+    """One op under autograd, written once; ``cukern.torch`` makes of it both the custom op
+    ``torch.ops.cukern.<name>`` (with its fake, for torch.compile) and the lean eager
+    ``torch.autograd.Function`` that calls the array functions directly.
+
+    forward(*inputs) -> tuple of tensors: the ``visible`` outputs the caller gets, then the
+    statistics the backward needs (never differentiated). ``inference(*inputs)``, when given,
+    computes the visible output alone (no statistics) for calls that need no gradient.
+    save(inputs, outputs) -> (tensors to save, state) for the backward;
+    backward_args(saved, state, grads, T) -> the arguments of ``backward`` (``T`` is
+    ``cukern.torch._tools``: autocast, determinism); backward(*args) -> a tuple of gradients,
+    None where there is none, the i-th going to input ``grads_to[i]``. ``schema`` and
+    ``backward_schema`` are the custom ops' schemas; ``fake`` and ``backward_fake`` their
+    shapes for torch.compile.
+    """
+    name: str
+    schema: str
+    forward: Callable
+    fake: Callable
+    save: Callable
+    backward_schema: str
+    backward: Callable
+    backward_fake: Callable
+    backward_args: Callable
+    grads_to: tuple[int, ...]
+    visible: int = 1
+    inference: Callable | None = None
+
+
+@dataclass(frozen=True)
+class DropIn:
+    """A function of ``torch.nn.functional`` that ``cukern.torch.patch()`` replaces.
+
+    route(T, *args, **kwargs) takes the function's own arguments and returns either a string
+    (why cukern does not take this call: PyTorch's function runs, and the reason is counted)
+    or ``(op, args, post)``: the TorchOp to run on ``args`` and a function applied to its
+    visible output (a reshape back, say; None for none). ``compile``: route the call inside
+    torch.compile too, where it was measured faster than what Inductor makes of the same code
+    (docs/torch.md); otherwise compiled graphs keep PyTorch's function. ``probe(f, x)``
+    calls PyTorch's function ``f`` on a tiny (2, 4, 2, 8) tensor: how ``cukern.torch`` learns
+    which dtype autocast gives the op (it follows the installed PyTorch); None when autocast
+    does not apply.
+    """
+    replaces: str
+    route: Callable
+    compile: bool = True
+    probe: Callable | None = None
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """A drop-in nn module: a subclass of ``torch.nn.<base>`` with the same constructor,
+    parameters and state_dict, whose forward calls the drop-in ``functional`` with
+    ``args(module, input)``."""
+    name: str
+    base: str
+    functional: str
+    args: Callable
+
+
+@dataclass(frozen=True)
+class Family:
+    """A kernel family: its name (the same in cuda_src/, cukern/, tests/, docs/), its public
+    array functions, references, kernel instances, benchmark cases and PyTorch bindings."""
+    name: str
+    api: tuple[Callable, ...]
+    references: dict[str, Callable]
+    instances: Callable[[], list]
+    bench: Callable[[bool], list] | None = None
+    torch_bench: Callable[[bool], list] | None = None
+    torch_ops: tuple[TorchOp, ...] = ()
+    dropins: tuple[DropIn, ...] = ()
+    modules: tuple[ModuleSpec, ...] = ()

@@ -1,0 +1,149 @@
+"""Launch plans: what one call signature of an op needs, worked out once and kept.
+
+A front checks its arguments, chooses kernels and grids, and packs the constant kernel arguments
+the first time it sees a call signature (the op, the shapes, strides, dtypes, devices and
+16-byte alignment of its arrays, and its scalar arguments); a repeated call then costs a
+dictionary lookup, the output allocations and the launches:
+
+    plan = cache.get(key)
+    if plan is None:
+        plan = cache.put(key, build())          # checks, choices, Kernel.prepare(...)
+    bufs = plan(arrays)                         # allocate, launch on the caller's stream
+
+A plan's buffer list is the call's arrays (inputs, None where an optional one is absent), then
+the arrays it allocates (outputs and scratch), in order; kernel launches name them by
+``Slot(i)``. Input fix-ups the kernels need (a contiguous copy of a strided view, say) are
+steps of the plan too, so they happen only where the input forces them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from . import _arrays
+from ._arrays import DeviceArray
+from ._kernels import Slot
+
+__all__ = ["Alloc", "Plan", "PlanCache", "Builder"]
+
+
+@dataclass(frozen=True)
+class Alloc:
+    """An array a plan allocates: its shape and dtype, laid out contiguously, channels-last
+    (``layout="channels_last"``), or as buffer ``like``'s stride order (``layout="like"``)."""
+    shape: tuple
+    dtype: str
+    layout: str = "contiguous"
+    like: int = 0
+
+    def __call__(self, bufs, first: DeviceArray) -> DeviceArray:
+        if self.layout == "like":
+            return _arrays.empty_like(bufs[self.like], self.dtype)
+        if self.layout == "channels_last":
+            return _arrays.empty_channels_last(first, self.shape, self.dtype)
+        return _arrays.empty(first, self.shape, self.dtype)
+
+
+class Absent:
+    """An allocation that is not made (an output that does not exist): its slot holds None."""
+
+    def __call__(self, bufs, first):
+        return None
+
+
+class Plan:
+    """Fix-ups, allocations and steps for one call signature.
+
+    ``fixes``: (slot, function) pairs applied to the given arrays first (each returns the
+    array the kernels read, e.g. a contiguous copy); ``allocs``: what to allocate, appended to
+    the buffer list; ``steps``: callables ``step(bufs, ptrs, stream)`` run in order on the
+    caller's stream (a prepared :class:`cukern._kernels.Launch` is one).
+    ``first`` names the buffer whose kind (torch, CuPy) and device the outputs take.
+    """
+
+    __slots__ = ("device", "fixes", "allocs", "steps", "first")
+
+    def __init__(self, device: int, *, fixes=(), allocs=(), steps=(), first: int = 0):
+        self.device = device
+        self.fixes = tuple(fixes)
+        self.allocs = tuple(allocs)
+        self.steps = tuple(steps)
+        self.first = first
+
+    def __call__(self, arrays: list) -> list:
+        """Run on ``arrays`` (the call's inputs, a list it may change); the buffer list."""
+        for slot, fix in self.fixes:
+            arrays[slot] = fix(arrays[slot])
+        first = arrays[self.first]
+        with _arrays.on_device(self.device):
+            bufs = arrays
+            for alloc in self.allocs:
+                bufs.append(alloc(bufs, first))
+            if self.steps:
+                ptrs = [0 if b is None else b.ptr for b in bufs]
+                stream = _arrays.launch_stream(first)
+                for step in self.steps:
+                    step(bufs, ptrs, stream)
+        return bufs
+
+
+class PlanCache:
+    """Plans by call signature, for one front. Bounded: a workload that keeps changing shapes
+    (every sequence length, say) drops the oldest plans rather than growing without end."""
+
+    __slots__ = ("plans", "limit")
+
+    def __init__(self, limit: int = 4096):
+        self.plans: dict = {}
+        self.limit = limit
+
+    def get(self, key):
+        return self.plans.get(key)
+
+    def put(self, key, plan: Plan) -> Plan:
+        if len(self.plans) >= self.limit:
+            self.plans.pop(next(iter(self.plans)))
+        self.plans[key] = plan
+        return plan
+
+    def clear(self) -> None:
+        self.plans.clear()
+
+
+class Builder:
+    """Collects a plan while a front works it out: the slots of the given arrays, what to
+    allocate (each new buffer's Slot), and the dtype of every buffer (for the launches' type
+    checks against the kernels' declared pointer types)."""
+
+    def __init__(self, arrays: list):
+        self.arrays = arrays
+        self.allocs: list = []
+        self.fixes: list = []
+        self.steps: list = []
+        self.dtypes = {i: a.dtype for i, a in enumerate(arrays) if a is not None}
+
+    def slot(self, i: int) -> Slot | None:
+        """Input ``i``'s slot, or None (a null pointer) when it was not given."""
+        return None if self.arrays[i] is None else Slot(i)
+
+    def alloc(self, shape, dtype: str, layout: str = "contiguous", like: int = 0) -> Slot:
+        i = len(self.arrays) + len(self.allocs)
+        self.allocs.append(Alloc(tuple(shape), dtype, layout, like))
+        self.dtypes[i] = dtype
+        return Slot(i)
+
+    def absent(self) -> None:
+        """A slot that stays None (an output the call does not produce)."""
+        self.allocs.append(Absent())
+
+    def fix(self, i: int, fn) -> None:
+        """Input ``i`` is replaced by ``fn(input)`` before the launches (e.g. a contiguous copy)."""
+        self.fixes.append((i, fn))
+
+    def launch(self, kernel, grid, block=None, **args) -> None:
+        self.steps.append(kernel.prepare(grid, block, dtypes=self.dtypes, **args))
+
+    def step(self, fn) -> None:
+        """Any other step: ``fn(bufs, ptrs, stream)``."""
+        self.steps.append(fn)
+
+    def plan(self, device: int, first: int = 0) -> Plan:
+        return Plan(device, fixes=self.fixes, allocs=self.allocs, steps=self.steps, first=first)

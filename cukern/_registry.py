@@ -1,0 +1,25 @@
+"""The kernel families cukern has: adding a family adds its name here, and nothing else
+outside its own files (``cuda_src/<name>.cu``, ``cukern/<name>.py``, ``tests/test_<name>.py``,
+``docs/<name>.md``). Exports, references, the compile check, the bench, asv and
+``cukern.torch`` all read this list."""
+from __future__ import annotations
+
+import functools
+import importlib
+
+FAMILIES = ("norm", "group_norm", "embedding", "attention")
+
+# Modules with kernels that several families launch (compiled and checked like a family's).
+SHARED_KERNELS = ("_partials",)
+
+
+@functools.lru_cache(maxsize=None)
+def families() -> tuple:
+    """Every family's ``FAMILY`` declaration (cukern._family.Family), in the order above."""
+    return tuple(importlib.import_module(f"cukern.{name}").FAMILY for name in FAMILIES)
+
+
+def kernel_modules() -> tuple:
+    """(name, instances function) of every module that declares kernels: families and shared."""
+    shared = tuple((name, importlib.import_module(f"cukern.{name}").instances) for name in SHARED_KERNELS)
+    return tuple((f.name, f.instances) for f in families()) + shared

@@ -1,0 +1,77 @@
+"""What the families' PyTorch routing needs from torch, in one place (the ``T`` their
+``DropIn.route`` and ``TorchOp.backward_args`` functions receive): autocast, casts, the
+checks every route shares, and the dtype sets."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+FLOAT32_EPS = float(torch.finfo(torch.float32).eps)
+
+# (op, input dtype, autocast dtype) -> the dtype PyTorch's op computes in under autocast.
+_policy: dict[tuple, torch.dtype] = {}
+# op -> probe(f, x): calls PyTorch's function f on a tiny tensor x (from the families' DropIns).
+PROBES: dict[str, object] = {}
+ORIGINAL: dict[str, object] = {}
+
+
+def compiling() -> bool:
+    """Inside a torch.compile trace: the custom ops (traceable) instead of the eager path."""
+    return torch.compiler.is_compiling()
+
+
+def deterministic() -> bool:
+    return torch.are_deterministic_algorithms_enabled()
+
+
+def autocast_dtype(op: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype PyTorch's ``op`` computes in for an input of ``dtype`` under the current CUDA
+    autocast (``dtype`` itself when autocast is off). Autocast's cast lists are an
+    implementation detail that changes between releases, so they are measured, not copied."""
+    if not torch.is_autocast_enabled("cuda"):
+        return dtype
+    ac = torch.get_autocast_dtype("cuda")
+    got = _policy.get((op, dtype, ac))
+    if got is None:   # (prepare() fills the table when patch() is called, so traces never probe)
+        got = _policy[(op, dtype, ac)] = _probe(op, dtype, ac)
+    return got
+
+
+def prepare() -> None:
+    """Measure the autocast table for every op with a probe, input and autocast dtype (tiny
+    calls on the current CUDA device); patch() calls it, so torch.compile traces find it full."""
+    if not torch.cuda.is_available():
+        return
+    for op in PROBES:
+        for dt in FLOAT_DTYPES:
+            for ac in HALF_DTYPES:
+                if (op, dt, ac) not in _policy:
+                    _policy[(op, dt, ac)] = _probe(op, dt, ac)
+
+
+@torch.compiler.disable
+def _probe(op: str, dtype: torch.dtype, ac: torch.dtype) -> torch.dtype:
+    x = torch.ones((2, 4, 2, 8), dtype=dtype, device=torch.device("cuda", torch.cuda.current_device()))
+    with torch.autocast("cuda", dtype=ac):
+        return PROBES[op](ORIGINAL[op], x).dtype
+
+
+def cast(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def float_params(x: Tensor, *params: Optional[Tensor]) -> Optional[str]:
+    """Why x and its parameters do not suit the kernels, or None."""
+    if not x.is_cuda:
+        return "not a CUDA tensor"
+    if x.dtype not in FLOAT_DTYPES:
+        return f"dtype {x.dtype}"
+    for p in params:
+        if p is not None and (p.device != x.device or p.dtype != x.dtype):
+            return "parameter dtype or device differs from the input's"
+    return None

@@ -1,0 +1,87 @@
+"""The shared launch mechanism, with no GPU: kernel signatures read from the CUDA sources,
+arguments packed against them by name (a wrong C type, dtype or name is an error), and the
+parameter buffer's layout against the C ABI."""
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from cukern import _arrays, _kernels, norm
+from cukern._kernels import Instance, Slot
+
+
+def _array(dtype: str, ptr: int = 0x7F0000001000):
+    return _arrays.DeviceArray(None, "cupy", ptr, (4,), (1,), dtype, 0, "a")
+
+
+def test_signature_is_read_from_the_source_with_template_types_resolved():
+    inst = norm.CONFIGS.fwd[0].instance("fwd", "bfloat16", False, 8)
+    sig = _kernels.signature(inst)
+    assert sig.names == ("x", "x_stride", "res", "res_stride", "w", "b", "y", "h", "mean_out", "rstd_out",
+                         "rows", "cols", "eps")
+    assert sig.codes == ("P", "q", "P", "q", "P", "P", "P", "P", "P", "P", "q", "i", "f")
+    assert sig.dtypes[0] == "bfloat16" and sig.dtypes[8] == "float32"
+    f32 = _kernels.signature(norm.CONFIGS.fwd[0].instance("fwd", "float32", True, 4))
+    assert f32.dtypes[0] == "float32"
+
+
+def test_signature_errors_name_the_instance():
+    with pytest.raises(ValueError, match="declares no __global__ function"):
+        _kernels.signature(Instance("norm.cu", "no_such_kernel<float>", 128))
+    with pytest.raises(ValueError, match="template arguments"):
+        _kernels.signature(Instance("norm.cu", "norm_fwd<float, true>", 128))
+
+
+def _norm_args(**over):
+    args = dict(x=Slot(0), x_stride=64, res=None, res_stride=0, w=Slot(1), b=None, y=Slot(2), h=None,
+                mean_out=None, rstd_out=Slot(3), rows=10, cols=64, eps=1e-5)
+    args.update(over)
+    return args
+
+
+SIG = _kernels.signature(Instance("norm.cu", "norm_fwd<cuk::bf16, true, 8, 1, 4, 128, 1, 1>", 128))
+DTYPES = {0: "bfloat16", 1: "bfloat16", 2: "bfloat16", 3: "float32"}
+
+
+def test_arguments_are_packed_by_name_as_the_c_parameter_list():
+    layout, values, slots = _kernels.pack(SIG, "k", _norm_args(), DTYPES)
+    # pointers 8 bytes, long long 8, int 4 and float 4 at their natural alignment
+    assert layout.size == 10 * 8 + 8 + 4 + 4
+    assert [(at, slot) for at, slot, _ in slots] == [(0, 0), (4, 1), (6, 2), (9, 3)]
+    buf = bytearray(layout.size)
+    values[0] = 0x1000
+    layout.pack_into(buf, 0, *values)
+    assert struct.unpack_from("<Q", buf, 0)[0] == 0x1000
+    assert struct.unpack_from("<q", buf, 8)[0] == 64
+    assert struct.unpack_from("<q", buf, 80)[0] == 10       # rows
+    assert struct.unpack_from("<i", buf, 88)[0] == 64       # cols
+    assert struct.unpack_from("<f", buf, 92)[0] == pytest.approx(1e-5)
+    _, _, slots = _kernels.pack(SIG, "k", _norm_args(y=Slot(2) + 256), DTYPES)
+    assert (6, 2, 256) in slots
+
+
+@pytest.mark.parametrize("over, exc, pattern", [
+    ({"x": Slot(3)}, TypeError, "x points to bfloat16, but the array given has dtype float32"),
+    ({"rstd_out": Slot(0)}, TypeError, "rstd_out points to float32"),
+    ({"w": _array("float16")}, TypeError, "w points to bfloat16"),
+    ({"rows": 2.5}, TypeError, "rows is an integer"),
+    ({"cols": 2**31}, ValueError, "cols = 2147483648 is outside the range"),
+    ({"rows": True}, TypeError, "rows is a scalar"),
+    ({"x": 5}, TypeError, "x is a pointer"),
+    ({"eps": None}, TypeError, "eps is a scalar"),
+    ({"extra": 1}, TypeError, r"unknown \['extra'\]"),
+])
+def test_a_wrong_argument_is_an_error_not_a_shifted_list(over, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        _kernels.pack(SIG, "k", _norm_args(**over), DTYPES)
+    args = _norm_args()
+    del args["eps"]
+    with pytest.raises(TypeError, match=r"missing \['eps'\]"):
+        _kernels.pack(SIG, "k", args, DTYPES)
+
+
+def test_numpy_scalars_are_taken_by_value():
+    layout, values, _ = _kernels.pack(SIG, "k", _norm_args(rows=np.int64(7), eps=np.float32(0.5)), DTYPES)
+    assert values[10] == 7 and values[12] == 0.5
