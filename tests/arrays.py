@@ -15,7 +15,7 @@ except ImportError:
     torch = None
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
-# Relative tolerance per output dtype (DESIGN.md): the rounding of the output dominates.
+# Relative tolerance per output dtype: the rounding of the output dominates.
 TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
 
 
