@@ -29,6 +29,7 @@ __global__ void __launch_bounds__(256) attention_bwd_dot(
     long long d_sb, long long d_ss, long long d_sh, long long o_sb, long long o_ss, long long o_sh,
     float* __restrict__ dsum, float* __restrict__ dq_accum, int B, int Sq, int H)
 {
+    using namespace cuk;
     const long long rows = static_cast<long long>(B) * Sq * H;
     for (long long r = blockIdx.x * 256LL + threadIdx.x; r < rows; r += gridDim.x * 256LL) {
         const int h = static_cast<int>(r % H);
@@ -54,6 +55,9 @@ __global__ void __launch_bounds__(256) attention_bwd_dot(
     }
 }
 
+namespace cuk {
+namespace attention {
+
 // dst[0..1] += (a, b) in global memory, no return value (one vector reduction on sm_90).
 __device__ __forceinline__ void red_add2(float* dst, float a, float b) {
 #if __CUDA_ARCH__ >= 900
@@ -63,6 +67,9 @@ __device__ __forceinline__ void red_add2(float* dst, float a, float b) {
     atomicAdd(dst + 1, b);
 #endif
 }
+
+}  // namespace attention
+}  // namespace cuk
 
 // dK, dV (and, DQ_ATOMIC, dQ's float32 partial sums): FlashAttention-2's backward block.
 // Block (key tile n_block of BN keys, b * Hkv + hk), WARPS warps; K and V of the tile stay in
@@ -88,7 +95,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
     long long dv_sb, long long dv_ss, long long dv_sh,
     int H, int Hkv, int Sq, int Sk, float scale, float scale_log2)
 {
-    using namespace attn;
+    using namespace cuk;
+    using namespace cuk::attention;
     constexpr int THREADS = WARPS * 32;
     constexpr int ROW = row_elems(D);   // shared-memory row of Q, dO, K, V (D padded to 64)
     constexpr int ROW_BYTES = ROW * static_cast<int>(sizeof(T));
@@ -352,7 +360,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dq(
     long long dq_sb, long long dq_ss, long long dq_sh,
     int H, int Hkv, int Sq, int Sk, float scale, float scale_log2)
 {
-    using namespace attn;
+    using namespace cuk;
+    using namespace cuk::attention;
     constexpr int BM = WARPS * 16;
     constexpr int THREADS = WARPS * 32;
     constexpr int ROW = row_elems(D);   // shared-memory row (D padded to 64 elements)
@@ -490,6 +499,7 @@ template <typename T>
 __global__ void __launch_bounds__(256) attention_bwd_dq_convert(
     const float* __restrict__ acc, T* __restrict__ dq, long long n, float scale)
 {
+    using namespace cuk;
     for (long long i = (blockIdx.x * 256LL + threadIdx.x) * 8; i < n; i += gridDim.x * 256LL * 8) {
         const float4 lo = *reinterpret_cast<const float4*>(acc + i);
         const float4 hi = *reinterpret_cast<const float4*>(acc + i + 4);

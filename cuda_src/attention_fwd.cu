@@ -29,7 +29,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
     long long o_sb, long long o_ss, long long o_sh,
     int H, int Hkv, int Sq, int Sk, float scale_log2)
 {
-    using namespace attn;
+    using namespace cuk;
+    using namespace cuk::attention;
     constexpr int BM = WARPS * 16 * MT;
     constexpr int THREADS = WARPS * 32;
     constexpr int ROW = row_elems(D);   // shared-memory row (D padded to 64 elements)
@@ -86,7 +87,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
     float row_max[MT][2], row_sum[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-        row_max[mt][0] = row_max[mt][1] = ATTN_NEG_INF;
+        row_max[mt][0] = row_max[mt][1] = neg_inf();
         row_sum[mt][0] = row_sum[mt][1] = 0.f;
     }
     unsigned int qf[QREG ? MT : 1][QREG ? D / 16 : 1][4];
@@ -153,7 +154,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
                         for (int e = 0; e < 4; ++e) {
                             const int key = n0 + j * 8 + 2 * t + (e & 1);
                             const int row = m0 + tile_row(mt) + g + (e >> 1) * 8;
-                            if (key >= Sk || (CAUSAL && key > row + diag)) s[mt][j][e] = ATTN_NEG_INF;
+                            if (key >= Sk || (CAUSAL && key > row + diag)) s[mt][j][e] = neg_inf();
                         }
             }
 
@@ -163,13 +164,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
             for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
-                    float mx = ATTN_NEG_INF;
+                    float mx = neg_inf();
 #pragma unroll
                     for (int j = 0; j < NT; ++j) mx = fmaxf(mx, fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
                     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
                     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
                     const float new_max = fmaxf(row_max[mt][r], mx * scale_log2);   // (scale > 0)
-                    const float m_use = new_max == ATTN_NEG_INF ? 0.f : new_max;      // a row with no key yet
+                    const float m_use = new_max == neg_inf() ? 0.f : new_max;      // a row with no key yet
                     const float alpha = fast_exp2(row_max[mt][r] - m_use);
                     row_max[mt][r] = new_max;
                     float sum = 0.f;

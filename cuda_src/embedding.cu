@@ -26,6 +26,7 @@ __global__ void __launch_bounds__(THREADS, 1) embedding_fwd(
     const T* __restrict__ weight, long long V, int D,
     T* __restrict__ out, long long* fault)
 {
+    using namespace cuk;
     for (long long t = blockIdx.x; t < ntok; t += gridDim.x) {
         const long long i = static_cast<long long>(indices[t]);
         const bool ok = i >= 0 && i < V;
@@ -51,6 +52,7 @@ __global__ void __launch_bounds__(THREADS) embedding_fwd_warp(
     const T* __restrict__ weight, long long V, int D,
     T* __restrict__ out, long long* fault)
 {
+    using namespace cuk;
     const int lane = threadIdx.x % 32;
     const long long nwarps = static_cast<long long>(gridDim.x) * (THREADS / 32);
     for (long long t = static_cast<long long>(blockIdx.x) * (THREADS / 32) + threadIdx.x / 32; t < ntok;
@@ -87,6 +89,7 @@ __global__ void __launch_bounds__(256) embedding_bwd_keys(
     const IdxT* __restrict__ indices, long long ntok, long long V, long long padding,
     long long* __restrict__ keys, unsigned char* __restrict__ touched, long long* fault)
 {
+    using namespace cuk;
     for (long long t = blockIdx.x * 256LL + threadIdx.x; t < ntok; t += gridDim.x * 256LL) {
         long long i = static_cast<long long>(indices[t]);
         if (i < 0 || i >= V) {
@@ -107,6 +110,7 @@ template <typename T, int VEC, int THREADS>
 __global__ void __launch_bounds__(THREADS, 1) embedding_bwd_zero(
     const unsigned char* __restrict__ touched, long long V, int D, T* __restrict__ dweight)
 {
+    using namespace cuk;
     for (long long r = blockIdx.x; r < V; r += gridDim.x) {
         if (touched[r]) continue;
         for (int col = threadIdx.x * VEC; col < D; col += THREADS * VEC)
@@ -123,6 +127,7 @@ __global__ void __launch_bounds__(THREADS, 1) embedding_bwd_chunks(
     T* __restrict__ dweight, float* __restrict__ part, long long* __restrict__ pidx,
     int* __restrict__ pcnt, int* __restrict__ own)
 {
+    using namespace cuk;
     const long long b = blockIdx.x;
     const int col0 = blockIdx.y * THREADS * NV * VEC;
     const bool meta = blockIdx.y == 0 && threadIdx.x == 0;
@@ -210,6 +215,7 @@ __global__ void __launch_bounds__(THREADS, 1) embedding_bwd_combine(
     const int* __restrict__ pcnt, const int* __restrict__ own, long long nchunks, int D,
     int scale_by_freq, T* __restrict__ dweight)
 {
+    using namespace cuk;
     const long long b = blockIdx.x;
     const int slot = own[b];
     if (slot < 0) return;

@@ -27,7 +27,8 @@
 #include "common/vec.cuh"
 #include "common/reduce.cuh"
 
-namespace gn {
+namespace cuk {
+namespace group_norm {
 
 struct Geometry {
     int C, Cg, G;
@@ -143,7 +144,8 @@ __device__ __forceinline__ void for_each_pair(const T* a, const T* b, long long 
     }
 }
 
-}  // namespace gn
+}  // namespace group_norm
+}  // namespace cuk
 
 // ---------------------------------------------------------------------------------------------
 // Forward. x: (N, C, HW) or (N, HW, C) per CL; w, b: (C,) or null; y: x's layout;
@@ -156,22 +158,24 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_fwd(
     T* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
     int C, int G, long long HW, int seg, int seg_len, int tcv, long long tiles, float eps)
 {
+    using namespace cuk;
+    using namespace cuk::group_norm;
     static_assert(GT == 1 || (CL && (GT == 2 || GT == 4)), "tiles of several groups: channels-last");
-    const gn::Geometry geo = gn::make_geometry(C, G, GT, HW, seg, seg_len, tcv);
+    const Geometry geo = make_geometry(C, G, GT, HW, seg, seg_len, tcv);
     __shared__ float scratch[2 * GT * (THREADS / 32)];
     const float inv_m = 1.f / static_cast<float>(geo.M);
-    const int jl = gn::lane_group<CL, GT, VEC>(geo);
+    const int jl = lane_group<CL, GT, VEC>(geo);
     auto nothing = [](int, int) {};
     for (long long tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         int c0;
-        const long long base = gn::tile_base<CL, GT>(geo, tile, c0);
+        const long long base = tile_base<CL, GT>(geo, tile, c0);
         const T* xg = x + base;
         float kk[GT];
 #pragma unroll
         for (int j = 0; j < GT; ++j) kk[j] = to_float(xg[j * geo.Cg]);  // each group's first element
-        const float k = gn::pick<GT>(kk, jl);
+        const float k = pick<GT>(kk, jl);
         float s0 = 0.f, s1 = 0.f;
-        gn::for_each_vec<CL, VEC, THREADS, U>(geo, [&](long long off, long long stride, int count, int) {
+        for_each_vec<CL, VEC, THREADS, U>(geo, [&](long long off, long long stride, int count, int) {
             Vec<T, VEC> v[U];
 #pragma unroll
             for (int u = 0; u < U; ++u)
@@ -206,9 +210,9 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_fwd(
             exact |= m * m > 16.f * var[j];
         }
         if (exact) {  // uniform over the block: every thread has the same sums
-            const float ml = gn::pick<GT>(mean, jl);
+            const float ml = pick<GT>(mean, jl);
             float q0 = 0.f;
-            gn::for_each_vec<CL, VEC, THREADS, U>(geo, [&](long long off, long long stride, int count, int) {
+            for_each_vec<CL, VEC, THREADS, U>(geo, [&](long long off, long long stride, int count, int) {
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     if (u >= count) continue;
@@ -240,9 +244,9 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_fwd(
         }
         // y = (x - mean) * a + c per channel, a = rstd * w, c = b. (torch's kernel evaluates
         // x * a + (b - mean * a), which cancels where |mean| >> std; the two agree otherwise.)
-        const float ml = gn::pick<GT>(mean, jl), rl = gn::pick<GT>(rstd, jl);
+        const float ml = pick<GT>(mean, jl), rl = pick<GT>(rstd, jl);
         T* yg = y + base;
-        gn::for_each_vec<CL, VEC, THREADS, U>(geo, [&](long long off, long long stride, int count, int ch) {
+        for_each_vec<CL, VEC, THREADS, U>(geo, [&](long long off, long long stride, int count, int ch) {
             float a[CL ? VEC : 1], c[CL ? VEC : 1];
 #pragma unroll
             for (int j = 0; j < (CL ? VEC : 1); ++j) {
@@ -285,8 +289,10 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_bwd(
     T* __restrict__ dx, float* dw_part, float* db_part,
     int C, int G, long long HW, int seg, int seg_len, int tcv, long long tiles)
 {
+    using namespace cuk;
+    using namespace cuk::group_norm;
     static_assert(GT == 1 || (CL && (GT == 2 || GT == 4)), "tiles of several groups: channels-last");
-    const gn::Geometry geo = gn::make_geometry(C, G, GT, HW, seg, seg_len, tcv);
+    const Geometry geo = make_geometry(C, G, GT, HW, seg, seg_len, tcv);
     constexpr int W = THREADS / 32;
     constexpr int CW = CL ? 32 * VEC : 1;               // channels a chunk (CL)
     constexpr int SLOTS = CL ? W * CW : 256;            // per-warp sums (CL) or task sums
@@ -294,10 +300,10 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_bwd(
     __shared__ float scratch[2 * GT * W];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const float inv_m = 1.f / static_cast<float>(geo.M);
-    const int jl = gn::lane_group<CL, GT, VEC>(geo);
+    const int jl = lane_group<CL, GT, VEC>(geo);
     for (long long tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         int c0;
-        const long long base = gn::tile_base<CL, GT>(geo, tile, c0);
+        const long long base = tile_base<CL, GT>(geo, tile, c0);
         const long long n = tile / (geo.G / GT);
         float mean[GT], rstd[GT];
 #pragma unroll
@@ -305,7 +311,7 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_bwd(
             mean[j] = mean_in[tile * GT + j];
             rstd[j] = rstd_in[tile * GT + j];
         }
-        const float ml = gn::pick<GT>(mean, jl), rl = gn::pick<GT>(rstd, jl);
+        const float ml = pick<GT>(mean, jl), rl = pick<GT>(rstd, jl);
         const T* dyg = dy + base;
         const T* xg = x + base;
         float* dwp = dw_part + n * geo.C + c0;
@@ -315,8 +321,8 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_bwd(
         float as[CL ? VEC : 1], ab[CL ? VEC : 1];
 #pragma unroll
         for (int j = 0; j < (CL ? VEC : 1); ++j) as[j] = ab[j] = 0.f;
-        gn::for_each_vec<CL, VEC, THREADS, U>(geo, [&](long long off, long long stride, int count, int) {
-            gn::for_each_pair<T, VEC, U>(dyg, xg, off, stride, count, [&](int, const float (&fd)[VEC], const float (&fx)[VEC]) {
+        for_each_vec<CL, VEC, THREADS, U>(geo, [&](long long off, long long stride, int count, int) {
+            for_each_pair<T, VEC, U>(dyg, xg, off, stride, count, [&](int, const float (&fd)[VEC], const float (&fx)[VEC]) {
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
                     const int jj = CL ? j : 0;
@@ -367,7 +373,7 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_bwd(
                         ts += red_s[k * CW + cc];
                         tb += red_b[k * CW + cc];
                     }
-                    dwp[ch + cc] = gn::pick<GT>(rstd, (ch + cc) / geo.Cg) * ts;
+                    dwp[ch + cc] = pick<GT>(rstd, (ch + cc) / geo.Cg) * ts;
                     dbp[ch + cc] = tb;
                 }
                 __syncthreads();
@@ -413,16 +419,16 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_bwd(
             bco[j] = -rstd[j] * rstd[j] * s[2 * j + 1] * inv_m;
             cco[j] = -rstd[j] * s[2 * j] * inv_m;
         }
-        const float bl = gn::pick<GT>(bco, jl), cl = gn::pick<GT>(cco, jl);
+        const float bl = pick<GT>(bco, jl), cl = pick<GT>(cco, jl);
 
         // Pass 2: dx.
         T* dxg = dx + base;
-        gn::for_each_vec<CL, VEC, THREADS, U>(geo, [&](long long off, long long stride, int count, int ch) {
+        for_each_vec<CL, VEC, THREADS, U>(geo, [&](long long off, long long stride, int count, int ch) {
             float a[CL ? VEC : 1];
 #pragma unroll
             for (int j = 0; j < (CL ? VEC : 1); ++j)
                 a[j] = w ? rl * to_float(w[min(c0 + ch + j, geo.C - 1)]) : rl;
-            gn::for_each_pair<T, VEC, U>(dyg, xg, off, stride, count, [&](int u, float (&fd)[VEC], const float (&fx)[VEC]) {
+            for_each_pair<T, VEC, U>(dyg, xg, off, stride, count, [&](int u, float (&fd)[VEC], const float (&fx)[VEC]) {
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
                     const int jj = CL ? j : 0;

@@ -6,7 +6,7 @@
 //    coalesced access of the group. Rows are read once and written once: the byte floor.
 //  * norm_fwd_loop / norm_bwd_loop stream a row of any width through a block in chunks,
 //    re-reading it (mostly from L2) once per pass. They take the rows too wide for registers.
-// All arithmetic is float32; inputs and outputs are T (float, cuk_half, cuk_bf16).
+// All arithmetic is float32; inputs and outputs are T (float, cuk::half, cuk::bf16).
 //
 // Weight gradients are deterministic: each row group accumulates dweight/dbias for the rows
 // it visits (a fixed set, given the grid) in float32 and writes one partial row; then
@@ -33,6 +33,7 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_fwd(
     float* __restrict__ mean_out, float* __restrict__ rstd_out,
     long long rows, int cols, float eps)
 {
+    using namespace cuk;
     static_assert(THREADS % G == 0 && (G <= 32 || G == THREADS), "bad row group");
     constexpr int RPB = THREADS / G * R;  // rows per block and iteration
     __shared__ float scratch[G > 32 ? 2 * R * (G / 32) : 1];
@@ -198,6 +199,7 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_bwd(
     T* __restrict__ dx, float* __restrict__ dw_part, float* __restrict__ db_part,
     long long rows, int cols)
 {
+    using namespace cuk;
     static_assert(THREADS % G == 0 && (G <= 32 || G == THREADS), "bad row group");
     constexpr int RPB = THREADS / G * R;
     __shared__ float scratch[G > 32 ? 2 * R * (G / 32) : 1];
@@ -312,6 +314,7 @@ __global__ void __launch_bounds__(THREADS, 1) norm_fwd_loop(
     float* __restrict__ mean_out, float* __restrict__ rstd_out,
     long long rows, int cols, float eps)
 {
+    using namespace cuk;
     __shared__ float scratch[THREADS / 32];
     constexpr int CHUNK = THREADS * VEC;
     const float inv_cols = 1.f / static_cast<float>(cols);
@@ -387,6 +390,7 @@ __global__ void __launch_bounds__(THREADS, 1) norm_bwd_loop(
     T* __restrict__ dx, float* __restrict__ dw_part, float* __restrict__ db_part,
     long long rows, int cols)
 {
+    using namespace cuk;
     __shared__ float scratch[2 * (THREADS / 32)];
     constexpr int CHUNK = THREADS * VEC;
     const float inv_cols = 1.f / static_cast<float>(cols);

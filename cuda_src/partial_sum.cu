@@ -9,6 +9,7 @@ template <typename T>
 __global__ void __launch_bounds__(256) sum_partial_rows(
     const float* __restrict__ part, int nparts, int cols, T* __restrict__ out)
 {
+    using namespace cuk;
     __shared__ float slice[8][33];
     const int col = blockIdx.x * 32 + threadIdx.x;
     float acc = 0.f;

@@ -1,13 +1,12 @@
 // Shared-memory tiles of the attention kernels (forward and backward): the XOR swizzle, the
-// cp.async tile loader, ldmatrix lane offsets, the exp2 approximation, and -inf.
+// cp.async tile loader, ldmatrix lane offsets and the exp2 approximation (cuk::attention).
 #pragma once
 #include "dtype.cuh"
 #include "mma.cuh"
+#include "reduce.cuh"
 
-namespace attn {
-
-// -inf without <cuda/std/limits> (no include paths under NVRTC).
-#define ATTN_NEG_INF (-__int_as_float(0x7f800000))
+namespace cuk {
+namespace attention {
 
 // Shared-memory row length (elements) for head dim D: a multiple of 64 elements (8 chunks of
 // 16 bytes) so that the XOR swizzle below stays inside the row; D = 32 and 96 are padded.
@@ -50,8 +49,8 @@ __device__ __forceinline__ void load_tile(T* smem, const T* g, long long row_str
     }
 }
 
-__device__ __forceinline__ unsigned int pack_pair(float lo, float hi, cuk_bf16) { return pack2(lo, hi, cuk_bf16{}); }
-__device__ __forceinline__ unsigned int pack_pair(float lo, float hi, cuk_half) { return pack2(lo, hi, cuk_half{}); }
+__device__ __forceinline__ unsigned int pack_pair(float lo, float hi, bf16) { return pack2(lo, hi, bf16{}); }
+__device__ __forceinline__ unsigned int pack_pair(float lo, float hi, half) { return pack2(lo, hi, half{}); }
 
 // 2^x with the hardware approximation (2 ulp; ex2.approx(-inf) = +0), as FlashAttention's
 // exp2f under fast math.
@@ -75,5 +74,6 @@ __device__ __forceinline__ unsigned int b_offset(int lane, int row_bytes) {
     return (lo + (lane / 16) * 8) * row_bytes + ((((lane / 8) % 2) ^ lo) << 4);
 }
 
-}  // namespace attn
+}  // namespace attention
+}  // namespace cuk
 

@@ -6,9 +6,13 @@
 // explicit check (cukern.check_errors()).
 #pragma once
 
+namespace cuk {
+
 __device__ __forceinline__ void record_fault(long long* rec, long long value, long long bound) {
     if (atomicCAS(reinterpret_cast<unsigned long long*>(rec), 0ull, 1ull) == 0ull) {
         rec[1] = value;
         rec[2] = bound;
     }
 }
+
+}  // namespace cuk

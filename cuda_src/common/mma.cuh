@@ -9,6 +9,8 @@
 #pragma once
 #include "dtype.cuh"
 
+namespace cuk {
+
 __device__ __forceinline__ unsigned int smem_addr(const void* p) {
     return static_cast<unsigned int>(__cvta_generic_to_shared(p));
 }
@@ -56,13 +58,15 @@ template <typename T>
 __device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned int (&a)[4], unsigned int b0,
                                           unsigned int b1);
 template <>
-__device__ __forceinline__ void mma_16816<cuk_bf16>(float (&c)[4], const unsigned int (&a)[4],
-                                                    unsigned int b0, unsigned int b1) {
+__device__ __forceinline__ void mma_16816<bf16>(float (&c)[4], const unsigned int (&a)[4],
+                                                unsigned int b0, unsigned int b1) {
     CUK_MMA_16816_ASM("bf16");
 }
 template <>
-__device__ __forceinline__ void mma_16816<cuk_half>(float (&c)[4], const unsigned int (&a)[4],
-                                                    unsigned int b0, unsigned int b1) {
+__device__ __forceinline__ void mma_16816<half>(float (&c)[4], const unsigned int (&a)[4],
+                                                unsigned int b0, unsigned int b1) {
     CUK_MMA_16816_ASM("f16");
 }
 #undef CUK_MMA_16816_ASM
+
+}  // namespace cuk

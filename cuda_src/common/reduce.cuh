@@ -5,6 +5,11 @@
 // The order of additions is fixed by the thread layout, so results are bitwise reproducible.
 #pragma once
 
+namespace cuk {
+
+// -inf (the identity of max) without <cuda/std/limits>: no include paths under NVRTC.
+__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
+
 template <int G, int K>
 __device__ __forceinline__ void warp_group_sum(float (&v)[K]) {
 #pragma unroll
@@ -40,3 +45,4 @@ __device__ __forceinline__ void group_sum(float (&v)[K], float* scratch) {
     }
 }
 
+}  // namespace cuk

@@ -2,6 +2,8 @@
 #pragma once
 #include "dtype.cuh"
 
+namespace cuk {
+
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Vec {
     T v[N];
@@ -57,3 +59,5 @@ __device__ __forceinline__ Vec<T, N> pack(const float (&f)[N]) {
     }
     return v;
 }
+
+}  // namespace cuk
