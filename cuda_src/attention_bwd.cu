@@ -19,6 +19,7 @@
 #include "common/dtype.cuh"
 #include "common/vec.cuh"
 #include "common/mma.cuh"
+#include "common/reduce.cuh"
 #include "common/attn_tile.cuh"
 
 // One thread a row (b, i, h). With dq_accum (deterministic=False) also zeroes dQ's float32

@@ -17,6 +17,7 @@
 // so variable-length batches (cu_seqlens) and sliding windows change the prologue only.
 #include "common/dtype.cuh"
 #include "common/mma.cuh"
+#include "common/reduce.cuh"
 #include "common/attn_tile.cuh"
 
 template <typename T, int D, int WARPS, int MT, int BN, int BNC, bool QREG, bool CAUSAL>
@@ -167,8 +168,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
                     float mx = neg_inf();
 #pragma unroll
                     for (int j = 0; j < NT; ++j) mx = fmaxf(mx, fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                    butterfly<1, 2>(Max{}, mx);   // over the row's quad
                     const float new_max = fmaxf(row_max[mt][r], mx * scale_log2);   // (scale > 0)
                     const float m_use = new_max == neg_inf() ? 0.f : new_max;      // a row with no key yet
                     const float alpha = fast_exp2(row_max[mt][r] - m_use);
@@ -225,8 +225,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float sum = row_sum[mt][r];
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            butterfly<1, 2>(Sum{}, sum);   // over the row's quad, offset 1 first
             const float inv = sum > 0.f ? 1.f / sum : 0.f;
             const int row = m0 + tile_row(mt) + g + r * 8;
             if (row < Sq) {

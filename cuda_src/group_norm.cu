@@ -162,7 +162,8 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_fwd(
     using namespace cuk::group_norm;
     static_assert(GT == 1 || (CL && (GT == 2 || GT == 4)), "tiles of several groups: channels-last");
     const Geometry geo = make_geometry(C, G, GT, HW, seg, seg_len, tcv);
-    __shared__ float scratch[2 * GT * (THREADS / 32)];
+    using Reduce = GroupReduce<THREADS, 2 * GT>;   // the block: 2 sums a group of the tile
+    __shared__ typename Reduce::TempStorage scratch;
     const float inv_m = 1.f / static_cast<float>(geo.M);
     const int jl = lane_group<CL, GT, VEC>(geo);
     auto nothing = [](int, int) {};
@@ -199,7 +200,7 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_fwd(
             s[2 * j] = j == jl ? s0 : 0.f;
             s[2 * j + 1] = j == jl ? s1 : 0.f;
         }
-        group_sum<THREADS, 2 * GT>(s, scratch);
+        Reduce::sum(s, scratch);
         float mean[GT], var[GT];
         bool exact = false;
 #pragma unroll
@@ -228,7 +229,7 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_fwd(
             float q[GT];
 #pragma unroll
             for (int j = 0; j < GT; ++j) q[j] = j == jl ? q0 : 0.f;
-            group_sum<THREADS, GT>(q, scratch);
+            Reduce::sum(q, scratch);
 #pragma unroll
             for (int j = 0; j < GT; ++j) var[j] = q[j] * inv_m;
         }
@@ -297,7 +298,8 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_bwd(
     constexpr int CW = CL ? 32 * VEC : 1;               // channels a chunk (CL)
     constexpr int SLOTS = CL ? W * CW : 256;            // per-warp sums (CL) or task sums
     __shared__ float red_s[SLOTS], red_b[SLOTS];
-    __shared__ float scratch[2 * GT * W];
+    using Reduce = GroupReduce<THREADS, 2 * GT>;   // the block: S1, S2 of each group of the tile
+    __shared__ typename Reduce::TempStorage scratch;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const float inv_m = 1.f / static_cast<float>(geo.M);
     const int jl = lane_group<CL, GT, VEC>(geo);
@@ -333,11 +335,7 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_bwd(
         }, [&](int ch, int task) {
             if constexpr (!CL) {
                 // A task is done: its sums go to the channel (one segment) or to a task slot.
-#pragma unroll
-                for (int off = 16; off > 0; off /= 2) {
-                    as[0] += __shfl_xor_sync(0xffffffffu, as[0], off);
-                    ab[0] += __shfl_xor_sync(0xffffffffu, ab[0], off);
-                }
+                butterfly<16, 1>(Sum{}, as[0], ab[0]);   // over the warp that did the task
                 if (lane == 0) {
                     if (geo.seg == 1) {
                         dwp[ch] = rl * as[0];
@@ -350,13 +348,7 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_bwd(
                 as[0] = ab[0] = 0.f;
             } else {
                 // A chunk of columns is done: lanes with the same channels, then warps.
-                for (int off = 16; off >= geo.tcv; off /= 2) {
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) {
-                        as[j] += __shfl_xor_sync(0xffffffffu, as[j], off);
-                        ab[j] += __shfl_xor_sync(0xffffffffu, ab[j], off);
-                    }
-                }
+                butterfly_down_to<16>(geo.tcv, Sum{}, as, ab);   // (as[j], ab[j] in turn)
                 if (lane < geo.tcv) {
 #pragma unroll
                     for (int j = 0; j < VEC; ++j) {
@@ -412,7 +404,7 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_bwd(
                 }
             }
         }
-        group_sum<THREADS, 2 * GT>(s, scratch);
+        Reduce::sum(s, scratch);
         float bco[GT], cco[GT];   // dx = a[c]*dy + bco*(x - mean) + cco, per group
 #pragma unroll
         for (int j = 0; j < GT; ++j) {

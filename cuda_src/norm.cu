@@ -36,7 +36,8 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_fwd(
     using namespace cuk;
     static_assert(THREADS % G == 0 && (G <= 32 || G == THREADS), "bad row group");
     constexpr int RPB = THREADS / G * R;  // rows per block and iteration
-    __shared__ float scratch[G > 32 ? 2 * R * (G / 32) : 1];
+    using Reduce = GroupReduce<G, 2 * R>;   // R or 2R sums a row group
+    __shared__ typename Reduce::TempStorage scratch;
     const int lane = threadIdx.x % G;
     const int group = threadIdx.x / G;
     const float inv_cols = 1.f / static_cast<float>(cols);
@@ -104,14 +105,14 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_fwd(
             float ss[R];
 #pragma unroll
             for (int r = 0; r < R; ++r) ss[r] = s[2 * r + 1];
-            group_sum<G, R>(ss, scratch);
+            Reduce::sum(ss, scratch);
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 mean[r] = 0.f;
                 rstd[r] = rsqrtf(ss[r] * inv_cols + eps);
             }
         } else {
-            group_sum<G, 2 * R>(s, scratch);
+            Reduce::sum(s, scratch);
             bool exact = false;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
@@ -140,7 +141,7 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_fwd(
                         }
                     }
                 }
-                group_sum<G, R>(q, scratch);
+                Reduce::sum(q, scratch);
 #pragma unroll
                 for (int r = 0; r < R; ++r) rstd[r] = rsqrtf(q[r] * inv_cols + eps);
             }
@@ -202,7 +203,8 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_bwd(
     using namespace cuk;
     static_assert(THREADS % G == 0 && (G <= 32 || G == THREADS), "bad row group");
     constexpr int RPB = THREADS / G * R;
-    __shared__ float scratch[G > 32 ? 2 * R * (G / 32) : 1];
+    using Reduce = GroupReduce<G, 2 * R>;   // two sums a row
+    __shared__ typename Reduce::TempStorage scratch;
     const int lane = threadIdx.x % G;
     const int group = threadIdx.x / G;
     const float inv_cols = 1.f / static_cast<float>(cols);
@@ -256,7 +258,7 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_bwd(
                 }
             }
         }
-        group_sum<G, 2 * R>(s, scratch);
+        Reduce::sum(s, scratch);
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
             const int col = (i * G + lane) * VEC;
@@ -315,7 +317,8 @@ __global__ void __launch_bounds__(THREADS, 1) norm_fwd_loop(
     long long rows, int cols, float eps)
 {
     using namespace cuk;
-    __shared__ float scratch[THREADS / 32];
+    using Reduce = GroupReduce<THREADS, 1>;
+    __shared__ typename Reduce::TempStorage scratch;
     constexpr int CHUNK = THREADS * VEC;
     const float inv_cols = 1.f / static_cast<float>(cols);
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -337,7 +340,7 @@ __global__ void __launch_bounds__(THREADS, 1) norm_fwd_loop(
                 s[0] += RMS ? f * f : f;
             }
         }
-        group_sum<THREADS, 1>(s, scratch);
+        Reduce::sum(s, scratch);
         float mean = 0.f, rstd;
         if (RMS) {
             rstd = rsqrtf(s[0] * inv_cols + eps);
@@ -352,7 +355,7 @@ __global__ void __launch_bounds__(THREADS, 1) norm_fwd_loop(
                     q[0] += d * d;
                 }
             }
-            group_sum<THREADS, 1>(q, scratch);
+            Reduce::sum(q, scratch);
             rstd = rsqrtf(q[0] * inv_cols + eps);
         }
         for (int col = threadIdx.x * VEC; col < cols; col += CHUNK) {
@@ -391,7 +394,8 @@ __global__ void __launch_bounds__(THREADS, 1) norm_bwd_loop(
     long long rows, int cols)
 {
     using namespace cuk;
-    __shared__ float scratch[2 * (THREADS / 32)];
+    using Reduce = GroupReduce<THREADS, 2>;
+    __shared__ typename Reduce::TempStorage scratch;
     constexpr int CHUNK = THREADS * VEC;
     const float inv_cols = 1.f / static_cast<float>(cols);
     float* dwp = dw_part ? dw_part + static_cast<long long>(blockIdx.x) * cols : nullptr;
@@ -422,7 +426,7 @@ __global__ void __launch_bounds__(THREADS, 1) norm_bwd_loop(
                 s[1] += g * (to_float(xv.v[j]) - mu) * rs;
             }
         }
-        group_sum<THREADS, 2>(s, scratch);
+        Reduce::sum(s, scratch);
         const float a = RMS ? 0.f : s[0] * inv_cols;
         const float c = s[1] * inv_cols;
         for (int col = threadIdx.x * VEC; col < cols; col += CHUNK) {

@@ -1,9 +1,9 @@
 // Shared-memory tiles of the attention kernels (forward and backward): the XOR swizzle, the
-// cp.async tile loader, ldmatrix lane offsets and the exp2 approximation (cuk::attention).
+// cp.async tile loader and ldmatrix lane offsets (cuk::attention; cuk::fast_exp2 and
+// cuk::neg_inf are in reduce.cuh).
 #pragma once
 #include "dtype.cuh"
 #include "mma.cuh"
-#include "reduce.cuh"
 
 namespace cuk {
 namespace attention {
@@ -51,14 +51,6 @@ __device__ __forceinline__ void load_tile(T* smem, const T* g, long long row_str
 
 __device__ __forceinline__ unsigned int pack_pair(float lo, float hi, bf16) { return pack2(lo, hi, bf16{}); }
 __device__ __forceinline__ unsigned int pack_pair(float lo, float hi, half) { return pack2(lo, hi, half{}); }
-
-// 2^x with the hardware approximation (2 ulp; ex2.approx(-inf) = +0), as FlashAttention's
-// exp2f under fast math.
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
 
 // Byte offsets of this lane's ldmatrix row address within a tile of ROW_BYTES-byte rows, for
 // k-step (or n-step) 0; step kk is (offset ^ (kk << 5)) (a lane's swizzle key, row & 7, is
