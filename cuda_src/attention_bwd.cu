@@ -69,6 +69,40 @@ __device__ __forceinline__ void red_add2(float* dst, float a, float b) {
 #endif
 }
 
+// Dynamic shared memory of attention_bwd_dkdv: element offsets of its tiles from the aligned
+// base (T tiles first, then the float32 rows), and smem_bytes, the launch's byte count, with
+// 1 KB of slack for the kernel to align its base to 1 KB. The kernel's SMEM template argument
+// must equal smem_bytes (the front computes the same number for the launch).
+template <typename T, int D, int BM, int BN>
+struct BwdTiles {
+    static constexpr int ROW = row_elems(D), PROW = row_elems(BN);
+    static constexpr int k_at = 0;                       // K   [BN][ROW]
+    static constexpr int v_at = k_at + BN * ROW;         // V   [BN][ROW]
+    static constexpr int q_at = v_at + BN * ROW;         // Q   [2][BM][ROW]
+    static constexpr int do_at = q_at + 2 * BM * ROW;    // dO  [2][BM][ROW]
+    static constexpr int p_at = do_at + 2 * BM * ROW;    // P   [BM][PROW]
+    static constexpr int ds_at = p_at + BM * PROW;       // dS  [BM][PROW]
+    static constexpr int elems = ds_at + BM * PROW;
+    // float32, from base + elems: lse [2][BM] at lse_at, Dsum [2][BM] at dsum_at
+    static constexpr int lse_at = 0, dsum_at = lse_at + 2 * BM, floats = dsum_at + 2 * BM;
+    static constexpr int smem_bytes =
+        elems * static_cast<int>(sizeof(T)) + floats * static_cast<int>(sizeof(float)) + 1024;
+};
+
+// Dynamic shared memory of attention_bwd_dq (BM = 16 * WARPS queries): element offsets from
+// the (16-byte aligned) dynamic shared memory itself, no alignment slack.
+template <typename T, int D, int WARPS, int BN>
+struct DqTiles {
+    static constexpr int BM = 16 * WARPS;
+    static constexpr int ROW = row_elems(D);
+    static constexpr int q_at = 0;                    // Q   [BM][ROW]
+    static constexpr int do_at = q_at + BM * ROW;     // dO  [BM][ROW]
+    static constexpr int k_at = do_at + BM * ROW;     // K   [2][BN][ROW]
+    static constexpr int v_at = k_at + 2 * BN * ROW;  // V   [2][BN][ROW]
+    static constexpr int elems = v_at + 2 * BN * ROW;
+    static constexpr int smem_bytes = elems * static_cast<int>(sizeof(T));
+};
+
 }  // namespace attention
 }  // namespace cuk
 
@@ -83,7 +117,9 @@ __device__ __forceinline__ void red_add2(float* dst, float a, float b) {
 //     accumulated in registers across all steps;
 //   dQ_partial = dS K   (BM x D): WM_Q warps over queries x WARPS / WM_Q over D, added
 //     into dq_accum (B, Sq, H, D) float32 with atomics (DQ_ATOMIC; else attention_bwd_dq).
-template <typename T, int D, int BM, int BN, int WARPS, int WM_S, int WN_KV, int WM_Q, bool CAUSAL, bool DQ_ATOMIC>
+// SMEM: the dynamic shared memory of the launch, in bytes (= BwdTiles<T, D, BM, BN>::smem_bytes).
+template <typename T, int D, int BM, int BN, int WARPS, int WM_S, int WN_KV, int WM_Q, bool CAUSAL, bool DQ_ATOMIC,
+          int SMEM>
 __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
@@ -98,6 +134,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
 {
     using namespace cuk;
     using namespace cuk::attention;
+    using Tiles = BwdTiles<T, D, BM, BN>;
+    static_assert(SMEM == Tiles::smem_bytes, "SMEM (the launch's dynamic shared memory) differs from BwdTiles::smem_bytes");
     constexpr int THREADS = WARPS * 32;
     constexpr int ROW = row_elems(D);   // shared-memory row of Q, dO, K, V (D padded to 64)
     constexpr int ROW_BYTES = ROW * static_cast<int>(sizeof(T));
@@ -115,14 +153,15 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
     // Tiles from a 1 KB-aligned base (the launch adds 1 KB): every tile then starts at a
     // multiple of its row length, so (tile + row offset + lane offset) ^ (kk << 5) is the
     // swizzled address of k-step kk: one XOR, with whole-tile offsets left as immediates.
-    T* sK = reinterpret_cast<T*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));   // [BN][ROW]
-    T* sV = sK + BN * ROW;                      // [BN][ROW]
-    T* sQ = sV + BN * ROW;                      // [2][BM][ROW]
-    T* sdO = sQ + 2 * BM * ROW;                 // [2][BM][ROW]
-    T* sP = sdO + 2 * BM * ROW;                 // [BM][PROW]
-    T* sS = sP + BM * PROW;                     // [BM][PROW] dS
-    float* sL = reinterpret_cast<float*>(sS + BM * PROW);   // [2][BM] lse (natural log)
-    float* sD = sL + 2 * BM;                                // [2][BM] Dsum
+    T* const base = reinterpret_cast<T*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
+    T* sK = base + Tiles::k_at;
+    T* sV = base + Tiles::v_at;
+    T* sQ = base + Tiles::q_at;
+    T* sdO = base + Tiles::do_at;
+    T* sP = base + Tiles::p_at;
+    T* sS = base + Tiles::ds_at;   // dS
+    float* sL = reinterpret_cast<float*>(base + Tiles::elems) + Tiles::lse_at;    // lse (natural log)
+    float* sD = reinterpret_cast<float*>(base + Tiles::elems) + Tiles::dsum_at;   // Dsum
 
     const int n_block = blockIdx.x;
     const int b = blockIdx.y / Hkv, hk = blockIdx.y % Hkv;
@@ -349,7 +388,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
 }
 
 // dQ. Block (query tile m_block, b * H + h); WARPS warps of 16 queries: BM = 16 * WARPS.
-template <typename T, int D, int WARPS, int BN, bool CAUSAL>
+// SMEM: the dynamic shared memory of the launch, in bytes (= DqTiles<T, D, WARPS, BN>::smem_bytes).
+template <typename T, int D, int WARPS, int BN, bool CAUSAL, int SMEM>
 __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dq(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
@@ -363,17 +403,20 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dq(
 {
     using namespace cuk;
     using namespace cuk::attention;
-    constexpr int BM = WARPS * 16;
+    using Tiles = DqTiles<T, D, WARPS, BN>;
+    static_assert(SMEM == Tiles::smem_bytes, "SMEM (the launch's dynamic shared memory) differs from DqTiles::smem_bytes");
+    constexpr int BM = Tiles::BM;
     constexpr int THREADS = WARPS * 32;
     constexpr int ROW = row_elems(D);   // shared-memory row (D padded to 64 elements)
     constexpr int ROW_BYTES = ROW * static_cast<int>(sizeof(T));
     constexpr int NT = BN / 8;
     constexpr int DT = D / 8;
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    T* sQ = reinterpret_cast<T*>(smem_raw);   // [BM][ROW]
-    T* sdO = sQ + BM * ROW;                       // [BM][ROW]
-    T* sK = sdO + BM * ROW;                       // [2][BN][ROW]
-    T* sV = sK + 2 * BN * ROW;                    // [2][BN][ROW]
+    T* const base = reinterpret_cast<T*>(smem_raw);
+    T* sQ = base + Tiles::q_at;
+    T* sdO = base + Tiles::do_at;
+    T* sK = base + Tiles::k_at;
+    T* sV = base + Tiles::v_at;
 
     const int m_block = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     const int b = blockIdx.y / H, h = blockIdx.y % H;

@@ -20,7 +20,29 @@
 #include "common/reduce.cuh"
 #include "common/attn_tile.cuh"
 
-template <typename T, int D, int WARPS, int MT, int BN, int BNC, bool QREG, bool CAUSAL>
+namespace cuk {
+namespace attention {
+
+// Dynamic shared memory of attention_fwd: element offsets of its tiles from the aligned base,
+// and smem_bytes, the launch's byte count, which adds 1 KB of slack for the kernel to align
+// its base to 1 KB. The kernel's SMEM template argument must equal smem_bytes: the front
+// computes the same number for the launch (cukern/attention.py), so the two cannot drift.
+template <typename T, int D, int WARPS, int MT, int BN>
+struct FwdTiles {
+    static constexpr int BM = 16 * MT * WARPS;
+    static constexpr int ROW = row_elems(D);
+    static constexpr int q_at = 0;                    // Q   [BM][ROW]
+    static constexpr int k_at = q_at + BM * ROW;      // K   [2][BN][ROW]
+    static constexpr int v_at = k_at + 2 * BN * ROW;  // V   [2][BN][ROW]
+    static constexpr int elems = v_at + 2 * BN * ROW;
+    static constexpr int smem_bytes = elems * static_cast<int>(sizeof(T)) + 1024;
+};
+
+}  // namespace attention
+}  // namespace cuk
+
+// SMEM: the dynamic shared memory of the launch, in bytes (= FwdTiles<...>::smem_bytes).
+template <typename T, int D, int WARPS, int MT, int BN, int BNC, bool QREG, bool CAUSAL, int SMEM>
 __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     T* __restrict__ out, float* __restrict__ lse,
@@ -32,7 +54,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
 {
     using namespace cuk;
     using namespace cuk::attention;
-    constexpr int BM = WARPS * 16 * MT;
+    using Tiles = FwdTiles<T, D, WARPS, MT, BN>;
+    static_assert(SMEM == Tiles::smem_bytes, "SMEM (the launch's dynamic shared memory) differs from FwdTiles::smem_bytes");
+    constexpr int BM = Tiles::BM;
     constexpr int THREADS = WARPS * 32;
     constexpr int ROW = row_elems(D);   // shared-memory row (D padded to 64 elements)
     constexpr int ROW_BYTES = ROW * static_cast<int>(sizeof(T));
@@ -43,9 +67,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
     // Tiles from a 1 KB-aligned base (the launch adds 1 KB): each tile starts at a multiple of
     // its row length, so (tile + lane offset) ^ (kk << 5) is k-step kk's swizzled address, and
     // whole-row offsets stay ldmatrix immediates.
-    T* sQ = reinterpret_cast<T*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
-    T* sK = sQ + BM * ROW;        // [2][BN][ROW]
-    T* sV = sK + 2 * BN * ROW;    // [2][BN][ROW]
+    T* const base = reinterpret_cast<T*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
+    T* sQ = base + Tiles::q_at;
+    T* sK = base + Tiles::k_at;
+    T* sV = base + Tiles::v_at;
 
     // Causal blocks have different amounts of work: the longest (last) are started first.
     const int m_block = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
