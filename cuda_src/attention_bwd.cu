@@ -537,18 +537,37 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dq(
     }
 }
 
-// dq = dq_accum * scale in T; n elements, a multiple of 8 (D is a multiple of 16), both
-// contiguous (B, Sq, H, D).
-template <typename T>
+// dq = acc * scale in T (deterministic=False). acc: dQ's float32 partial sums, contiguous
+// (B, Sq, H, D); dq: (B, Sq, H, D) through element strides dq_sb, dq_ss, dq_sh of batch,
+// sequence and head, unit stride over D. A thread converts 8 elements a step (two float4
+// loads, one 16-byte store): D is a multiple of 16, and the front gives dq a 16-byte aligned
+// base and strides that are multiples of 8 elements, so dq is an array of aligned 8-element
+// vectors. Grid: blocks of 256 threads, any number (a grid-stride loop over the B*Sq*H*D/8
+// vectors); the front launches min(ceil(B*Sq*H*D / (8*256)), 65535*16): one vector a thread
+// where the grid allows.
+template <typename T, int D>
 __global__ void __launch_bounds__(256) attention_bwd_dq_convert(
-    const float* __restrict__ acc, T* __restrict__ dq, long long n, float scale)
+    const float* __restrict__ acc, T* __restrict__ dq, int B, int Sq, int H,
+    long long dq_sb, long long dq_ss, long long dq_sh, float scale)
 {
     using namespace cuk;
-    for (long long i = (blockIdx.x * 256LL + threadIdx.x) * 8; i < n; i += gridDim.x * 256LL * 8) {
-        const float4 lo = *reinterpret_cast<const float4*>(acc + i);
-        const float4 hi = *reinterpret_cast<const float4*>(acc + i + 4);
+    static_assert(D % 16 == 0, "head dim: a multiple of 16");
+    constexpr int VPR = D / 8;   // vectors a row (b, i, h)
+    // Indexed as vectors: with element offsets (+ a multiple of 8) the compiler was seen to
+    // split the 16-byte store into 2- and 4-byte stores for power-of-two D.
+    Vec<T, 8>* const dqv = reinterpret_cast<Vec<T, 8>*>(dq);
+    const long long vsb = dq_sb / 8, vss = dq_ss / 8, vsh = dq_sh / 8;
+    const long long n = static_cast<long long>(B) * Sq * H * VPR;
+    for (long long c = blockIdx.x * 256LL + threadIdx.x; c < n; c += gridDim.x * 256LL) {
+        const long long r = c / VPR;   // acc's row, (b * Sq + i) * H + h
+        const int j = static_cast<int>(c - r * VPR);
+        const int h = static_cast<int>(r % H);
+        const long long bi = r / H;
+        const int i = static_cast<int>(bi % Sq), b = static_cast<int>(bi / Sq);
+        const float4 lo = *reinterpret_cast<const float4*>(acc + c * 8);
+        const float4 hi = *reinterpret_cast<const float4*>(acc + c * 8 + 4);
         const float f[8] = {lo.x * scale, lo.y * scale, lo.z * scale, lo.w * scale,
                             hi.x * scale, hi.y * scale, hi.z * scale, hi.w * scale};
-        store_vec<T, 8>(dq + i, pack<T, 8>(f));
+        dqv[b * vsb + i * vss + h * vsh + j] = pack<T, 8>(f);
     }
 }
