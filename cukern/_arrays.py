@@ -158,7 +158,7 @@ def wrap(obj, name: str) -> DeviceArray:
     return DeviceArray(obj, "cupy", obj.data.ptr, obj.shape, strides, obj.dtype.name, obj.device.id, name)
 
 
-def _not_an_array(obj, name: str) -> TypeError:
+def _not_an_array(obj, name: str, expected: str = "a CuPy array or a torch CUDA tensor") -> TypeError:
     """The error for an argument that is no array at all, saying what it is."""
     if isinstance(obj, (str, bytes)):
         what = f"a string ({obj!r:.40})"
@@ -168,7 +168,7 @@ def _not_an_array(obj, name: str) -> TypeError:
         what = f"a {type(obj).__name__} scalar ({obj!r})"
     else:
         what = f"a {type(obj).__module__}.{type(obj).__qualname__}"
-    return TypeError(f"{name}: expected a CuPy array or a torch CUDA tensor, got {what}")
+    return TypeError(f"{name}: expected {expected}, got {what}")
 
 
 def as_device_array(obj, name: str, dtypes=FLOATS) -> DeviceArray:
@@ -212,14 +212,13 @@ def as_host_array(obj, name: str, dtypes=FLOATS) -> DeviceArray:
     if obj is None:
         raise TypeError(f"{name}: required, got None")
     if isinstance(obj, (str, bytes, int, float, complex, np.number, np.bool_)):
-        raise _not_an_array(obj, name).__class__(
-            str(_not_an_array(obj, name)).replace("a CuPy array or a torch CUDA tensor", "an array"))
+        raise _not_an_array(obj, name, "an array")
     a = np.asarray(obj)
     if a.dtype == object:
         raise TypeError(f"{name}: expected an array, got {type(obj).__name__}")
     allowed = tuple(dtypes) + (("float64",) if set(dtypes) & set(FLOATS) else ())
-    if a.dtype.name not in allowed:
-        raise ValueError(f"{name}: dtype {a.dtype.name} is not supported (expected one of {', '.join(allowed)})")
+    if a.dtype.name not in allowed:   # (the kernels' message: float64 is the references' extra)
+        raise ValueError(f"{name}: dtype {a.dtype.name} is not supported (expected one of {', '.join(dtypes)})")
     return wrap(a, name)
 
 

@@ -82,10 +82,12 @@ def host_arrays_as_device(monkeypatch):
     def fake(obj, name, dtypes=_arrays.FLOATS):
         if obj is None:
             raise TypeError(f"{name}: required, got None")
-        arr = _arrays.wrap(np.asarray(obj), name)
+        if not isinstance(obj, np.ndarray):   # scalars, strings, lists: as the real check
+            raise _arrays._not_an_array(obj, name)
+        arr = _arrays.wrap(obj, name)
         arr.device = 0
-        if arr.dtype not in dtypes:
-            raise ValueError(f"{name}: dtype {arr.dtype} is not supported")
+        if arr.dtype not in dtypes:   # (the real check's message)
+            raise ValueError(f"{name}: dtype {arr.dtype} is not supported (expected one of {', '.join(dtypes)})")
         return arr
 
     def dry(self, arrays):

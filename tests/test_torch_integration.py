@@ -513,3 +513,125 @@ def test_ddp_on_two_gpus_patched_and_unpatched_agree(tmp_path):
     assert max(abs(x - y) for x, y in zip(a, b)) < 0.05
     assert runs["cukern.patch()"]["counts"]["scaled_dot_product_attention"]["cukern"] > 0
     assert runs["cukern.patch()"]["kernel_devices"] == [0, 1]   # rank r's kernels on GPU r only
+
+
+# ---- GPU: no hidden work, CUDA graphs, the plan cache -----------------------------------------
+
+def _kernels_of(fn):
+    """Names of the CUDA kernels, copies and fills ``fn`` launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()   # compile, plan and allocate outside the profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def _kernel_kinds(names):
+    """The kernel names without template arguments."""
+    return sorted(n.split("<")[0].replace("void ", "").strip() for n in names)
+
+
+KERNEL_CASES = {
+    # drop-in forward + backward -> the kernels it must launch, and nothing else
+    "layer_norm": (lambda x, d: torch.autograd.grad(ct.layer_norm(x, (x.shape[-1],), d["w"], d["b"]),
+                                                    (x, d["w"], d["b"]), d["dy"]),
+                   ["norm_bwd", "norm_fwd", "sum_partial_rows", "sum_partial_rows"]),
+    "rms_norm": (lambda x, d: torch.autograd.grad(ct.rms_norm(x, (x.shape[-1],), d["w"]), (x, d["w"]), d["dy"]),
+                 ["norm_bwd", "norm_fwd", "sum_partial_rows"]),
+    "rms_norm no grad": (lambda x, d: ct.rms_norm(x.detach(), (x.shape[-1],), d["w"].detach()), ["norm_fwd"]),
+    "sdpa": (lambda x, d: torch.autograd.grad(ct.scaled_dot_product_attention(d["q"], d["q"], d["q"], is_causal=True),
+                                              (d["q"],), d["do"]),
+             ["attention_bwd_dkdv", "attention_bwd_dot", "attention_bwd_dq_convert", "attention_fwd"]),
+}
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+def test_a_call_launches_its_kernels_and_nothing_else(case):
+    """No hidden GPU work: no layout copies, fills or casts beyond the kernels (the SDPA
+    drop-in reads (B, H, S, D) in place and returns its layout)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    d = {"w": torch.randn(1024, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True),
+         "b": torch.randn(1024, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True),
+         "dy": torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16, generator=g),
+         "q": torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True),
+         "do": torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16, generator=g)}
+    fn, expect = KERNEL_CASES[case]
+    got = _kernel_kinds(_kernels_of(lambda: fn(x, d)))
+    assert got == sorted(expect), f"{case}: launched {got}"
+
+
+@gpu
+@needs_cuda
+def test_embedding_backward_launches_only_its_own_steps():
+    """The embedding backward: its kernels, the framework's sort of the keys and the zeroing of
+    the per-row 'touched' flags (one byte a row), nothing else."""
+    idx = torch.randint(0, 1000, (4, 64), device="cuda")
+    w = torch.randn(1000, 64, device="cuda", requires_grad=True)
+    dy = torch.randn(4, 64, 64, device="cuda")
+    names = _kernels_of(lambda: torch.autograd.grad(ct.embedding(idx, w), (w,), dy))
+    ours = [n for n in _kernel_kinds(names) if n.startswith("embedding")]
+    assert ours == ["embedding_bwd_chunks", "embedding_bwd_combine", "embedding_bwd_keys", "embedding_bwd_zero",
+                    "embedding_fwd_warp"]
+    others = [n for n in names if not n.split("<")[0].replace("void ", "").startswith("embedding")]
+    assert all(("sort" in n.lower() or "radix" in n.lower() or "fill" in n.lower() or "onesweep" in n.lower()
+                or "histogram" in n.lower() or "exclusive" in n.lower() or "scan" in n.lower()) for n in others), others
+
+
+@gpu
+@needs_cuda
+def test_custom_ops_run_under_cuda_graphs_and_replays_repeat_the_results():
+    """torch.compile(mode="reduce-overhead") captures the custom ops in a CUDA graph; every
+    replay gives the eager results (every op, forward and backward)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device="cuda", dtype=dtype, generator=g)
+
+    x, w, b = t(64, 256).requires_grad_(True), t(256).requires_grad_(True), t(256).requires_grad_(True)
+    xg, wg = t(4, 32, 8, 8).requires_grad_(True), t(32).requires_grad_(True)
+    q = t(2, 128, 4, 64).requires_grad_(True)
+    idx = torch.randint(0, 100, (4, 64), device="cuda")
+    table = t(100, 256).requires_grad_(True)
+    ops = torch.ops.cukern
+
+    def step(x, w, b, xg, wg, q, table):
+        y = ops.layer_norm(x, w, b, 1e-5)[0] + ops.rms_norm(x, w, 1e-6)[0]
+        z = ops.group_norm(xg, 4, wg, None, 1e-5)[0]
+        o = ops.attention(q, q, q, True, 0.125)[0]
+        e = ops.embedding(idx, table, None, False)
+        return y.float().square().mean() + z.float().square().mean() + o.float().square().mean() + e.float().mean()
+
+    leaves = (x, w, b, xg, wg, q, table)
+    torch.use_deterministic_algorithms(True)   # (attention's dq: no atomics, so the bits repeat)
+    try:
+        loss = step(*leaves)
+        expect = [loss.detach()] + list(torch.autograd.grad(loss, leaves))
+        compiled = torch.compile(step, mode="reduce-overhead")
+        for _ in range(4):   # warm-up, recording, then replays
+            loss = compiled(*leaves)
+            got = [loss.detach().clone()] + [gr.clone() for gr in torch.autograd.grad(loss, leaves)]
+            for a, e in zip(got, expect):
+                torch.testing.assert_close(a, e, rtol=1e-2, atol=1e-3)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@gpu
+@needs_cuda
+def test_a_repeated_call_reuses_its_launch_plan():
+    import importlib
+
+    norm = importlib.import_module("cukern.norm")
+    x = torch.randn(8, 128, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(128, device="cuda", dtype=torch.bfloat16)
+    y1 = ct.rms_norm(x, (128,), w)
+    first = dict(norm._FWD.plans)
+    y2 = ct.rms_norm(x.clone(), (128,), w.clone())   # other buffers, the same call signature
+    assert norm._FWD.plans.keys() == first.keys() and all(norm._FWD.plans[k] is p for k, p in first.items())
+    assert torch.equal(y1, y2)
