@@ -458,11 +458,11 @@ def _fwd_bwd(rms, t):
 def _torch_fwd_bwd(rms, t):
     import torch
 
-    y = _forward_on(None, rms, t)
+    y = _forward_on(None, t, rms)
     return (y.detach(), *torch.autograd.grad(y, t["leaves"], t["dy"]))
 
 
-def _forward_on(F, rms, t):
+def _forward_on(F, t, rms):
     """The forward through ``F`` (torch.nn.functional, cukern.torch or None for PyTorch's) on
     the autograd leaves: what the PyTorch-path cases time."""
     if F is None:
