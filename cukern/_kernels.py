@@ -305,7 +305,8 @@ def _param_buffer():
         # CU_LAUNCH_PARAM_BUFFER_POINTER (1), the buffer, CU_LAUNCH_PARAM_BUFFER_SIZE (2), a
         # pointer to its size, CU_LAUNCH_PARAM_END (0)
         extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(buf), 2, ctypes.addressof(size), 0)
-        st = _local.params = (buf, size, ctypes.addressof(extra))
+        # (extra itself is kept alive here: the driver reads it through its address)
+        st = _local.params = (buf, size, ctypes.addressof(extra), extra)
     return st
 
 
@@ -419,7 +420,7 @@ class Launch:
             values = values.copy()
             for at, slot, offset in self.slots:
                 values[at] = ptrs[slot] + offset
-        buf, size, extra = _param_buffer()
+        buf, size, extra, _ = _param_buffer()
         self.layout.pack_into(buf, 0, *values)
         size.value = self.layout.size
         _launch_kernel(*self._args, stream, 0, extra)
