@@ -195,7 +195,7 @@ def _grid(k, cfg: Config, tiles: int, device: int) -> int:
 _FWD = PlanCache()
 
 
-def _forward(x, num_groups, weight, bias, eps, return_stats, configs: Configs = CONFIGS):
+def _forward(x, num_groups, weight, bias, eps, return_stats, configs: Configs):
     arrays = [_arrays.as_device_array(x, "x"), _optional(weight, "weight"), _optional(bias, "bias")]
     key = (num_groups if type(num_groups) is int else None, bool(return_stats), _checks.eps(eps), configs,
            *(a and a.key for a in arrays))
@@ -257,7 +257,7 @@ def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5, *, return_stats=
     Returns:
         ``y`` with x's shape and layout, or ``(y, mean, rstd)``.
     """
-    return _forward(x, num_groups, weight, bias, eps, return_stats)
+    return _forward(x, num_groups, weight, bias, eps, return_stats, CONFIGS)
 
 
 # ---- backward -------------------------------------------------------------------------------
@@ -265,7 +265,7 @@ def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5, *, return_stats=
 _BWD = PlanCache()
 
 
-def _backward(dy, x, num_groups, weight, mean, rstd, configs: Configs = CONFIGS):
+def _backward(dy, x, num_groups, weight, mean, rstd, configs: Configs):
     xa = _arrays.as_device_array(x, "x")
     arrays = [_arrays.as_device_array(dy, "dy"), xa, _optional(weight, "weight"),
               _arrays.as_device_array(mean, "mean", ("float32",)), _arrays.as_device_array(rstd, "rstd", ("float32",))]
@@ -338,7 +338,7 @@ def group_norm_backward(dy, x, num_groups, weight, mean, rstd):
         ``(dx, dweight, dbias)``: dx with x's shape and layout; dweight (C,) or None when
         weight is None; dbias (C,). Bitwise deterministic (no atomics).
     """
-    return _backward(dy, x, num_groups, weight, mean, rstd)
+    return _backward(dy, x, num_groups, weight, mean, rstd, CONFIGS)
 
 
 # ---- NumPy references ------------------------------------------------------------------------

@@ -169,7 +169,7 @@ def _optional(obj, name: str, dtypes=_arrays.FLOATS):
 _FWD = PlanCache()
 
 
-def _forward(rms: bool, x, weight, bias, eps, residual, return_stats, configs: Configs = CONFIGS):
+def _forward(rms: bool, x, weight, bias, eps, residual, return_stats, configs: Configs):
     xa = _arrays.as_device_array(x, "x")
     arrays = [xa, _optional(weight, "weight"), _optional(bias, "bias"), _optional(residual, "residual")]
     key = (rms, bool(return_stats), _checks.eps(eps), configs, *(a and a.key for a in arrays))
@@ -231,7 +231,7 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, residual=None, return_sta
         ``y``; with ``residual``: ``(y, h)``; with ``return_stats``: ``(y, mean, rstd)`` or
         ``(y, h, mean, rstd)``. Same array type and device as ``x``; contiguous.
     """
-    return _forward(False, x, weight, bias, eps, residual, return_stats)
+    return _forward(False, x, weight, bias, eps, residual, return_stats, CONFIGS)
 
 
 def rms_norm(x, weight=None, eps=1e-6, *, residual=None, return_stats=False):
@@ -248,7 +248,7 @@ def rms_norm(x, weight=None, eps=1e-6, *, residual=None, return_stats=False):
         ``y``; with ``residual``: ``(y, h)``; with ``return_stats``: ``(y, rstd)`` or
         ``(y, h, rstd)``.
     """
-    return _forward(True, x, weight, None, eps, residual, return_stats)
+    return _forward(True, x, weight, None, eps, residual, return_stats, CONFIGS)
 
 
 # ---- backward -------------------------------------------------------------------------------
@@ -256,7 +256,7 @@ def rms_norm(x, weight=None, eps=1e-6, *, residual=None, return_stats=False):
 _BWD = PlanCache()
 
 
-def _backward(rms: bool, dy, x, weight, mean, rstd, dresidual, configs: Configs = CONFIGS):
+def _backward(rms: bool, dy, x, weight, mean, rstd, dresidual, configs: Configs):
     arrays = [_arrays.as_device_array(dy, "dy"), _arrays.as_device_array(x, "x"), _optional(weight, "weight"),
               None if rms else _arrays.as_device_array(mean, "mean", ("float32",)),
               _arrays.as_device_array(rstd, "rstd", ("float32",)), _optional(dresidual, "dresidual")]
@@ -327,12 +327,12 @@ def layer_norm_backward(dy, x, weight, mean, rstd, *, dresidual=None):
         ``(dx, dweight, dbias)``: dx (*, D); dweight (D,) or None when weight is None;
         dbias (D,). Weight gradients are bitwise deterministic (no atomics).
     """
-    return _backward(False, dy, x, weight, mean, rstd, dresidual)
+    return _backward(False, dy, x, weight, mean, rstd, dresidual, CONFIGS)
 
 
 def rms_norm_backward(dy, x, weight, rstd, *, dresidual=None):
     """Gradients of ``rms_norm``: ``(dx, dweight)``; see ``layer_norm_backward``."""
-    dx, dw, _ = _backward(True, dy, x, weight, None, rstd, dresidual)
+    dx, dw, _ = _backward(True, dy, x, weight, None, rstd, dresidual, CONFIGS)
     return dx, dw
 
 

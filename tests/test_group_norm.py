@@ -207,8 +207,10 @@ def test_channels_last_tiles_of_several_groups(monkeypatch, shape, groups, dtype
     there are many groups): forced here on small shapes, against the reference."""
     import importlib
 
+    import dataclasses
+
     gn = importlib.import_module("cukern.group_norm")
-    monkeypatch.setattr(gn, "CL_TILES_PER_SM", 0)
+    monkeypatch.setattr(gn, "CONFIGS", dataclasses.replace(gn.CONFIGS, tiles_per_sm=0))
     for framework in FRAMEWORKS:
         _run_case(dict(shape=shape, groups=groups, dtype=dtype, framework=framework, weight=True,
                        bias=True, layout="channels_last", dy_layout="same", offset=2.0, eps=1e-5,

@@ -334,20 +334,32 @@ def test_sdpa_matches_pytorch_forward_and_backward(dtype, causal, hkv, d):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("case", [*FN_CASES, "sdpa"])
-def test_eager_path_and_custom_ops_give_the_same_bits(case, monkeypatch):
-    """Outside torch.compile the drop-ins launch through autograd.Functions; inside, through
-    the custom ops. Both must compute the same thing, forward and backward."""
+def test_eager_path_and_custom_ops_give_the_same_bits(case):
+    """Outside torch.compile a drop-in launches through the op's autograd.Function; inside,
+    through the custom op. Both must compute the same thing, forward and backward, on the
+    arguments the drop-in's route gives them."""
+    from cukern.torch._functional import DROPIN_SPECS
+    from cukern.torch._ops import OPS
+
     if case == "sdpa":
-        qkv = [_leaf((2, 4, 130, 64), torch.bfloat16, s) for s in range(3)]
-        inputs, call = qkv, lambda F_, q, k, v: F_.scaled_dot_product_attention(q, k, v, is_causal=True)
+        inputs = [_leaf((2, 4, 130, 64), torch.bfloat16, s) for s in range(3)]
+        name, f_args, kw = "scaled_dot_product_attention", inputs, {"is_causal": True}
     else:
-        inputs, call = FN_CASES[case](torch.bfloat16)
+        inputs, _ = FN_CASES[case](torch.bfloat16)
+        name, f_args, kw = case.split("_2d")[0].replace("_channels_last", "").replace("_scaled", ""), inputs, {}
+        if case == "embedding_scaled":
+            kw = {"scale_grad_by_freq": True}
+    op, args, post = DROPIN_SPECS[name].route(_tools, *f_args, **kw)
+    post = post or (lambda t: t)
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     runs = []
     torch.use_deterministic_algorithms(True)   # (attention's dq: no atomics, so bits repeat)
     try:
-        for compiling in (False, True):
-            monkeypatch.setattr(_tools, "compiling", lambda c=compiling: c)
-            runs.append(_grads(lambda *a: call(ct, *a), *inputs))
+        for call in (OPS[op], OPS[op].compiled):
+            out = post(call(*args))
+            dy = torch.randn(out.shape, generator=torch.Generator(device="cuda").manual_seed(1), device="cuda",
+                             dtype=out.dtype)
+            runs.append((out, torch.autograd.grad(out, leaves, dy)))
     finally:
         torch.use_deterministic_algorithms(False)
     (out_e, grads_e), (out_o, grads_o) = runs
