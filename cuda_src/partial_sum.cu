@@ -5,12 +5,18 @@
 // Sums `nparts` float32 partial rows of width `cols` into `out` (T), in a fixed order:
 // thread (tx, ty) of a 32x8 block sums parts ty, ty+8, ... of column blockIdx.x*32+tx, then
 // the eight slices are added in order of ty. Same bits on every run for the same nparts.
+// Two gradients in one launch (dweight and dbias: one launch less a backward call): blocks
+// with blockIdx.y = 1 sum the next nparts rows into `out2`.
 template <typename T>
 __global__ void __launch_bounds__(256) sum_partial_rows(
-    const float* __restrict__ part, int nparts, int cols, T* __restrict__ out)
+    const float* __restrict__ part, int nparts, int cols, T* __restrict__ out, T* __restrict__ out2)
 {
     using namespace cuk;
     __shared__ float slice[8][33];
+    if (blockIdx.y) {
+        part += static_cast<long long>(nparts) * cols;
+        out = out2;
+    }
     const int col = blockIdx.x * 32 + threadIdx.x;
     float acc = 0.f;
     if (col < cols) {

@@ -63,12 +63,17 @@ class DropIn:
     (docs/torch.md); otherwise compiled graphs keep PyTorch's function. ``probe(f, x)``
     calls PyTorch's function ``f`` on a tiny (2, 4, 2, 8) tensor: how ``cukern.torch`` learns
     which dtype autocast gives the op (it follows the installed PyTorch); None when autocast
-    does not apply.
+    does not apply. ``min_size``: calls smaller than this (in the units the route measures:
+    elements of the input, say) go to PyTorch, counted as "small": there the step waits for
+    the host, and PyTorch's C++ dispatch costs less host time than cukern's Python one while
+    the kernels have almost nothing to save (measured: docs/torch.md). ``patch(min_size=0)``
+    routes them too.
     """
     replaces: str
     route: Callable
     compile: bool = True
     probe: Callable | None = None
+    min_size: int = 0
 
 
 @dataclass(frozen=True)

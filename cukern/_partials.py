@@ -21,8 +21,9 @@ def instances() -> list[Instance]:
     return [instance(dtype) for dtype in _arrays.DTYPES]
 
 
-def sum_rows(builder, part: Slot, out: Slot, nparts: int, cols: int, dtype: str, device: int) -> None:
-    """Add to a plan the launch that sums (nparts, cols) float32 partials at ``part`` into the
-    (cols,) array ``out`` of ``dtype``."""
+def sum_rows(builder, part: Slot, outs: list[Slot], nparts: int, cols: int, dtype: str, device: int) -> None:
+    """Add to a plan the launch that sums the (len(outs), nparts, cols) float32 partials at
+    ``part`` into the (cols,) arrays ``outs`` (one or two) of ``dtype``: one launch for both."""
     k = _kernels.kernel(instance(dtype), device)
-    builder.launch(k, -(-cols // THREADS[0]), THREADS, part=part, nparts=nparts, cols=cols, out=out)
+    builder.launch(k, (-(-cols // THREADS[0]), len(outs)), THREADS, part=part, nparts=nparts, cols=cols,
+                   out=outs[0], out2=outs[1] if len(outs) > 1 else None)

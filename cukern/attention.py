@@ -666,6 +666,8 @@ def _route(T, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         return "causal with seqlen_q != seqlen_k"
     if b * h > 65535 or sq == 0 or sk == 0:
         return "size"
+    if T.small("scaled_dot_product_attention", b * h * sq * sk * d):
+        return T.SMALL
     s = 1.0 / math.sqrt(d) if scale is None else float(scale)
     # (B, H, S, D) read through its transpose; the output comes back in SDPA's layout: no copies.
     return "attention", (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bool(is_causal), s), _transpose12
@@ -685,5 +687,7 @@ FAMILY = Family(
     torch_ops=TORCH_OPS,
     # Under torch.compile PyTorch runs SDPA on cuDNN's Hopper kernels, faster than these
     # FlashAttention-2-class kernels (docs/torch.md): compiled graphs keep PyTorch's.
-    dropins=(DropIn("scaled_dot_product_attention", _route, compile=False, probe=lambda f, x: f(x, x, x)),),
+    # min_size in B*H*Sq*Sk*D (a quarter of the forward's FLOPs).
+    dropins=(DropIn("scaled_dot_product_attention", _route, compile=False, probe=lambda f, x: f(x, x, x),
+                    min_size=2**28),),
 )

@@ -460,6 +460,8 @@ def _route(T, input, weight, padding_idx=None, max_norm=None, norm_type=2.0, sca
         return "max_norm or sparse"
     if padding_idx is not None and not -weight.shape[0] <= padding_idx < weight.shape[0]:
         return "padding_idx out of range"
+    if T.small("embedding", input.numel() * weight.shape[1]):
+        return T.SMALL
     return "embedding", (input, weight, padding_idx, bool(scale_grad_by_freq)), None
 
 
@@ -471,7 +473,7 @@ FAMILY = Family(
     bench=bench_cases,
     torch_bench=torch_bench_cases,
     torch_ops=TORCH_OPS,
-    dropins=(DropIn("embedding", _route, compile=True),),
+    dropins=(DropIn("embedding", _route, compile=True, min_size=2**20),),   # (output elements)
     modules=(ModuleSpec("Embedding", "Embedding", "embedding",
                         lambda m, x: (x, m.weight, m.padding_idx, m.max_norm, m.norm_type, m.scale_grad_by_freq,
                                       m.sparse)),),

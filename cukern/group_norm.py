@@ -318,8 +318,9 @@ def _plan_backward(arrays, num_groups, configs) -> Plan:
              rstd_in=b.slot(4), dx=dx, dw_part=dw_part, db_part=db_part, C=c, G=g, HW=hw, seg=seg,
              seg_len=seg_len, tcv=tcv, tiles=tiles)
     if dw is not None:
-        _partials.sum_rows(b, dw_part, dw, n, c, xa.dtype, device)
-    _partials.sum_rows(b, db_part, db, n, c, xa.dtype, device)
+        _partials.sum_rows(b, dw_part, [dw, db], n, c, xa.dtype, device)
+    else:
+        _partials.sum_rows(b, db_part, [db], n, c, xa.dtype, device)
     return b.plan(device, first=1)
 
 
@@ -526,6 +527,8 @@ def _route(T, input, num_groups, weight=None, bias=None, eps=1e-5):
     if reason is None and (x.dim() < 2 or not isinstance(num_groups, int) or num_groups < 1
                            or x.shape[1] % num_groups):
         reason = "shape or num_groups"
+    if reason is None and T.small("group_norm", x.numel()):
+        reason = T.SMALL
     if reason:
         return reason
     channels_last = x.dim() >= 3 and x.stride(1) == 1 and x.shape[1] > 1 and \
@@ -543,7 +546,7 @@ FAMILY = Family(
     bench=bench_cases,
     torch_bench=torch_bench_cases,
     torch_ops=TORCH_OPS,
-    dropins=(DropIn("group_norm", _route, compile=True, probe=lambda f, x: f(x, 2)),),
+    dropins=(DropIn("group_norm", _route, compile=True, probe=lambda f, x: f(x, 2), min_size=2**20),),
     modules=(ModuleSpec("GroupNorm", "GroupNorm", "group_norm",
                         lambda m, x: (x, m.num_groups, m.weight, m.bias, m.eps)),),
 )

@@ -300,15 +300,17 @@ def _plan_backward(rms, arrays, configs) -> Plan:
     k = _kernels.kernel(cfg.instance("bwd", xa.dtype, rms, vec), device)
     grid = min(-(-rows // cfg.rows_per_block), k.resident_blocks())
     nparts = grid * cfg.groups
-    # One float32 scratch block for the partial rows of dweight and dbias (one allocation).
+    # One float32 scratch block for the partial rows of dweight and dbias (one allocation, one
+    # summing launch for both).
     outs = [o for o in (dw, db) if o is not None]
     part = b.alloc((len(outs), nparts, cols), "float32") if outs else None
-    parts = {id(o): part + j * nparts * cols * 4 for j, o in enumerate(outs)}
+    block = nparts * cols * 4
     b.launch(k, grid, dy=b.slot(0), dy_stride=strides[0], x=b.slot(1), x_stride=strides[1], w=b.slot(2),
              mean=b.slot(3), rstd=b.slot(4), dres=b.slot(5), dres_stride=strides.get(5, 0), dx=dx,
-             dw_part=parts.get(id(dw)), db_part=parts.get(id(db)), rows=rows, cols=cols)
-    for o in outs:
-        _partials.sum_rows(b, parts[id(o)], o, nparts, cols, xa.dtype, device)
+             dw_part=part if dw is not None else None, db_part=None if db is None else part + block * (len(outs) - 1),
+             rows=rows, cols=cols)
+    if outs:
+        _partials.sum_rows(b, part, outs, nparts, cols, xa.dtype, device)
     return b.plan(device, first=1)
 
 
@@ -591,33 +593,42 @@ def _trailing(x, normalized_shape) -> int | None:
     return math.prod(shape)
 
 
+def _norm_args(T, op, x, normalized_shape, params):
+    """(reason or None, x with the normalized dims as one last axis, the params as (D,), the
+    post-processing view back) for a norm route."""
+    d = _trailing(x, normalized_shape)
+    reason = T.float_params(x, *params) or (None if d else "normalized_shape does not match the input")
+    if reason is None and T.small(op, x.numel()):
+        reason = T.SMALL
+    if reason:
+        return reason, None, None, None
+    if x.shape[-1] == d:   # one normalized dim: read as it is
+        return None, x, [None if p is None or p.dim() == 1 else p.reshape(d) for p in params], None
+    shape = x.shape
+    lead = x.dim() - (1 if isinstance(normalized_shape, int) else len(normalized_shape))
+    return None, x.reshape(*shape[:lead], d), [None if p is None else p.reshape(d) for p in params], \
+        (lambda y: y.view(shape))
+
+
 def _route_layer_norm(T, input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """CUDA tensors of float32/float16/bfloat16 (after autocast), weight and bias of the same
+    dtype and device, normalized_shape the trailing dims, at least min_size elements."""
     if not input.is_cuda:
         return "not a CUDA tensor"
     dt = T.autocast_dtype("layer_norm", input.dtype)
-    x, w, b = T.cast(input, dt), T.cast(weight, dt), T.cast(bias, dt)
-    d = _trailing(x, normalized_shape)
-    reason = T.float_params(x, w, b) or (None if d else "normalized_shape does not match the input")
-    if reason:
-        return reason
-    shape = x.shape
-    return ("layer_norm", (x.reshape(-1, d), None if w is None else w.reshape(d), None if b is None else b.reshape(d),
-                           float(eps)), lambda y: y.view(shape))
+    reason, x, (w, b), post = _norm_args(T, "layer_norm", T.cast(input, dt), normalized_shape,
+                                         (T.cast(weight, dt), T.cast(bias, dt)))
+    return reason or ("layer_norm", (x, w, b, float(eps)), post)
 
 
 def _route_rms_norm(T, input, normalized_shape, weight=None, eps=None):
+    """As layer_norm's; eps=None is PyTorch's default, float32's machine epsilon (the
+    arithmetic is float32 for every input dtype)."""
     if not input.is_cuda:
         return "not a CUDA tensor"
     dt = T.autocast_dtype("rms_norm", input.dtype)
-    x, w = T.cast(input, dt), T.cast(weight, dt)
-    d = _trailing(x, normalized_shape)
-    reason = T.float_params(x, w) or (None if d else "normalized_shape does not match the input")
-    if reason:
-        return reason
-    # eps=None: PyTorch's default, the machine epsilon of the float32 arithmetic it computes in.
-    e = T.FLOAT32_EPS if eps is None else float(eps)
-    shape = x.shape
-    return ("rms_norm", (x.reshape(-1, d), None if w is None else w.reshape(d), e), lambda y: y.view(shape))
+    reason, x, (w,), post = _norm_args(T, "rms_norm", T.cast(input, dt), normalized_shape, (T.cast(weight, dt),))
+    return reason or ("rms_norm", (x, w, T.FLOAT32_EPS if eps is None else float(eps)), post)
 
 
 FAMILY = Family(
@@ -631,8 +642,9 @@ FAMILY = Family(
     torch_ops=TORCH_OPS,
     # Under torch.compile Inductor fuses the norms with the casts and residual adds around them;
     # a custom op blocks that fusion and measured slower in the demo (docs/torch.md).
-    dropins=(DropIn("layer_norm", _route_layer_norm, compile=False, probe=lambda f, x: f(x, (8,))),
-             DropIn("rms_norm", _route_rms_norm, compile=False, probe=lambda f, x: f(x, (8,)))),
+    # Below 2**20 elements (4 MB of float32) a call waits for the host either way (docs/torch.md).
+    dropins=(DropIn("layer_norm", _route_layer_norm, compile=False, probe=lambda f, x: f(x, (8,)), min_size=2**20),
+             DropIn("rms_norm", _route_rms_norm, compile=False, probe=lambda f, x: f(x, (8,)), min_size=2**20)),
     modules=(ModuleSpec("LayerNorm", "LayerNorm", "layer_norm",
                         lambda m, x: (x, m.normalized_shape, m.weight, m.bias, m.eps)),
              ModuleSpec("RMSNorm", "RMSNorm", "rms_norm", lambda m, x: (x, m.normalized_shape, m.weight, m.eps))),

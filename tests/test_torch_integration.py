@@ -24,8 +24,12 @@ NAMES = ("layer_norm", "rms_norm", "group_norm", "embedding", "scaled_dot_produc
 
 
 @pytest.fixture(autouse=True)
-def _clean():
+def _clean(monkeypatch):
+    """No patch left behind, and every call routed whatever its size (the tests' tensors are
+    small; test_small_calls_stay_with_pytorch checks the thresholds themselves)."""
     ct.reset_counts()
+    for name in _tools.MIN_SIZE:
+        monkeypatch.setitem(_tools.MIN_SIZE, name, 0)
     yield
     while ct.is_patched():
         ct.unpatch()
@@ -231,6 +235,25 @@ def test_each_ops_autograd_wiring_routes_every_gradient_to_its_input(which):
         dy = torch.randn(out.shape, generator=g)
         for a, e in zip(torch.autograd.grad(out, live, dy), torch.autograd.grad(expect, live, dy)):
             torch.testing.assert_close(a, e, msg=name)
+
+
+def test_patch_min_size_sets_the_thresholds_and_unpatch_restores_them():
+    from cukern.torch._functional import DEFAULT_MIN_SIZE
+
+    for name in _tools.MIN_SIZE:    # (the autouse fixture zeroed them for the other tests)
+        _tools.MIN_SIZE[name] = DEFAULT_MIN_SIZE[name]
+    assert DEFAULT_MIN_SIZE["layer_norm"] > 0 and DEFAULT_MIN_SIZE["scaled_dot_product_attention"] > 0
+    with ct.patch(min_size=0):
+        assert set(_tools.MIN_SIZE.values()) == {0}
+        with ct.patch(min_size=5):   # nested: the outermost decides
+            assert set(_tools.MIN_SIZE.values()) == {0}
+    assert _tools.MIN_SIZE == DEFAULT_MIN_SIZE
+    with ct.patch(min_size={"layer_norm": 7}):
+        assert _tools.MIN_SIZE["layer_norm"] == 7 and _tools.MIN_SIZE["embedding"] == DEFAULT_MIN_SIZE["embedding"]
+    assert _tools.MIN_SIZE == DEFAULT_MIN_SIZE
+    with pytest.raises(TypeError, match="^min_size"):
+        ct.patch(min_size="big")
+    assert not ct.is_patched()
 
 
 def test_drop_ins_keep_pytorchs_signatures():
@@ -459,8 +482,8 @@ def _opcheck_cases():
         (ops.group_norm.default, (t((2, 8, 5, 3)), 4, t((8,), seed=1), t((8,), seed=2), 1e-5)),
         (ops.group_norm.default, (t((2, 8, 5, 3)).detach().to(memory_format=torch.channels_last).requires_grad_(True),
                                   2, None, None, 1e-5)),
-        (ops.embedding.default, (idx, t((20, 32)), None)),
-        (ops.embedding_scaled.default, (idx, t((20, 32)), 0)),
+        (ops.embedding.default, (idx, t((20, 32)), None, False)),
+        (ops.embedding.default, (idx, t((20, 32)), 0, True)),
         (ops.attention.default, (t((2, 40, 4, 64)), t((2, 40, 2, 64), seed=1), t((2, 40, 2, 64), seed=2), True, 0.125)),
     ]
 
@@ -550,12 +573,12 @@ KERNEL_CASES = {
     # drop-in forward + backward -> the kernels it must launch, and nothing else
     "layer_norm": (lambda x, d: torch.autograd.grad(ct.layer_norm(x, (x.shape[-1],), d["w"], d["b"]),
                                                     (x, d["w"], d["b"]), d["dy"]),
-                   ["norm_bwd", "norm_fwd", "sum_partial_rows", "sum_partial_rows"]),
+                   ["norm_bwd", "norm_fwd", "sum_partial_rows"]),
     "rms_norm": (lambda x, d: torch.autograd.grad(ct.rms_norm(x, (x.shape[-1],), d["w"]), (x, d["w"]), d["dy"]),
                  ["norm_bwd", "norm_fwd", "sum_partial_rows"]),
     "rms_norm no grad": (lambda x, d: ct.rms_norm(x.detach(), (x.shape[-1],), d["w"].detach()), ["norm_fwd"]),
-    "sdpa": (lambda x, d: torch.autograd.grad(ct.scaled_dot_product_attention(d["q"], d["q"], d["q"], is_causal=True),
-                                              (d["q"],), d["do"]),
+    "sdpa": (lambda x, d: torch.autograd.grad(ct.scaled_dot_product_attention(d["q"], d["k"], d["v"], is_causal=True),
+                                              (d["q"], d["k"], d["v"]), d["do"]),
              ["attention_bwd_dkdv", "attention_bwd_dot", "attention_bwd_dq_convert", "attention_fwd"]),
 }
 
@@ -571,7 +594,8 @@ def test_a_call_launches_its_kernels_and_nothing_else(case):
     d = {"w": torch.randn(1024, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True),
          "b": torch.randn(1024, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True),
          "dy": torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16, generator=g),
-         "q": torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True),
+         **{n: torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+            for n in ("q", "k", "v")},
          "do": torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16, generator=g)}
     fn, expect = KERNEL_CASES[case]
     got = _kernel_kinds(_kernels_of(lambda: fn(x, d)))
@@ -590,9 +614,11 @@ def test_embedding_backward_launches_only_its_own_steps():
     ours = [n for n in _kernel_kinds(names) if n.startswith("embedding")]
     assert ours == ["embedding_bwd_chunks", "embedding_bwd_combine", "embedding_bwd_keys", "embedding_bwd_zero",
                     "embedding_fwd_warp"]
-    others = [n for n in names if not n.split("<")[0].replace("void ", "").startswith("embedding")]
-    assert all(("sort" in n.lower() or "radix" in n.lower() or "fill" in n.lower() or "onesweep" in n.lower()
-                or "histogram" in n.lower() or "exclusive" in n.lower() or "scan" in n.lower()) for n in others), others
+    others = sorted(n for n in names if not n.split("<")[0].replace("void ", "").startswith("embedding"))
+    keys = torch.randint(0, 2**40, (4 * 64,), device="cuda")
+    sort = _kernels_of(lambda: torch.sort(keys))
+    touched = _kernels_of(lambda: torch.empty(1000, dtype=torch.uint8, device="cuda").fill_(0))
+    assert others == sorted(sort + touched), others
 
 
 @gpu
@@ -647,3 +673,25 @@ def test_a_repeated_call_reuses_its_launch_plan():
     y2 = ct.rms_norm(x.clone(), (128,), w.clone())   # other buffers, the same call signature
     assert norm._FWD.plans.keys() == first.keys() and all(norm._FWD.plans[k] is p for k, p in first.items())
     assert torch.equal(y1, y2)
+
+
+@gpu
+@needs_cuda
+def test_small_calls_stay_with_pytorch_with_the_reason_counted():
+    """Below a function's min_size PyTorch's own function runs (its dispatch costs less host
+    time than cukern's kernels can save); patch(min_size=0) routes those calls too."""
+    from cukern.torch._functional import DEFAULT_MIN_SIZE
+
+    for name in _tools.MIN_SIZE:
+        _tools.MIN_SIZE[name] = DEFAULT_MIN_SIZE[name]
+    small = torch.randn(4, 128, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(128, device="cuda", dtype=torch.bfloat16)
+    big = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(ct.layer_norm(small, (128,), w), ORIG["layer_norm"](small, (128,), w), rtol=0, atol=0)
+    ct.layer_norm(big, (1024,))
+    c = ct.counts(reasons=True)["layer_norm"]
+    assert c["cukern"] == 1 and c["torch"] == 1 and c["torch_reasons"] == {_tools.SMALL: 1}
+    ct.reset_counts()
+    with ct.patch(min_size=0):
+        F.layer_norm(small, (128,), w)
+    assert ct.counts()["layer_norm"] == {"cukern": 1, "torch": 0}

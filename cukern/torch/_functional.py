@@ -9,7 +9,7 @@ what Inductor makes of PyTorch's code, and PyTorch's function otherwise (``DropI
 """
 from __future__ import annotations
 
-import functools
+import inspect
 import threading
 import types
 from collections import defaultdict
@@ -27,6 +27,8 @@ ORIGINAL: dict[str, Callable] = {name: getattr(F, name) for name in DROPIN_SPECS
 ORIGINAL_F = types.SimpleNamespace(**ORIGINAL)   # (the same, as attributes: ORIGINAL_F.layer_norm)
 _tools.ORIGINAL.update(ORIGINAL)
 _tools.PROBES.update({name: d.probe for name, d in DROPIN_SPECS.items() if d.probe is not None})
+DEFAULT_MIN_SIZE = {name: d.min_size for name, d in DROPIN_SPECS.items()}
+_tools.MIN_SIZE.update(DEFAULT_MIN_SIZE)
 
 
 # ---- counts ----------------------------------------------------------------------------------
@@ -85,11 +87,16 @@ def _make(name: str) -> Callable:
             out = OPS[op](*op_args)
         return out if post is None else post(out)
 
-    functools.update_wrapper(dropin, original)
+    # F's signature for inspect, but no __wrapped__: dynamo would take a wrapper of F.layer_norm
+    # for F.layer_norm itself and put the call in the graph instead of tracing it.
+    try:
+        dropin.__signature__ = inspect.signature(original)
+    except ValueError:   # a builtin (scaled_dot_product_attention)
+        pass
+    dropin.__name__ = dropin.__qualname__ = name
     dropin.__doc__ = (f"``torch.nn.functional.{name}`` on cukern's kernels when it supports the call, "
                       f"PyTorch's otherwise (same signature; see cukern.torch.counts()).\n\n"
                       f"cukern takes the call when: {(route.__doc__ or 'see docs/torch.md').strip()}")
-    dropin.__module__ = __name__
     return dropin
 
 

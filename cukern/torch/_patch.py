@@ -14,7 +14,7 @@ import threading
 import torch.nn.functional as F
 
 from . import _tools
-from ._functional import DROPINS, ORIGINAL
+from ._functional import DEFAULT_MIN_SIZE, DROPINS, ORIGINAL
 
 OPS = tuple(DROPINS)
 _lock = threading.Lock()
@@ -33,7 +33,7 @@ class _Patched:
         return False
 
 
-def patch(ops=None) -> _Patched:
+def patch(ops=None, *, min_size=None) -> _Patched:
     """Route the functions above to cukern (nested calls count: each ``patch()`` wants one
     ``unpatch()``). Usable as ``cukern.torch.patch()`` or ``with cukern.torch.patch(): ...``.
 
@@ -41,18 +41,27 @@ def patch(ops=None) -> _Patched:
         ops: names of the functions to route (default: all, ``cukern.torch.OPS``), e.g.
             ``ops=("layer_norm", "embedding")`` to leave attention to PyTorch. The outermost
             ``patch()`` decides.
+        min_size: calls smaller than this stay with PyTorch: an int for every function, or
+            {name: int}. Default: each function's measured threshold (docs/torch.md), below
+            which PyTorch's C++ dispatch costs less host time than the kernels save; 0 routes
+            every call. The outermost ``patch()`` decides; the last ``unpatch()`` restores them.
     """
     global _depth, _routed
     names = OPS if ops is None else tuple(ops)
     unknown = sorted(set(names) - set(OPS))
     if unknown:
         raise ValueError(f"ops: unknown {unknown}; choose from {list(OPS)}")
+    if min_size is not None and not isinstance(min_size, (int, dict)):
+        raise TypeError(f"min_size: expected an int or a dict of ints, got {type(min_size).__name__}")
     _tools.prepare()
     with _lock:
         if _depth == 0:
             _routed = names
             for name in names:
                 setattr(F, name, DROPINS[name])
+            if min_size is not None:
+                _tools.MIN_SIZE.update(min_size if isinstance(min_size, dict)
+                                       else dict.fromkeys(OPS, int(min_size)))
         _depth += 1
     return _Patched()
 
@@ -68,6 +77,7 @@ def unpatch() -> None:
             for name in _routed:
                 setattr(F, name, ORIGINAL[name])
             _routed = ()
+            _tools.MIN_SIZE.update(DEFAULT_MIN_SIZE)
 
 
 def is_patched() -> bool:

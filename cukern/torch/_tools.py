@@ -18,6 +18,15 @@ _policy: dict[tuple, torch.dtype] = {}
 # op -> probe(f, x): calls PyTorch's function f on a tiny tensor x (from the families' DropIns).
 PROBES: dict[str, object] = {}
 ORIGINAL: dict[str, object] = {}
+# op -> the size below which its calls stay with PyTorch (the DropIns' min_size; patch() may
+# override it).
+MIN_SIZE: dict[str, int] = {}
+SMALL = "small: PyTorch's dispatch costs less host time than the kernels save"
+
+
+def small(op: str, size: int) -> bool:
+    """Whether a call of ``op`` of ``size`` is too small to be worth cukern's host time."""
+    return size < MIN_SIZE.get(op, 0)
 
 
 def compiling() -> bool:
