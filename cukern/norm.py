@@ -603,7 +603,7 @@ def _norm_args(T, op, x, normalized_shape, params):
     if reason:
         return reason, None, None, None
     if x.shape[-1] == d:   # one normalized dim: read as it is
-        return None, x, [None if p is None or p.dim() == 1 else p.reshape(d) for p in params], None
+        return None, x, [p if p is None or p.dim() == 1 else p.reshape(d) for p in params], None
     shape = x.shape
     lead = x.dim() - (1 if isinstance(normalized_shape, int) else len(normalized_shape))
     return None, x.reshape(*shape[:lead], d), [None if p is None else p.reshape(d) for p in params], \
