@@ -601,7 +601,7 @@ def _norm_args(T, op, x, normalized_shape, params):
     if reason is None and T.small(op, x.numel()):
         reason = T.SMALL
     if reason:
-        return reason, None, None, None
+        return reason, None, (None,) * len(params), None
     if x.shape[-1] == d:   # one normalized dim: read as it is
         return None, x, [p if p is None or p.dim() == 1 else p.reshape(d) for p in params], None
     shape = x.shape

@@ -695,3 +695,19 @@ def test_small_calls_stay_with_pytorch_with_the_reason_counted():
     with ct.patch(min_size=0):
         F.layer_norm(small, (128,), w)
     assert ct.counts()["layer_norm"] == {"cukern": 1, "torch": 0}
+
+
+def test_a_patched_model_traces_under_compile_on_the_cpu():
+    """torch.compile of a patched model: the functions left to PyTorch inside graphs reach the
+    drop-in again through __torch_function__ on fake tensors while AOTAutograd traces; that
+    call must run PyTorch's function (aot_eager: the tracing, without code generation)."""
+    cfg = demo.Config(layers=1, dim=32, heads=2, vocab=50, seq=16)
+    torch.manual_seed(0)
+    model = demo.GPT(cfg)
+    tokens, targets = demo.batch(torch.Generator().manual_seed(0), 2, cfg.seq, cfg.vocab, "cpu")
+    torch._dynamo.reset()
+    with ct.patch():
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(tokens, targets)
+        eager = model(tokens, targets)
+    torch.testing.assert_close(compiled, eager)
+    compiled.backward()

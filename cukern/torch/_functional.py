@@ -15,6 +15,7 @@ import types
 from collections import defaultdict
 from typing import Callable, Optional
 
+import torch
 import torch.nn.functional as F
 
 from .._registry import families
@@ -74,6 +75,10 @@ def _make(name: str) -> Callable:
         compiling = _tools.compiling()
         if compiling and not routed_in_graphs:
             return original(*args, **kwargs)
+        if not compiling and _tools.traced(args):
+            # PyTorch's function, run without the __torch_function__ bounce back to this name
+            with torch._C.DisableTorchFunctionSubclass():
+                return original(*args, **kwargs)
         r = route(_tools, *args, **kwargs)
         if r.__class__ is str:
             if not compiling:

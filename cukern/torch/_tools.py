@@ -34,6 +34,21 @@ def compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def traced(args) -> bool:
+    """Whether a drop-in is being called on fake tensors while a graph is traced below dynamo
+    (AOTAutograd runs a graph that kept PyTorch's function: through its __torch_function__
+    dispatch that reaches the patched name, i.e. the drop-in, again)."""
+    t = args[0] if args else None
+    if type(t) in _PLAIN or not isinstance(t, torch.Tensor):
+        return False
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode(args) is not None
+
+
 def deterministic() -> bool:
     return torch.are_deterministic_algorithms_enabled()
 
