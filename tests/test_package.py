@@ -67,7 +67,7 @@ def dists(tmp_path_factory):
     """sdist and wheel built from the checkout (the wheel from the sdist, as pip would)."""
     missing = [m for m in ("build", "hatchling") if importlib.util.find_spec(m) is None]
     if missing:  # both are in the `test` extra; CI must not skip this
-        message = f"{' and '.join(missing)} not installed (pip install -e '.[test]')"
+        message = f"{' and '.join(missing)} not installed (pip install -e '.[dev]')"
         if os.environ.get("CI"):
             pytest.fail(f"CI is set but {message}")
         pytest.skip(message)
