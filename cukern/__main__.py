@@ -332,7 +332,8 @@ class _Help(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (no torch import)."""
     fmt = _Help
     gpu = " (needs a CUDA GPU)"
     parser = argparse.ArgumentParser(
@@ -391,9 +392,14 @@ def main(argv=None) -> int:
     p.add_argument("--ops", metavar="A,B", help="the functions patch() routes (default: all of cukern.torch.OPS)")
     p.add_argument("--json", metavar="PATH", help="also write the figures to PATH (default: no file)")
     p.set_defaults(func=cmd_profile)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    top = parser()
+    args = top.parse_args(argv)
     if args.command is None:
-        parser.print_help()
+        top.print_help()
         return EXIT_UNAVAILABLE
     return args.func(args)
 

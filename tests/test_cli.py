@@ -1,6 +1,7 @@
 """``python -m cukern`` and the pure parts of the benchmark mechanism (no GPU needed)."""
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import subprocess
@@ -46,6 +47,50 @@ def test_help():
     assert p.returncode == 0, p.stderr
     for option in ("--quick", "--filter", "--json"):
         assert option in p.stdout
+
+
+def _subparsers():
+    from cukern.__main__ import parser
+
+    top = parser()
+    (sub,) = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
+    return top, sub
+
+
+def test_every_option_has_help_text_with_its_default():
+    top, sub = _subparsers()
+    for name, p in sub.choices.items():
+        text = p.format_help()
+        for action in p._actions:
+            if not action.option_strings or action.help == argparse.SUPPRESS or "-h" in action.option_strings:
+                continue
+            assert action.help, f"{name} {action.option_strings}: no help text"
+            line = p._get_formatter()._get_help_string(action)
+            assert "default" in line, f"{name} {action.option_strings}: the help does not give the default"
+            assert action.option_strings[0] in text
+
+
+def test_the_gpu_commands_say_so_alike():
+    top, sub = _subparsers()
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    for name in ("bench", "train-demo", "profile"):
+        assert helps[name].endswith("(needs a CUDA GPU)"), helps[name]
+        assert sub.choices[name].description.rstrip(".").endswith("(needs a CUDA GPU)")
+    assert "no GPU needed" in helps["info"]
+
+
+def test_the_gpu_commands_refuse_alike_without_a_gpu():
+    if gpu_present():
+        pytest.skip("a GPU is present")
+    hints = set()
+    for args in (("bench", "--quick"), ("train-demo", "--steps", "1"), ("profile", "--steps", "1")):
+        p = run_cli(*args)
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+        lines = p.stderr.strip().splitlines()
+        assert lines[0].startswith(f"cukern {args[0]}: cannot run here: ")
+        hints.add(lines[-1].replace(args[0], "COMMAND"))
+    assert len(hints) == 1, hints
+    assert "python -m cukern info" in hints.pop()
 
 
 def test_info():
