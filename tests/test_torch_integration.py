@@ -120,9 +120,9 @@ def test_demo_model_runs_on_the_cpu_and_categories():
     loss.backward()
     assert 3.0 < loss.item() < 5.0   # about ln(50) at initialization
     assert demo.category("sm90_xmma_gemm_bf16bf16_bf16f32") == "matrix multiply"
-    assert demo.category("void attention_bwd_dkdv<cuk_bf16, 128>") == "attention"
+    assert demo.category("void attention_bwd_dkdv<cuk::bf16, 128>") == "attention"
     assert demo.category("pytorch_flash::flash_fwd_kernel") == "attention"
-    assert demo.category("void norm_fwd<cuk_bf16>") == "normalization"
+    assert demo.category("void norm_fwd<cuk::bf16>") == "normalization"
     assert demo.category("void sum_partial_rows<float>") == "normalization"
     assert demo.category("void at::native::GammaBetaBackwardCUDAKernelTemplate<float>") == "normalization"
     assert demo.category("void at::native::vectorized_layer_norm_kernel<float>") == "normalization"
