@@ -484,20 +484,26 @@ def run_cases(cases: Sequence[Case], progress: Callable[[int, int, Case], None] 
     case)`` is called before case ``i`` (from 1) of ``n``. A case that raises gets a record
     with ``error`` set, and the others still run.
     """
-    import torch
-
     if copy_gbps is None and any(c.flops is None for c in cases):
         copy_gbps = copy_bandwidth()
     if matmul_tflops is None and any(c.flops is not None for c in cases):
         matmul_tflops = matmul_rate()
+    return _run_each(run_case, cases, progress, warmup=warmup, reps=reps, copy_gbps=copy_gbps,
+                     matmul_tflops=matmul_tflops)
+
+
+def _run_each(run_one: Callable, cases: Sequence, progress: Callable | None, **kw) -> list[dict]:
+    """``run_one(case, **kw, l2=...)`` for every case, in order; a case that raises gets a
+    record with ``error`` set and the others still run."""
+    import torch
+
     l2 = l2_bytes()
     results = []
     for i, case in enumerate(cases):
         if progress is not None:
             progress(i + 1, len(cases), case)
         try:
-            results.append(run_case(case, warmup=warmup, reps=reps, copy_gbps=copy_gbps,
-                                    matmul_tflops=matmul_tflops, l2=l2))
+            results.append(run_one(case, l2=l2, **kw))
         except Exception as e:  # noqa: BLE001 - report it in the table, run the next case
             results.append(error_result(case, f"{type(e).__name__}: {e}".strip()))
         torch.cuda.empty_cache()
@@ -604,20 +610,8 @@ def run_torch_case(case: TorchCase, *, warmup: int = 10, reps: int = 100, copy_g
 def run_torch_cases(cases: Sequence[TorchCase], progress: Callable | None = None, *, warmup: int = 10,
                     reps: int = 100, copy_gbps: float | None = None, matmul_tflops: float | None = None) -> list[dict]:
     """Every PyTorch-path case; a case that raises gets a record with ``error`` set."""
-    import torch
-
-    l2 = l2_bytes()
-    results = []
-    for i, case in enumerate(cases):
-        if progress is not None:
-            progress(i + 1, len(cases), case)
-        try:
-            results.append(run_torch_case(case, warmup=warmup, reps=reps, copy_gbps=copy_gbps,
-                                          matmul_tflops=matmul_tflops, l2=l2))
-        except Exception as e:  # noqa: BLE001 - report it in the table, run the next case
-            results.append(error_result(case, f"{type(e).__name__}: {e}".strip()))
-        torch.cuda.empty_cache()
-    return results
+    return _run_each(run_torch_case, cases, progress, warmup=warmup, reps=reps, copy_gbps=copy_gbps,
+                     matmul_tflops=matmul_tflops)
 
 
 def format_torch_table(results: list[dict]) -> str:

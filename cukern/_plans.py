@@ -145,5 +145,15 @@ class Builder:
         """Any other step: ``fn(bufs, ptrs, stream)``."""
         self.steps.append(fn)
 
+    def fill(self, value: float, *slots) -> None:
+        """A step that fills the given buffers (None slots skipped) with ``value``, on the
+        caller's stream: the outputs of degenerate shapes (no rows, no keys, ...)."""
+        indices = [s.index for s in slots if s is not None]
+
+        def fill(bufs, ptrs, stream):
+            for i in indices:
+                _arrays.fill(bufs[i], value)
+        self.steps.append(fill)
+
     def plan(self, device: int, first: int = 0) -> Plan:
         return Plan(device, fixes=self.fixes, allocs=self.allocs, steps=self.steps, first=first)

@@ -321,11 +321,8 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs) -
     lse = b.alloc((batch, h, sq), "float32") if return_lse else None
     if batch * h * sq:
         if sk == 0:  # no keys: zeros, lse = +inf
-            def empty_keys(bufs, ptrs, stream):
-                _arrays.fill(bufs[out.index], 0.0)
-                if lse is not None:
-                    _arrays.fill(bufs[lse.index], float("inf"))
-            b.step(empty_keys)
+            b.fill(0.0, out)
+            b.fill(float("inf"), lse)
         else:
             cfg = configs.get("fwd", d)
             k = _kernels.kernel(cfg.instance(qa.dtype, d, causal), device)
@@ -398,10 +395,7 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
     dk = b.alloc(ka.shape, qa.dtype, "contiguous" if 2 in copied else "like", 2)
     dv = b.alloc(va.shape, qa.dtype, "contiguous" if 3 in copied else "like", 3)
     if batch * h * sq == 0 or sk == 0:
-        def zeros(bufs, ptrs, stream):
-            for o in (dq, dk, dv):
-                _arrays.fill(bufs[o.index], 0.0)
-        b.step(zeros)
+        b.fill(0.0, dq, dk, dv)
         return b.plan(device, first=1)
     dqs, dks, dvs = _like(qa, 1 in copied), _like(ka, 2 in copied), _like(va, 3 in copied)
     dsum = b.alloc((batch, h, sq), "float32")

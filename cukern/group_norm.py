@@ -235,10 +235,8 @@ def _plan_forward(arrays, num_groups, eps, return_stats, configs) -> Plan:
         b.launch(k, _grid(k, cfg, tiles, device), x=b.slot(0), w=b.slot(1), b=b.slot(2), y=y, mean_out=mean,
                  rstd_out=rstd, C=c, G=g, HW=hw, seg=seg, seg_len=seg_len, tcv=tcv, tiles=tiles, eps=epsf)
     elif groups and return_stats:  # empty groups: nothing to normalize
-        def stats(bufs, ptrs, stream):
-            _arrays.fill(bufs[mean.index], 0.0)
-            _arrays.fill(bufs[rstd.index], float(1.0 / np.sqrt(np.float32(epsf))) if epsf > 0 else float("inf"))
-        b.step(stats)
+        b.fill(0.0, mean)
+        b.fill(float(1.0 / np.sqrt(np.float32(epsf))) if epsf > 0 else float("inf"), rstd)
     return b.plan(device)
 
 
@@ -301,11 +299,7 @@ def _plan_backward(arrays, num_groups, configs) -> Plan:
     db = b.alloc((c,), xa.dtype)
     groups = n * g
     if not (groups and c // g * hw):
-        def zero(bufs, ptrs, stream):
-            for out in (dw, db):
-                if out is not None:
-                    _arrays.fill(bufs[out.index], 0.0)
-        b.step(zero)
+        b.fill(0.0, dw, db)
         return b.plan(device, first=1)
     cfg = configs.get("bwd", cl)
     vec, gt, (seg, seg_len, tcv) = _geometry(xa, cl, g, cfg.threads, (None if copy else xa,

@@ -208,11 +208,8 @@ def _plan_forward(rms, arrays, eps, return_stats, configs) -> Plan:
                  x=b.slot(0), x_stride=xs, res=b.slot(3), res_stride=rs, w=b.slot(1), b=b.slot(2), y=y, h=h,
                  mean_out=mean, rstd_out=rstd, rows=rows, cols=cols, eps=epsf)
     elif rows and return_stats:   # zero-width rows: nothing to normalize; y and h are empty
-        def stats(bufs, ptrs, stream):
-            if mean is not None:
-                _arrays.fill(bufs[mean.index], 0.0)
-            _arrays.fill(bufs[rstd.index], float(1.0 / np.sqrt(np.float32(epsf))) if epsf > 0 else float("inf"))
-        b.step(stats)
+        b.fill(0.0, mean)
+        b.fill(float(1.0 / np.sqrt(np.float32(epsf))) if epsf > 0 else float("inf"), rstd)
     return b.plan(device)
 
 
@@ -281,11 +278,7 @@ def _plan_backward(rms, arrays, configs) -> Plan:
     dw = b.alloc((cols,), xa.dtype) if wa is not None else b.absent()
     db = b.alloc((cols,), xa.dtype) if not rms else b.absent()
     if not (rows and cols):
-        def zero(bufs, ptrs, stream):
-            for out in (dw, db):
-                if out is not None:
-                    _arrays.fill(bufs[out.index], 0.0)
-        b.step(zero)
+        b.fill(0.0, dw, db)
         return b.plan(device, first=1)
     strides, copies = {}, set()
     for i, a in ((0, da), (1, xa), (5, dra)):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import subprocess
@@ -353,3 +354,22 @@ def test_time_cuda_rotates_sets_and_takes_the_median(monkeypatch):
     calls = []
     assert _bench.time_cuda(lambda: calls.append(1), warmup=2, reps=5) == 0.0
     assert len(calls) == 1 + 2 + 5
+
+
+def test_each_case_runs_in_order_and_an_error_is_recorded_not_raised(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(_bench, "l2_bytes", lambda device=0: 1)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    seen = []
+
+    def run_one(case, l2, **kw):
+        seen.append((case.name, l2, kw))
+        if case.name == "bad":
+            raise ValueError("boom")
+        return {"name": case.name}
+
+    cases = [_case(), dataclasses.replace(_case(), name="bad"), _case()]
+    progress = []
+    out = _bench._run_each(run_one, cases, lambda i, n, c: progress.append((i, n)), reps=3)
+    assert [r["name"] for r in out] == ["toy op", "bad", "toy op"] and out[1]["error"] == "ValueError: boom"
+    assert seen[0] == ("toy op", 1, {"reps": 3}) and progress == [(1, 3), (2, 3), (3, 3)]

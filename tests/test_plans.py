@@ -133,3 +133,16 @@ def test_like_strides_keep_a_dense_layout_and_order_the_rest():
     assert _arrays.like_strides((2, 3, 4, 5), (60, 5, 15, 1)) == (60, 5, 15, 1)
     assert _arrays.like_strides((2, 16, 4, 64), (16 * 3 * 4 * 64, 3 * 4 * 64, 64, 1)) == (16 * 4 * 64, 4 * 64, 64, 1)
     assert _arrays.like_strides((3, 4), (4, 1)) == (4, 1)
+
+
+def test_a_fill_step_fills_the_given_buffers_and_skips_absent_ones():
+    from cukern._plans import Builder
+
+    arrays = [_arrays.wrap(np.ones(3, np.float32), "x"), None]
+    b = Builder(arrays)
+    out = b.alloc((2,), "float32")
+    b.fill(7.0, out, None, b.slot(1))
+    bufs = arrays + [_arrays.wrap(np.zeros(2, np.float32), "out")]
+    for step in b.steps:
+        step(bufs, [0, 0, 0], 0)
+    assert bufs[2].obj.tolist() == [7.0, 7.0] and bufs[0].obj.tolist() == [1.0, 1.0, 1.0]
