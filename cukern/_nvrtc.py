@@ -37,7 +37,8 @@ def library() -> ctypes.CDLL:
             return ctypes.CDLL(name)
         except OSError as e:
             errors.append(f"{name}: {e}")
-    raise OSError("libnvrtc not found (pip install nvidia-cuda-nvrtc-cu12): " + "; ".join(errors))
+    raise OSError("libnvrtc not found (it comes with cukern's CUDA extras: pip install \".[cuda13]\" or "
+                  "\".[cuda12]\", i.e. CuPy's [ctk]): " + "; ".join(errors))
 
 
 def version() -> tuple[int, int]:
