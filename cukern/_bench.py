@@ -48,6 +48,10 @@ AGREE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2}
 
 # ---- cases ----------------------------------------------------------------------------------
 
+def _shape_label(shape) -> str:
+    return "x".join(str(n) for n in shape)
+
+
 @dataclass(frozen=True)
 class Case:
     """One benchmark: cukern and torch doing the same work on the same inputs.
@@ -68,9 +72,7 @@ class Case:
     torch_fn: Callable[[dict], Any]
     flops: int | None = None
 
-    @property
-    def shape_label(self) -> str:
-        return "x".join(str(n) for n in self.shape)
+    shape_label = property(lambda self: _shape_label(self.shape))
 
 
 @dataclass(frozen=True)
@@ -93,9 +95,7 @@ class TorchCase:
     backward: bool = True
     flops: int | None = None
 
-    @property
-    def shape_label(self) -> str:
-        return "x".join(str(n) for n in self.shape)
+    shape_label = property(lambda self: _shape_label(self.shape))
 
 
 def elements_bytes(shape: Sequence[int], dtype: str, passes: int | float = 1) -> int:

@@ -29,14 +29,19 @@ def like(a: DeviceArray | None, ref: DeviceArray, shape) -> DeviceArray | None:
     return a
 
 
-def eps(value, name: str = "eps") -> float:
-    """A finite, non-negative number."""
+def _number(value, name: str) -> float:
+    """``value`` as a float: a real number (not a bool, not a string)."""
     if isinstance(value, (str, bytes, bool, np.bool_)):
         raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
     try:
-        e = float(value)
+        return float(value)
     except (TypeError, ValueError):
         raise TypeError(f"{name}: expected a number, got {type(value).__name__}") from None
+
+
+def eps(value, name: str = "eps") -> float:
+    """A finite, non-negative number."""
+    e = _number(value, name)
     if not math.isfinite(e) or e < 0:
         raise ValueError(f"{name}: must be finite and non-negative, got {value}")
     return e
@@ -54,12 +59,7 @@ def index(value, name: str) -> int:
 
 def positive_float32(value, name: str, *, log2e: bool = False) -> float:
     """A finite positive number that stays a normal float32 (also times log2(e) when asked)."""
-    if isinstance(value, (str, bytes, bool, np.bool_)):
-        raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
-    try:
-        s = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name}: expected a number, got {type(value).__name__}") from None
+    s = _number(value, name)
     if not (math.isfinite(s) and s > 0):
         raise ValueError(f"{name}: must be finite and positive, got {value}")
     tiny, big = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
