@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 
 import numpy as np
 
@@ -383,10 +384,16 @@ def launch_stream(like: DeviceArray) -> int:
 
 class on_device:
     """Make ``device`` current for the block (CUDA's runtime device, which the driver's launch
-    and CuPy's allocations use), restoring the previous one after; a no-op when it already is."""
+    and CuPy's allocations use), restoring the previous one after; a no-op when it already is.
+
+    A thread that has made no CUDA runtime call yet (the autograd engine's device thread,
+    whose tensors all came from torch's cache) reports device 0 but has no context current, and
+    a driver launch there fails with CUDA_ERROR_INVALID_CONTEXT; so the first use of a device
+    on each thread sets it, which binds its primary context."""
 
     __slots__ = ("device", "previous")
     _runtime = None
+    _bound = threading.local()   # .devices: the devices this thread has set
 
     def __init__(self, device: int):
         self.device = device
@@ -400,6 +407,13 @@ class on_device:
         self.previous = rt.getDevice()
         if self.previous != self.device:
             rt.setDevice(self.device)
+        else:
+            bound = getattr(on_device._bound, "devices", None)
+            if bound is None:
+                bound = on_device._bound.devices = set()
+            if self.device not in bound:
+                rt.setDevice(self.device)
+                bound.add(self.device)
         return self
 
     def __exit__(self, *exc):

@@ -711,3 +711,34 @@ def test_a_patched_model_traces_under_compile_on_the_cpu():
         eager = model(tokens, targets)
     torch.testing.assert_close(compiled, eager)
     compiled.backward()
+
+
+@gpu
+@needs_cuda
+def test_kernels_launch_from_a_thread_that_has_made_no_cuda_call():
+    """The autograd engine runs backward on its own thread; when every tensor there comes from
+    torch's cache that thread has made no CUDA runtime call and has no context current, and a
+    driver launch fails (CUDA_ERROR_INVALID_CONTEXT) unless cukern binds the device first."""
+    import threading
+
+    import cukern
+
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(512, device="cuda", dtype=torch.bfloat16)
+    expect = cukern.rms_norm(x, w)   # (compiled, so the thread launches at once)
+    spare = torch.empty_like(expect)
+    del spare                        # torch's cache holds a block for the thread's output
+    torch.cuda.synchronize()
+    got = {}
+
+    def run():
+        try:
+            got["y"] = cukern.rms_norm(x, w)
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            got["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert "error" not in got, got.get("error")
+    assert torch.equal(got["y"], expect)
