@@ -35,7 +35,9 @@ class TorchOp:
     ``cukern.torch._tools``: autocast, determinism); backward(*args) -> a tuple of gradients,
     None where there is none, the i-th going to input ``grads_to[i]``. ``schema`` and
     ``backward_schema`` are the custom ops' schemas; ``fake`` and ``backward_fake`` their
-    shapes for torch.compile.
+    shapes for torch.compile. ``eager_backward``, when given, replaces ``backward`` in the eager
+    Function: it may reuse buffers the forward made and saved (write a gradient in place),
+    which a custom op may not (its outputs must not alias its inputs).
     """
     name: str
     schema: str
@@ -49,6 +51,7 @@ class TorchOp:
     grads_to: tuple[int, ...]
     visible: int = 1
     inference: Callable | None = None
+    eager_backward: Callable | None = None
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Bad inputs found on the device (out-of-range indices), reported without a sync on the hot path.
 
 Kernels that can meet a bad value record it in a per-device fault record (three int64s:
-flag, value, bound; see cuda_src/common/fault.cuh) and carry on safely. The record is read,
+kind, value, bound; see cuda_src/common/fault.cuh) and carry on safely. The record is read,
 and cleared, only by ``check_errors()``: an explicit synchronization point the caller chooses
 (after a training step, say), which raises ``IndexError`` for the first fault it finds.
 """
@@ -12,6 +12,14 @@ import numpy as np
 __all__ = ["record", "check_errors"]
 
 _records: dict[int, object] = {}  # device ordinal -> cupy int64[3]
+
+# The record's kind -> the message of its IndexError (value, bound, device filled in).
+KINDS = {
+    1: "indices: index {value} is out of range for {bound} embeddings (valid: 0 to {last}); found on "
+       "CUDA device {device} by an embedding kernel since the last check",
+    2: "target: class {value} is out of range for {bound} classes (valid: 0 to {last}, or ignore_index); "
+       "found on CUDA device {device} by a cross-entropy kernel since the last check (the row was ignored)",
+}
 
 
 def record(device: int):
@@ -29,17 +37,21 @@ def record(device: int):
 
 def check_errors() -> None:
     """Synchronize every device cukern has used and raise ``IndexError`` if a kernel met an
-    out-of-range index since the last check. The record is cleared, so the next check
-    passes unless new faults occur."""
+    out-of-range index (an embedding index, a cross-entropy target) since the last check. The
+    record is cleared, so the next check passes unless new faults occur."""
     import cupy
 
     for device, rec in sorted(_records.items()):
         with cupy.cuda.Device(device):
             cupy.cuda.Device(device).synchronize()
-            flag, value, bound = (int(v) for v in cupy.asnumpy(rec))
-            if flag:
+            kind, value, bound = (int(v) for v in cupy.asnumpy(rec))
+            if kind:
                 rec.fill(0)
                 cupy.cuda.Device(device).synchronize()
-                raise IndexError(f"indices: index {value} is out of range for {bound} embeddings "
-                                 f"(valid: 0 to {bound - 1}); found on CUDA device {device} by an "
-                                 "embedding kernel since the last check")
+                raise IndexError(message(kind, value, bound, device))
+
+
+def message(kind: int, value: int, bound: int, device: int) -> str:
+    """The IndexError message of a fault record."""
+    text = KINDS.get(kind, "a kernel recorded a fault of unknown kind {kind}: value {value}, bound {bound}")
+    return text.format(kind=kind, value=value, bound=bound, last=bound - 1, device=device)

@@ -178,6 +178,12 @@ def _cpu_stand_ins():
         return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal,
                                               scale=scale).transpose(1, 2)
 
+    def ce(x, t, ignore, smoothing, z, cap, reduction, f32):
+        with torch.enable_grad():   # (Function.forward runs without it)
+            xl = x.detach().requires_grad_(True)
+            loss = F.cross_entropy(xl, t, ignore_index=ignore, label_smoothing=smoothing, reduction=reduction)
+            return loss.detach(), torch.autograd.grad(loss, xl, torch.ones_like(loss))[0]
+
     stats = lambda x, n: x.reshape(*x.shape[:2], -1).mean(-1)[:, :n] if n else x.mean(-1)  # noqa: E731
     fake = {
         "layer_norm": (lambda x, w, b, e: (ln(x, w, b, e), x.mean(-1), x.mean(-1)),
@@ -194,12 +200,13 @@ def _cpu_stand_ins():
         "attention": (lambda q, k, v, c, s: (sdpa(q, k, v, c, s), q.new_zeros(q.shape[0], q.shape[2], q.shape[1])),
                       lambda do, q, k, v, o, lse, c, s, det: tuple(_recompute(lambda q, k, v: sdpa(q, k, v, c, s),
                                                                               (q, k, v), do))),
+        "cross_entropy": (ce, lambda dloss, d: ((d * dloss if dloss.dim() == 0 else d * dloss[:, None]),)),
     }
     out = {}
     for family in _registry.families():
         for spec in family.torch_ops:
             fwd, bwd = fake[spec.name]
-            stand_in = dataclasses.replace(spec, forward=fwd, backward=bwd, inference=None)
+            stand_in = dataclasses.replace(spec, forward=fwd, backward=bwd, inference=None, eager_backward=None)
             out[spec.name] = _ops._function(stand_in, _ops._arity(spec.schema))
     return out
 
@@ -216,7 +223,11 @@ def test_each_ops_autograd_wiring_routes_every_gradient_to_its_input(which):
     q, k, v = (torch.randn(2, 6, 2, 8, generator=g).requires_grad_(which != "w") for _ in range(3))
     idx = torch.randint(0, 10, (4, 3), generator=g)
     emb = torch.randn(10, 16, generator=g).requires_grad_(which != "x")
+    logits = torch.randn(6, 11, generator=g).requires_grad_(which != "w")
+    target = torch.tensor([0, 3, -100, 10, 2, 2])
     calls = [
+        ("cross_entropy", (logits, target, -100, 0.1, 0.0, 0.0, "none", False),
+         lambda: F.cross_entropy(logits, target, label_smoothing=0.1, reduction="none"), (logits,)),
         ("layer_norm", (x, w, b, 1e-5), lambda: F.layer_norm(x, (16,), w, b, 1e-5), (x, w, b)),
         ("rms_norm", (x, w, 1e-6), lambda: F.rms_norm(x, (16,), w, 1e-6), (x, w)),
         ("group_norm", (xg, 4, wg, None, 1e-5), lambda: F.group_norm(xg, 4, wg, None, 1e-5), (xg, wg)),
@@ -475,6 +486,7 @@ def _opcheck_cases():
         return _leaf(shape, dtype, seed).detach().requires_grad_(grad)
     ops = torch.ops.cukern
     idx = torch.randint(0, 20, (3, 7), device="cuda")
+    target = torch.randint(0, 300, (9,), device="cuda")
     return [
         (ops.layer_norm.default, (t((6, 64)), t((64,), seed=1), t((64,), seed=2), 1e-5)),
         (ops.layer_norm.default, (t((6, 64), torch.float32), None, None, 1e-5)),
@@ -485,12 +497,14 @@ def _opcheck_cases():
         (ops.embedding.default, (idx, t((20, 32)), None, False)),
         (ops.embedding.default, (idx, t((20, 32)), 0, True)),
         (ops.attention.default, (t((2, 40, 4, 64)), t((2, 40, 2, 64), seed=1), t((2, 40, 2, 64), seed=2), True, 0.125)),
+        (ops.cross_entropy.default, (t((9, 300)), target, -100, 0.1, 1e-3, 0.0, "mean", False)),
+        (ops.cross_entropy.default, (t((9, 300)), target, 3, 0.0, 0.0, 5.0, "none", True)),
     ]
 
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("i", range(8))
+@pytest.mark.parametrize("i", range(10))
 def test_opcheck(i):
     op, args = _opcheck_cases()[i]
     torch.library.opcheck(op, args)
@@ -580,6 +594,8 @@ KERNEL_CASES = {
     "sdpa": (lambda x, d: torch.autograd.grad(ct.scaled_dot_product_attention(d["q"], d["k"], d["v"], is_causal=True),
                                               (d["q"], d["k"], d["v"]), d["do"]),
              ["attention_bwd_dkdv", "attention_bwd_dot", "attention_bwd_dq_convert", "attention_fwd"]),
+    "cross_entropy": (lambda x, d: torch.autograd.grad(ct.cross_entropy(x, d["t"]), (x,), d["one"]),
+                      ["cross_entropy_count", "cross_entropy_reduce", "cross_entropy_rows", "cross_entropy_scale"]),
 }
 
 
@@ -596,7 +612,9 @@ def test_a_call_launches_its_kernels_and_nothing_else(case):
          "dy": torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16, generator=g),
          **{n: torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
             for n in ("q", "k", "v")},
-         "do": torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16, generator=g)}
+         "do": torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16, generator=g),
+         "t": torch.randint(0, 1024, (512,), device="cuda", generator=g),
+         "one": torch.ones((), device="cuda", dtype=torch.bfloat16)}
     fn, expect = KERNEL_CASES[case]
     got = _kernel_kinds(_kernels_of(lambda: fn(x, d)))
     assert got == sorted(expect), f"{case}: launched {got}"

@@ -70,6 +70,8 @@ def _scatter(spec: TorchOp, n: int, grads, needed, present=None) -> tuple:
 
 
 def _function(spec: TorchOp, n: int):
+    backward = spec.eager_backward or spec.backward
+
     class Function(torch.autograd.Function):
         @staticmethod
         def forward(ctx, *inputs):
@@ -81,7 +83,7 @@ def _function(spec: TorchOp, n: int):
 
         @staticmethod
         def backward(ctx, *grads):
-            out = spec.backward(*spec.backward_args(ctx.saved_tensors, ctx.state, grads, _tools))
+            out = backward(*spec.backward_args(ctx.saved_tensors, ctx.state, grads, _tools))
             return _scatter(spec, n, out, ctx.needs_input_grad)
 
     Function.__name__ = Function.__qualname__ = f"cukern_{spec.name}"

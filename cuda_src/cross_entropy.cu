@@ -1,0 +1,236 @@
+// Cross-entropy over rows of logits with integer targets, forward and backward.
+//
+// A row is one token: logits x (V values, unit stride), target t. With softcap c > 0 the
+// softmax sees z = c * tanh(x / c), else z = x. Per row that is not ignored:
+//   lse  = log(sum_j exp(z_j))
+//   loss = lse - (1 - eps) * z_t - (eps / V) * sum_j z_j + zl * lse^2     (eps: label smoothing,
+//                                                                         zl: z-loss weight)
+//   dz_j = p_j * (1 + 2 zl lse) - eps / V - (1 - eps) [j == t],  p_j = exp(z_j - lse)
+//   dx_j = g * dz_j * (1 - (z_j / c)^2)   (the last factor with softcap only),
+// g the row's share of the upstream gradient. Ignored rows (t == ignore_index) have loss 0 and
+// a zero gradient; a target outside [0, V) is recorded as a fault and the row is ignored.
+//
+// cross_entropy_rows runs a block a row: pass 1 streams the row once (online softmax in the
+// log2 domain, the sum of z for label smoothing), reduces it over the block and writes the
+// row's loss and lse; pass 2 (MODE 1, the training form, and MODE 2, the backward from a saved
+// lse) streams the row again and writes the gradient. The logits and the gradient may be one
+// buffer (the in-place training form): pass 2 reads each element before the same thread
+// writes it, and the block's reduction separates the passes, so neither pointer is restrict.
+#include "common/dtype.cuh"
+#include "common/vec.cuh"
+#include "common/reduce.cuh"
+#include "common/fault.cuh"
+
+namespace cuk {
+namespace cross_entropy {
+
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr long long FAULT_TARGET = 2;   // the fault record's kind (cukern/_faults.py)
+
+// The logit the softmax sees.
+__device__ __forceinline__ float capped(float x, float cap, float inv_cap) {
+    return cap > 0.f ? cap * tanhf(x * inv_cap) : x;
+}
+
+// The row's target, or -1 when the row is ignored (an out-of-range target is recorded).
+template <typename IT>
+__device__ __forceinline__ long long row_target(const IT* target, long long row, long long V,
+                                                long long ignore_index, long long* fault, bool record) {
+    const long long t = static_cast<long long>(target[row]);
+    if (t == ignore_index) return -1;
+    if (t < 0 || t >= V) {
+        if (record) record_fault(fault, t, V, FAULT_TARGET);
+        return -1;
+    }
+    return t;
+}
+
+}  // namespace cross_entropy
+}  // namespace cuk
+
+// MODE 0: loss (and lse) only. MODE 1: loss and gradient (upstream gradient 1). MODE 2: the
+// gradient from the saved lse and the upstream gradient dloss (a scalar, dloss_stride 0, or a
+// value a row, stride 1).
+//   loss_rows: float32 a row (0 for ignored rows); lse: float32 a row, written in MODEs 0 and
+//   1 when not null, read in MODE 2; dloss: float32; count: the number of rows not ignored
+//   (reduction "mean": the gradient is divided by it), or null.
+template <typename T, typename IT, int VEC, int THREADS, int MODE>
+__global__ void __launch_bounds__(THREADS, 2) cross_entropy_rows(
+    const T* logits, long long x_stride, const IT* __restrict__ target, long long rows, long long V,
+    long long ignore_index, float smoothing, float z_loss, float softcap,
+    float* __restrict__ loss_rows, float* lse, const float* __restrict__ dloss, long long dloss_stride,
+    const float* __restrict__ count, T* dlogits, long long d_stride, long long* fault)
+{
+    using namespace cuk;
+    using namespace cuk::cross_entropy;
+    static_assert(THREADS >= 64 && THREADS <= 1024 && (THREADS & (THREADS - 1)) == 0, "THREADS");
+    using MergeState = GroupReduce<THREADS, 1, SoftmaxState>;
+    using SumF = GroupReduce<THREADS, 1, float>;
+    __shared__ typename MergeState::TempStorage merge_tmp;
+    __shared__ typename SumF::TempStorage sum_tmp;
+    constexpr int U = VEC >= 8 ? 2 : 4;   // (two blocks an SM: 64 registers)
+    constexpr long long STEP = static_cast<long long>(U) * THREADS * VEC;
+    const float inv_cap = softcap > 0.f ? 1.f / softcap : 0.f;
+    const float eps_v = smoothing / static_cast<float>(V);
+
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        const T* x = logits + row * x_stride;
+        const long long t = row_target(target, row, V, ignore_index, fault, MODE != 2 && threadIdx.x == 0);
+        float row_lse;
+        if constexpr (MODE == 2) {
+            row_lse = lse[row];
+        } else {
+            SoftmaxState st = SoftmaxState::empty();
+            float sz = 0.f;
+            // U vectors a thread a step, their loads issued together (bytes in flight)
+            for (long long c0 = static_cast<long long>(threadIdx.x) * VEC; c0 < V; c0 += STEP) {
+                float f[U][VEC];
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const long long c = c0 + static_cast<long long>(u) * THREADS * VEC;
+                    if (c < V) unpack(load_vec<T, VEC>(x + c), f[u]);
+                }
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    if (c0 + static_cast<long long>(u) * THREADS * VEC < V) {
+                        float top = neg_inf();
+#pragma unroll
+                        for (int j = 0; j < VEC; ++j) {
+                            f[u][j] = capped(f[u][j], softcap, inv_cap);
+                            sz += f[u][j];
+                            f[u][j] *= LOG2E;
+                            top = fmaxf(top, f[u][j]);
+                        }
+                        if (top > st.m) {   // rescale once a vector, then one exp2 an element
+                            st.l *= fast_exp2(st.m - top);
+                            st.m = top;
+                        }
+                        if (st.m != neg_inf()) {
+#pragma unroll
+                            for (int j = 0; j < VEC; ++j) st.l += fast_exp2(f[u][j] - st.m);   // (NaN in, NaN out)
+                        } else {
+#pragma unroll
+                            for (int j = 0; j < VEC; ++j) if (f[u][j] != f[u][j]) st.l = f[u][j];  // NaN among -infs
+                        }
+                    }
+                }
+            }
+            // (the target's logit is read before the reduction's barriers: in place, pass 2 may
+            // overwrite it right after them)
+            const float zt = (threadIdx.x == 0 && t >= 0) ? capped(to_float(x[t]), softcap, inv_cap) : 0.f;
+            SoftmaxState sv[1] = {st};
+            MergeState::merge(sv, merge_tmp);
+            float s[1] = {sz};
+            if (smoothing > 0.f) SumF::sum(s, sum_tmp);
+            row_lse = sv[0].log_sum_exp();
+            if (threadIdx.x == 0) {
+                float loss = 0.f;
+                if (t >= 0) {
+                    loss = row_lse - (1.f - smoothing) * zt + z_loss * row_lse * row_lse;
+                    if (smoothing > 0.f) loss -= eps_v * s[0];
+                }
+                if (loss_rows) loss_rows[row] = loss;
+                if (lse) lse[row] = row_lse;
+            }
+        }
+        if constexpr (MODE != 0) {
+            T* d = dlogits + row * d_stride;
+            float g = dloss ? dloss[row * dloss_stride] : 1.f;
+            if (count) g /= *count;
+            if (t < 0) g = 0.f;
+            const float lse2 = row_lse * LOG2E;
+            const float a = 1.f + 2.f * z_loss * row_lse;
+            for (long long c0 = static_cast<long long>(threadIdx.x) * VEC; c0 < V; c0 += STEP) {
+                float f[U][VEC];
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const long long c = c0 + static_cast<long long>(u) * THREADS * VEC;
+                    if (c < V) unpack(load_vec<T, VEC>(x + c), f[u]);
+                }
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const long long c = c0 + static_cast<long long>(u) * THREADS * VEC;
+                    if (c < V) {
+#pragma unroll
+                        for (int j = 0; j < VEC; ++j) {
+                            const float z = capped(f[u][j], softcap, inv_cap);
+                            float dz = fast_exp2(z * LOG2E - lse2) * a - eps_v;
+                            if (c + j == t) dz -= 1.f - smoothing;
+                            if (softcap > 0.f) dz *= 1.f - (z * inv_cap) * (z * inv_cap);
+                            f[u][j] = t >= 0 ? g * dz : 0.f;
+                        }
+                        store_vec<T, VEC>(d + c, pack<T, VEC>(f[u]));
+                    }
+                }
+            }
+        }
+    }
+}
+
+// The number of rows whose target is not ignore_index and in range: one block, fixed order.
+template <typename IT, int THREADS>
+__global__ void __launch_bounds__(THREADS) cross_entropy_count(
+    const IT* __restrict__ target, long long rows, long long V, long long ignore_index, float* __restrict__ count)
+{
+    using namespace cuk;
+    using SumF = GroupReduce<THREADS, 1, float>;
+    __shared__ typename SumF::TempStorage tmp;
+    float n = 0.f;   // (exact below 2^24 a thread)
+    for (long long r = threadIdx.x; r < rows; r += THREADS) {
+        const long long t = static_cast<long long>(target[r]);
+        n += (t != ignore_index && t >= 0 && t < V) ? 1.f : 0.f;
+    }
+    float v[1] = {n};
+    SumF::sum(v, tmp);
+    if (threadIdx.x == 0) *count = v[0];
+}
+
+// The reduced loss: the sum of the rows' losses in a fixed order, divided by count for
+// "mean" (0 / 0 = NaN when every row is ignored, as PyTorch's), in the loss's dtype T.
+template <typename T, int THREADS>
+__global__ void __launch_bounds__(THREADS) cross_entropy_reduce(
+    const float* __restrict__ loss_rows, long long rows, const float* __restrict__ count, T* __restrict__ out)
+{
+    using namespace cuk;
+    using SumF = GroupReduce<THREADS, 1, float>;
+    __shared__ typename SumF::TempStorage tmp;
+    float s = 0.f;
+    for (long long r = threadIdx.x; r < rows; r += THREADS) s += loss_rows[r];
+    float v[1] = {s};
+    SumF::sum(v, tmp);
+    if (threadIdx.x == 0) out[0] = from_float<T>(count ? v[0] / *count : v[0]);
+}
+
+// The per-row losses (reduction "none") in a loss dtype other than float32.
+template <typename T>
+__global__ void __launch_bounds__(256) cross_entropy_cast(const float* __restrict__ src, long long n, T* __restrict__ dst)
+{
+    using namespace cuk;
+    for (long long i = blockIdx.x * 256LL + threadIdx.x; i < n; i += gridDim.x * 256LL) dst[i] = from_float<T>(src[i]);
+}
+
+// dst = src * g a row, g = dloss[row * dloss_stride] (the loss's dtype DT): the upstream
+// gradient applied to a gradient the training form wrote for an upstream gradient of 1. dst
+// may be src; then rows whose g is exactly 1 are left as they are (the common case, a loss
+// that is not scaled, costs a read of g).
+template <typename T, typename DT, int VEC, int THREADS>
+__global__ void __launch_bounds__(THREADS) cross_entropy_scale(
+    const T* src, T* dst, long long rows, long long V, long long stride,
+    const DT* __restrict__ dloss, long long dloss_stride)
+{
+    using namespace cuk;
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        const float g = to_float(dloss[row * dloss_stride]);
+        if (g == 1.f && src == dst) {
+            if (dloss_stride == 0) return;
+            continue;
+        }
+        for (long long c = static_cast<long long>(threadIdx.x) * VEC; c < V; c += THREADS * VEC) {
+            float f[VEC];
+            unpack(load_vec<T, VEC>(src + row * stride + c), f);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) f[j] *= g;
+            store_vec<T, VEC>(dst + row * stride + c, pack<T, VEC>(f));
+        }
+    }
+}

@@ -1,0 +1,604 @@
+"""Cross-entropy of logits against integer targets, forward and backward, and the training form
+that reads the logits once for both (kernels: cuda_src/cross_entropy.cu).
+
+Shapes: ``logits`` (*, V), the classes on the last axis; ``target`` (*), int32 or int64.
+dtypes: logits float32, float16 or bfloat16; arithmetic in float32; the loss in the logits'
+dtype (as PyTorch's), the log-sum-exp float32.
+
+Options (every function): ``ignore_index`` (rows with that target get loss 0 and no gradient),
+``label_smoothing`` (PyTorch's), ``z_loss`` (adds z_loss · lse² a row, PaLM), ``softcap``
+(the softmax sees c · tanh(x / c), Gemma 2), ``reduction`` "mean" (over the rows not
+ignored; NaN when all are, as PyTorch's), "sum" or "none".
+
+A target outside [0, V) other than ignore_index is recorded on the device, its row ignored, and
+raised as ``IndexError`` by ``cukern.check_errors()``: no host sync on the hot path.
+
+The family's Python side: configurations, array functions with launch plans, the NumPy
+references, benchmark cases and the PyTorch bindings (``FAMILY`` at the end).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _arrays, _bench, _checks, _faults, _kernels
+from ._arrays import DeviceArray
+from ._family import DropIn, Family, TorchOp
+from ._kernels import Instance
+from ._plans import Builder, Plan, PlanCache
+
+__all__ = ["cross_entropy", "cross_entropy_backward", "cross_entropy_forward_backward"]
+
+SOURCE = "cross_entropy.cu"
+INDEX_CTYPES = {"int32": "int", "int64": "long long"}
+REDUCTIONS = ("mean", "sum", "none")
+FORWARD, TRAIN, BACKWARD = 0, 1, 2   # the row kernel's MODE
+
+
+# ---- kernel configurations --------------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)   # (hashed by identity: plans are keyed by it, on every call)
+class Configs:
+    """A block of ``threads`` a row (each thread loads 4 vectors a step); the count and reduce
+    kernels run one block of ``single_threads``; the gradient scaling ``scale_threads`` a row."""
+    threads: int = 512
+    single_threads: int = 1024
+    scale_threads: int = 256
+
+    def rows(self, dtype: str, index: str, vec: int, mode: int) -> Instance:
+        return Instance(SOURCE, f"cross_entropy_rows<{_arrays.DTYPES[dtype][0]}, {INDEX_CTYPES[index]}, {vec}, "
+                                f"{self.threads}, {mode}>", self.threads)
+
+    def count(self, index: str) -> Instance:
+        return Instance(SOURCE, f"cross_entropy_count<{INDEX_CTYPES[index]}, {self.single_threads}>",
+                        self.single_threads)
+
+    def reduce(self, dtype: str) -> Instance:
+        return Instance(SOURCE, f"cross_entropy_reduce<{_arrays.DTYPES[dtype][0]}, {self.single_threads}>",
+                        self.single_threads)
+
+    def cast(self, dtype: str) -> Instance:
+        return Instance(SOURCE, f"cross_entropy_cast<{_arrays.DTYPES[dtype][0]}>", 256)
+
+    def scale(self, dtype: str, loss_dtype: str, vec: int) -> Instance:
+        return Instance(SOURCE, f"cross_entropy_scale<{_arrays.DTYPES[dtype][0]}, {_arrays.DTYPES[loss_dtype][0]}, "
+                                f"{vec}, {self.scale_threads}>", self.scale_threads)
+
+
+CONFIGS = Configs()
+
+
+def instances(configs: Configs = CONFIGS) -> list[Instance]:
+    """Every kernel instance the fronts can launch (for the compile check)."""
+    out = []
+    for dtype, (_, itemsize) in _arrays.DTYPES.items():
+        for vec in sorted({1, 16 // itemsize}):
+            for index in INDEX_CTYPES:
+                out += [configs.rows(dtype, index, vec, mode) for mode in (FORWARD, TRAIN, BACKWARD)]
+            out += [configs.scale(dtype, ld, vec) for ld in sorted({"float32", dtype})]
+        out += [configs.reduce(dtype), configs.cast(dtype)]
+    return out + [configs.count(index) for index in INDEX_CTYPES]
+
+
+# ---- argument checks (kernels and references alike) -----------------------------------------
+
+@dataclass(frozen=True)
+class Options:
+    """The checked scalar options of a call (part of its plan's key)."""
+    ignore_index: int
+    smoothing: float
+    z_loss: float
+    softcap: float   # 0: none
+    reduction: str
+
+
+def _options(ignore_index, label_smoothing, z_loss, softcap, reduction) -> Options:
+    ignore = _checks.index(ignore_index, "ignore_index")
+    if not -2**63 <= ignore < 2**63:
+        raise ValueError(f"ignore_index: {ignore} does not fit in int64")
+    smoothing = _checks.eps(label_smoothing, "label_smoothing")
+    if smoothing > 1.0:
+        raise ValueError(f"label_smoothing: must be in [0, 1], got {label_smoothing}")
+    z = _checks.eps(z_loss, "z_loss")
+    cap = 0.0 if softcap is None else _checks.positive_float32(softcap, "softcap")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction: must be one of {', '.join(map(repr, REDUCTIONS))}, got {reduction!r}")
+    return Options(ignore, smoothing, z, cap, reduction)
+
+
+def _check_rows(la: DeviceArray, ta: DeviceArray) -> None:
+    if la.ndim < 1:
+        raise ValueError(f"{la.name}: must have at least one axis (the classes, last), got a scalar")
+    if la.shape[-1] < 1:
+        raise ValueError(f"{la.name}: the class axis (last) is empty: shape {la.shape}")
+    if ta.shape != la.shape[:-1]:
+        raise ValueError(f"{ta.name}: shape {ta.shape} does not match the leading shape of {la.name}, {la.shape[:-1]}")
+
+
+def _loss_shape(ta: DeviceArray, reduction: str) -> tuple:
+    return ta.shape if reduction == "none" else ()
+
+
+def _check_backward(sa: DeviceArray, ta: DeviceArray) -> None:
+    if sa.dtype not in ("float32", "float64") or sa.shape != ta.shape:
+        raise ValueError(f"{sa.name}: must be float32 of shape {ta.shape} (the forward's lse), "
+                         f"got {sa.dtype} {sa.shape}")
+
+
+def _target(obj) -> DeviceArray:
+    return _arrays.as_device_array(obj, "target", tuple(INDEX_CTYPES))
+
+
+def _vector_width(la: DeviceArray, stride: int, d_stride: int) -> int:
+    """16-byte vectors when every row of the logits (and of the gradient, whose new buffers are
+    aligned, and which in place shares the logits' rows) starts 16-byte aligned."""
+    vec = 16 // la.itemsize
+    if la.shape[-1] % vec or stride % vec or d_stride % vec or la.ptr % 16:
+        return 1
+    return vec
+
+
+def _rows_layout(b: Builder, slot: int, la: DeviceArray) -> int:
+    """The row stride the kernels read ``la`` with; a contiguous copy when its rows cannot be
+    read as one strided axis with unit-stride classes."""
+    stride = la.row_stride()
+    if stride is None or la.ndim == 1:
+        if stride is None:
+            b.fix(slot, DeviceArray.contiguous)
+        return la.shape[-1]
+    return stride
+
+
+# ---- the fronts --------------------------------------------------------------------------------
+
+_PLANS = PlanCache()
+
+
+def _loss_dtype(loss_dtype, la: DeviceArray) -> str:
+    if loss_dtype is None:
+        return la.dtype
+    name = str(loss_dtype).replace("torch.", "")
+    if name not in ("float32", la.dtype):
+        raise ValueError(f"loss_dtype: must be float32 or the logits' dtype ({la.dtype}), got {loss_dtype}")
+    return name
+
+
+def cross_entropy(logits, target, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None,
+                  reduction="mean", return_lse=False, loss_dtype=None):
+    """The cross-entropy loss of ``logits`` against ``target`` (see the module for the options).
+
+    Args:
+        logits: (*, V) float32, float16 or bfloat16 (rows may be strided; the class axis must
+            be unit-stride, else a copy is read).
+        target: (*) int32 or int64 class indices.
+        loss_dtype: the loss's dtype: the logits' (default, as PyTorch's) or "float32" (as
+            PyTorch's under autocast, which computes the loss of half logits in float32).
+
+    Returns:
+        the loss: () for "mean" and "sum", (*) for "none"; with ``return_lse`` also (*)
+        float32 log-sum-exp of each row (of the softcapped logits).
+    """
+    opts = _options(ignore_index, label_smoothing, z_loss, softcap, reduction)
+    arrays = [_arrays.as_device_array(logits, "logits"), _target(target)]
+    flags = (bool(return_lse), False, _loss_dtype(loss_dtype, arrays[0]))
+    bufs = _run(FORWARD, arrays, opts, flags, CONFIGS)
+    return (bufs[2].obj, bufs[3].obj) if return_lse else bufs[2].obj
+
+
+def cross_entropy_forward_backward(logits, target, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+                                   softcap=None, reduction="mean", inplace=False, return_lse=False, loss_dtype=None):
+    """The training form: the loss and its gradient with respect to the logits (for an
+    upstream gradient of 1) in one kernel, which reads each row of the logits for its
+    statistics and once more, right after, for the gradient.
+
+    Args:
+        logits, target, options, loss_dtype: as ``cross_entropy``.
+        inplace: write the gradient into ``logits`` (its memory is reused; the logits are
+            gone after the call) instead of a new array.
+
+    Returns:
+        (loss, dlogits[, lse]): loss as ``cross_entropy``; dlogits of the logits' shape and
+        dtype (``logits`` itself with ``inplace``).
+    """
+    opts = _options(ignore_index, label_smoothing, z_loss, softcap, reduction)
+    arrays = [_arrays.as_device_array(logits, "logits"), _target(target)]
+    flags = (bool(return_lse), bool(inplace), _loss_dtype(loss_dtype, arrays[0]))
+    bufs = _run(TRAIN, arrays, opts, flags, CONFIGS)
+    out = (bufs[2].obj, bufs[0].obj if inplace else bufs[4].obj)
+    return out + (bufs[3].obj,) if return_lse else out
+
+
+def cross_entropy_backward(dloss, logits, target, lse, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+                           softcap=None, reduction="mean"):
+    """The gradient of ``cross_entropy`` with respect to the logits.
+
+    Args:
+        dloss: the upstream gradient (the loss's shape: () for "mean" and "sum", (*) for
+            "none"; float32 or the logits' dtype).
+        logits, target, options: as given to the forward.
+        lse: (*) float32, the forward's ``return_lse`` output.
+
+    Returns:
+        dlogits: the logits' shape and dtype, contiguous.
+    """
+    opts = _options(ignore_index, label_smoothing, z_loss, softcap, reduction)
+    arrays = [_arrays.as_device_array(logits, "logits"), _target(target),
+              _arrays.as_device_array(dloss, "dloss"), _arrays.as_device_array(lse, "lse", ("float32",))]
+    return _run(BACKWARD, arrays, opts, (), CONFIGS)[4].obj
+
+
+def _run(mode: int, arrays: list, opts: Options, flags: tuple, configs: Configs) -> list:
+    key = (mode, opts, flags, configs, *(a.key for a in arrays))
+    plan = _PLANS.get(key) or _PLANS.put(key, _plan(mode, arrays, opts, flags, configs))
+    return plan(arrays)
+
+
+def _float32(a: DeviceArray) -> DeviceArray:
+    """A float32 copy of a small array (the upstream gradient of a half-precision loss)."""
+    if a.kind == "torch":
+        return _arrays.wrap(a.obj.float().contiguous(), a.name)
+    return _arrays.wrap(a.obj.astype(np.float32, order="C"), a.name)
+
+
+def _check_dloss(da: DeviceArray, la: DeviceArray, shape) -> None:
+    if da.dtype not in ("float32", la.dtype):
+        raise ValueError(f"{da.name}: dtype {da.dtype} is neither float32 nor the logits' {la.dtype}")
+    if da.shape != tuple(shape):
+        raise ValueError(f"{da.name}: shape {da.shape} does not match the loss's {tuple(shape)}")
+
+
+def _plan(mode: int, arrays: list, opts: Options, flags: tuple, configs: Configs) -> Plan:
+    """Buffers: logits, target[, dloss, lse], then for the forward and the training form: loss,
+    lse (absent unless asked), dlogits (training form, absent in place or in the forward),
+    then scratch; for the backward: dlogits, then scratch."""
+    la, ta = arrays[:2]
+    _check_rows(la, ta)
+    if mode == BACKWARD:
+        _check_dloss(arrays[2], la, _loss_shape(ta, opts.reduction))
+        _check_backward(arrays[3], ta)
+    device = _arrays.same_device(*arrays)
+    rows, v = math.prod(ta.shape), la.shape[-1]
+    b = Builder(arrays)
+    stride = _rows_layout(b, 0, la)
+    if not _arrays.is_contiguous(ta):
+        b.fix(1, DeviceArray.contiguous)
+    mean, none = opts.reduction == "mean", opts.reduction == "none"
+    dloss = lse = loss = loss_rows = None
+    dloss_stride, d_stride = 0, 0
+    if mode == BACKWARD:
+        if arrays[2].dtype != "float32" or not _arrays.is_contiguous(arrays[2]):
+            b.fix(2, _float32)
+        if not _arrays.is_contiguous(arrays[3]):
+            b.fix(3, DeviceArray.contiguous)
+        dlogits, d_stride = b.alloc(la.shape, la.dtype), v
+        dloss, dloss_stride, lse = b.slot(2), int(none and rows > 1), b.slot(3)
+    else:
+        return_lse, inplace, loss_dtype = flags
+        # "none" in float32: the kernel's per-row losses are the output
+        loss = b.alloc(_loss_shape(ta, opts.reduction), loss_dtype)
+        if none and loss_dtype == "float32":
+            loss_rows = loss
+        lse = b.alloc(ta.shape, "float32") if return_lse else b.absent()
+        dlogits = None
+        if mode == TRAIN and inplace:
+            dlogits, d_stride = b.slot(0), stride
+        if mode == TRAIN and not inplace:
+            dlogits, d_stride = b.alloc(la.shape, la.dtype), v
+        else:
+            b.absent()
+        if loss_rows is None and rows:
+            loss_rows = b.alloc((rows,), "float32")
+    count = b.alloc((1,), "float32") if mean else None
+    if rows == 0:   # no rows: the mean of nothing is NaN, the sum 0 (PyTorch's)
+        if loss is not None and not none:
+            b.fill(math.nan if mean else 0.0, loss)
+        return b.plan(device)
+    fault = _arrays.wrap(_faults.record(device), "fault record")
+    if mean:
+        k = _kernels.kernel(configs.count(ta.dtype), device)
+        b.launch(k, 1, target=b.slot(1), rows=rows, V=v, ignore_index=opts.ignore_index, count=count)
+    vec = _vector_width(la, stride, d_stride)
+    k = _kernels.kernel(configs.rows(la.dtype, ta.dtype, vec, mode), device)
+    b.launch(k, min(rows, k.resident_blocks()), logits=b.slot(0), x_stride=stride, target=b.slot(1), rows=rows,
+             V=v, ignore_index=opts.ignore_index, smoothing=opts.smoothing, z_loss=opts.z_loss,
+             softcap=opts.softcap, loss_rows=loss_rows, lse=lse, dloss=dloss, dloss_stride=dloss_stride,
+             count=count, dlogits=dlogits, d_stride=d_stride, fault=fault)
+    if mode != BACKWARD and not none:
+        k = _kernels.kernel(configs.reduce(flags[2]), device)
+        b.launch(k, 1, loss_rows=loss_rows, rows=rows, count=count, out=loss)
+    elif mode != BACKWARD and loss_rows is not loss:
+        k = _kernels.kernel(configs.cast(flags[2]), device)
+        b.launch(k, min(-(-rows // 256), 4 * _kernels.sm_count(device)), src=loss_rows, n=rows, dst=loss)
+    return b.plan(device)
+
+
+# ---- applying the upstream gradient (the PyTorch binding's backward) -------------------------
+
+_SCALE = PlanCache()
+
+
+def _scale_gradient(dloss, dlogits, inplace: bool, configs: Configs = CONFIGS):
+    """``dlogits`` (written by the training form for an upstream gradient of 1), contiguous,
+    times the upstream gradient ``dloss`` (a scalar, or one value a row): in place, where rows
+    whose gradient is exactly 1 are not touched, or into a new array."""
+    arrays = [_arrays.as_device_array(dloss, "dloss"), _arrays.as_device_array(dlogits, "dlogits")]
+    key = (bool(inplace), configs, *(a.key for a in arrays))
+    plan = _SCALE.get(key) or _SCALE.put(key, _plan_scale(arrays, bool(inplace), configs))
+    bufs = plan(arrays)
+    return bufs[1].obj if inplace else bufs[2].obj
+
+
+def _plan_scale(arrays: list, inplace: bool, configs: Configs) -> Plan:
+    da, ga = arrays
+    device = _arrays.same_device(da, ga)
+    v = ga.shape[-1] if ga.ndim else 1
+    rows = ga.size // max(v, 1)
+    if da.size not in (1, rows):
+        raise ValueError(f"dloss: shape {da.shape} is neither a scalar nor one value a row of {ga.shape}")
+    if not _arrays.is_contiguous(ga):
+        raise ValueError(f"dlogits: must be contiguous (the training form's output), got strides {ga.strides}")
+    if da.dtype not in ("float32", ga.dtype):
+        raise ValueError(f"dloss: dtype {da.dtype} is neither float32 nor the gradient's {ga.dtype}")
+    b = Builder(arrays)
+    if not _arrays.is_contiguous(da):
+        b.fix(0, DeviceArray.contiguous)
+    out = b.slot(1) if inplace else b.alloc(ga.shape, ga.dtype)
+    if inplace:
+        b.absent()
+    if rows and v:
+        vec = _vector_width(ga, v, v)
+        k = _kernels.kernel(configs.scale(ga.dtype, da.dtype, vec), device)
+        b.launch(k, min(rows, k.resident_blocks()), src=b.slot(1), dst=out, rows=rows, V=v, stride=v,
+                 dloss=b.slot(0), dloss_stride=int(da.size == rows and rows > 1))
+    return b.plan(device, first=1)
+
+
+# ---- NumPy references ------------------------------------------------------------------------
+
+def _reference_rows(logits, target, opts: Options):
+    la = _arrays.as_host_array(logits, "logits")
+    ta = _arrays.as_host_array(target, "target", tuple(INDEX_CTYPES))
+    _check_rows(la, ta)
+    v = la.shape[-1]
+    x = la.obj.astype(np.float64).reshape(-1, v)
+    t = ta.obj.astype(np.int64).reshape(-1)
+    bad = (t != opts.ignore_index) & ((t < 0) | (t >= v))
+    if bad.any():
+        value = int(t[bad][0])
+        raise IndexError(f"target: class {value} is out of range for {v} classes (valid: 0 to {v - 1}, "
+                         "or ignore_index)")
+    z = opts.softcap * np.tanh(x / opts.softcap) if opts.softcap else x
+    with np.errstate(all="ignore"):
+        m = np.max(z, axis=1, keepdims=True)
+        m = np.where(np.isfinite(m), m, 0.0)
+        lse = (np.log(np.sum(np.exp(z - m), axis=1, keepdims=True)) + m)[:, 0]
+    keep = t != opts.ignore_index
+    return la, ta, x, z, t, lse, keep
+
+
+def _reference_loss_rows(z, t, lse, keep, opts: Options, v: int):
+    zt = np.where(keep, z[np.arange(len(t)), np.where(keep, t, 0)], 0.0)
+    with np.errstate(all="ignore"):
+        loss = lse - (1.0 - opts.smoothing) * zt + opts.z_loss * lse * lse
+        if opts.smoothing:
+            loss = loss - opts.smoothing / v * np.sum(z, axis=1)
+    return np.where(keep, loss, 0.0)
+
+
+def reference_cross_entropy(logits, target, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None,
+                            reduction="mean", return_lse=False, loss_dtype=None):
+    """``cross_entropy`` in float64 (an out-of-range target raises IndexError at once)."""
+    opts = _options(ignore_index, label_smoothing, z_loss, softcap, reduction)
+    la, ta, x, z, t, lse, keep = _reference_rows(logits, target, opts)
+    if la.dtype != "float64":
+        _loss_dtype(loss_dtype, la)
+    rows = _reference_loss_rows(z, t, lse, keep, opts, la.shape[-1])
+    with np.errstate(all="ignore"):
+        if reduction == "none":
+            loss = rows.reshape(ta.shape)
+        elif reduction == "sum":
+            loss = np.float64(rows.sum())
+        else:
+            loss = np.float64(rows.sum() / keep.sum())
+    return (loss, lse.reshape(ta.shape)) if return_lse else loss
+
+
+def reference_cross_entropy_backward(dloss, logits, target, lse, *, ignore_index=-100, label_smoothing=0.0,
+                                     z_loss=0.0, softcap=None, reduction="mean"):
+    """``cross_entropy_backward`` in float64 (``lse`` is checked, then recomputed)."""
+    opts = _options(ignore_index, label_smoothing, z_loss, softcap, reduction)
+    la, ta, x, z, t, lse_, keep = _reference_rows(logits, target, opts)
+    v = la.shape[-1]
+    da = _arrays.as_host_array(dloss, "dloss")
+    if da.dtype != "float64":
+        _check_dloss(da, la, _loss_shape(ta, reduction))
+    elif da.shape != _loss_shape(ta, reduction):
+        raise ValueError(f"dloss: shape {da.shape} does not match the loss's {_loss_shape(ta, reduction)}")
+    _check_backward(_arrays.as_host_array(lse, "lse", ("float32",)), ta)
+    g = np.broadcast_to(da.obj.astype(np.float64).reshape(-1), (len(t),)).copy()
+    if reduction == "mean":
+        g = g / keep.sum()
+    with np.errstate(all="ignore"):
+        p = np.exp(z - lse_[:, None])
+        dz = p * (1.0 + 2.0 * opts.z_loss * lse_[:, None]) - opts.smoothing / v
+        idx = np.nonzero(keep)[0]
+        dz[idx, t[idx]] -= 1.0 - opts.smoothing
+        if opts.softcap:
+            dz = dz * (1.0 - (z / opts.softcap) ** 2)
+        dx = np.where(keep[:, None], g[:, None] * dz, 0.0)
+    return dx.reshape(la.shape)
+
+
+def reference_cross_entropy_forward_backward(logits, target, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+                                             softcap=None, reduction="mean", inplace=False, return_lse=False,
+                                             loss_dtype=None):
+    """``cross_entropy_forward_backward`` in float64 (``inplace`` is accepted and ignored)."""
+    kw = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+              reduction=reduction)
+    loss, lse = reference_cross_entropy(logits, target, return_lse=True, loss_dtype=loss_dtype, **kw)
+    one = np.ones(np.shape(loss))
+    d = reference_cross_entropy_backward(one, logits, target, lse.astype(np.float32), **kw)
+    return (loss, d, lse) if return_lse else (loss, d)
+
+
+# ---- benchmark cases ----------------------------------------------------------------------------
+
+# (tokens, vocabulary): LLaMA-3's vocabulary, a batch of 8 x 2048 tokens.
+WORKLOAD = {"full": (16384, 128256), "quick": (4096, 32000), "dtype": "bfloat16"}
+
+
+def _inputs(T, V, dtype, seed, *, grad=False) -> dict:
+    import torch
+
+    gen = _bench.generator(seed)
+    t = {"x": _bench.randn((T, V), dtype, gen) * 4, "target": torch.randint(0, V, (T,), device="cuda", generator=gen)}
+    t["target"][::97] = -100   # a few ignored rows, as padding gives
+    if grad:
+        t["dy"] = torch.ones((), device="cuda", dtype=t["x"].dtype)
+        t["leaves"] = (t["x"].detach().requires_grad_(True),)
+    return t
+
+
+def _fwd(t):
+    return cross_entropy(t["x"], t["target"])
+
+
+def _torch_fwd(t):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(t["x"], t["target"])
+
+
+def _train(t):
+    return cross_entropy_forward_backward(t["x"], t["target"])
+
+
+def _torch_train(t, upcast=False):
+    import torch
+    import torch.nn.functional as F
+
+    x = t["leaves"][0]
+    loss = F.cross_entropy(x.float() if upcast else x, t["target"])
+    return loss.detach().to(x.dtype), *torch.autograd.grad(loss, t["leaves"])
+
+
+def _forward_on(F, t):
+    if F is None:
+        import torch.nn.functional as F
+    return F.cross_entropy(t["leaves"][0], t["target"])
+
+
+def bench_cases(quick: bool) -> list:
+    """T rows of V logits. fwd: read the logits (2·T·V bytes in bf16); fwd+bwd (the training
+    form): read the logits, write the gradient (4·T·V): the byte floor of a fused loss."""
+    (T, V), dt = WORKLOAD["quick" if quick else "full"], WORKLOAD["dtype"]
+    make = functools.partial(_inputs, T, V, dt)
+    one, two = _bench.elements_bytes((T, V), dt), _bench.elements_bytes((T, V), dt, 2)
+    return [
+        _bench.Case("cross_entropy fwd", "cross_entropy", (T, V), dt, one, make, _fwd, _torch_fwd),
+        _bench.Case("cross_entropy fwd+bwd", "cross_entropy", (T, V), dt, two, functools.partial(make, grad=True),
+                    _train, _torch_train),
+        _bench.Case("cross_entropy fwd+bwd vs fp32 upcast", "cross_entropy", (T, V), dt, two,
+                    functools.partial(make, grad=True), _train, functools.partial(_torch_train, upcast=True)),
+    ]
+
+
+def _liger(t):
+    from liger_kernel.transformers.functional import liger_cross_entropy
+
+    return liger_cross_entropy(t["leaves"][0], t["target"])
+
+
+def torch_bench_cases(quick: bool) -> list:
+    (T, V), dt = WORKLOAD["quick" if quick else "full"], WORKLOAD["dtype"]
+    return [_bench.TorchCase("cross_entropy fwd+bwd", "cross_entropy", (T, V), dt,
+                             _bench.elements_bytes((T, V), dt, 2), functools.partial(_inputs, T, V, dt, grad=True),
+                             _forward_on, _train, liger=_liger)]
+
+
+# ---- PyTorch bindings -------------------------------------------------------------------------
+
+def _fake(logits, target, ignore_index, smoothing, z_loss, softcap, reduction, float32_loss):
+    import torch
+
+    dtype = torch.float32 if float32_loss else logits.dtype
+    loss = logits.new_empty(target.shape if reduction == "none" else (), dtype=dtype)
+    return loss, torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _kwargs(ignore_index, smoothing, z_loss, softcap, reduction, float32_loss) -> dict:
+    return dict(ignore_index=ignore_index, label_smoothing=smoothing, z_loss=z_loss,
+                softcap=softcap if softcap > 0 else None, reduction=reduction,
+                loss_dtype="float32" if float32_loss else None)
+
+
+TORCH_OPS = (
+    # The forward is the training form: the loss and, for an upstream gradient of 1, its
+    # gradient, kept for the backward, which applies the real upstream gradient (eager: in
+    # place, and no work at all where it is 1, as it is for a loss that is not scaled).
+    TorchOp("cross_entropy",
+            "(Tensor logits, Tensor target, int ignore_index, float label_smoothing, float z_loss, "
+            "float softcap, str reduction, bool float32_loss) -> (Tensor, Tensor)",
+            forward=lambda x, t, *o: cross_entropy_forward_backward(x, t, **_kwargs(*o)),
+            inference=lambda x, t, *o: cross_entropy(x, t, **_kwargs(*o)),
+            fake=_fake,
+            save=lambda inputs, outputs: ((outputs[1],), None),
+            backward_schema="(Tensor dloss, Tensor dlogits) -> Tensor",
+            backward=lambda dloss, dlogits: (_scale_gradient(dloss, dlogits, inplace=False),),
+            eager_backward=lambda dloss, dlogits: (_scale_gradient(dloss, dlogits, inplace=True),),
+            backward_fake=lambda dloss, dlogits: (dlogits.new_empty(dlogits.shape),),
+            backward_args=lambda saved, state, grads, T: (grads[0], saved[0]),
+            grads_to=(0,)),
+)
+
+
+def _route(T, input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean",
+           label_smoothing=0.0):
+    """(N, C) logits of a float dtype with (N,) integer class targets; no class weights, no
+    probability targets, no legacy size_average/reduce. Under autocast, which computes the
+    loss of half-precision logits in float32, the kernels read the half logits as they are
+    (they compute in float32) and return a float32 loss: no float32 copy of the logits."""
+    x = input
+    if not (x.is_cuda and target.is_cuda and x.device == target.device):
+        return "not CUDA tensors on one device"
+    if weight is not None or size_average is not None or reduce is not None:
+        return "class weights or legacy reduction arguments"
+    if x.dim() != 2 or target.dim() != 1 or target.shape[0] != x.shape[0]:
+        return "not (N, C) logits with (N,) class targets"
+    if target.dtype not in T.INDEX_DTYPES:
+        return "probability targets or target dtype"
+    if x.dtype not in T.FLOAT_DTYPES:
+        return f"dtype {x.dtype}"
+    if reduction not in REDUCTIONS or not 0.0 <= label_smoothing <= 1.0 or x.shape[1] == 0:
+        return "reduction, label_smoothing or classes"
+    if T.small("cross_entropy", x.numel()):
+        return T.SMALL
+    dt = T.autocast_dtype("cross_entropy", x.dtype)
+    float32_loss = dt == T.torch.float32 and x.dtype != dt
+    if dt != x.dtype and not float32_loss:
+        x = T.cast(x, dt)
+    return "cross_entropy", (x, target, int(ignore_index), float(label_smoothing), 0.0, 0.0, reduction,
+                             float32_loss), None
+
+
+def _probe(f, x):
+    import torch
+
+    return f(x.reshape(-1, 8), torch.zeros((x.numel() // 8,), dtype=torch.long, device=x.device))
+
+
+FAMILY = Family(
+    name="cross_entropy",
+    api=(cross_entropy, cross_entropy_backward, cross_entropy_forward_backward),
+    references={"cross_entropy": reference_cross_entropy,
+                "cross_entropy_backward": reference_cross_entropy_backward,
+                "cross_entropy_forward_backward": reference_cross_entropy_forward_backward},
+    instances=instances,
+    bench=bench_cases,
+    torch_bench=torch_bench_cases,
+    torch_ops=TORCH_OPS,
+    dropins=(DropIn("cross_entropy", _route, compile=False, probe=_probe, min_size=2**20),),   # (logit elements)
+)

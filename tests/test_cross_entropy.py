@@ -1,0 +1,328 @@
+"""Cross-entropy: the references against PyTorch in float64 (CPU), argument checking and the
+launch plans (CPU), and the kernels against the references and PyTorch (GPU): every option,
+every dtype, odd and large vocabularies, ignored rows, extreme logits, strided rows, the
+in-place training form, out-of-range targets and the drop-in under autograd."""
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+from conftest import DryRun
+from hypothesis import given, settings, strategies as st
+
+import cukern
+from cukern import reference as ref
+
+from arrays import FLOAT_DTYPES, assert_close, poison_allocator, random_host, to_device, to_host, torch
+
+ce = importlib.import_module("cukern.cross_entropy")
+gpu = pytest.mark.gpu
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
+FRAMEWORKS = ["cupy", "torch"] if torch is not None else ["cupy"]
+# loss tolerance by logits dtype (float32 arithmetic, the loss rounded to the dtype);
+# gradients are measured against the row's scale (they are probabilities, mostly tiny)
+LOSS_TOL = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1e-2}
+GRAD_TOL = {"float32": 1e-4, "float16": 3e-3, "bfloat16": 2e-2}
+
+
+def _targets(rng, rows: int, v: int, ignore: float = 0.2, dtype="int64", ignore_index=-100):
+    t = rng.integers(0, v, size=rows)
+    t[rng.random(rows) < ignore] = ignore_index
+    return t.astype(dtype)
+
+
+# ---- the references against PyTorch (CPU, float64) ---------------------------------------------
+
+def _torch_loss(x, t, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, reduction="mean"):
+    """The loss the options describe, written with PyTorch's float64 ops (autograd gives the
+    gradient): cross_entropy of the softcapped logits plus z_loss * lse^2 a kept row."""
+    F = torch.nn.functional
+    z = softcap * torch.tanh(x / softcap) if softcap else x
+    loss = F.cross_entropy(z, t, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction)
+    if z_loss:
+        keep = (t != ignore_index).double()
+        zl = z_loss * torch.logsumexp(z, dim=-1) ** 2 * keep
+        loss = loss + {"none": zl, "sum": zl.sum(), "mean": zl.sum() / keep.sum()}[reduction]
+    return loss
+
+
+@needs_torch
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("opts", [{}, {"label_smoothing": 0.1}, {"z_loss": 1e-3}, {"softcap": 5.0},
+                                  {"label_smoothing": 0.2, "z_loss": 1e-2, "softcap": 3.0, "ignore_index": 3}])
+def test_reference_matches_pytorch_in_float64(reduction, opts):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((37, 29)) * 3
+    t = _targets(rng, 37, 29, ignore_index=opts.get("ignore_index", -100))
+    loss, lse = ref.cross_entropy(x, t, reduction=reduction, return_lse=True, **opts)
+    xt = torch.tensor(x, requires_grad=True)
+    expect = _torch_loss(xt, torch.tensor(t), reduction=reduction, **opts)
+    np.testing.assert_allclose(loss, expect.detach().numpy(), rtol=1e-12, atol=1e-12)
+    dloss = np.asarray(rng.standard_normal(expect.shape) + 2.0)
+    (gx,) = torch.autograd.grad(expect, xt, torch.tensor(dloss))
+    got = ref.cross_entropy_backward(dloss, x, t, lse.astype(np.float32), reduction=reduction, **opts)
+    np.testing.assert_allclose(got, gx.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_reference_training_form_is_the_forward_and_backward_with_an_upstream_one():
+    rng = np.random.default_rng(1)
+    x = random_host(rng, (6, 11), "float32")
+    t = _targets(rng, 6, 11)
+    loss, d = ref.cross_entropy_forward_backward(x, t, label_smoothing=0.1)
+    assert loss == ref.cross_entropy(x, t, label_smoothing=0.1)
+    lse = ref.cross_entropy(x, t, return_lse=True)[1].astype(np.float32)
+    np.testing.assert_array_equal(d, ref.cross_entropy_backward(np.ones((), np.float32), x, t, lse,
+                                                                   label_smoothing=0.1))
+
+
+def test_reference_all_rows_ignored_gives_nan_mean_and_zero_gradient():
+    x = np.ones((3, 4))
+    t = np.full(3, -100)
+    assert np.isnan(ref.cross_entropy(x, t))
+    assert ref.cross_entropy(x, t, reduction="sum") == 0.0
+    assert not ref.cross_entropy_backward(np.ones(()), x, t, np.zeros(3, np.float32), reduction="sum").any()
+
+
+# ---- arguments and plans (CPU) ----------------------------------------------------------------------
+
+X = np.ones((4, 8), np.float16)
+T = np.array([0, 1, 2, 3])
+BAD = [
+    ((X, T.astype(np.float32)), {}, ValueError, "target: dtype float32 is not supported"),
+    ((X, T[:3]), {}, ValueError, r"target: shape \(3,\) does not match the leading shape of logits, \(4,\)"),
+    ((np.ones((4, 0), np.float16), T), {}, ValueError, "logits: the class axis"),
+    ((np.array(1.0, np.float16), np.array(0)), {}, ValueError, "logits: must have at least one axis"),
+    ((X, T), {"label_smoothing": 1.5}, ValueError, "label_smoothing: must be in"),
+    ((X, T), {"label_smoothing": -0.1}, ValueError, "label_smoothing: must be finite and non-negative"),
+    ((X, T), {"z_loss": float("inf")}, ValueError, "z_loss"),
+    ((X, T), {"softcap": 0.0}, ValueError, "softcap: must be finite and positive"),
+    ((X, T), {"reduction": "avg"}, ValueError, "reduction: must be one of"),
+    ((X, T), {"ignore_index": 1.0}, TypeError, "ignore_index: expected an int"),
+    ((X, T), {"loss_dtype": "float64"}, ValueError, "loss_dtype: must be float32 or the logits' dtype"),
+    ((X.astype(np.int32), T), {}, ValueError, "logits: dtype int32 is not supported"),
+    (("x", T), {}, TypeError, "logits: expected"),
+]
+
+
+@pytest.fixture
+def dry(host_arrays_as_device, monkeypatch):
+    """host_arrays_as_device, with a host fault record (the real one lives on a device)."""
+    monkeypatch.setattr(ce._faults, "record", lambda device: np.zeros(3, np.int64))
+
+
+@pytest.mark.parametrize("args, kw, exc, pattern", BAD)
+def test_bad_arguments_get_the_same_message_from_front_and_reference(args, kw, exc, pattern, dry):
+    with pytest.raises(exc, match=pattern):
+        cukern.cross_entropy(*args, **kw)
+    with pytest.raises(exc, match=pattern):
+        ref.cross_entropy(*args, **kw)
+
+
+def test_backward_checks_dloss_and_lse(dry):
+    lse = np.zeros(4, np.float32)
+    for args, kw, pattern in [
+        ((np.ones(4, np.float16), X, T, lse), {}, r"dloss: shape \(4,\) does not match the loss's \(\)"),
+        ((np.ones((), np.float16), X, T, lse), {"reduction": "none"}, "dloss: shape"),
+        ((np.ones((), np.float64), X, T, lse), {}, "dloss: dtype float64"),
+        ((np.ones((), np.float16), X, T, np.zeros(3, np.float32)), {}, "lse: must be float32 of shape"),
+    ]:
+        with pytest.raises(ValueError, match=pattern):
+            cukern.cross_entropy_backward(*args, **kw)
+
+
+def test_out_of_range_targets_raise_in_the_reference():
+    with pytest.raises(IndexError, match="target: class 8 is out of range for 8 classes"):
+        ref.cross_entropy(np.ones((2, 8)), np.array([8, 0]))
+    ref.cross_entropy(np.ones((2, 8)), np.array([-100, 0]))   # ignore_index is not a fault
+
+
+def _plan(call):
+    with pytest.raises(DryRun) as info:
+        call()
+    return info.value.plan
+
+
+def _launches(plan) -> dict:
+    return {s[1].kernel_name: s[4] for s in plan.steps if isinstance(s, tuple)}
+
+
+def test_plans_launch_what_each_form_needs_and_read_strided_rows_in_place(dry):
+    x = np.ones((6, 64), np.float16)
+    t = np.arange(6)
+    fwd = _launches(_plan(lambda: cukern.cross_entropy(x, t)))
+    assert set(fwd) == {"cross_entropy_count", "cross_entropy_rows", "cross_entropy_reduce"}
+    assert fwd["cross_entropy_rows"]["dlogits"] == 0 and fwd["cross_entropy_rows"]["x_stride"] == 64
+    assert set(_launches(_plan(lambda: cukern.cross_entropy(x, t, reduction="sum")))) == {
+        "cross_entropy_rows", "cross_entropy_reduce"}
+    none = _plan(lambda: cukern.cross_entropy(x, t, reduction="none", loss_dtype="float32"))
+    assert set(_launches(none)) == {"cross_entropy_rows"}   # the per-row losses are the output
+    assert "cross_entropy_cast" in _launches(_plan(lambda: cukern.cross_entropy(x, t, reduction="none")))
+    wide = np.ones((6, 96), np.float16)[:, :64]
+    plan = _plan(lambda: cukern.cross_entropy_forward_backward(wide, t, inplace=True))
+    assert plan.fixes == ()
+    rows = _launches(plan)["cross_entropy_rows"]
+    assert rows["x_stride"] == 96 and rows["d_stride"] == 96
+    plan = _plan(lambda: cukern.cross_entropy_forward_backward(wide, t))
+    assert _launches(plan)["cross_entropy_rows"]["d_stride"] == 64
+    plan = _plan(lambda: cukern.cross_entropy(np.ones((64, 6), np.float16).T, t))   # classes strided: a copy
+    assert [slot for slot, _ in plan.fixes] == [0]
+
+
+def test_odd_vocabularies_and_misaligned_rows_take_scalar_loads(dry):
+    def instance(x):
+        plan = _plan(lambda: cukern.cross_entropy(x, np.arange(x.shape[0])))
+        return next(s[1].name for s in plan.steps if isinstance(s, tuple) and "rows" in s[1].name)
+
+    assert ", 8, 512, 0>" in instance(np.ones((3, 64), np.float16))
+    assert ", 1, 512, 0>" in instance(np.ones((3, 63), np.float16))
+    assert ", 1, 512, 0>" in instance(np.ones((3, 65), np.float16)[:, 1:])
+    assert ", 4, 512, 0>" in instance(np.ones((3, 64), np.float32))
+
+
+# ---- the kernels (GPU) ---------------------------------------------------------------------------------
+
+def _check(framework, dtype, rows, v, *, seed=0, scale=3.0, strided=False, ignore=0.2, index="int64", **opts):
+    """Forward (loss, lse), training form (copy and in place) and backward against the
+    reference, each output poisoned first."""
+    rng = np.random.default_rng(seed)
+    xh = random_host(rng, (rows, v + (5 if strided else 0)), dtype, scale)
+    th = _targets(rng, rows, v, ignore, index, opts.get("ignore_index", -100))
+    xd = to_device(xh, framework)
+    if strided:
+        xd, xh = xd[:, 2:v + 2], xh[:, 2:v + 2]
+    td = to_device(th, framework)
+    red = opts.get("reduction", "mean")
+    poison_allocator(framework, [rows * v * 4, rows * 4, 4])
+    loss, lse = cukern.cross_entropy(xd, td, return_lse=True, **opts)
+    rloss, rlse = ref.cross_entropy(xh, th, return_lse=True, **opts)
+    assert_close(lse, rlse, "float32", "lse", tol=2e-6, scale=1.0)
+    assert_close(loss, rloss, dtype, "loss", tol=LOSS_TOL[dtype], scale=1.0)
+    l2, d = cukern.cross_entropy_forward_backward(xd, td, **opts)
+    assert to_host(l2).tobytes() == to_host(loss).tobytes()
+    dloss_h = np.asarray(random_host(rng, np.shape(rloss), dtype, 1.0, 2.0))
+    rd1 = ref.cross_entropy_backward(np.ones(np.shape(rloss)), xh, th, rlse.astype(np.float32), **opts)
+    scale_g = 1.0 / max(rows, 1) if red == "mean" else 1.0
+    assert_close(d, rd1, dtype, "dlogits (training form)", tol=GRAD_TOL[dtype], scale=scale_g / v)
+    dd = cukern.cross_entropy_backward(to_device(dloss_h, framework), xd, td, lse, **opts)
+    rd = ref.cross_entropy_backward(dloss_h, xh, th, rlse.astype(np.float32), **opts)
+    assert_close(dd, rd, dtype, "dlogits (backward)", tol=GRAD_TOL[dtype], scale=3 * scale_g / v)
+    xd2 = to_device(xh, framework) if strided else xd
+    _, d_in = cukern.cross_entropy_forward_backward(xd2, td, inplace=True, **opts)
+    assert d_in is xd2 and to_host(d_in).tobytes() == to_host(d).tobytes()
+    cukern.check_errors()
+
+
+@gpu
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("v", [1, 2, 7, 64, 1000, 4099, 32000, 2**17 + 1])
+def test_kernels_match_the_reference(framework, dtype, v):
+    rows = 3 if v > 40000 else 9
+    _check(framework, dtype, rows, v, seed=v)
+
+
+@gpu
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 20), v=st.integers(1, 3000), dtype=st.sampled_from(FLOAT_DTYPES),
+       reduction=st.sampled_from(["mean", "sum", "none"]), smoothing=st.sampled_from([0.0, 0.1, 1.0]),
+       z_loss=st.sampled_from([0.0, 1e-4, 0.1]), softcap=st.sampled_from([None, 2.0, 30.0]),
+       strided=st.booleans(), index=st.sampled_from(["int32", "int64"]), ignore=st.sampled_from([0.0, 0.3, 1.0]),
+       seed=st.integers(0, 2**16))
+def test_every_option_matches_the_reference(rows, v, dtype, reduction, smoothing, z_loss, softcap, strided, index,
+                                            ignore, seed):
+    if ignore == 1.0 and reduction == "mean":
+        return   # NaN by definition: test_all_rows_ignored
+    _check(FRAMEWORKS[seed % len(FRAMEWORKS)], dtype, rows, v, seed=seed, strided=strided, ignore=ignore,
+           index=index, reduction=reduction, label_smoothing=smoothing, z_loss=z_loss, softcap=softcap)
+
+
+@gpu
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_extreme_logits_do_not_overflow_and_minus_inf_is_allowed(framework):
+    rng = np.random.default_rng(3)
+    xh = random_host(rng, (6, 300), "float32", 1e4)
+    xh[1, ::2] = -np.inf
+    xh[2, :] = -1e4
+    th = np.array([0, 1, 5, -100, 7, 299])
+    loss, d = cukern.cross_entropy_forward_backward(to_device(xh, framework), to_device(th, framework))
+    assert_close(loss, ref.cross_entropy(xh, th), "float32", "loss", tol=1e-5)
+    assert_close(d, ref.cross_entropy_forward_backward(xh, th)[1], "float32", "dlogits", tol=1e-4, scale=0.2)
+
+
+@gpu
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_all_rows_ignored_and_no_rows(framework):
+    x = to_device(random_host(np.random.default_rng(4), (3, 50), "bfloat16"), framework)
+    t = to_device(np.full(3, -100), framework)
+    assert np.isnan(to_host(cukern.cross_entropy(x, t)))
+    loss, d = cukern.cross_entropy_forward_backward(x, t, reduction="sum")
+    assert to_host(loss) == 0 and not to_host(d).any()
+    empty = to_device(np.ones((0, 50), np.float32), framework)
+    e = to_device(np.zeros(0, np.int64), framework)
+    assert np.isnan(to_host(cukern.cross_entropy(empty, e)))
+    assert to_host(cukern.cross_entropy(empty, e, reduction="sum")) == 0
+    assert to_host(cukern.cross_entropy(empty, e, reduction="none")).shape == (0,)
+
+
+@gpu
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_out_of_range_targets_are_recorded_and_their_rows_ignored(framework):
+    rng = np.random.default_rng(5)
+    xh = random_host(rng, (4, 40), "float32")
+    th = np.array([3, 40, -1, 7])
+    loss = cukern.cross_entropy(to_device(xh, framework), to_device(th, framework), reduction="none")
+    with pytest.raises(IndexError, match=r"target: class (40|-1) is out of range for 40 classes"):
+        cukern.check_errors()
+    cukern.check_errors()   # cleared
+    keep = np.array([3, -100, -100, 7])
+    assert_close(loss, ref.cross_entropy(xh, keep, reduction="none"), "float32", "loss")
+
+
+@gpu
+@needs_torch
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] if torch is not None else [])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_matches_pytorch_and_the_drop_in_under_autograd(dtype, reduction):
+    import cukern.torch as ct
+    from cukern.torch import _tools
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(33, 1001, device="cuda", generator=g) * 3).to(dtype).requires_grad_(True)
+    t = torch.randint(0, 1001, (33,), device="cuda", generator=g)
+    t[::5] = -100
+    old = _tools.MIN_SIZE.get("cross_entropy")
+    _tools.MIN_SIZE["cross_entropy"] = 0
+    try:
+        for smoothing in (0.0, 0.1):
+            ct.reset_counts()
+            out = ct.cross_entropy(x, t, reduction=reduction, label_smoothing=smoothing)
+            assert ct.counts()["cross_entropy"] == {"cukern": 1, "torch": 0}
+            expect = torch.nn.functional.cross_entropy(x, t, reduction=reduction, label_smoothing=smoothing)
+            assert out.dtype == expect.dtype and out.shape == expect.shape
+            up = torch.rand(expect.shape, device="cuda", generator=g).to(dtype) + 0.5
+            (gx,) = torch.autograd.grad(out, x, up)
+            (ge,) = torch.autograd.grad(expect, x, up)
+            tol = 2e-5 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(out.float(), expect.float(), rtol=tol, atol=tol)
+            torch.testing.assert_close(gx.float(), ge.float(), rtol=tol, atol=tol * float(ge.abs().max()))
+        with torch.autocast("cuda", dtype=torch.bfloat16):   # float32 loss, the bf16 logits read as they are
+            out = ct.cross_entropy(x, t, reduction=reduction)
+            expect = torch.nn.functional.cross_entropy(x, t, reduction=reduction)
+        assert out.dtype == expect.dtype
+        torch.testing.assert_close(out, expect, rtol=1e-2, atol=1e-2)
+    finally:
+        _tools.MIN_SIZE["cross_entropy"] = old
+
+
+@gpu
+@needs_torch
+def test_eager_backward_scales_in_place_only_when_the_upstream_gradient_is_not_one():
+    x = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
+    t = torch.randint(0, 256, (8,), device="cuda")
+    loss, d = cukern.cross_entropy_forward_backward(x, t)
+    keep = d.clone()
+    out = ce._scale_gradient(torch.ones((), device="cuda", dtype=torch.bfloat16), d, inplace=True)
+    assert out is d and torch.equal(d, keep)
+    out = ce._scale_gradient(torch.full((), 0.5, device="cuda"), d, inplace=False)
+    assert torch.equal(out, (keep.float() * 0.5).to(torch.bfloat16)) and torch.equal(d, keep)
