@@ -27,6 +27,19 @@ namespace cross_entropy {
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr long long FAULT_TARGET = 2;   // the fault record's kind (cukern/_faults.py)
 
+// The online-softmax state of a set of logits in natural units: m = the largest, l = the sum of
+// exp(z - m). (reduce.cuh's SoftmaxState keeps m in log2 units, m = max(z * log2 e); here z - m
+// must be exact, as it is for values within a factor of two, so that at |z| ~ 1e4 the
+// probabilities keep float32's precision instead of losing the ulp of z * log2 e.)
+struct NaturalMerge {
+    __device__ static SoftmaxState identity() { return SoftmaxState::empty(); }
+    __device__ __forceinline__ SoftmaxState operator()(SoftmaxState a, SoftmaxState b) const {
+        const float m = fmaxf(a.m, b.m);
+        const float mu = m == neg_inf() ? 0.f : m;
+        return {m, a.l * fast_exp2((a.m - mu) * LOG2E) + b.l * fast_exp2((b.m - mu) * LOG2E)};
+    }
+};
+
 // The logit the softmax sees.
 __device__ __forceinline__ float capped(float x, float cap, float inv_cap) {
     return cap > 0.f ? cap * tanhf(x * inv_cap) : x;
@@ -76,9 +89,9 @@ __global__ void __launch_bounds__(THREADS, 2) cross_entropy_rows(
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const T* x = logits + row * x_stride;
         const long long t = row_target(target, row, V, ignore_index, fault, MODE != 2 && threadIdx.x == 0);
-        float row_lse;
+        float row_lse, base, inv_l = 1.f;
         if constexpr (MODE == 2) {
-            row_lse = lse[row];
+            row_lse = base = lse[row];
         } else {
             SoftmaxState st = SoftmaxState::empty();
             float sz = 0.f;
@@ -98,16 +111,15 @@ __global__ void __launch_bounds__(THREADS, 2) cross_entropy_rows(
                         for (int j = 0; j < VEC; ++j) {
                             f[u][j] = capped(f[u][j], softcap, inv_cap);
                             sz += f[u][j];
-                            f[u][j] *= LOG2E;
                             top = fmaxf(top, f[u][j]);
                         }
                         if (top > st.m) {   // rescale once a vector, then one exp2 an element
-                            st.l *= fast_exp2(st.m - top);
+                            st.l *= fast_exp2((st.m - top) * LOG2E);
                             st.m = top;
                         }
                         if (st.m != neg_inf()) {
 #pragma unroll
-                            for (int j = 0; j < VEC; ++j) st.l += fast_exp2(f[u][j] - st.m);   // (NaN in, NaN out)
+                            for (int j = 0; j < VEC; ++j) st.l += fast_exp2((f[u][j] - st.m) * LOG2E);  // (NaN: NaN)
                         } else {
 #pragma unroll
                             for (int j = 0; j < VEC; ++j) if (f[u][j] != f[u][j]) st.l = f[u][j];  // NaN among -infs
@@ -119,10 +131,12 @@ __global__ void __launch_bounds__(THREADS, 2) cross_entropy_rows(
             // overwrite it right after them)
             const float zt = (threadIdx.x == 0 && t >= 0) ? capped(to_float(x[t]), softcap, inv_cap) : 0.f;
             SoftmaxState sv[1] = {st};
-            MergeState::merge(sv, merge_tmp);
+            MergeState::reduce(sv, merge_tmp, NaturalMerge{});
             float s[1] = {sz};
             if (smoothing > 0.f) SumF::sum(s, sum_tmp);
-            row_lse = sv[0].log_sum_exp();
+            row_lse = sv[0].m + log2f(sv[0].l) * 0.6931471805599453f;
+            base = sv[0].m;   // (pass 2: p = exp(z - m) / l, exact differences)
+            inv_l = 1.f / sv[0].l;
             if (threadIdx.x == 0) {
                 float loss = 0.f;
                 if (t >= 0) {
@@ -138,7 +152,6 @@ __global__ void __launch_bounds__(THREADS, 2) cross_entropy_rows(
             float g = dloss ? dloss[row * dloss_stride] : 1.f;
             if (count) g /= *count;
             if (t < 0) g = 0.f;
-            const float lse2 = row_lse * LOG2E;
             const float a = 1.f + 2.f * z_loss * row_lse;
             for (long long c0 = static_cast<long long>(threadIdx.x) * VEC; c0 < V; c0 += STEP) {
                 float f[U][VEC];
@@ -154,7 +167,7 @@ __global__ void __launch_bounds__(THREADS, 2) cross_entropy_rows(
 #pragma unroll
                         for (int j = 0; j < VEC; ++j) {
                             const float z = capped(f[u][j], softcap, inv_cap);
-                            float dz = fast_exp2(z * LOG2E - lse2) * a - eps_v;
+                            float dz = fast_exp2((z - base) * LOG2E) * inv_l * a - eps_v;
                             if (c + j == t) dz -= 1.f - smoothing;
                             if (softcap > 0.f) dz *= 1.f - (z * inv_cap) * (z * inv_cap);
                             f[u][j] = t >= 0 ? g * dz : 0.f;

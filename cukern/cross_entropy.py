@@ -47,6 +47,7 @@ class Configs:
     threads: int = 512
     single_threads: int = 1024
     scale_threads: int = 256
+    blocks_per_sm: int = 0   # the row kernel's grid: 0 = as many as fit (measured: docs/notes-cross-entropy.md)
 
     def rows(self, dtype: str, index: str, vec: int, mode: int) -> Instance:
         return Instance(SOURCE, f"cross_entropy_rows<{_arrays.DTYPES[dtype][0]}, {INDEX_CTYPES[index]}, {vec}, "
@@ -271,6 +272,7 @@ def _plan(mode: int, arrays: list, opts: Options, flags: tuple, configs: Configs
     if mode == BACKWARD:
         if arrays[2].dtype != "float32" or not _arrays.is_contiguous(arrays[2]):
             b.fix(2, _float32)
+            b.dtypes[2] = "float32"
         if not _arrays.is_contiguous(arrays[3]):
             b.fix(3, DeviceArray.contiguous)
         dlogits, d_stride = b.alloc(la.shape, la.dtype), v
@@ -302,7 +304,8 @@ def _plan(mode: int, arrays: list, opts: Options, flags: tuple, configs: Configs
         b.launch(k, 1, target=b.slot(1), rows=rows, V=v, ignore_index=opts.ignore_index, count=count)
     vec = _vector_width(la, stride, d_stride)
     k = _kernels.kernel(configs.rows(la.dtype, ta.dtype, vec, mode), device)
-    b.launch(k, min(rows, k.resident_blocks()), logits=b.slot(0), x_stride=stride, target=b.slot(1), rows=rows,
+    grid = configs.blocks_per_sm * _kernels.sm_count(device) if configs.blocks_per_sm else k.resident_blocks()
+    b.launch(k, min(rows, grid), logits=b.slot(0), x_stride=stride, target=b.slot(1), rows=rows,
              V=v, ignore_index=opts.ignore_index, smoothing=opts.smoothing, z_loss=opts.z_loss,
              softcap=opts.softcap, loss_rows=loss_rows, lse=lse, dloss=dloss, dloss_stride=dloss_stride,
              count=count, dlogits=dlogits, d_stride=d_stride, fault=fault)

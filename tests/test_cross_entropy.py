@@ -180,6 +180,15 @@ def test_odd_vocabularies_and_misaligned_rows_take_scalar_loads(dry):
     assert ", 4, 512, 0>" in instance(np.ones((3, 64), np.float32))
 
 
+def _indices(host: np.ndarray, framework: str):
+    """Integer targets on the device, their dtype kept (to_device is for floats)."""
+    if framework == "torch":
+        return torch.from_numpy(np.ascontiguousarray(host)).cuda()
+    import cupy
+
+    return cupy.asarray(host)
+
+
 # ---- the kernels (GPU) ---------------------------------------------------------------------------------
 
 def _check(framework, dtype, rows, v, *, seed=0, scale=3.0, strided=False, ignore=0.2, index="int64", **opts):
@@ -191,7 +200,7 @@ def _check(framework, dtype, rows, v, *, seed=0, scale=3.0, strided=False, ignor
     xd = to_device(xh, framework)
     if strided:
         xd, xh = xd[:, 2:v + 2], xh[:, 2:v + 2]
-    td = to_device(th, framework)
+    td = _indices(th, framework)
     red = opts.get("reduction", "mean")
     poison_allocator(framework, [rows * v * 4, rows * 4, 4])
     loss, lse = cukern.cross_entropy(xd, td, return_lse=True, **opts)
@@ -200,7 +209,7 @@ def _check(framework, dtype, rows, v, *, seed=0, scale=3.0, strided=False, ignor
     assert_close(loss, rloss, dtype, "loss", tol=LOSS_TOL[dtype], scale=1.0)
     l2, d = cukern.cross_entropy_forward_backward(xd, td, **opts)
     assert to_host(l2).tobytes() == to_host(loss).tobytes()
-    dloss_h = np.asarray(random_host(rng, np.shape(rloss), dtype, 1.0, 2.0))
+    dloss_h = random_host(rng, np.shape(rloss) or (1,), dtype, 1.0, 2.0).reshape(np.shape(rloss))
     rd1 = ref.cross_entropy_backward(np.ones(np.shape(rloss)), xh, th, rlse.astype(np.float32), **opts)
     scale_g = 1.0 / max(rows, 1) if red == "mean" else 1.0
     assert_close(d, rd1, dtype, "dlogits (training form)", tol=GRAD_TOL[dtype], scale=scale_g / v)
@@ -245,7 +254,7 @@ def test_extreme_logits_do_not_overflow_and_minus_inf_is_allowed(framework):
     xh[1, ::2] = -np.inf
     xh[2, :] = -1e4
     th = np.array([0, 1, 5, -100, 7, 299])
-    loss, d = cukern.cross_entropy_forward_backward(to_device(xh, framework), to_device(th, framework))
+    loss, d = cukern.cross_entropy_forward_backward(to_device(xh, framework), _indices(th, framework))
     assert_close(loss, ref.cross_entropy(xh, th), "float32", "loss", tol=1e-5)
     assert_close(d, ref.cross_entropy_forward_backward(xh, th)[1], "float32", "dlogits", tol=1e-4, scale=0.2)
 
@@ -254,12 +263,12 @@ def test_extreme_logits_do_not_overflow_and_minus_inf_is_allowed(framework):
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_all_rows_ignored_and_no_rows(framework):
     x = to_device(random_host(np.random.default_rng(4), (3, 50), "bfloat16"), framework)
-    t = to_device(np.full(3, -100), framework)
+    t = _indices(np.full(3, -100), framework)
     assert np.isnan(to_host(cukern.cross_entropy(x, t)))
     loss, d = cukern.cross_entropy_forward_backward(x, t, reduction="sum")
     assert to_host(loss) == 0 and not to_host(d).any()
     empty = to_device(np.ones((0, 50), np.float32), framework)
-    e = to_device(np.zeros(0, np.int64), framework)
+    e = _indices(np.zeros(0, np.int64), framework)
     assert np.isnan(to_host(cukern.cross_entropy(empty, e)))
     assert to_host(cukern.cross_entropy(empty, e, reduction="sum")) == 0
     assert to_host(cukern.cross_entropy(empty, e, reduction="none")).shape == (0,)
@@ -271,7 +280,7 @@ def test_out_of_range_targets_are_recorded_and_their_rows_ignored(framework):
     rng = np.random.default_rng(5)
     xh = random_host(rng, (4, 40), "float32")
     th = np.array([3, 40, -1, 7])
-    loss = cukern.cross_entropy(to_device(xh, framework), to_device(th, framework), reduction="none")
+    loss = cukern.cross_entropy(to_device(xh, framework), _indices(th, framework), reduction="none")
     with pytest.raises(IndexError, match=r"target: class (40|-1) is out of range for 40 classes"):
         cukern.check_errors()
     cukern.check_errors()   # cleared
