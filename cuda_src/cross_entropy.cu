@@ -20,6 +20,15 @@
 #include "common/vec.cuh"
 #include "common/reduce.cuh"
 #include "common/fault.cuh"
+#include "common/cluster.cuh"
+
+// The training form on sm_90 splits a row over a cluster of CE_CLUSTER CTAs (below).
+#define CE_CLUSTER 8
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define CUK_CE_CLUSTER_DIMS __cluster_dims__(CE_CLUSTER, 1, 1)
+#else
+#define CUK_CE_CLUSTER_DIMS
+#endif
 
 namespace cuk {
 namespace cross_entropy {
@@ -246,4 +255,141 @@ __global__ void __launch_bounds__(THREADS) cross_entropy_scale(
             store_vec<T, VEC>(dst + row * stride + c, pack<T, VEC>(f));
         }
     }
+}
+
+// The training form reading the logits once (sm_90): a row is split over a cluster of
+// CE_CLUSTER CTAs, each holding its part of the row in registers (NV vectors a thread). Each CTA
+// reduces its part to an online-softmax state (and the sum of z for label smoothing), publishes
+// it in its shared memory, and after one cluster barrier every CTA merges the CE_CLUSTER states
+// in rank order (the same result in each) and writes its part of the gradient from registers.
+// The states are double-buffered by row parity, so one barrier a row suffices: a CTA can
+// overwrite a buffer only after the next row's barrier, which its peers pass only once they
+// have read it. Same arguments and results as cross_entropy_rows in MODE 1 (dloss null).
+template <typename T, typename IT, int VEC, int THREADS, int NV>
+__global__ void __launch_bounds__(THREADS, 2) CUK_CE_CLUSTER_DIMS cross_entropy_train_cluster(
+    const T* logits, long long x_stride, const IT* __restrict__ target, long long rows, long long V,
+    long long ignore_index, float smoothing, float z_loss, float softcap,
+    float* __restrict__ loss_rows, float* lse, const float* __restrict__ count,
+    T* dlogits, long long d_stride, long long* fault)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    using namespace cuk;
+    using namespace cuk::cross_entropy;
+    constexpr int C = CE_CLUSTER;
+    using MergeState = GroupReduce<THREADS, 1, SoftmaxState>;
+    using SumF = GroupReduce<THREADS, 1, float>;
+    __shared__ typename MergeState::TempStorage merge_tmp;
+    __shared__ typename SumF::TempStorage sum_tmp;
+    __shared__ float part[2][3];   // this CTA's (m, l, sum z), by row parity
+    __shared__ float whole[3];     // the row's merged state
+    const unsigned int rank = cluster_rank();
+    const float inv_cap = softcap > 0.f ? 1.f / softcap : 0.f;
+    const float eps_v = smoothing / static_cast<float>(V);
+    const long long per = ((V + C - 1) / C + VEC - 1) / VEC * VEC;   // columns a CTA (the front: <= THREADS*NV*VEC)
+    const long long c_begin = rank * per;
+    const long long c_end = c_begin + per < V ? c_begin + per : V;
+    int parity = 0;
+    for (long long row = cluster_index(); row < rows; row += cluster_count(), parity ^= 1) {
+        const T* x = logits + row * x_stride;
+        const long long t = row_target(target, row, V, ignore_index, fault, rank == 0 && threadIdx.x == 0);
+        Vec<T, VEC> v[NV];
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+            const long long c = c_begin + (static_cast<long long>(i) * THREADS + threadIdx.x) * VEC;
+            if (c < c_end) v[i] = load_vec<T, VEC>(x + c);
+        }
+        SoftmaxState st = SoftmaxState::empty();
+        float sz = 0.f;
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+            const long long c = c_begin + (static_cast<long long>(i) * THREADS + threadIdx.x) * VEC;
+            if (c < c_end) {
+                float f[VEC];
+                unpack(v[i], f);
+                float top = neg_inf();
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    f[j] = capped(f[j], softcap, inv_cap);
+                    sz += f[j];
+                    top = fmaxf(top, f[j]);
+                }
+                if (top > st.m) {
+                    st.l *= fast_exp2((st.m - top) * LOG2E);
+                    st.m = top;
+                }
+                if (st.m != neg_inf()) {
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) st.l += fast_exp2((f[j] - st.m) * LOG2E);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) if (f[j] != f[j]) st.l = f[j];
+                }
+            }
+        }
+        // (read before the barrier: in place, a peer may overwrite it right after)
+        const float zt = (rank == 0 && threadIdx.x == 0 && t >= 0) ? capped(to_float(x[t]), softcap, inv_cap) : 0.f;
+        SoftmaxState sv[1] = {st};
+        MergeState::reduce(sv, merge_tmp, NaturalMerge{});
+        float s[1] = {sz};
+        if (smoothing > 0.f) SumF::sum(s, sum_tmp);
+        if (threadIdx.x == 0) {
+            part[parity][0] = sv[0].m;
+            part[parity][1] = sv[0].l;
+            part[parity][2] = s[0];
+        }
+        cluster_sync();
+        if (threadIdx.x < 32) {   // lanes 0..C-1 fetch one CTA's state each, then merge in a fixed tree
+            SoftmaxState p = SoftmaxState::empty();
+            float q = 0.f;
+            if (threadIdx.x < C) {
+                p = {load_peer(&part[parity][0], threadIdx.x), load_peer(&part[parity][1], threadIdx.x)};
+                q = load_peer(&part[parity][2], threadIdx.x);
+            }
+            SoftmaxState pv[1] = {p};
+            float qv[1] = {q};
+            butterfly<C / 2, 1>(NaturalMerge{}, pv);
+            butterfly<C / 2, 1>(Sum{}, qv);
+            if (threadIdx.x == 0) {
+                whole[0] = pv[0].m;
+                whole[1] = pv[0].l;
+                whole[2] = qv[0];
+            }
+        }
+        __syncthreads();
+        const float m = whole[0], l = whole[1];
+        const float row_lse = m + log2f(l) * 0.6931471805599453f;
+        if (rank == 0 && threadIdx.x == 0) {
+            float loss = 0.f;
+            if (t >= 0) {
+                loss = row_lse - (1.f - smoothing) * zt + z_loss * row_lse * row_lse;
+                if (smoothing > 0.f) loss -= eps_v * whole[2];
+            }
+            if (loss_rows) loss_rows[row] = loss;
+            if (lse) lse[row] = row_lse;
+        }
+        float g = count ? 1.f / *count : 1.f;
+        if (t < 0) g = 0.f;
+        const float inv_l = 1.f / l;
+        const float a = 1.f + 2.f * z_loss * row_lse;
+        T* d = dlogits + row * d_stride;
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+            const long long c = c_begin + (static_cast<long long>(i) * THREADS + threadIdx.x) * VEC;
+            if (c < c_end) {
+                float f[VEC];
+                unpack(v[i], f);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const float z = capped(f[j], softcap, inv_cap);
+                    float dz = fast_exp2((z - m) * LOG2E) * inv_l * a - eps_v;
+                    if (c + j == t) dz -= 1.f - smoothing;
+                    if (softcap > 0.f) dz *= 1.f - (z * inv_cap) * (z * inv_cap);
+                    f[j] = t >= 0 ? g * dz : 0.f;
+                }
+                store_vec<T, VEC>(d + c, pack<T, VEC>(f));
+            }
+        }
+    }
+    cluster_sync();   // (no CTA leaves while a peer may still read its shared memory)
+#endif
 }

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["CompileError", "Instance", "Slot", "Kernel", "Launch", "source_dir", "load_source", "kernel",
-           "signature", "sm_count", "COMPILE_OPTIONS"]
+           "signature", "sm_count", "compute_capability", "COMPILE_OPTIONS"]
 
 # -std=c++17 for `if constexpr`. CUKERN_EXTRA_NVRTC_OPTIONS (space-separated) adds options for
 # experiments, e.g. -DCUK_STREAM_HINTS; they are part of CuPy's cache key.
@@ -147,7 +147,7 @@ def _split_args(text: str) -> tuple[str, ...]:
 
 
 _GLOBAL = re.compile(r"(?:template\s*<(?P<tpl>[^{};]*?)>\s*)?__global__\s+void\s+"
-                     r"(?:__launch_bounds__\s*\([^)]*\)\s*)?(?P<name>\w+)\s*\((?P<params>[^)]*)\)")
+                     r"(?:(?:__launch_bounds__\s*\([^)]*\)|CUK_[A-Z0-9_]+)\s*)*(?P<name>\w+)\s*\((?P<params>[^)]*)\)")
 _QUALIFIERS = {"const", "volatile", "__restrict__", "__grid_constant__"}
 
 
@@ -262,6 +262,18 @@ def cached_instances() -> list[tuple[str, str, int]]:
 # ---- launching -------------------------------------------------------------------------------
 
 _sm_counts: dict[int, int] = {}
+_capabilities: dict[int, tuple[int, int]] = {}
+
+
+def compute_capability(device: int) -> tuple[int, int]:
+    """(major, minor) of ``device``: which code paths it can run (clusters: 9.0 and newer)."""
+    cc = _capabilities.get(device)
+    if cc is None:
+        import cupy
+
+        p = cupy.cuda.runtime.getDeviceProperties(device)
+        cc = _capabilities[device] = (int(p["major"]), int(p["minor"]))
+    return cc
 
 
 def sm_count(device: int) -> int:

@@ -48,6 +48,27 @@ class Configs:
     single_threads: int = 1024
     scale_threads: int = 256
     blocks_per_sm: int = 0   # the row kernel's grid: 0 = as many as fit (measured: docs/notes-cross-entropy.md)
+    # The training form on sm_90+: a row over a cluster of `cluster` CTAs (CE_CLUSTER in the
+    # .cu) of `threads` threads holding `nv` 16-byte vectors each, the smallest nv that holds
+    # the row; rows of fewer than `cluster_min` classes keep the two-pass kernel.
+    cluster: int = 8
+    cluster_nv: tuple[int, ...] = (1, 2, 4, 8)
+    cluster_min: int = 8192
+    use_cluster: bool = True
+
+    def cluster_vectors(self, v: int, vec: int) -> int | None:
+        """The nv that holds a row of ``v`` classes in the cluster, or None (too wide)."""
+        cols = -(-v // self.cluster)      # columns a CTA, then vectors (as the kernel splits the row)
+        per = -(-cols // vec)
+        for nv in self.cluster_nv:
+            if nv * self.threads >= per:
+                return nv
+        return None
+
+    def train_cluster(self, dtype: str, index: str, nv: int) -> Instance:
+        vec = 16 // _arrays.DTYPES[dtype][1]
+        return Instance(SOURCE, f"cross_entropy_train_cluster<{_arrays.DTYPES[dtype][0]}, {INDEX_CTYPES[index]}, "
+                                f"{vec}, {self.threads}, {nv}>", self.threads)
 
     def rows(self, dtype: str, index: str, vec: int, mode: int) -> Instance:
         return Instance(SOURCE, f"cross_entropy_rows<{_arrays.DTYPES[dtype][0]}, {INDEX_CTYPES[index]}, {vec}, "
@@ -79,6 +100,8 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
         for vec in sorted({1, 16 // itemsize}):
             for index in INDEX_CTYPES:
                 out += [configs.rows(dtype, index, vec, mode) for mode in (FORWARD, TRAIN, BACKWARD)]
+                if vec > 1:
+                    out += [configs.train_cluster(dtype, index, nv) for nv in configs.cluster_nv]
             out += [configs.scale(dtype, ld, vec) for ld in sorted({"float32", dtype})]
         out += [configs.reduce(dtype), configs.cast(dtype)]
     return out + [configs.count(index) for index in INDEX_CTYPES]
@@ -303,12 +326,20 @@ def _plan(mode: int, arrays: list, opts: Options, flags: tuple, configs: Configs
         k = _kernels.kernel(configs.count(ta.dtype), device)
         b.launch(k, 1, target=b.slot(1), rows=rows, V=v, ignore_index=opts.ignore_index, count=count)
     vec = _vector_width(la, stride, d_stride)
-    k = _kernels.kernel(configs.rows(la.dtype, ta.dtype, vec, mode), device)
-    grid = configs.blocks_per_sm * _kernels.sm_count(device) if configs.blocks_per_sm else k.resident_blocks()
-    b.launch(k, min(rows, grid), logits=b.slot(0), x_stride=stride, target=b.slot(1), rows=rows,
-             V=v, ignore_index=opts.ignore_index, smoothing=opts.smoothing, z_loss=opts.z_loss,
-             softcap=opts.softcap, loss_rows=loss_rows, lse=lse, dloss=dloss, dloss_stride=dloss_stride,
-             count=count, dlogits=dlogits, d_stride=d_stride, fault=fault)
+    common = dict(logits=b.slot(0), x_stride=stride, target=b.slot(1), rows=rows, V=v,
+                  ignore_index=opts.ignore_index, smoothing=opts.smoothing, z_loss=opts.z_loss,
+                  softcap=opts.softcap, loss_rows=loss_rows, lse=lse, count=count, dlogits=dlogits,
+                  d_stride=d_stride, fault=fault)
+    nv = configs.cluster_vectors(v, vec)
+    if (mode == TRAIN and configs.use_cluster and vec > 1 and nv is not None and v >= configs.cluster_min
+            and _kernels.compute_capability(device) >= (9, 0)):
+        k = _kernels.kernel(configs.train_cluster(la.dtype, ta.dtype, nv), device)
+        clusters = max(1, min(rows, k.resident_blocks() // configs.cluster))
+        b.launch(k, clusters * configs.cluster, **common)
+    else:
+        k = _kernels.kernel(configs.rows(la.dtype, ta.dtype, vec, mode), device)
+        grid = configs.blocks_per_sm * _kernels.sm_count(device) if configs.blocks_per_sm else k.resident_blocks()
+        b.launch(k, min(rows, grid), dloss=dloss, dloss_stride=dloss_stride, **common)
     if mode != BACKWARD and not none:
         k = _kernels.kernel(configs.reduce(flags[2]), device)
         b.launch(k, 1, loss_rows=loss_rows, rows=rows, count=count, out=loss)

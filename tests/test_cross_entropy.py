@@ -169,6 +169,33 @@ def test_plans_launch_what_each_form_needs_and_read_strided_rows_in_place(dry):
     assert [slot for slot, _ in plan.fixes] == [0]
 
 
+def test_the_cluster_size_agrees_with_the_kernel_source():
+    from cukern import _kernels
+
+    assert f"#define CE_CLUSTER {ce.CONFIGS.cluster}\n" in _kernels.load_source(ce.SOURCE)
+
+
+def test_the_training_form_splits_wide_rows_over_a_cluster_on_sm90(dry, monkeypatch):
+    from cukern import _kernels
+
+    def kernels(v, cc, dtype=np.float16, rows=6):
+        monkeypatch.setattr(_kernels, "compute_capability", lambda device: cc)
+        ce._PLANS.clear()
+        plan = _plan(lambda: cukern.cross_entropy_forward_backward(np.ones((rows, v), dtype), np.arange(rows)))
+        return {s[1].name: s[2] for s in plan.steps
+                if isinstance(s, tuple) and s[1].kernel_name in ("cross_entropy_rows", "cross_entropy_train_cluster")}
+
+    got = kernels(128256, (9, 0))
+    assert list(got) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 512, 4>"]
+    assert list(got.values()) == [6 * 8]                                  # a cluster of 8 a row
+    assert "train_cluster" not in str(kernels(128256, (8, 0)))           # A100: two passes
+    assert "train_cluster" not in str(kernels(4096, (9, 0)))             # narrow rows: two passes
+    assert "train_cluster" not in str(kernels(128255, (9, 0)))           # odd V: scalar loads, two passes
+    assert ", 8>" in str(kernels(2**17, (9, 0), np.float32))             # float32: 8 vectors a thread
+    assert "train_cluster" not in str(kernels(2**18, (9, 0), np.float32))  # too wide for the registers
+    ce._PLANS.clear()
+
+
 def test_odd_vocabularies_and_misaligned_rows_take_scalar_loads(dry):
     def instance(x):
         plan = _plan(lambda: cukern.cross_entropy(x, np.arange(x.shape[0])))
@@ -205,6 +232,10 @@ def _check(framework, dtype, rows, v, *, seed=0, scale=3.0, strided=False, ignor
     poison_allocator(framework, [rows * v * 4, rows * 4, 4])
     loss, lse = cukern.cross_entropy(xd, td, return_lse=True, **opts)
     rloss, rlse = ref.cross_entropy(xh, th, return_lse=True, **opts)
+    if red == "mean" and not (th != opts.get("ignore_index", -100)).any():   # every row ignored
+        loss, d = cukern.cross_entropy_forward_backward(xd, td, **opts)
+        assert np.isnan(to_host(loss)) and not to_host(d).any()
+        return
     assert_close(lse, rlse, "float32", "lse", tol=2e-6, scale=1.0)
     assert_close(loss, rloss, dtype, "loss", tol=LOSS_TOL[dtype], scale=1.0)
     l2, d = cukern.cross_entropy_forward_backward(xd, td, **opts)
@@ -225,8 +256,9 @@ def _check(framework, dtype, rows, v, *, seed=0, scale=3.0, strided=False, ignor
 @gpu
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("v", [1, 2, 7, 64, 1000, 4099, 32000, 2**17 + 1])
+@pytest.mark.parametrize("v", [1, 2, 7, 64, 1000, 4099, 8192, 32000, 50000, 2**17, 2**17 + 1])
 def test_kernels_match_the_reference(framework, dtype, v):
+    """(On sm_90 the training form of the even vocabularies from 8192 up runs on a cluster a row.)"""
     rows = 3 if v > 40000 else 9
     _check(framework, dtype, rows, v, seed=v)
 
