@@ -178,6 +178,7 @@ def test_the_cluster_size_agrees_with_the_kernel_source():
 def test_the_training_form_splits_wide_rows_over_a_cluster_on_sm90(dry, monkeypatch):
     from cukern import _kernels
 
+    monkeypatch.setattr(ce, "CONFIGS", ce.Configs(use_cluster=True))
     def kernels(v, cc, dtype=np.float16, rows=6):
         monkeypatch.setattr(_kernels, "compute_capability", lambda device: cc)
         ce._PLANS.clear()
@@ -276,6 +277,24 @@ def test_every_option_matches_the_reference(rows, v, dtype, reduction, smoothing
         return   # NaN by definition: test_all_rows_ignored
     _check(FRAMEWORKS[seed % len(FRAMEWORKS)], dtype, rows, v, seed=seed, strided=strided, ignore=ignore,
            index=index, reduction=reduction, label_smoothing=smoothing, z_loss=z_loss, softcap=softcap)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("v, opts", [(8192, {}), (50000, {"label_smoothing": 0.1, "z_loss": 1e-3}),
+                                     (128256, {"softcap": 30.0, "reduction": "none"}), (2**17, {"reduction": "sum"})])
+def test_the_cluster_training_form_matches_the_reference(dtype, v, opts, monkeypatch):
+    """The sm_90 path (a row over a cluster of CTAs), copy and in place, against the reference."""
+    from cukern import _kernels
+
+    if _kernels.compute_capability(0) < (9, 0):
+        pytest.skip("clusters need sm_90")
+    monkeypatch.setattr(ce, "CONFIGS", ce.Configs(use_cluster=True))
+    ce._PLANS.clear()
+    try:
+        _check("torch" if torch is not None else "cupy", dtype, 5, v, seed=v, **opts)
+    finally:
+        ce._PLANS.clear()
 
 
 @gpu

@@ -131,6 +131,9 @@ def test_demo_model_runs_on_the_cpu_and_categories():
     assert demo.category("embedding_bwd_chunks") == "embedding"
     assert demo.category("ncclDevKernel_AllReduce_Sum_f32") == "communication"
     assert demo.category("void at::native::vectorized_elementwise_kernel<4>") == "elementwise"
+    assert demo.category("void cross_entropy_rows<cuk::bf16, long long, 8, 512, 1>") == "loss"
+    assert demo.category("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>") == "loss"
+    assert demo.category("void at::native::nll_loss_forward_reduce_cuda_kernel_2d<float>") == "loss"
     assert demo.category("something_else") == "other"
     top = demo.format_top({"void norm_fwd<float>": 1.0, "ampere_gemm": 3.0, "x": 0.5}, 2, "t").splitlines()
     assert len(top) == 3 and "ampere_gemm" in top[1] and "66.7%" in top[1] and "normalization" in top[2]

@@ -54,7 +54,9 @@ class GPT(nn.Module):
         for blk in self.blocks:
             x = blk(x)
         logits = F.linear(self.ln_f(x), self.tok.weight)   # tied head
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        # (under autocast the loss is computed in float32 — autocast upcasts cross_entropy's
+        # input — so no explicit .float(): a patched model then reads the half logits as they are)
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def batch(gen: torch.Generator, b: int, s: int, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:

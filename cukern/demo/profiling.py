@@ -23,8 +23,10 @@ CATEGORIES = [
                       r"ComputeFusedParams|GroupNorm|LayerNorm|RMSNorm|partial_rows"),
     ("embedding", r"embedding|index_select|indexSelect|RadixSort|radix_sort"),
     ("communication", r"nccl"),
-    ("elementwise", r"elementwise|vectorized|unrolled|reduce|fill|copy|Copy|cat|gelu|softmax|cross_entropy|"
-                    r"nll_loss|adam|Adam|foreach|multi_tensor|add|mul|where|arange|rand|Random|distribution"),
+    # (PyTorch's loss: log_softmax forward and backward, then nll_loss)
+    ("loss", r"cross_entropy|nll_loss|SoftMax|softmax|log_softmax"),
+    ("elementwise", r"elementwise|vectorized|unrolled|reduce|fill|copy|Copy|cat|gelu|"
+                    r"adam|Adam|foreach|multi_tensor|add|mul|where|arange|rand|Random|distribution"),
 ]
 
 
