@@ -30,7 +30,8 @@ from ._family import DropIn, Family, TorchOp
 from ._kernels import Instance
 from ._plans import Builder, Plan, PlanCache
 
-__all__ = ["cross_entropy", "cross_entropy_backward", "cross_entropy_forward_backward"]
+__all__ = ["cross_entropy", "cross_entropy_backward", "cross_entropy_forward_backward", "linear_cross_entropy",
+           "linear_cross_entropy_forward_backward", "chunk_rows"]
 
 SOURCE = "cross_entropy.cu"
 INDEX_CTYPES = {"int32": "int", "int64": "long long"}
@@ -302,7 +303,7 @@ def _plan(mode: int, arrays: list, opts: Options, flags: tuple, configs: Configs
         dlogits, d_stride = b.alloc(la.shape, la.dtype), v
         dloss, dloss_stride, lse = b.slot(2), int(none and rows > 1), b.slot(3)
     else:
-        return_lse, inplace, loss_dtype = flags
+        return_lse, inplace, loss_dtype = flags[:3]
         # "none" in float32: the kernel's per-row losses are the output
         loss = b.alloc(_loss_shape(ta, opts.reduction), loss_dtype)
         if none and loss_dtype == "float32":
@@ -317,13 +318,16 @@ def _plan(mode: int, arrays: list, opts: Options, flags: tuple, configs: Configs
             b.absent()
         if loss_rows is None and rows:
             loss_rows = b.alloc((rows,), "float32")
-    count = b.alloc((1,), "float32") if mean else None
+    # a count given (the linear cross-entropy's chunks: per-row losses, the gradient scaled by the
+    # rows kept in the whole batch) or, for "mean", counted here
+    shared = mode == TRAIN and len(flags) > 3 and flags[3]
+    count = b.slot(2) if shared else b.alloc((1,), "float32") if mean else None
     if rows == 0:   # no rows: the mean of nothing is NaN, the sum 0 (PyTorch's)
         if loss is not None and not none:
             b.fill(math.nan if mean else 0.0, loss)
         return b.plan(device)
     fault = _arrays.wrap(_faults.record(device), "fault record")
-    if mean:
+    if mean and not shared:
         k = _kernels.kernel(configs.count(ta.dtype), device)
         b.launch(k, 1, target=b.slot(1), rows=rows, V=v, ignore_index=opts.ignore_index, count=count)
     vec = _vector_width(la, stride, d_stride)
@@ -348,6 +352,209 @@ def _plan(mode: int, arrays: list, opts: Options, flags: tuple, configs: Configs
         k = _kernels.kernel(configs.cast(flags[2]), device)
         b.launch(k, min(-(-rows // 256), 4 * _kernels.sm_count(device)), src=loss_rows, n=rows, dst=loss)
     return b.plan(device)
+
+
+# ---- linear cross-entropy: the LM head and the loss without the (T, V) logits ------------------
+
+# Bytes of logits a chunk of tokens may hold (the extra memory of the linear cross-entropy).
+CHUNK_BYTES = 256 << 20
+_COUNT = PlanCache()
+
+
+def chunk_rows(tokens: int, v: int, itemsize: int, budget: int | None = None) -> int:
+    """Tokens a chunk: the largest power of two whose logits fit ``budget`` bytes (default
+    ``CHUNK_BYTES``; at least one token), at most the number of tokens rounded up to a power of two."""
+    budget = CHUNK_BYTES if budget is None else budget
+    rows = 1 << max(0, (budget // max(1, v * itemsize)).bit_length() - 1)
+    return min(rows, 1 << max(0, (tokens - 1).bit_length()))
+
+
+def _count_valid(ta: DeviceArray, v: int, opts: Options, configs: Configs = CONFIGS):
+    """(1,) float32 on the device: the targets that are neither ignore_index nor out of range."""
+    key = (v, opts.ignore_index, configs, ta.key)
+    plan = _COUNT.get(key)
+    if plan is None:
+        b = Builder([ta])
+        count = b.alloc((1,), "float32")
+        if ta.size:
+            k = _kernels.kernel(configs.count(ta.dtype), ta.device)
+            b.launch(k, 1, target=b.slot(0), rows=ta.size, V=v, ignore_index=opts.ignore_index, count=count)
+        else:
+            b.fill(0.0, count)
+        plan = _COUNT.put(key, b.plan(ta.device))
+    return plan([ta])[1]
+
+
+def _chunk_train(logits, target, count, opts: Options):
+    """The training form on one chunk of logits, in place: the chunk's per-row float32 losses;
+    the gradient, written over the logits, is scaled by 1 / ``count`` (for "mean") — the kept
+    rows of the whole batch, not the chunk's."""
+    arrays = [_arrays.as_device_array(logits, "logits"), _target(target),
+              _arrays.as_device_array(count, "count", ("float32",)) if count is not None else None]
+    chunk_opts = Options(opts.ignore_index, opts.smoothing, opts.z_loss, opts.softcap, "none")
+    if count is None:
+        arrays.pop()
+    flags = (False, True, "float32", count is not None)
+    return _run(TRAIN, arrays, chunk_opts, flags, CONFIGS)[3 if count is not None else 2].obj
+
+
+def _chunk_forward(logits, target, opts: Options):
+    arrays = [_arrays.as_device_array(logits, "logits"), _target(target)]
+    chunk_opts = Options(opts.ignore_index, opts.smoothing, opts.z_loss, opts.softcap, "none")
+    return _run(FORWARD, arrays, chunk_opts, (False, False, "float32"), CONFIGS)[2].obj
+
+
+def _addmm(out, a, b) -> None:
+    """out += a @ b (torch: one cuBLAS call accumulating into out; others through a temporary)."""
+    if hasattr(out, "addmm_"):
+        out.addmm_(a, b)
+    else:
+        out += a @ b
+
+
+def _mm_into(out, a, b) -> None:
+    """out[...] = a @ b (torch: written in place by cuBLAS)."""
+    if hasattr(out, "addmm_"):
+        import torch
+
+        torch.matmul(a, b, out=out)
+    else:
+        out[...] = a @ b
+
+
+def _chunk_logits(hc, w, bias):
+    """hc @ w.T (+ bias) in the inputs' dtype (torch: the bias added by the same cuBLAS call)."""
+    if bias is not None and hasattr(hc, "addmm_"):
+        import torch
+
+        return torch.addmm(bias, hc, w.T)
+    logits = hc @ w.T
+    if bias is not None:
+        logits += bias
+    return logits
+
+
+def _module(a: DeviceArray):
+    """The array module of ``a`` (numpy, cupy or torch)."""
+    import importlib
+
+    return importlib.import_module({"numpy": "numpy", "cupy": "cupy", "torch": "torch"}[a.kind])
+
+
+def _check_linear(ha: DeviceArray, wa: DeviceArray, ta: DeviceArray, ba: DeviceArray | None) -> None:
+    if ha.ndim < 1:
+        raise ValueError(f"{ha.name}: must have at least one axis (the hidden size, last), got a scalar")
+    if wa.ndim != 2 or wa.shape[1] != ha.shape[-1]:
+        raise ValueError(f"{wa.name}: must be (V, {ha.shape[-1]}) (classes, hidden size), got shape {wa.shape}")
+    if wa.shape[0] < 1:
+        raise ValueError(f"{wa.name}: no classes (shape {wa.shape})")
+    _checks.like(wa, ha, wa.shape)
+    _checks.like(ba, ha, (wa.shape[0],))
+    if ta.shape != ha.shape[:-1]:
+        raise ValueError(f"{ta.name}: shape {ta.shape} does not match the leading shape of {ha.name}, {ha.shape[:-1]}")
+
+
+def _linear_inputs(hidden, weight, target, bias):
+    ha, wa = _arrays.as_device_array(hidden, "hidden"), _arrays.as_device_array(weight, "weight")
+    ta = _target(target)
+    ba = None if bias is None else _arrays.as_device_array(bias, "bias")
+    _check_linear(ha, wa, ta, ba)
+    _arrays.same_device(ha, wa, ta, ba)
+    return ha, wa, ta, ba
+
+
+def _reduce_rows(loss_rows, count, reduction: str, like: DeviceArray, dtype: str):
+    """The per-row float32 losses reduced as asked, in ``dtype`` (framework ops on T values)."""
+    out = loss_rows
+    if reduction != "none":
+        out = loss_rows.sum()
+        if reduction == "mean":
+            out = out / count.reshape(())
+    if dtype == "float32":
+        return out
+    if like.kind == "torch":
+        return out.to(getattr(_module(like), dtype))
+    return out.astype(_arrays._np_dtype(dtype))
+
+
+def _concat(parts: list, like: DeviceArray):
+    """The chunks' per-row losses in one array (an empty float32 one for no tokens)."""
+    if not parts:
+        return _arrays.empty(like, (0,), "float32").obj
+    xp = _module(like)
+    return xp.cat(parts) if like.kind == "torch" else xp.concatenate(parts)
+
+
+def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+                         softcap=None, reduction="mean", loss_dtype=None):
+    """``cross_entropy(hidden @ weight.T + bias, target)`` without holding the (T, V) logits:
+    chunks of tokens (``chunk_rows``) go through a matrix product and the loss kernel.
+
+    Args:
+        hidden: (*, H) float32, float16 or bfloat16 (bfloat16 needs torch tensors: CuPy has no
+            bfloat16 matrix product).
+        weight: (V, H), bias: (V,) or None, in hidden's dtype.
+        target: (*) int32 or int64. Options and loss_dtype: as ``cross_entropy``.
+
+    Returns:
+        the loss as ``cross_entropy`` would give on the full logits.
+    """
+    opts = _options(ignore_index, label_smoothing, z_loss, softcap, reduction)
+    ha, wa, ta, ba = _linear_inputs(hidden, weight, target, bias)
+    out_dtype = _loss_dtype(loss_dtype, ha)
+    h, w, t = ha.obj.reshape(-1, ha.shape[-1]), wa.obj, ta.obj.reshape(-1)
+    n, v = t.shape[0], wa.shape[0]
+    rows = []
+    step = chunk_rows(n, v, ha.itemsize)
+    bias = None if ba is None else ba.obj
+    for s0 in range(0, n, step):
+        rows.append(_chunk_forward(_chunk_logits(h[s0:s0 + step], w, bias), t[s0:s0 + step], opts))
+    count = _count_valid(_arrays.wrap(t, "target"), v, opts).obj if reduction == "mean" else None
+    out = _reduce_rows(_concat(rows, ha), count, reduction, ha, out_dtype)
+    return out.reshape(ta.shape) if reduction == "none" else out
+
+
+def linear_cross_entropy_forward_backward(hidden, weight, target, bias=None, *, ignore_index=-100,
+                                          label_smoothing=0.0, z_loss=0.0, softcap=None, reduction="mean",
+                                          loss_dtype=None):
+    """The loss of ``linear_cross_entropy`` and its gradients for an upstream gradient of 1,
+    chunk by chunk: each chunk's logits are made, turned into their gradient in place by the
+    loss kernel, and multiplied back into dhidden (that chunk's rows) and dweight, dbias
+    (accumulated). Extra memory: one chunk of logits (``CHUNK_BYTES``).
+
+    dweight accumulates in its own dtype across chunks (one rounding a chunk in half precision,
+    as Liger-Kernel does); dbias in float32. reduction "mean" or "sum" (the gradient of "none"
+    needs the upstream gradient of each row: use cross_entropy on the logits).
+
+    Returns:
+        (loss, dhidden (*, H), dweight (V, H), dbias (V,) or None).
+    """
+    opts = _options(ignore_index, label_smoothing, z_loss, softcap, reduction)
+    if reduction == "none":
+        raise ValueError("reduction: the training form of linear_cross_entropy takes 'mean' or 'sum'")
+    ha, wa, ta, ba = _linear_inputs(hidden, weight, target, bias)
+    out_dtype = _loss_dtype(loss_dtype, ha)
+    h, w, t = ha.obj.reshape(-1, ha.shape[-1]), wa.obj, ta.obj.reshape(-1)
+    n, v = t.shape[0], wa.shape[0]
+    count = _count_valid(_arrays.wrap(t, "target"), v, opts).obj if reduction == "mean" else None
+    dh = _arrays.empty(ha, (n, ha.shape[-1])).obj
+    dw = _arrays.zeros(wa, wa.shape).obj
+    db = _arrays.zeros(ha, (v,), "float32").obj if ba is not None else None
+    rows = []
+    step = chunk_rows(n, v, ha.itemsize)
+    bias = None if ba is None else ba.obj
+    for s0 in range(0, n, step):
+        hc = h[s0:s0 + step]
+        logits = _chunk_logits(hc, w, bias)
+        rows.append(_chunk_train(logits, t[s0:s0 + step], count, opts))   # logits now hold dlogits
+        _mm_into(dh[s0:s0 + step], logits, w)
+        _addmm(dw, logits.T, hc)
+        if db is not None:
+            db += logits.sum(0, dtype=db.dtype)
+    loss = _reduce_rows(_concat(rows, ha), count, reduction, ha, out_dtype)
+    if db is not None:
+        db = db.to(w.dtype) if hasattr(db, "to") else db.astype(w.dtype)
+    return loss, dh.reshape(ha.shape), dw, db
 
 
 # ---- applying the upstream gradient (the PyTorch binding's backward) -------------------------
@@ -477,6 +684,41 @@ def reference_cross_entropy_forward_backward(logits, target, *, ignore_index=-10
     one = np.ones(np.shape(loss))
     d = reference_cross_entropy_backward(one, logits, target, lse.astype(np.float32), **kw)
     return (loss, d, lse) if return_lse else (loss, d)
+
+
+def _reference_linear(hidden, weight, target, bias):
+    ha, wa = _arrays.as_host_array(hidden, "hidden"), _arrays.as_host_array(weight, "weight")
+    ta = _arrays.as_host_array(target, "target", tuple(INDEX_CTYPES))
+    ba = None if bias is None else _arrays.as_host_array(bias, "bias")
+    _check_linear(ha, wa, ta, ba)
+    h = ha.obj.astype(np.float64).reshape(-1, ha.shape[-1])
+    w = wa.obj.astype(np.float64)
+    logits = h @ w.T + (0.0 if ba is None else ba.obj.astype(np.float64))
+    return ha, ta, h, w, logits
+
+
+def reference_linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100, label_smoothing=0.0,
+                                   z_loss=0.0, softcap=None, reduction="mean", loss_dtype=None):
+    """``linear_cross_entropy`` in float64: the loss of the full logits."""
+    ha, ta, h, w, logits = _reference_linear(hidden, weight, target, bias)
+    if ha.dtype != "float64":
+        _loss_dtype(loss_dtype, ha)
+    loss = reference_cross_entropy(logits, ta.obj.reshape(-1), ignore_index=ignore_index,
+                                   label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, reduction=reduction)
+    return loss.reshape(ta.shape) if reduction == "none" else loss
+
+
+def reference_linear_cross_entropy_forward_backward(hidden, weight, target, bias=None, *, ignore_index=-100,
+                                                    label_smoothing=0.0, z_loss=0.0, softcap=None, reduction="mean",
+                                                    loss_dtype=None):
+    """``linear_cross_entropy_forward_backward`` in float64: (loss, dhidden, dweight, dbias)."""
+    if reduction == "none":
+        raise ValueError("reduction: the training form of linear_cross_entropy takes 'mean' or 'sum'")
+    ha, ta, h, w, logits = _reference_linear(hidden, weight, target, bias)
+    kw = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+              reduction=reduction)
+    loss, d = reference_cross_entropy_forward_backward(logits, ta.obj.reshape(-1), **kw)
+    return loss, (d @ w).reshape(ha.shape), d.T @ h, (None if bias is None else d.sum(0))
 
 
 # ---- benchmark cases ----------------------------------------------------------------------------
@@ -627,10 +869,13 @@ def _probe(f, x):
 
 FAMILY = Family(
     name="cross_entropy",
-    api=(cross_entropy, cross_entropy_backward, cross_entropy_forward_backward),
+    api=(cross_entropy, cross_entropy_backward, cross_entropy_forward_backward, linear_cross_entropy,
+         linear_cross_entropy_forward_backward),
     references={"cross_entropy": reference_cross_entropy,
                 "cross_entropy_backward": reference_cross_entropy_backward,
-                "cross_entropy_forward_backward": reference_cross_entropy_forward_backward},
+                "cross_entropy_forward_backward": reference_cross_entropy_forward_backward,
+                "linear_cross_entropy": reference_linear_cross_entropy,
+                "linear_cross_entropy_forward_backward": reference_linear_cross_entropy_forward_backward},
     instances=instances,
     bench=bench_cases,
     torch_bench=torch_bench_cases,

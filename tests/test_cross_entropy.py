@@ -386,3 +386,122 @@ def test_eager_backward_scales_in_place_only_when_the_upstream_gradient_is_not_o
     assert out is d and torch.equal(d, keep)
     out = ce._scale_gradient(torch.full((), 0.5, device="cuda"), d, inplace=False)
     assert torch.equal(out, (keep.float() * 0.5).to(torch.bfloat16)) and torch.equal(d, keep)
+
+
+# ---- linear cross-entropy -----------------------------------------------------------------------
+
+@pytest.fixture
+def chunks_on_the_host(dry, monkeypatch):
+    """The linear cross-entropy's kernel steps replaced by the references on NumPy arrays (and a
+    small chunk budget, so that several chunks run): its chunking, accumulation and scaling run
+    on the CPU."""
+    def count(ta, v, opts):
+        t = ta.obj
+        return _Obj(np.array([np.sum((t != opts.ignore_index) & (t >= 0) & (t < v))], np.float32))
+
+    def kw(opts):
+        return dict(ignore_index=opts.ignore_index, label_smoothing=opts.smoothing, z_loss=opts.z_loss,
+                    softcap=opts.softcap or None)
+
+    def forward(logits, target, opts):
+        return ref.cross_entropy(logits, target, reduction="none", **kw(opts)).astype(np.float32)
+
+    def train(logits, target, count, opts):
+        loss, d = ref.cross_entropy_forward_backward(logits, target, reduction="sum", **kw(opts))
+        rows = ref.cross_entropy(logits, target, reduction="none", **kw(opts)).astype(np.float32)
+        logits[...] = d / (count[0] if count is not None else 1.0)
+        return rows
+
+    monkeypatch.setattr(ce, "_count_valid", count)
+    monkeypatch.setattr(ce, "_chunk_forward", forward)
+    monkeypatch.setattr(ce, "_chunk_train", train)
+    monkeypatch.setattr(ce, "CHUNK_BYTES", 7 * 50 * 4)   # 7 tokens of 50 float32 logits: 4-token chunks
+
+
+class _Obj:
+    def __init__(self, obj):
+        self.obj = obj
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_linear_cross_entropy_chunks_add_up_to_the_whole(chunks_on_the_host, bias, reduction):
+    rng = np.random.default_rng(7)
+    h = random_host(rng, (3, 5, 16), "float32")      # 15 tokens: chunks of 4, 4, 4, 3
+    w = random_host(rng, (50, 16), "float32", 0.5)
+    b = random_host(rng, (50,), "float32") if bias else None
+    t = _targets(rng, 15, 50).reshape(3, 5)
+    opts = dict(label_smoothing=0.1, z_loss=1e-3, reduction=reduction)
+    assert ce.chunk_rows(15, 50, 4) == 4
+    loss, dh, dw, db = cukern.linear_cross_entropy_forward_backward(h, w, t, b, **opts)
+    rloss, rdh, rdw, rdb = ref.linear_cross_entropy_forward_backward(h, w, t, b, **opts)
+    assert_close(np.asarray(loss), rloss, "float32", "loss", tol=1e-5)
+    assert_close(dh, rdh, "float32", "dhidden", tol=1e-5)
+    assert_close(dw, rdw, "float32", "dweight", tol=1e-5)
+    if bias:
+        assert_close(db, rdb, "float32", "dbias", tol=1e-5)
+    else:
+        assert db is None
+    assert_close(np.asarray(cukern.linear_cross_entropy(h, w, t, b, **opts)), rloss, "float32", "loss", tol=1e-5)
+    none = cukern.linear_cross_entropy(h, w, t, b, reduction="none")
+    assert_close(none, ref.linear_cross_entropy(h, w, t, b, reduction="none"), "float32", "loss rows", tol=1e-5)
+
+
+def test_linear_cross_entropy_checks_its_arguments(dry):
+    h, w, t = np.ones((4, 8), np.float16), np.ones((10, 8), np.float16), np.arange(4)
+    for args, kw, exc, pattern in [
+        ((h, np.ones((10, 7), np.float16), t), {}, ValueError, r"weight: must be \(V, 8\)"),
+        ((h, w.astype(np.float32), t), {}, ValueError, "weight: dtype float32 differs from hidden's float16"),
+        ((h, w, t[:3]), {}, ValueError, "target: shape"),
+        ((h, w, t, np.ones(9, np.float16)), {}, ValueError, "bias: shape"),
+        ((h, w, t), {"reduction": "none"}, ValueError, "reduction: the training form"),
+    ]:
+        for fn in (cukern.linear_cross_entropy_forward_backward, ref.linear_cross_entropy_forward_backward):
+            with pytest.raises(exc, match=pattern):
+                fn(*args, **kw)
+
+
+def test_chunks_hold_at_most_the_budget_of_logits():
+    assert ce.chunk_rows(16384, 128256, 2) == 1024           # 256 MiB of bf16 logits
+    assert ce.chunk_rows(16384, 128256, 2) * 128256 * 2 <= ce.CHUNK_BYTES
+    assert ce.chunk_rows(100, 128256, 2) == 128              # never more than the tokens need
+    assert ce.chunk_rows(5, 10**9, 4) == 1                   # at least one token
+
+
+@gpu
+@needs_torch
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_cross_entropy_matches_the_reference_on_the_gpu(dtype, bias, monkeypatch):
+    monkeypatch.setattr(ce, "CHUNK_BYTES", 64 * 3000 * 2)   # several chunks
+    rng = np.random.default_rng(8)
+    h = random_host(rng, (300, 64), dtype)
+    w = random_host(rng, (3000, 64), dtype, 0.2)
+    b = random_host(rng, (3000,), dtype) if bias else None
+    t = _targets(rng, 300, 3000)
+    dev = [to_device(a, "torch") if a is not None else None for a in (h, w, b)]
+    loss, dh, dw, db = cukern.linear_cross_entropy_forward_backward(*dev[:2], _indices(t, "torch"), dev[2],
+                                                                    label_smoothing=0.1)
+    rloss, rdh, rdw, rdb = ref.linear_cross_entropy_forward_backward(h, w, t, b, label_smoothing=0.1)
+    tol = {"float32": 1e-4, "bfloat16": 3e-2}[dtype]   # (half logits are rounded before the loss)
+    assert_close(loss, rloss, dtype, "loss", tol=tol, scale=1.0)
+    assert_close(dh, rdh, dtype, "dhidden", tol=tol)
+    assert_close(dw, rdw, dtype, "dweight", tol=tol)
+    if bias:
+        assert_close(db, rdb, dtype, "dbias", tol=tol)
+    assert_close(cukern.linear_cross_entropy(*dev[:2], _indices(t, "torch"), dev[2], label_smoothing=0.1),
+                 rloss, dtype, "loss", tol=tol, scale=1.0)
+
+
+def test_a_chunk_of_the_linear_form_scales_by_the_whole_batchs_count(dry):
+    from cukern import _kernels
+
+    logits, t, count = np.ones((4, 64), np.float16), np.arange(4), np.ones(1, np.float32)
+    plan = _plan(lambda: ce._chunk_train(logits, t, count, ce._options(-100, 0, 0, None, "mean")))
+    assert list(_launches(plan)) == ["cross_entropy_rows"]     # no count of its own, no reduction
+    _, inst, _, _, _, slots = plan.steps[0]
+    names = _kernels.signature(inst).names
+    by_name = {names[at]: slot for at, slot, _ in slots}
+    assert by_name["count"] == 2                                # the batch's count, given
+    assert by_name["dlogits"] == 0 == by_name["logits"]         # the gradient over the chunk's logits
+    assert by_name["loss_rows"] == 3                            # per-row float32 losses, the output
