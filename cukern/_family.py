@@ -7,8 +7,8 @@ A family module (``cukern/norm.py``, ...) ends with ``FAMILY = Family(...)``; it
 * the NVRTC compile check compiles every kernel instance it declares (``instances``);
 * ``python -m cukern bench`` and asv run its cases (``bench``, ``torch_bench``);
 * ``cukern.torch`` builds its custom ops, the eager autograd Functions, the drop-ins for
-  ``torch.nn.functional`` that ``patch()`` installs, and the nn modules (``torch_ops``,
-  ``dropins``, ``modules``).
+  ``torch.nn.functional`` that ``patch()`` installs, the nn modules and any functions of its
+  own (``torch_ops``, ``dropins``, ``modules``, ``torch_api``).
 
 Nothing here imports torch or CuPy: the declarations are plain data and functions, and the
 functions import what they need when they run.
@@ -103,3 +103,7 @@ class Family:
     torch_ops: tuple[TorchOp, ...] = ()
     dropins: tuple[DropIn, ...] = ()
     modules: tuple[ModuleSpec, ...] = ()
+    # torch_api(T, ops) -> {name: function or nn.Module class} that cukern.torch exports beside
+    # the drop-ins (functions with no torch.nn.functional counterpart); T is cukern.torch._tools,
+    # ops the built TorchOps by name (each callable eagerly, .compiled inside torch.compile).
+    torch_api: Callable | None = None

@@ -772,6 +772,7 @@ def bench_cases(quick: bool) -> list:
     """T rows of V logits. fwd: read the logits (2·T·V bytes in bf16); fwd+bwd (the training
     form): read the logits, write the gradient (4·T·V): the byte floor of a fused loss."""
     (T, V), dt = WORKLOAD["quick" if quick else "full"], WORKLOAD["dtype"]
+    (lt, lv, lh), ldt = LINEAR_WORKLOAD["quick" if quick else "full"], LINEAR_WORKLOAD["dtype"]
     make = functools.partial(_inputs, T, V, dt)
     one, two = _bench.elements_bytes((T, V), dt), _bench.elements_bytes((T, V), dt, 2)
     return [
@@ -780,6 +781,9 @@ def bench_cases(quick: bool) -> list:
                     _train, _torch_train),
         _bench.Case("cross_entropy fwd+bwd vs fp32 upcast", "cross_entropy", (T, V), dt, two,
                     functools.partial(make, grad=True), _train, functools.partial(_torch_train, upcast=True)),
+        _bench.Case("linear_cross_entropy fwd+bwd", "cross_entropy", (lt, lv, lh), ldt,
+                    _bench.elements_bytes((lt, lv), ldt, 2), functools.partial(_linear_bench_inputs, lt, lv, lh, ldt),
+                    _linear_train, _linear_torch_train, flops=6 * lt * lv * lh),
     ]
 
 
@@ -789,11 +793,58 @@ def _liger(t):
     return liger_cross_entropy(t["leaves"][0], t["target"])
 
 
+# (tokens, vocabulary, hidden size) of the linear cross-entropy: LLaMA-3-8B's head
+LINEAR_WORKLOAD = {"full": (16384, 128256, 4096), "quick": (4096, 32000, 1024), "dtype": "bfloat16"}
+
+
+def _linear_bench_inputs(T, V, H, dtype, seed) -> dict:
+    import torch
+
+    gen = _bench.generator(seed)
+    t = {"h": _bench.randn((T, H), dtype, gen), "w": _bench.randn((V, H), dtype, gen) * 0.02,
+         "target": torch.randint(0, V, (T,), device="cuda", generator=gen)}
+    t["leaves"] = (t["h"].detach().requires_grad_(True), t["w"].detach().requires_grad_(True))
+    t["dy"] = torch.ones((), device="cuda", dtype=t["h"].dtype)
+    return t
+
+
+def _linear_train(t):
+    return linear_cross_entropy_forward_backward(t["h"], t["w"], t["target"])[:3]
+
+
+def _linear_forward_on(F, t):
+    h, w = t["leaves"]
+    if F is not None and hasattr(F, "linear_cross_entropy"):
+        return F.linear_cross_entropy(h, w, t["target"])
+    import torch.nn.functional as TF
+
+    return TF.cross_entropy(TF.linear(h, w), t["target"])
+
+
+def _linear_torch_train(t):
+    import torch
+
+    loss = _linear_forward_on(None, t)
+    return (loss.detach(), *torch.autograd.grad(loss, t["leaves"]))
+
+
+def _linear_liger(t):
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    h, w = t["leaves"]
+    return liger_fused_linear_cross_entropy(h, w, t["target"])
+
+
 def torch_bench_cases(quick: bool) -> list:
     (T, V), dt = WORKLOAD["quick" if quick else "full"], WORKLOAD["dtype"]
+    (lt, lv, lh), ldt = LINEAR_WORKLOAD["quick" if quick else "full"], LINEAR_WORKLOAD["dtype"]
     return [_bench.TorchCase("cross_entropy fwd+bwd", "cross_entropy", (T, V), dt,
                              _bench.elements_bytes((T, V), dt, 2), functools.partial(_inputs, T, V, dt, grad=True),
-                             _forward_on, _train, liger=_liger)]
+                             _forward_on, _train, liger=_liger),
+            _bench.TorchCase("linear_cross_entropy fwd+bwd", "cross_entropy", (lt, lv, lh), ldt,
+                             _bench.elements_bytes((lt, lv), ldt, 2),
+                             functools.partial(_linear_bench_inputs, lt, lv, lh, ldt), _linear_forward_on,
+                             _linear_train, liger=_linear_liger, flops=6 * lt * lv * lh)]
 
 
 # ---- PyTorch bindings -------------------------------------------------------------------------
@@ -830,6 +881,109 @@ TORCH_OPS = (
             backward_args=lambda saved, state, grads, T: (grads[0], saved[0]),
             grads_to=(0,)),
 )
+
+
+def _lce_forward(h, w, t, b, opts):
+    loss, dh, dw, db = linear_cross_entropy_forward_backward(h, w, t, b, **_kwargs(*opts))
+    return loss, dh, dw, (h.new_empty((0,)) if db is None else db)
+
+
+def _lce_fake(h, w, t, b, ignore_index, smoothing, z_loss, softcap, reduction, float32_loss):
+    import torch
+
+    loss = h.new_empty((), dtype=torch.float32 if float32_loss else h.dtype)
+    return loss, torch.empty_like(h), torch.empty_like(w), h.new_empty((w.shape[0],) if b is not None else (0,))
+
+
+def _lce_scale(dloss, dh, dw, db, inplace: bool):
+    """The saved gradients (for an upstream gradient of 1) times the real one."""
+    out = tuple(_scale_gradient(dloss, g, inplace=inplace) for g in (dh, dw))
+    return out + ((_scale_gradient(dloss, db, inplace=inplace) if db.numel() else None),)
+
+
+TORCH_OPS += (
+    # Like the cross-entropy's: the forward computes the loss and every gradient for an upstream
+    # gradient of 1 (the logits never exist whole), the backward applies the real one.
+    TorchOp("linear_cross_entropy",
+            "(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, int ignore_index, float label_smoothing, "
+            "float z_loss, float softcap, str reduction, bool float32_loss) -> (Tensor, Tensor, Tensor, Tensor)",
+            forward=lambda h, w, t, b, *o: _lce_forward(h, w, t, b, o),
+            inference=lambda h, w, t, b, *o: linear_cross_entropy(h, w, t, b, **_kwargs(*o)),
+            fake=_lce_fake,
+            save=lambda inputs, outputs: (tuple(outputs[1:4]), None),
+            backward_schema="(Tensor dloss, Tensor dhidden, Tensor dweight, Tensor dbias) -> (Tensor, Tensor, Tensor)",
+            backward=lambda dl, dh, dw, db: _lce_scale(dl, dh, dw, db, inplace=False),
+            eager_backward=lambda dl, dh, dw, db: _lce_scale(dl, dh, dw, db, inplace=True),
+            backward_fake=lambda dl, dh, dw, db: (dh.new_empty(dh.shape), dw.new_empty(dw.shape),
+                                                  db.new_empty(db.shape)),
+            backward_args=lambda saved, state, grads, T: (grads[0], *saved),
+            grads_to=(0, 1, 3)),
+)
+
+
+def _torch_fallback(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, reduction):
+    """PyTorch's own ops for what the kernels do not take (CPU tensors): the same loss."""
+    import torch
+    import torch.nn.functional as F
+
+    z = F.linear(hidden, weight, bias).float()
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    z, t = z.reshape(-1, z.shape[-1]), target.reshape(-1)
+    loss = F.cross_entropy(z, t, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction)
+    if z_loss:
+        keep = (t != ignore_index).float()
+        zl = z_loss * torch.logsumexp(z, dim=-1) ** 2 * keep
+        loss = loss + {"none": zl, "sum": zl.sum(), "mean": zl.sum() / keep.sum()}[reduction]
+    return loss.reshape(target.shape) if reduction == "none" else loss
+
+
+def _torch_api(T, ops) -> dict:
+    """``cukern.torch.linear_cross_entropy`` and ``cukern.torch.LinearCrossEntropyLoss``."""
+    import torch
+    from torch import nn
+
+    op = ops["linear_cross_entropy"]
+
+    def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100, label_smoothing=0.0,
+                             z_loss=0.0, softcap=None, reduction="mean"):
+        """``F.cross_entropy(F.linear(hidden, weight, bias), target)`` for an LM head, without the
+        (tokens, vocabulary) logits: autograd (dhidden, dweight, dbias) and torch.compile.
+
+        hidden (*, H), weight (V, H), bias (V,) or None; target (*) int64/int32. Under CUDA
+        autocast the matrix products run in the autocast dtype and the loss is float32, as
+        F.linear followed by F.cross_entropy give. reduction "mean" or "sum" with autograd, also
+        "none" without. z_loss and softcap as cukern.cross_entropy. Tensors that are not on a
+        GPU run PyTorch's ops."""
+        if not (hidden.is_cuda and weight.is_cuda and target.is_cuda):
+            return _torch_fallback(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap,
+                                   reduction)
+        f32 = False
+        if torch.is_autocast_enabled("cuda"):
+            dt = torch.get_autocast_dtype("cuda")
+            hidden, weight, bias = T.cast(hidden, dt), T.cast(weight, dt), T.cast(bias, dt)
+            f32 = True
+        args = (hidden, weight, target, bias, int(ignore_index), float(label_smoothing), float(z_loss),
+                float(softcap or 0.0), reduction, f32)
+        return op.compiled(*args) if T.compiling() else op(*args)
+
+    class LinearCrossEntropyLoss(nn.Module):
+        """The loss of an LM head: ``forward(hidden, weight, target, bias=None)`` is
+        ``linear_cross_entropy`` with the options given here (Liger's fused linear cross-entropy
+        loss takes the same inputs)."""
+
+        def __init__(self, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, reduction="mean"):
+            super().__init__()
+            self.ignore_index, self.label_smoothing, self.z_loss = ignore_index, label_smoothing, z_loss
+            self.softcap, self.reduction = softcap, reduction
+
+        def forward(self, hidden, weight, target, bias=None):
+            return linear_cross_entropy(hidden, weight, target, bias, ignore_index=self.ignore_index,
+                                        label_smoothing=self.label_smoothing, z_loss=self.z_loss,
+                                        softcap=self.softcap, reduction=self.reduction)
+
+    LinearCrossEntropyLoss.__module__ = "cukern.torch"
+    return {"linear_cross_entropy": linear_cross_entropy, "LinearCrossEntropyLoss": LinearCrossEntropyLoss}
 
 
 def _route(T, input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean",
@@ -881,4 +1035,5 @@ FAMILY = Family(
     torch_bench=torch_bench_cases,
     torch_ops=TORCH_OPS,
     dropins=(DropIn("cross_entropy", _route, compile=False, probe=_probe, min_size=2**20),),   # (logit elements)
+    torch_api=_torch_api,
 )

@@ -187,6 +187,14 @@ def _cpu_stand_ins():
             loss = F.cross_entropy(xl, t, ignore_index=ignore, label_smoothing=smoothing, reduction=reduction)
             return loss.detach(), torch.autograd.grad(loss, xl, torch.ones_like(loss))[0]
 
+    def lce(h, w, t, b, ignore, smoothing, z, cap, reduction, f32):
+        with torch.enable_grad():
+            leaves = [a.detach().requires_grad_(True) for a in (h, w) + ((b,) if b is not None else ())]
+            logits = F.linear(leaves[0], leaves[1], leaves[2] if b is not None else None)
+            loss = F.cross_entropy(logits, t, ignore_index=ignore, label_smoothing=smoothing, reduction=reduction)
+            grads = torch.autograd.grad(loss, leaves)
+        return loss.detach(), grads[0], grads[1], grads[2] if b is not None else h.new_empty((0,))
+
     stats = lambda x, n: x.reshape(*x.shape[:2], -1).mean(-1)[:, :n] if n else x.mean(-1)  # noqa: E731
     fake = {
         "layer_norm": (lambda x, w, b, e: (ln(x, w, b, e), x.mean(-1), x.mean(-1)),
@@ -204,6 +212,7 @@ def _cpu_stand_ins():
                       lambda do, q, k, v, o, lse, c, s, det: tuple(_recompute(lambda q, k, v: sdpa(q, k, v, c, s),
                                                                               (q, k, v), do))),
         "cross_entropy": (ce, lambda dloss, d: ((d * dloss if dloss.dim() == 0 else d * dloss[:, None]),)),
+        "linear_cross_entropy": (lce, lambda dl, dh, dw, db: (dh * dl, dw * dl, db * dl if db.numel() else None)),
     }
     out = {}
     for family in _registry.families():
@@ -228,7 +237,13 @@ def test_each_ops_autograd_wiring_routes_every_gradient_to_its_input(which):
     emb = torch.randn(10, 16, generator=g).requires_grad_(which != "x")
     logits = torch.randn(6, 11, generator=g).requires_grad_(which != "w")
     target = torch.tensor([0, 3, -100, 10, 2, 2])
+    hid = torch.randn(6, 16, generator=g).requires_grad_(which != "w")
+    head = torch.randn(11, 16, generator=g).requires_grad_(which in ("w", "both"))
+    hb = torch.randn(11, generator=g).requires_grad_(which == "both")
     calls = [
+        ("linear_cross_entropy", (hid, head, target, hb, -100, 0.1, 0.0, 0.0, "sum", False),
+         lambda: F.cross_entropy(F.linear(hid, head, hb), target, label_smoothing=0.1, reduction="sum"),
+         (hid, head, hb)),
         ("cross_entropy", (logits, target, -100, 0.1, 0.0, 0.0, "none", False),
          lambda: F.cross_entropy(logits, target, label_smoothing=0.1, reduction="none"), (logits,)),
         ("layer_norm", (x, w, b, 1e-5), lambda: F.layer_norm(x, (16,), w, b, 1e-5), (x, w, b)),
@@ -502,12 +517,14 @@ def _opcheck_cases():
         (ops.attention.default, (t((2, 40, 4, 64)), t((2, 40, 2, 64), seed=1), t((2, 40, 2, 64), seed=2), True, 0.125)),
         (ops.cross_entropy.default, (t((9, 300)), target, -100, 0.1, 1e-3, 0.0, "mean", False)),
         (ops.cross_entropy.default, (t((9, 300)), target, 3, 0.0, 0.0, 5.0, "none", True)),
+        (ops.linear_cross_entropy.default, (t((9, 32)), t((300, 32), seed=1), target, t((300,), seed=2), -100, 0.1,
+                                            1e-3, 0.0, "mean", False)),
     ]
 
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("i", range(10))
+@pytest.mark.parametrize("i", range(11))
 def test_opcheck(i):
     op, args = _opcheck_cases()[i]
     torch.library.opcheck(op, args)
@@ -763,3 +780,45 @@ def test_kernels_launch_from_a_thread_that_has_made_no_cuda_call():
     t.join()
     assert "error" not in got, got.get("error")
     assert torch.equal(got["y"], expect)
+
+
+@pytest.mark.parametrize("opts", [{}, {"z_loss": 1e-3, "softcap": 4.0, "ignore_index": 2}, {"reduction": "sum"}])
+def test_linear_cross_entropy_on_the_cpu_is_pytorchs_and_has_gradients(opts):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(3, 4, 16, generator=g, requires_grad=True)
+    w = torch.randn(30, 16, generator=g, requires_grad=True)
+    t = torch.randint(0, 30, (3, 4), generator=g)
+    loss = ct.LinearCrossEntropyLoss(**opts)(h, w, t)
+    z = F.linear(h, w).reshape(-1, 30)
+    if opts.get("softcap"):
+        z = opts["softcap"] * torch.tanh(z / opts["softcap"])
+    ignore = opts.get("ignore_index", -100)
+    expect = F.cross_entropy(z, t.reshape(-1), ignore_index=ignore, reduction=opts.get("reduction", "mean"))
+    if opts.get("z_loss"):
+        keep = (t.reshape(-1) != ignore).float()
+        expect = expect + (opts["z_loss"] * torch.logsumexp(z, -1) ** 2 * keep).sum() / keep.sum()
+    torch.testing.assert_close(loss, expect)
+    assert all(a is not None for a in torch.autograd.grad(loss, (h, w)))
+    assert "linear_cross_entropy" in ct.__all__ and "LinearCrossEntropyLoss" in ct.__all__
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("autocast", [False, True])
+def test_linear_cross_entropy_matches_pytorch_forward_and_backward(autocast):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dt = torch.float32 if autocast else torch.bfloat16
+    h = (torch.randn(4, 100, 64, device="cuda", generator=g)).to(dt).requires_grad_(True)
+    w = (torch.randn(5000, 64, device="cuda", generator=g) * 0.2).to(dt).requires_grad_(True)
+    b = torch.randn(5000, device="cuda", generator=g).to(dt).requires_grad_(True)
+    t = torch.randint(0, 5000, (4, 100), device="cuda", generator=g)
+    t[:, ::7] = -100
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        loss = ct.linear_cross_entropy(h, w, t, b, label_smoothing=0.1)
+        expect = F.cross_entropy(F.linear(h, w, b).reshape(-1, 5000), t.reshape(-1), label_smoothing=0.1)
+    assert loss.dtype == expect.dtype
+    up = torch.tensor(0.7, device="cuda", dtype=loss.dtype)
+    got, ref = torch.autograd.grad(loss, (h, w, b), up), torch.autograd.grad(expect, (h, w, b), up)
+    torch.testing.assert_close(loss.float(), expect.float(), rtol=2e-2, atol=2e-2)
+    for a, e, name in zip(got, ref, ("dhidden", "dweight", "dbias")):
+        assert (a.float() - e.float()).norm() <= 3e-2 * e.float().norm(), name
