@@ -563,6 +563,20 @@ def torch_impls(case: TorchCase) -> dict[str, Callable]:
     return impls
 
 
+def peak_mib(fn: Callable, inputs) -> float:
+    """The most memory one call of ``fn(inputs)`` allocates beyond what was allocated before it
+    (its outputs and its scratch; the inputs excluded), in MiB, from torch's allocator."""
+    import torch
+
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn(inputs)
+    torch.cuda.synchronize()
+    del out
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
 def run_torch_case(case: TorchCase, *, warmup: int = 10, reps: int = 100, copy_gbps: float | None = None,
                    matmul_tflops: float | None = None, l2: int | None = None) -> dict:
     """Time every implementation of a PyTorch-path case: the bench's method (device kept busy,
@@ -589,8 +603,10 @@ def run_torch_case(case: TorchCase, *, warmup: int = 10, reps: int = 100, copy_g
                                        hold=False).median_ms for name in ("cukern.torch", "eager")}
     host = {name: host_us(impls[name], calls=max(20, reps), input_sets=sets)
             for name in ("array", "cukern.torch", "eager")}
+    peak = {name: peak_mib(fn, sets[0]) for name, fn in impls.items()}
     r = {"name": case.name, "family": case.family, "shape": list(case.shape), "dtype": case.dtype,
          "bytes": case.nbytes, "flops": case.flops, "ms": ms, "isolated_ms": isolated, "host_us": host,
+         "peak_mib": peak,
          "rel_err": errors, "routed": routed, "fallbacks": {k: v.get("torch_reasons") for k, v in counts.items()
                                                              if v.get("torch")},
          "input_sets": nsets, "reps": reps}
@@ -615,11 +631,18 @@ def run_torch_cases(cases: Sequence[TorchCase], progress: Callable | None = None
                      matmul_tflops=matmul_tflops)
 
 
+def _peaks(peak: dict | None) -> str:
+    if not peak:
+        return "-"
+    return " / ".join("-" if peak.get(k) is None else f"{peak[k]:.0f}" for k in ("cukern.torch", "eager", "liger"))
+
+
 def format_torch_table(results: list[dict]) -> str:
     """The PyTorch-path results: median ms of each implementation (the bench's method), the
     ratios, the isolated call's time and the host time a call."""
     head = ("case", "shape", "array ms", "cukern.torch ms", "/array", "eager ms", "compile ms", "Liger ms",
-            "vs eager", "vs compile", "vs Liger", "isolated ms (ct/eager)", "host us (ct/eager/array)")
+            "vs eager", "vs compile", "vs Liger", "isolated ms (ct/eager)", "host us (ct/eager/array)",
+            "peak MiB (ct/eager/Liger)")
     rows = []
 
     def f(v, fmt):
@@ -636,7 +659,8 @@ def format_torch_table(results: list[dict]) -> str:
                      f(ms["compile"], ".3f"), f(ms.get("liger"), ".3f"), f(r["vs_eager"], ".2f") + "x",
                      f(r["vs_compile"], ".2f") + "x", f(r["vs_liger"], ".2f") + ("x" if r["vs_liger"] else ""),
                      f"{iso['cukern.torch']:.3f} / {iso['eager']:.3f}",
-                     f"{host['cukern.torch']:.0f} / {host['eager']:.0f} / {host['array']:.0f}"))
+                     f"{host['cukern.torch']:.0f} / {host['eager']:.0f} / {host['array']:.0f}",
+                     _peaks(r.get("peak_mib"))))
     widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
     left = {0, 1}
 
@@ -732,7 +756,7 @@ def asv_benchmarks(namespace: dict) -> None:
     """Fill the asv module's namespace with a ``track_`` benchmark for every number of every
     family: array-API cases as ``bench_<family>.track_<case>_{gbps|tflops|speedup}`` (and
     ``bench_<family>.track_copy_gbps``, the ceiling), PyTorch-path cases as
-    ``bench_torch_<family>.track_<case>_{vs_eager|vs_compile|vs_liger|over_array|host_us}``.
+    ``bench_torch_<family>.track_<case>_{vs_eager|vs_compile|vs_liger|over_array|host_us|peak_mib}``.
     Everything is measured once, in the module's ``setup_cache`` (``asv_results()``), which
     every benchmark reads; without a GPU ``setup`` skips them all."""
     from ._registry import families
@@ -763,12 +787,13 @@ def asv_benchmarks(namespace: dict) -> None:
                                     ("vs_compile", "x", "speed-up over torch.compile"),
                                     ("vs_liger", "x", "speed-up over Liger-Kernel"),
                                     ("torch_over_array", "x", "time over the array API's"),
-                                    ("host_us", "us", "host time a call")):
+                                    ("host_us", "us", "host time a call"),
+                                    ("peak_mib", "MiB", "peak memory a call beyond its inputs")):
                 if key == "vs_liger" and c.liger is None:   # (no Liger peer for this case)
                     continue
                 read = _case_value("torch_cases", c.name, key)
-                if key == "host_us":
-                    read = (lambda inner: lambda m: inner(m)["cukern.torch"])(read)
+                if key in ("host_us", "peak_mib"):
+                    read = (lambda inner: lambda m: (inner(m) or {}).get("cukern.torch"))(read)
                 tracks.append(_metric(f"bench_torch_{fam.name}.track_{slug(c.name)}_{key}", unit,
                                       f"{label}, {what}", read))
     for t in tracks:

@@ -296,19 +296,22 @@ def test_asv_benchmarks_cover_every_case_under_their_historic_names():
             fn = tracks[f"bench_{c.family}.track_{_bench.slug(c.name)}_{key}"]
             assert fn.unit == unit and fn.timeout >= 600 and fn.version == _bench.ASV_VERSION
     for c in _bench.torch_cases():
-        for key in ("vs_eager", "vs_compile", "torch_over_array", "host_us") + (("vs_liger",) if c.liger else ()):
+        for key in ("vs_eager", "vs_compile", "torch_over_array", "host_us", "peak_mib") + (
+                ("vs_liger",) if c.liger else ()):
             assert f"bench_torch_{c.family}.track_{_bench.slug(c.name)}_{key}" in tracks
         if not c.liger:
             assert f"bench_torch_{c.family}.track_{_bench.slug(c.name)}_vs_liger" not in tracks
     fake = {"skip": None, "copy_gbps": 3000.0,
             "cases": {c.name: _bench.summarize(c, 0.5, 1.0, copy_gbps=3000.0) for c in _bench.cases()},
-            "torch_cases": {c.name: {"vs_eager": 1.5, "vs_liger": None, "host_us": {"cukern.torch": 20.0}}
+            "torch_cases": {c.name: {"vs_eager": 1.5, "vs_liger": None, "host_us": {"cukern.torch": 20.0},
+                                     "peak_mib": {"cukern.torch": 512.0, "eager": 2048.0}}
                             for c in _bench.torch_cases()}}
     assert tracks["bench_norm.track_layer_norm_fwd_speedup"](fake) == pytest.approx(2.0)
     expect = _bench.gbps(5 * 65536 * 4096 * 2, 0.5)
     assert tracks["bench_norm.track_rms_norm_fwd_bwd_gbps"](fake) == pytest.approx(expect)
     assert tracks["bench_torch_norm.track_layer_norm_fwd_bwd_vs_eager"](fake) == 1.5
     assert tracks["bench_torch_norm.track_layer_norm_fwd_bwd_host_us"](fake) == 20.0
+    assert tracks["bench_torch_cross_entropy.track_linear_cross_entropy_fwd_bwd_peak_mib"](fake) == 512.0
     with pytest.raises(NotImplementedError):   # Liger not installed: not measured, skipped
         tracks["bench_torch_norm.track_layer_norm_fwd_bwd_vs_liger"].setup(fake)
     tracks["bench_torch_norm.track_layer_norm_fwd_bwd_vs_eager"].setup(fake)   # measured: runs
@@ -373,3 +376,15 @@ def test_each_case_runs_in_order_and_an_error_is_recorded_not_raised(monkeypatch
     out = _bench._run_each(run_one, cases, lambda i, n, c: progress.append((i, n)), reps=3)
     assert [r["name"] for r in out] == ["toy op", "bad", "toy op"] and out[1]["error"] == "ValueError: boom"
     assert seen[0] == ("toy op", 1, {"reps": 3}) and progress == [(1, 3), (2, 3), (3, 3)]
+
+
+def test_the_torch_table_shows_peak_memory_and_marks_only_real_fallbacks():
+    rec = {"name": "x fwd+bwd", "shape": [4, 8], "dtype": "bfloat16", "routed": None, "error": None,
+           "ms": {"array": 1.0, "cukern.torch": 1.0, "eager": 2.0, "compile": 1.5},
+           "isolated_ms": {"cukern.torch": 1.1, "eager": 2.1}, "host_us": {"cukern.torch": 30, "eager": 10, "array": 9},
+           "peak_mib": {"cukern.torch": 125.4, "eager": 22900.0}, "torch_over_array": 1.0, "vs_eager": 2.0,
+           "vs_compile": 1.5, "vs_liger": None, "rel_err": {}}
+    table = _bench.format_torch_table([rec])
+    assert "peak MiB (ct/eager/Liger)" in table and "125 / 22900 / -" in table and "fell back" not in table
+    assert "(fell back!)" in _bench.format_torch_table([{**rec, "routed": False}])
+    assert "  -" in _bench.format_torch_table([{k: v for k, v in rec.items() if k != "peak_mib"}])
