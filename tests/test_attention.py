@@ -438,3 +438,45 @@ def test_every_layout_gives_the_contiguous_results_bit_for_bit(d, deterministic)
             assert dk.transpose(1, 2).is_contiguous() and dv.transpose(1, 2).is_contiguous()
         else:                # slices of packed qkv are not dense: the outputs are contiguous
             assert out.is_contiguous() and dq.is_contiguous() and dk.is_contiguous()
+
+
+# ---- the family's rows in the shared PyTorch-path tests (tests/test_torch_integration.py) ----
+
+def _sdpa_bshd(q, k, v, causal, scale):
+    import torch.nn.functional as F
+
+    return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal,
+                                          scale=scale).transpose(1, 2)
+
+
+def torch_stand_ins() -> dict:
+    from torch_helpers import recompute
+
+    return {"attention": (lambda q, k, v, c, s: (_sdpa_bshd(q, k, v, c, s),
+                                                 q.new_zeros(q.shape[0], q.shape[2], q.shape[1])),
+                          lambda do, q, k, v, o, lse, c, s, det: tuple(recompute(
+                              lambda q, k, v: _sdpa_bshd(q, k, v, c, s), (q, k, v), do)))}
+
+
+def torch_wiring_calls(which: str, g) -> list:
+    q, k, v = (torch.randn(2, 6, 2, 8, generator=g).requires_grad_(which != "w") for _ in range(3))
+    return [("attention", (q, k, v, True, 0.3), lambda: _sdpa_bshd(q, k, v, True, 0.3), (q, k, v))]
+
+
+def opcheck_samples() -> list:
+    from torch_helpers import leaf
+
+    bf = torch.bfloat16
+    return [(torch.ops.cukern.attention.default, (leaf((2, 40, 4, 64), bf, 0), leaf((2, 40, 2, 64), bf, 1),
+                                                  leaf((2, 40, 2, 64), bf, 2), True, 0.125))]
+
+
+def torch_kernel_cases() -> dict:
+    import cukern.torch as ct
+    from torch_helpers import leaf
+
+    q, k, v = (leaf((2, 8, 256, 64), torch.bfloat16, s) for s in range(3))
+    do = leaf((2, 8, 256, 64), torch.bfloat16, 3).detach()
+    return {"sdpa": (lambda: torch.autograd.grad(ct.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                                 (q, k, v), do),
+                     ["attention_bwd_dkdv", "attention_bwd_dot", "attention_bwd_dq_convert", "attention_fwd"])}

@@ -505,3 +505,64 @@ def test_a_chunk_of_the_linear_form_scales_by_the_whole_batchs_count(dry):
     assert by_name["count"] == 2                                # the batch's count, given
     assert by_name["dlogits"] == 0 == by_name["logits"]         # the gradient over the chunk's logits
     assert by_name["loss_rows"] == 3                            # per-row float32 losses, the output
+
+
+# ---- the family's rows in the shared PyTorch-path tests (tests/test_torch_integration.py) ----
+
+def torch_stand_ins() -> dict:
+    import torch.nn.functional as F
+
+    def ce(x, t, ignore, smoothing, z, cap, reduction, f32):
+        with torch.enable_grad():   # (Function.forward runs without it)
+            xl = x.detach().requires_grad_(True)
+            loss = F.cross_entropy(xl, t, ignore_index=ignore, label_smoothing=smoothing, reduction=reduction)
+            return loss.detach(), torch.autograd.grad(loss, xl, torch.ones_like(loss))[0]
+
+    def lce(h, w, t, b, ignore, smoothing, z, cap, reduction, f32):
+        with torch.enable_grad():
+            leaves = [a.detach().requires_grad_(True) for a in (h, w) + ((b,) if b is not None else ())]
+            logits = F.linear(leaves[0], leaves[1], leaves[2] if b is not None else None)
+            loss = F.cross_entropy(logits, t, ignore_index=ignore, label_smoothing=smoothing, reduction=reduction)
+            grads = torch.autograd.grad(loss, leaves)
+        return loss.detach(), grads[0], grads[1], grads[2] if b is not None else h.new_empty((0,))
+
+    return {"cross_entropy": (ce, lambda dloss, d: ((d * dloss if dloss.dim() == 0 else d * dloss[:, None]),)),
+            "linear_cross_entropy": (lce, lambda dl, dh, dw, db: (dh * dl, dw * dl, db * dl if db.numel() else None))}
+
+
+def torch_wiring_calls(which: str, g) -> list:
+    import torch.nn.functional as F
+
+    logits = torch.randn(6, 11, generator=g).requires_grad_(which != "w")
+    target = torch.tensor([0, 3, -100, 10, 2, 2])
+    hid = torch.randn(6, 16, generator=g).requires_grad_(which != "w")
+    head = torch.randn(11, 16, generator=g).requires_grad_(which in ("w", "both"))
+    hb = torch.randn(11, generator=g).requires_grad_(which == "both")
+    return [("linear_cross_entropy", (hid, head, target, hb, -100, 0.1, 0.0, 0.0, "sum", False),
+             lambda: F.cross_entropy(F.linear(hid, head, hb), target, label_smoothing=0.1, reduction="sum"),
+             (hid, head, hb)),
+            ("cross_entropy", (logits, target, -100, 0.1, 0.0, 0.0, "none", False),
+             lambda: F.cross_entropy(logits, target, label_smoothing=0.1, reduction="none"), (logits,))]
+
+
+def opcheck_samples() -> list:
+    from torch_helpers import leaf
+
+    ops, bf = torch.ops.cukern, torch.bfloat16
+    target = torch.randint(0, 300, (9,), device="cuda")
+    return [(ops.cross_entropy.default, (leaf((9, 300), bf, 0), target, -100, 0.1, 1e-3, 0.0, "mean", False)),
+            (ops.cross_entropy.default, (leaf((9, 300), bf, 0), target, 3, 0.0, 0.0, 5.0, "none", True)),
+            (ops.linear_cross_entropy.default, (leaf((9, 32), bf, 0), leaf((300, 32), bf, 1), target,
+                                                leaf((300,), bf, 2), -100, 0.1, 1e-3, 0.0, "mean", False))]
+
+
+def torch_kernel_cases() -> dict:
+    import cukern.torch as ct
+    from torch_helpers import leaf
+
+    x = leaf((512, 1024), torch.bfloat16, 0)
+    t = torch.randint(0, 1024, (512,), device="cuda")
+    one = torch.ones((), device="cuda", dtype=torch.bfloat16)
+    return {"cross_entropy": (lambda: torch.autograd.grad(ct.cross_entropy(x, t), (x,), one),
+                              ["cross_entropy_count", "cross_entropy_reduce", "cross_entropy_rows",
+                               "cross_entropy_scale"])}

@@ -621,3 +621,31 @@ def test_inputs_on_two_devices_are_an_error():
         cukern.embedding(idx, w)
     with pytest.raises(ValueError, match="^(indices|grad): on CUDA device"):
         cukern.embedding_backward(grad, idx, 10)
+
+
+# ---- the family's rows in the shared PyTorch-path tests (tests/test_torch_integration.py) ----
+
+def torch_stand_ins() -> dict:
+    import torch.nn.functional as F
+    from torch_helpers import recompute
+
+    return {"embedding": (lambda i, w, p, s: (F.embedding(i, w, p),),
+                          lambda g, i, v, p, s: tuple(recompute(lambda w: F.embedding(i, w, p, scale_grad_by_freq=s),
+                                                                (torch.zeros(v, g.shape[-1]),), g)))}
+
+
+def torch_wiring_calls(which: str, g) -> list:
+    import torch.nn.functional as F
+
+    idx = torch.randint(0, 10, (4, 3), generator=g)
+    emb = torch.randn(10, 16, generator=g).requires_grad_(which != "x")
+    return [("embedding", (idx, emb, 2, True), lambda: F.embedding(idx, emb, 2, scale_grad_by_freq=True), (emb,))]
+
+
+def opcheck_samples() -> list:
+    from torch_helpers import leaf
+
+    ops = torch.ops.cukern
+    idx = torch.randint(0, 20, (3, 7), device="cuda")
+    return [(ops.embedding.default, (idx, leaf((20, 32), torch.bfloat16, 0), None, False)),
+            (ops.embedding.default, (idx, leaf((20, 32), torch.bfloat16, 0), 0, True))]

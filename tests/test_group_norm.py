@@ -349,3 +349,34 @@ def test_empty_inputs(framework, shape):
     assert tuple(dx.shape) == shape
     np.testing.assert_array_equal(to_host(dw), 0)
     np.testing.assert_array_equal(to_host(db), 0)
+
+
+# ---- the family's rows in the shared PyTorch-path tests (tests/test_torch_integration.py) ----
+
+def torch_stand_ins() -> dict:
+    import torch.nn.functional as F
+    from torch_helpers import recompute
+
+    def stats(x, n):
+        return x.reshape(*x.shape[:2], -1).mean(-1)[:, :n]
+
+    return {"group_norm": (lambda x, g, w, b, e: (F.group_norm(x, g, w, b, e), stats(x, g), stats(x, g)),
+                           lambda dy, x, g, w, m, r: tuple(recompute(lambda x, w: F.group_norm(x, g, w, None, 1e-5),
+                                                                     (x, w), dy)) + (dy.sum((0, 2)),))}
+
+
+def torch_wiring_calls(which: str, g) -> list:
+    import torch.nn.functional as F
+
+    xg = torch.randn(3, 8, 5, generator=g).requires_grad_(which in ("x", "both"))
+    wg = torch.randn(8, generator=g).requires_grad_(which in ("w", "both"))
+    return [("group_norm", (xg, 4, wg, None, 1e-5), lambda: F.group_norm(xg, 4, wg, None, 1e-5), (xg, wg))]
+
+
+def opcheck_samples() -> list:
+    from torch_helpers import leaf
+
+    ops, bf = torch.ops.cukern, torch.bfloat16
+    cl = leaf((2, 8, 5, 3), bf, 0).detach().to(memory_format=torch.channels_last).requires_grad_(True)
+    return [(ops.group_norm.default, (leaf((2, 8, 5, 3), bf, 0), 4, leaf((8,), bf, 1), leaf((8,), bf, 2), 1e-5)),
+            (ops.group_norm.default, (cl, 2, None, None, 1e-5))]

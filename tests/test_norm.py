@@ -468,3 +468,59 @@ def test_dlpack_objects_are_answered_with_cupy_arrays():
     y = cukern.layer_norm(Foreign(cupy.asarray(host)))
     assert isinstance(y, cupy.ndarray)
     assert_close(y, ref.layer_norm(host), "float32", "y")
+
+
+# ---- the family's rows in the shared PyTorch-path tests (tests/test_torch_integration.py) ----
+
+def torch_stand_ins() -> dict:
+    """op -> (forward, backward) computed by PyTorch on the CPU (the op's wiring is tested)."""
+    import torch.nn.functional as F
+    from torch_helpers import recompute
+
+    def ln(x, w, b, eps):
+        return F.layer_norm(x, x.shape[-1:], w, b, eps)
+
+    def rms(x, w, eps):
+        return F.rms_norm(x, x.shape[-1:], w, eps)
+
+    return {
+        "layer_norm": (lambda x, w, b, e: (ln(x, w, b, e), x.mean(-1), x.mean(-1)),
+                       lambda dy, x, w, m, r: tuple(recompute(lambda x, w: ln(x, w, None, 1e-5), (x, w), dy))
+                       + (dy.reshape(-1, dy.shape[-1]).sum(0),)),
+        "rms_norm": (lambda x, w, e: (rms(x, w, e), x.mean(-1)),
+                     lambda dy, x, w, r: tuple(recompute(lambda x, w: rms(x, w, 1e-6), (x, w), dy))),
+    }
+
+
+def torch_wiring_calls(which: str, g) -> list:
+    """(op, its arguments, PyTorch's same computation, the inputs that may need gradients)."""
+    import torch.nn.functional as F
+
+    x = torch.randn(3, 5, 16, generator=g).requires_grad_(which in ("x", "both"))
+    w = torch.randn(16, generator=g).requires_grad_(which in ("w", "both"))
+    b = torch.randn(16, generator=g).requires_grad_(which == "both")
+    return [("layer_norm", (x, w, b, 1e-5), lambda: F.layer_norm(x, (16,), w, b, 1e-5), (x, w, b)),
+            ("rms_norm", (x, w, 1e-6), lambda: F.rms_norm(x, (16,), w, 1e-6), (x, w))]
+
+
+def opcheck_samples() -> list:
+    from torch_helpers import leaf
+
+    ops = torch.ops.cukern
+    bf = torch.bfloat16
+    return [(ops.layer_norm.default, (leaf((6, 64), bf, 0), leaf((64,), bf, 1), leaf((64,), bf, 2), 1e-5)),
+            (ops.layer_norm.default, (leaf((6, 64), torch.float32, 0), None, None, 1e-5)),
+            (ops.rms_norm.default, (leaf((6, 64), bf, 0), leaf((64,), bf, 1), 1e-6))]
+
+
+def torch_kernel_cases() -> dict:
+    """case -> (a drop-in call, forward + backward, and the kernels it must launch, nothing else)."""
+    import cukern.torch as ct
+    from torch_helpers import leaf
+
+    x, w, b = leaf((512, 1024), torch.bfloat16, 0), leaf((1024,), torch.bfloat16, 1), leaf((1024,), torch.bfloat16, 2)
+    dy = leaf((512, 1024), torch.bfloat16, 3).detach()
+    kernels = ["norm_bwd", "norm_fwd", "sum_partial_rows"]
+    return {"layer_norm": (lambda: torch.autograd.grad(ct.layer_norm(x, (1024,), w, b), (x, w, b), dy), kernels),
+            "rms_norm": (lambda: torch.autograd.grad(ct.rms_norm(x, (1024,), w), (x, w), dy), kernels),
+            "rms_norm no grad": (lambda: ct.rms_norm(x.detach(), (1024,), w.detach()), ["norm_fwd"])}

@@ -151,109 +151,50 @@ def test_demo_batches_repeat_a_pattern_and_need_no_host_sync():
     assert int(tokens.min()) >= 0 and int(tokens.max()) < 1000
 
 
-def _recompute(fn, inputs, dy):
-    """Gradients of fn(*inputs) w.r.t. its tensor inputs (None for the others) on the CPU."""
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(True) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-                  for t in inputs]
-        out = fn(*leaves)
-        live = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-        grads = iter(torch.autograd.grad(out, live, dy, allow_unused=True))
-        return [next(grads) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in leaves]
-
-
 def _cpu_stand_ins():
     """Each family's TorchOp with its array functions replaced by PyTorch CPU computations (the
-    backward recomputes through autograd): the op's own save / backward_args / grads_to wiring
-    is what is tested, through the same eager autograd.Function the drop-ins use."""
+    families' test modules declare them: ``torch_stand_ins()``): the op's own save /
+    backward_args / grads_to wiring is what is tested, through the same eager autograd.Function
+    the drop-ins use."""
     import dataclasses
+
+    from torch_helpers import family_tables
 
     from cukern import _registry
     from cukern.torch import _ops
 
-    def ln(x, w, b, eps):
-        return F.layer_norm(x, x.shape[-1:], w, b, eps)
-
-    def rms(x, w, eps):
-        return F.rms_norm(x, x.shape[-1:], w, eps)
-
-    def sdpa(q, k, v, causal, scale):
-        return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal,
-                                              scale=scale).transpose(1, 2)
-
-    def ce(x, t, ignore, smoothing, z, cap, reduction, f32):
-        with torch.enable_grad():   # (Function.forward runs without it)
-            xl = x.detach().requires_grad_(True)
-            loss = F.cross_entropy(xl, t, ignore_index=ignore, label_smoothing=smoothing, reduction=reduction)
-            return loss.detach(), torch.autograd.grad(loss, xl, torch.ones_like(loss))[0]
-
-    def lce(h, w, t, b, ignore, smoothing, z, cap, reduction, f32):
-        with torch.enable_grad():
-            leaves = [a.detach().requires_grad_(True) for a in (h, w) + ((b,) if b is not None else ())]
-            logits = F.linear(leaves[0], leaves[1], leaves[2] if b is not None else None)
-            loss = F.cross_entropy(logits, t, ignore_index=ignore, label_smoothing=smoothing, reduction=reduction)
-            grads = torch.autograd.grad(loss, leaves)
-        return loss.detach(), grads[0], grads[1], grads[2] if b is not None else h.new_empty((0,))
-
-    stats = lambda x, n: x.reshape(*x.shape[:2], -1).mean(-1)[:, :n] if n else x.mean(-1)  # noqa: E731
-    fake = {
-        "layer_norm": (lambda x, w, b, e: (ln(x, w, b, e), x.mean(-1), x.mean(-1)),
-                       lambda dy, x, w, m, r: tuple(_recompute(lambda x, w: ln(x, w, None, 1e-5), (x, w), dy))
-                       + (dy.reshape(-1, dy.shape[-1]).sum(0),)),
-        "rms_norm": (lambda x, w, e: (rms(x, w, e), x.mean(-1)),
-                     lambda dy, x, w, r: tuple(_recompute(lambda x, w: rms(x, w, 1e-6), (x, w), dy))),
-        "group_norm": (lambda x, g, w, b, e: (F.group_norm(x, g, w, b, e), stats(x, g), stats(x, g)),
-                       lambda dy, x, g, w, m, r: tuple(_recompute(lambda x, w: F.group_norm(x, g, w, None, 1e-5),
-                                                                  (x, w), dy)) + (dy.sum((0, 2)),)),
-        "embedding": (lambda i, w, p, s: (F.embedding(i, w, p),),
-                      lambda g, i, v, p, s: tuple(_recompute(
-                          lambda w: F.embedding(i, w, p, scale_grad_by_freq=s), (torch.zeros(v, g.shape[-1]),), g))),
-        "attention": (lambda q, k, v, c, s: (sdpa(q, k, v, c, s), q.new_zeros(q.shape[0], q.shape[2], q.shape[1])),
-                      lambda do, q, k, v, o, lse, c, s, det: tuple(_recompute(lambda q, k, v: sdpa(q, k, v, c, s),
-                                                                              (q, k, v), do))),
-        "cross_entropy": (ce, lambda dloss, d: ((d * dloss if dloss.dim() == 0 else d * dloss[:, None]),)),
-        "linear_cross_entropy": (lce, lambda dl, dh, dw, db: (dh * dl, dw * dl, db * dl if db.numel() else None)),
-    }
+    fake = {k: v for table in family_tables("torch_stand_ins") for k, v in table.items()}
     out = {}
     for family in _registry.families():
         for spec in family.torch_ops:
+            assert spec.name in fake, f"{spec.name}: its family's test module declares no torch_stand_ins() row"
             fwd, bwd = fake[spec.name]
             stand_in = dataclasses.replace(spec, forward=fwd, backward=bwd, inference=None, eager_backward=None)
             out[spec.name] = _ops._function(stand_in, _ops._arity(spec.schema))
     return out
 
 
+def test_every_family_with_torch_ops_declares_its_rows_of_the_shared_tests():
+    """A family's PyTorch-path rows live in its own test module (tests/test_<family>.py), so a
+    new family edits no shared test: stand-ins and wiring calls (CPU), opcheck samples (GPU)."""
+    import importlib
+
+    from cukern import _registry
+
+    for f in _registry.families():
+        if f.torch_ops:
+            mod = importlib.import_module(f"test_{f.name}")
+            for name in ("torch_stand_ins", "torch_wiring_calls", "opcheck_samples"):
+                assert callable(getattr(mod, name, None)), f"tests/test_{f.name}.py: no {name}()"
+
+
 @pytest.mark.parametrize("which", ["x", "w", "both"])
 def test_each_ops_autograd_wiring_routes_every_gradient_to_its_input(which):
+    from torch_helpers import family_tables
+
     fns = _cpu_stand_ins()
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 5, 16, generator=g).requires_grad_(which in ("x", "both"))
-    w = torch.randn(16, generator=g).requires_grad_(which in ("w", "both"))
-    b = torch.randn(16, generator=g).requires_grad_(which == "both")
-    xg = torch.randn(3, 8, 5, generator=g).requires_grad_(which in ("x", "both"))
-    wg = torch.randn(8, generator=g).requires_grad_(which in ("w", "both"))
-    q, k, v = (torch.randn(2, 6, 2, 8, generator=g).requires_grad_(which != "w") for _ in range(3))
-    idx = torch.randint(0, 10, (4, 3), generator=g)
-    emb = torch.randn(10, 16, generator=g).requires_grad_(which != "x")
-    logits = torch.randn(6, 11, generator=g).requires_grad_(which != "w")
-    target = torch.tensor([0, 3, -100, 10, 2, 2])
-    hid = torch.randn(6, 16, generator=g).requires_grad_(which != "w")
-    head = torch.randn(11, 16, generator=g).requires_grad_(which in ("w", "both"))
-    hb = torch.randn(11, generator=g).requires_grad_(which == "both")
-    calls = [
-        ("linear_cross_entropy", (hid, head, target, hb, -100, 0.1, 0.0, 0.0, "sum", False),
-         lambda: F.cross_entropy(F.linear(hid, head, hb), target, label_smoothing=0.1, reduction="sum"),
-         (hid, head, hb)),
-        ("cross_entropy", (logits, target, -100, 0.1, 0.0, 0.0, "none", False),
-         lambda: F.cross_entropy(logits, target, label_smoothing=0.1, reduction="none"), (logits,)),
-        ("layer_norm", (x, w, b, 1e-5), lambda: F.layer_norm(x, (16,), w, b, 1e-5), (x, w, b)),
-        ("rms_norm", (x, w, 1e-6), lambda: F.rms_norm(x, (16,), w, 1e-6), (x, w)),
-        ("group_norm", (xg, 4, wg, None, 1e-5), lambda: F.group_norm(xg, 4, wg, None, 1e-5), (xg, wg)),
-        ("embedding", (idx, emb, 2, True), lambda: F.embedding(idx, emb, 2, scale_grad_by_freq=True), (emb,)),
-        ("attention", (q, k, v, True, 0.3),
-         lambda: F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True,
-                                                scale=0.3).transpose(1, 2), (q, k, v)),
-    ]
+    calls = [c for table in family_tables("torch_wiring_calls", which, g) for c in table]
     assert {c[0] for c in calls} == set(fns), "a family's op has no stand-in here"
     for name, args, ref, inputs in calls:
         live = [t for t in inputs if t.requires_grad]
@@ -500,34 +441,19 @@ class _nothing:
 # ---- GPU: opcheck and torch.compile ---------------------------------------------------------
 
 def _opcheck_cases():
-    def t(shape, dtype=torch.bfloat16, seed=0, grad=True):
-        return _leaf(shape, dtype, seed).detach().requires_grad_(grad)
-    ops = torch.ops.cukern
-    idx = torch.randint(0, 20, (3, 7), device="cuda")
-    target = torch.randint(0, 300, (9,), device="cuda")
-    return [
-        (ops.layer_norm.default, (t((6, 64)), t((64,), seed=1), t((64,), seed=2), 1e-5)),
-        (ops.layer_norm.default, (t((6, 64), torch.float32), None, None, 1e-5)),
-        (ops.rms_norm.default, (t((6, 64)), t((64,), seed=1), 1e-6)),
-        (ops.group_norm.default, (t((2, 8, 5, 3)), 4, t((8,), seed=1), t((8,), seed=2), 1e-5)),
-        (ops.group_norm.default, (t((2, 8, 5, 3)).detach().to(memory_format=torch.channels_last).requires_grad_(True),
-                                  2, None, None, 1e-5)),
-        (ops.embedding.default, (idx, t((20, 32)), None, False)),
-        (ops.embedding.default, (idx, t((20, 32)), 0, True)),
-        (ops.attention.default, (t((2, 40, 4, 64)), t((2, 40, 2, 64), seed=1), t((2, 40, 2, 64), seed=2), True, 0.125)),
-        (ops.cross_entropy.default, (t((9, 300)), target, -100, 0.1, 1e-3, 0.0, "mean", False)),
-        (ops.cross_entropy.default, (t((9, 300)), target, 3, 0.0, 0.0, 5.0, "none", True)),
-        (ops.linear_cross_entropy.default, (t((9, 32)), t((300, 32), seed=1), target, t((300,), seed=2), -100, 0.1,
-                                            1e-3, 0.0, "mean", False)),
-    ]
+    from torch_helpers import family_tables
+
+    return [c for table in family_tables("opcheck_samples") for c in table]
 
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("i", range(11))
-def test_opcheck(i):
-    op, args = _opcheck_cases()[i]
-    torch.library.opcheck(op, args)
+def test_opcheck():
+    """torch.library.opcheck of every sample the families declare (schema, fake, autograd)."""
+    cases = _opcheck_cases()
+    assert cases
+    for op, args in cases:
+        torch.library.opcheck(op, args)
 
 
 @gpu
@@ -603,41 +529,19 @@ def _kernel_kinds(names):
     return sorted(n.split("<")[0].replace("void ", "").strip() for n in names)
 
 
-KERNEL_CASES = {
-    # drop-in forward + backward -> the kernels it must launch, and nothing else
-    "layer_norm": (lambda x, d: torch.autograd.grad(ct.layer_norm(x, (x.shape[-1],), d["w"], d["b"]),
-                                                    (x, d["w"], d["b"]), d["dy"]),
-                   ["norm_bwd", "norm_fwd", "sum_partial_rows"]),
-    "rms_norm": (lambda x, d: torch.autograd.grad(ct.rms_norm(x, (x.shape[-1],), d["w"]), (x, d["w"]), d["dy"]),
-                 ["norm_bwd", "norm_fwd", "sum_partial_rows"]),
-    "rms_norm no grad": (lambda x, d: ct.rms_norm(x.detach(), (x.shape[-1],), d["w"].detach()), ["norm_fwd"]),
-    "sdpa": (lambda x, d: torch.autograd.grad(ct.scaled_dot_product_attention(d["q"], d["k"], d["v"], is_causal=True),
-                                              (d["q"], d["k"], d["v"]), d["do"]),
-             ["attention_bwd_dkdv", "attention_bwd_dot", "attention_bwd_dq_convert", "attention_fwd"]),
-    "cross_entropy": (lambda x, d: torch.autograd.grad(ct.cross_entropy(x, d["t"]), (x,), d["one"]),
-                      ["cross_entropy_count", "cross_entropy_reduce", "cross_entropy_rows", "cross_entropy_scale"]),
-}
-
-
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("case", list(KERNEL_CASES))
-def test_a_call_launches_its_kernels_and_nothing_else(case):
-    """No hidden GPU work: no layout copies, fills or casts beyond the kernels (the SDPA
-    drop-in reads (B, H, S, D) in place and returns its layout)."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
-    d = {"w": torch.randn(1024, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True),
-         "b": torch.randn(1024, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True),
-         "dy": torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16, generator=g),
-         **{n: torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
-            for n in ("q", "k", "v")},
-         "do": torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16, generator=g),
-         "t": torch.randint(0, 1024, (512,), device="cuda", generator=g),
-         "one": torch.ones((), device="cuda", dtype=torch.bfloat16)}
-    fn, expect = KERNEL_CASES[case]
-    got = _kernel_kinds(_kernels_of(lambda: fn(x, d)))
-    assert got == sorted(expect), f"{case}: launched {got}"
+def test_a_call_launches_its_kernels_and_nothing_else():
+    """No hidden GPU work: every family's drop-in calls (``torch_kernel_cases()`` of its test
+    module) launch their kernels and no layout copies, fills or casts (the SDPA drop-in reads
+    (B, H, S, D) in place and returns its layout)."""
+    from torch_helpers import family_tables
+
+    cases = {k: v for table in family_tables("torch_kernel_cases") for k, v in table.items()}
+    assert cases
+    for case, (fn, expect) in cases.items():
+        got = _kernel_kinds(_kernels_of(fn))
+        assert got == sorted(expect), f"{case}: launched {got}"
 
 
 @gpu
