@@ -1,0 +1,78 @@
+"""Time the cross-entropy training form's kernels at several vocabularies (GPU host).
+
+    python3 tools/tune_cross_entropy.py [--tokens 16384] [--vocab 128256 32000 50304] [--dtype bfloat16]
+
+For each vocabulary: the two-pass row kernel (v1) and, on sm_90, the cluster kernel (v2) with
+each number of vectors a thread that holds the row, each passed in a Configs object of its own
+(the shipped CONFIGS is never changed); then PyTorch eager, torch.compile and Liger-Kernel
+(when installed) on the same logits. Prints ms and the share of the copy bandwidth measured in
+the same run over the byte floor (read the logits once, write the gradient once: 4·T·V bytes
+in bf16), and checks each variant's loss and gradient against the first one's.
+"""
+import argparse
+import importlib
+
+import torch
+import torch.nn.functional as F
+
+from cukern import _arrays, _bench, _kernels
+
+ce = importlib.import_module("cukern.cross_entropy")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--vocab", type=int, nargs="+", default=[128256, 32000, 50304])
+    p.add_argument("--dtype", default="bfloat16")
+    a = p.parse_args()
+    copy = _bench.copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}  copy {copy:.0f} GB/s  tokens {a.tokens} {a.dtype}")
+    dt = getattr(torch, a.dtype)
+    sm90 = _kernels.compute_capability(torch.cuda.current_device()) >= (9, 0)
+    for v in a.vocab:
+        measure(a.tokens, v, dt, a.dtype, copy, sm90)
+
+
+def measure(tokens: int, v: int, dt, dtype: str, copy: float, sm90: bool) -> None:
+    opts = ce._options(-100, 0.0, 0.0, None, "mean")
+    x = torch.randn(tokens, v, device="cuda", dtype=dt) * 4
+    t = torch.randint(0, v, (tokens,), device="cuda")
+    floor = 2 * x.element_size() * x.numel()
+    vec = 16 // x.element_size()
+    variants = [("v1 two-pass", ce.Configs(use_cluster=False))]
+    if sm90:
+        variants += [(f"v2 cluster nv={nv}", ce.Configs(use_cluster=True, cluster_nv=(nv,)))
+                     for nv in (1, 2, 4, 8) if ce.Configs(cluster_nv=(nv,)).cluster_vectors(v, vec)]
+
+    def line(name, ms, note=""):
+        print(f"V {v:7d} {name:18s} {ms:7.3f} ms  {floor / ms / 1e6 / copy * 100:5.1f}% of copy{note}", flush=True)
+
+    first = None
+    for name, cfg in variants:
+        def run(cfg=cfg):
+            arrays = [_arrays.as_device_array(x, "logits"), _arrays.as_device_array(t, "target", ("int64",))]
+            bufs = ce._run(ce.TRAIN, arrays, opts, (False, False, dtype), cfg)
+            return bufs[2].obj, bufs[4].obj
+        got = run()
+        note = ""
+        if first is None:
+            first = got
+        else:
+            err = float((got[1].float() - first[1].float()).norm() / first[1].float().norm())
+            note = f"  loss {float(got[0]):.6f} vs {float(first[0]):.6f}, dlogits rel. diff {err:.1e}"
+        line(name, _bench.time_cuda(run, warmup=5, reps=30), note)
+    xl = x.detach().requires_grad_(True)
+    compiled = torch.compile(lambda z: F.cross_entropy(z, t))
+    peers = {"torch eager": lambda: torch.autograd.grad(F.cross_entropy(xl, t), xl),
+             "torch.compile": lambda: torch.autograd.grad(compiled(xl), xl)}
+    try:
+        from liger_kernel.transformers.functional import liger_cross_entropy
+        peers["Liger"] = lambda: torch.autograd.grad(liger_cross_entropy(xl, t), xl)
+    except ImportError:
+        pass
+    for name, fn in peers.items():
+        line(name, _bench.time_cuda(fn, warmup=5, reps=30))
+
+if __name__ == "__main__":
+    main()
