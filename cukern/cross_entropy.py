@@ -356,8 +356,9 @@ def _plan(mode: int, arrays: list, opts: Options, flags: tuple, configs: Configs
 
 # ---- linear cross-entropy: the LM head and the loss without the (T, V) logits ------------------
 
-# Bytes of logits a chunk of tokens may hold (the extra memory of the linear cross-entropy).
-CHUNK_BYTES = 256 << 20
+# Bytes of logits a chunk of tokens may hold: the extra memory of the linear cross-entropy (512
+# tokens at V = 128256 in bf16, Liger-Kernel's chunk and memory at that shape).
+CHUNK_BYTES = 128 << 20
 _COUNT = PlanCache()
 
 
