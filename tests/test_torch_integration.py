@@ -726,3 +726,31 @@ def test_linear_cross_entropy_matches_pytorch_forward_and_backward(autocast):
     torch.testing.assert_close(loss.float(), expect.float(), rtol=2e-2, atol=2e-2)
     for a, e, name in zip(got, ref, ("dhidden", "dweight", "dbias")):
         assert (a.float() - e.float()).norm() <= 3e-2 * e.float().norm(), name
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "linear_cross_entropy"])
+def test_the_losses_custom_ops_and_their_autograd_run_on_meta_tensors(op):
+    """What torch.compile traces of the loss ops — the custom op's fake, its autograd formula
+    and the backward op's fake — on meta tensors (no GPU needed): shapes and dtypes, the
+    float32 loss of autocast, and gradients for the inputs that need them."""
+    from cukern.torch._ops import OPS as BUILT
+
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.empty(shape, device="meta", dtype=dtype).requires_grad_(dtype.is_floating_point)
+
+    target = t(6, dtype=torch.long)
+    if op == "cross_entropy":
+        x = t(6, 30)
+        loss = BUILT[op].compiled(x, target, -100, 0.1, 0.0, 0.0, "mean", True)
+        (gx,) = torch.autograd.grad(loss, (x,), torch.ones((), device="meta"))
+        assert loss.shape == () and loss.dtype == torch.float32
+        assert gx.shape == x.shape and gx.dtype == x.dtype
+    else:
+        h, w, b = t(2, 3, 16), t(30, 16), t(30)
+        loss = BUILT[op].compiled(h, w, target.reshape(2, 3), b, -100, 0.0, 0.0, 0.0, "sum", False)
+        grads = torch.autograd.grad(loss, (h, w, b), torch.ones((), device="meta", dtype=loss.dtype))
+        assert loss.shape == () and loss.dtype == torch.bfloat16
+        assert [g.shape for g in grads] == [h.shape, w.shape, b.shape]
+        loss = BUILT[op].compiled(h, w, target.reshape(2, 3), None, -100, 0.0, 0.0, 0.0, "mean", False)
+        gh, gw = torch.autograd.grad(loss, (h, w), torch.ones((), device="meta", dtype=loss.dtype))
+        assert gh.shape == h.shape and gw.shape == w.shape
