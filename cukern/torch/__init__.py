@@ -4,8 +4,10 @@ drop-in functions and modules, and ``patch()`` to route an unchanged model's cal
     import cukern.torch
     with cukern.torch.patch():          # or cukern.torch.patch() ... cukern.torch.unpatch()
         loss = model(tokens).loss       # F.layer_norm, F.rms_norm, F.group_norm, F.embedding,
-        loss.backward()                 # F.scaled_dot_product_attention go to cukern when they can
+        loss.backward()                 # F.scaled_dot_product_attention, F.cross_entropy -> cukern
     print(cukern.torch.counts())        # {"layer_norm": {"cukern": 48, "torch": 0}, ...}
+
+    loss = cukern.torch.linear_cross_entropy(hidden, lm_head.weight, targets)   # no (T, V) logits
 
 Needs torch (a CUDA build for the kernels; on other tensors everything falls back). The
 functions, ops and modules are those the kernel families declare (cukern._registry).
