@@ -167,6 +167,8 @@ def test_plans_launch_what_each_form_needs_and_read_strided_rows_in_place(dry):
     assert _launches(plan)["cross_entropy_rows"]["d_stride"] == 64
     plan = _plan(lambda: cukern.cross_entropy(np.ones((64, 6), np.float16).T, t))   # classes strided: a copy
     assert [slot for slot, _ in plan.fixes] == [0]
+    with pytest.raises(ValueError, match="logits: inplace needs rows with a unit-stride class axis"):
+        cukern.cross_entropy_forward_backward(np.ones((64, 6), np.float16).T, t, inplace=True)
 
 
 def test_the_cluster_size_agrees_with_the_kernel_source():
