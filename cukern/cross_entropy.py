@@ -288,7 +288,7 @@ def _plan(mode: int, arrays: list, opts: Options, flags: tuple, configs: Configs
     device = _arrays.same_device(*arrays)
     rows, v = math.prod(ta.shape), la.shape[-1]
     b = Builder(arrays)
-    if mode == TRAIN and flags[1] and la.ndim > 1 and la.row_stride() is None:
+    if mode == TRAIN and flags[1] and la.row_stride() is None:
         raise ValueError(f"{la.name}: inplace needs rows with a unit-stride class axis (one strided row axis); "
                          f"strides {la.strides} would be copied first")
     stride = _rows_layout(b, 0, la)
