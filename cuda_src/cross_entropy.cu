@@ -67,6 +67,49 @@ __device__ __forceinline__ long long row_target(const IT* target, long long row,
     return t;
 }
 
+// One vector of a row into the online-softmax state (natural units) and the sum of z: the
+// logits are softcapped in place; the state is rescaled once a vector, then one exp2 an element.
+template <int VEC>
+__device__ __forceinline__ void add_vector(SoftmaxState& st, float& sz, float (&f)[VEC], float softcap,
+                                           float inv_cap) {
+    float top = neg_inf();
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+        f[j] = capped(f[j], softcap, inv_cap);
+        sz += f[j];
+        top = fmaxf(top, f[j]);
+    }
+    if (top > st.m) {
+        st.l *= fast_exp2((st.m - top) * LOG2E);
+        st.m = top;
+    }
+    if (st.m != neg_inf()) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) st.l += fast_exp2((f[j] - st.m) * LOG2E);   // (NaN in, NaN out)
+    } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) if (f[j] != f[j]) st.l = f[j];  // NaN among -infs
+    }
+}
+
+// The gradient of one vector of logits f (columns c ..), in place: p = exp(z - base) * inv_l.
+struct GradTerms {
+    float base, inv_l, a, eps_v, hit, g, softcap, inv_cap;
+    long long t;
+};
+
+template <int VEC>
+__device__ __forceinline__ void grad_vector(float (&f)[VEC], long long c, const GradTerms& k) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+        const float z = capped(f[j], k.softcap, k.inv_cap);
+        float dz = fast_exp2((z - k.base) * LOG2E) * k.inv_l * k.a - k.eps_v;
+        if (c + j == k.t) dz -= k.hit;
+        if (k.softcap > 0.f) dz *= 1.f - (z * k.inv_cap) * (z * k.inv_cap);
+        f[j] = k.t >= 0 ? k.g * dz : 0.f;
+    }
+}
+
 }  // namespace cross_entropy
 }  // namespace cuk
 
@@ -114,26 +157,7 @@ __global__ void __launch_bounds__(THREADS, 2) cross_entropy_rows(
                 }
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
-                    if (c0 + static_cast<long long>(u) * THREADS * VEC < V) {
-                        float top = neg_inf();
-#pragma unroll
-                        for (int j = 0; j < VEC; ++j) {
-                            f[u][j] = capped(f[u][j], softcap, inv_cap);
-                            sz += f[u][j];
-                            top = fmaxf(top, f[u][j]);
-                        }
-                        if (top > st.m) {   // rescale once a vector, then one exp2 an element
-                            st.l *= fast_exp2((st.m - top) * LOG2E);
-                            st.m = top;
-                        }
-                        if (st.m != neg_inf()) {
-#pragma unroll
-                            for (int j = 0; j < VEC; ++j) st.l += fast_exp2((f[u][j] - st.m) * LOG2E);  // (NaN: NaN)
-                        } else {
-#pragma unroll
-                            for (int j = 0; j < VEC; ++j) if (f[u][j] != f[u][j]) st.l = f[u][j];  // NaN among -infs
-                        }
-                    }
+                    if (c0 + static_cast<long long>(u) * THREADS * VEC < V) add_vector(st, sz, f[u], softcap, inv_cap);
                 }
             }
             // (the target's logit is read before the reduction's barriers: in place, pass 2 may
@@ -161,7 +185,7 @@ __global__ void __launch_bounds__(THREADS, 2) cross_entropy_rows(
             float g = dloss ? dloss[row * dloss_stride] : 1.f;
             if (count) g /= *count;
             if (t < 0) g = 0.f;
-            const float a = 1.f + 2.f * z_loss * row_lse;
+            const GradTerms k = {base, inv_l, 1.f + 2.f * z_loss * row_lse, eps_v, 1.f - smoothing, g, softcap, inv_cap, t};
             for (long long c0 = static_cast<long long>(threadIdx.x) * VEC; c0 < V; c0 += STEP) {
                 float f[U][VEC];
 #pragma unroll
@@ -173,14 +197,7 @@ __global__ void __launch_bounds__(THREADS, 2) cross_entropy_rows(
                 for (int u = 0; u < U; ++u) {
                     const long long c = c0 + static_cast<long long>(u) * THREADS * VEC;
                     if (c < V) {
-#pragma unroll
-                        for (int j = 0; j < VEC; ++j) {
-                            const float z = capped(f[u][j], softcap, inv_cap);
-                            float dz = fast_exp2((z - base) * LOG2E) * inv_l * a - eps_v;
-                            if (c + j == t) dz -= 1.f - smoothing;
-                            if (softcap > 0.f) dz *= 1.f - (z * inv_cap) * (z * inv_cap);
-                            f[u][j] = t >= 0 ? g * dz : 0.f;
-                        }
+                        grad_vector(f[u], c, k);
                         store_vec<T, VEC>(d + c, pack<T, VEC>(f[u]));
                     }
                 }
@@ -306,24 +323,7 @@ __global__ void __launch_bounds__(THREADS, 2) CUK_CE_CLUSTER_DIMS cross_entropy_
             if (c < c_end) {
                 float f[VEC];
                 unpack(v[i], f);
-                float top = neg_inf();
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    f[j] = capped(f[j], softcap, inv_cap);
-                    sz += f[j];
-                    top = fmaxf(top, f[j]);
-                }
-                if (top > st.m) {
-                    st.l *= fast_exp2((st.m - top) * LOG2E);
-                    st.m = top;
-                }
-                if (st.m != neg_inf()) {
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) st.l += fast_exp2((f[j] - st.m) * LOG2E);
-                } else {
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) if (f[j] != f[j]) st.l = f[j];
-                }
+                add_vector(st, sz, f, softcap, inv_cap);
             }
         }
         // (read before the barrier: in place, a peer may overwrite it right after)
@@ -369,8 +369,7 @@ __global__ void __launch_bounds__(THREADS, 2) CUK_CE_CLUSTER_DIMS cross_entropy_
         }
         float g = count ? 1.f / *count : 1.f;
         if (t < 0) g = 0.f;
-        const float inv_l = 1.f / l;
-        const float a = 1.f + 2.f * z_loss * row_lse;
+        const GradTerms k = {m, 1.f / l, 1.f + 2.f * z_loss * row_lse, eps_v, 1.f - smoothing, g, softcap, inv_cap, t};
         T* d = dlogits + row * d_stride;
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
@@ -378,14 +377,7 @@ __global__ void __launch_bounds__(THREADS, 2) CUK_CE_CLUSTER_DIMS cross_entropy_
             if (c < c_end) {
                 float f[VEC];
                 unpack(v[i], f);
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    const float z = capped(f[j], softcap, inv_cap);
-                    float dz = fast_exp2((z - m) * LOG2E) * inv_l * a - eps_v;
-                    if (c + j == t) dz -= 1.f - smoothing;
-                    if (softcap > 0.f) dz *= 1.f - (z * inv_cap) * (z * inv_cap);
-                    f[j] = t >= 0 ? g * dz : 0.f;
-                }
+                grad_vector(f, c, k);
                 store_vec<T, VEC>(d + c, pack<T, VEC>(f));
             }
         }
