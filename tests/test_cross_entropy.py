@@ -9,7 +9,7 @@ import importlib
 import numpy as np
 import pytest
 from conftest import DryRun
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import cukern
 from cukern import reference as ref
@@ -393,10 +393,10 @@ def test_eager_backward_scales_in_place_only_when_the_upstream_gradient_is_not_o
 # ---- linear cross-entropy -----------------------------------------------------------------------
 
 @pytest.fixture
-def chunks_on_the_host(dry, monkeypatch):
-    """The linear cross-entropy's kernel steps replaced by the references on NumPy arrays (and a
-    small chunk budget, so that several chunks run): its chunking, accumulation and scaling run
-    on the CPU."""
+def chunks_on_the_host_factory(host_arrays_as_device, monkeypatch):
+    """chunks_on_the_host with the chunk budget given (bytes of logits a chunk)."""
+    monkeypatch.setattr(ce._faults, "record", lambda device: np.zeros(3, np.int64))
+
     def count(ta, v, opts):
         t = ta.obj
         return _Obj(np.array([np.sum((t != opts.ignore_index) & (t >= 0) & (t < v))], np.float32))
@@ -406,18 +406,27 @@ def chunks_on_the_host(dry, monkeypatch):
                     softcap=opts.softcap or None)
 
     def forward(logits, target, opts):
-        return ref.cross_entropy(logits, target, reduction="none", **kw(opts)).astype(np.float32)
+        return np.asarray(ref.cross_entropy(logits, target, reduction="none", **kw(opts))).astype(np.float32)
 
     def train(logits, target, count, opts):
         loss, d = ref.cross_entropy_forward_backward(logits, target, reduction="sum", **kw(opts))
-        rows = ref.cross_entropy(logits, target, reduction="none", **kw(opts)).astype(np.float32)
-        logits[...] = d / (count[0] if count is not None else 1.0)
+        rows = np.asarray(ref.cross_entropy(logits, target, reduction="none", **kw(opts))).astype(np.float32)
+        # (as the kernel: ignored rows get exactly 0, also when the batch keeps no row at all)
+        logits[...] = d / count[0] if count is not None and count[0] else d
         return rows
 
     monkeypatch.setattr(ce, "_count_valid", count)
     monkeypatch.setattr(ce, "_chunk_forward", forward)
     monkeypatch.setattr(ce, "_chunk_train", train)
-    monkeypatch.setattr(ce, "CHUNK_BYTES", 7 * 50 * 4)   # 7 tokens of 50 float32 logits: 4-token chunks
+    return lambda budget: monkeypatch.setattr(ce, "CHUNK_BYTES", budget)
+
+
+@pytest.fixture
+def chunks_on_the_host(chunks_on_the_host_factory):
+    """The linear cross-entropy's kernel steps replaced by the references on NumPy arrays (and a
+    small chunk budget, so that several chunks run): its chunking, accumulation and scaling run
+    on the CPU."""
+    chunks_on_the_host_factory(7 * 50 * 4)   # 7 tokens of 50 float32 logits: 4-token chunks
 
 
 class _Obj:
@@ -568,3 +577,32 @@ def torch_kernel_cases() -> dict:
     return {"cross_entropy": (lambda: torch.autograd.grad(ct.cross_entropy(x, t), (x,), one),
                               ["cross_entropy_count", "cross_entropy_reduce", "cross_entropy_rows",
                                "cross_entropy_scale"])}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tokens=st.integers(0, 40), v=st.integers(1, 60), h=st.integers(1, 24), chunk=st.integers(1, 64),
+       bias=st.booleans(), reduction=st.sampled_from(["mean", "sum"]), smoothing=st.sampled_from([0.0, 0.2]),
+       z_loss=st.sampled_from([0.0, 1e-2]), softcap=st.sampled_from([None, 3.0]), seed=st.integers(0, 2**16))
+def test_linear_cross_entropy_chunking_for_any_shape(tokens, v, h, chunk, bias, reduction, smoothing, z_loss, softcap,
+                                                     seed, chunks_on_the_host_factory):
+    """The chunked linear form equals the whole one for any token count (none included), chunk
+    size, vocabulary, hidden size and option (the kernels' steps by their references; the
+    fixture's patches hold for every example, each sets its own chunk budget)."""
+    chunks_on_the_host_factory(chunk * v * 4)
+    rng = np.random.default_rng(seed)
+    hid = random_host(rng, (tokens, h), "float32")
+    w = random_host(rng, (v, h), "float32", 0.5)
+    b = random_host(rng, (v,), "float32") if bias else None
+    t = _targets(rng, tokens, v, 0.3)
+    opts = dict(label_smoothing=smoothing, z_loss=z_loss, softcap=softcap, reduction=reduction)
+    got = cukern.linear_cross_entropy_forward_backward(hid, w, t, b, **opts)
+    expect = ref.linear_cross_entropy_forward_backward(hid, w, t, b, **opts)
+    if np.isnan(expect[0]):   # "mean" with every row ignored (or no rows)
+        assert np.isnan(got[0])
+    else:
+        assert_close(np.asarray(got[0]), expect[0], "float32", "loss", tol=1e-5, scale=1.0)
+    for g, e, name in zip(got[1:], expect[1:], ("dhidden", "dweight", "dbias")):
+        if e is None:
+            assert g is None
+        else:
+            assert_close(g, e, "float32", name, tol=1e-5, scale=1e-3)
