@@ -464,6 +464,9 @@ def _linear_inputs(hidden, weight, target, bias):
     ba = None if bias is None else _arrays.as_device_array(bias, "bias")
     _check_linear(ha, wa, ta, ba)
     _arrays.same_device(ha, wa, ta, ba)
+    if ha.kind == "cupy" and ha.dtype == "bfloat16":
+        raise TypeError("hidden: CuPy has no bfloat16 matrix product; pass torch tensors (zero copy through "
+                        "torch.from_dlpack) or float16/float32 arrays")
     return ha, wa, ta, ba
 
 

@@ -472,6 +472,22 @@ def test_linear_cross_entropy_checks_its_arguments(dry):
                 fn(*args, **kw)
 
 
+def test_linear_cross_entropy_on_bfloat16_cupy_arrays_says_what_to_pass(dry, monkeypatch):
+    from cukern import _arrays
+
+    real = _arrays.as_device_array
+
+    def as_cupy(obj, name, dtypes=_arrays.FLOATS):
+        a = real(obj, name, dtypes)
+        a.kind = "cupy"
+        return a
+
+    monkeypatch.setattr(_arrays, "as_device_array", as_cupy)
+    h, w = (np.ones(s, np.float32).astype(ce._arrays._np_dtype("bfloat16")) for s in ((4, 8), (10, 8)))
+    with pytest.raises(TypeError, match="hidden: CuPy has no bfloat16 matrix product; pass torch tensors"):
+        cukern.linear_cross_entropy(h, w, np.arange(4))
+
+
 def test_chunks_hold_at_most_the_budget_of_logits():
     assert ce.chunk_rows(16384, 128256, 2) == 512            # 125 MiB of bf16 logits
     assert ce.chunk_rows(16384, 128256, 2) * 128256 * 2 <= ce.CHUNK_BYTES
