@@ -67,6 +67,24 @@ __device__ __forceinline__ long long row_target(const IT* target, long long row,
     return t;
 }
 
+// U vectors of a row, THREADS * VEC columns apart from column c0 on, as float32 (their loads
+// issued together, for the bytes in flight; those past V are left unset).
+template <typename T, int VEC, int U, int THREADS>
+__device__ __forceinline__ void load_step(const T* x, long long c0, long long V, float (&f)[U][VEC]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const long long c = c0 + static_cast<long long>(u) * THREADS * VEC;
+        if (c < V) unpack(load_vec<T, VEC>(x + c), f[u]);
+    }
+}
+
+// A kept row's loss from its lse, its target's logit and (label smoothing) the sum of its logits.
+__device__ __forceinline__ float row_loss(float lse, float zt, float sz, float smoothing, float eps_v, float z_loss) {
+    float loss = lse - (1.f - smoothing) * zt + z_loss * lse * lse;
+    if (smoothing > 0.f) loss -= eps_v * sz;
+    return loss;
+}
+
 // One vector of a row into the online-softmax state (natural units) and the sum of z: the
 // logits are softcapped in place; the state is rescaled once a vector, then one exp2 an element.
 template <int VEC>
@@ -150,11 +168,7 @@ __global__ void __launch_bounds__(THREADS, 2) cross_entropy_rows(
             // U vectors a thread a step, their loads issued together (bytes in flight)
             for (long long c0 = static_cast<long long>(threadIdx.x) * VEC; c0 < V; c0 += STEP) {
                 float f[U][VEC];
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const long long c = c0 + static_cast<long long>(u) * THREADS * VEC;
-                    if (c < V) unpack(load_vec<T, VEC>(x + c), f[u]);
-                }
+                load_step<T, VEC, U, THREADS>(x, c0, V, f);
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     if (c0 + static_cast<long long>(u) * THREADS * VEC < V) add_vector(st, sz, f[u], softcap, inv_cap);
@@ -171,11 +185,7 @@ __global__ void __launch_bounds__(THREADS, 2) cross_entropy_rows(
             base = sv[0].m;   // (pass 2: p = exp(z - m) / l, exact differences)
             inv_l = 1.f / sv[0].l;
             if (threadIdx.x == 0) {
-                float loss = 0.f;
-                if (t >= 0) {
-                    loss = row_lse - (1.f - smoothing) * zt + z_loss * row_lse * row_lse;
-                    if (smoothing > 0.f) loss -= eps_v * s[0];
-                }
+                const float loss = t >= 0 ? row_loss(row_lse, zt, s[0], smoothing, eps_v, z_loss) : 0.f;
                 if (loss_rows) loss_rows[row] = loss;
                 if (lse) lse[row] = row_lse;
             }
@@ -188,11 +198,7 @@ __global__ void __launch_bounds__(THREADS, 2) cross_entropy_rows(
             const GradTerms k = {base, inv_l, 1.f + 2.f * z_loss * row_lse, eps_v, 1.f - smoothing, g, softcap, inv_cap, t};
             for (long long c0 = static_cast<long long>(threadIdx.x) * VEC; c0 < V; c0 += STEP) {
                 float f[U][VEC];
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const long long c = c0 + static_cast<long long>(u) * THREADS * VEC;
-                    if (c < V) unpack(load_vec<T, VEC>(x + c), f[u]);
-                }
+                load_step<T, VEC, U, THREADS>(x, c0, V, f);
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     const long long c = c0 + static_cast<long long>(u) * THREADS * VEC;
@@ -359,11 +365,7 @@ __global__ void __launch_bounds__(THREADS, 2) CUK_CE_CLUSTER_DIMS cross_entropy_
         const float m = whole[0], l = whole[1];
         const float row_lse = m + log2f(l) * 0.6931471805599453f;
         if (rank == 0 && threadIdx.x == 0) {
-            float loss = 0.f;
-            if (t >= 0) {
-                loss = row_lse - (1.f - smoothing) * zt + z_loss * row_lse * row_lse;
-                if (smoothing > 0.f) loss -= eps_v * whole[2];
-            }
+            const float loss = t >= 0 ? row_loss(row_lse, zt, whole[2], smoothing, eps_v, z_loss) : 0.f;
             if (loss_rows) loss_rows[row] = loss;
             if (lse) lse[row] = row_lse;
         }
