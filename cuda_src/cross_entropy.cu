@@ -289,7 +289,7 @@ __global__ void __launch_bounds__(THREADS) cross_entropy_scale(
 // overwrite a buffer only after the next row's barrier, which its peers pass only once they
 // have read it. Same arguments and results as cross_entropy_rows in MODE 1 (dloss null).
 template <typename T, typename IT, int VEC, int THREADS, int NV>
-__global__ void __launch_bounds__(THREADS, 2) CUK_CE_CLUSTER_DIMS cross_entropy_train_cluster(
+__global__ void __launch_bounds__(THREADS, 1024 / THREADS) CUK_CE_CLUSTER_DIMS cross_entropy_train_cluster(
     const T* logits, long long x_stride, const IT* __restrict__ target, long long rows, long long V,
     long long ignore_index, float smoothing, float z_loss, float softcap,
     float* __restrict__ loss_rows, float* lse, const float* __restrict__ count,

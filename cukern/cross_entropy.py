@@ -50,27 +50,33 @@ class Configs:
     scale_threads: int = 256
     blocks_per_sm: int = 0   # the row kernel's grid: 0 = as many as fit (measured: docs/notes-cross-entropy.md)
     # The training form on sm_90+: a row over a cluster of `cluster` CTAs (CE_CLUSTER in the
-    # .cu) of `threads` threads holding `nv` 16-byte vectors each, the smallest nv that holds
-    # the row; rows of fewer than `cluster_min` classes keep the two-pass kernel. Off until it
-    # has been measured and its GPU tests have passed (docs/notes-cross-entropy.md, v2).
+    # .cu) of `cluster_threads` threads holding `nv` 16-byte vectors each, the smallest nv that
+    # holds the row. Rows of fewer than `cluster_min` classes keep the two-pass kernel: one CTA's
+    # life per row part costs more than the second read below ~96k classes (measured at 32000,
+    # 50304 and 128256: docs/notes-cross-entropy.md, v2).
     cluster: int = 8
+    cluster_threads: int = 256
     cluster_nv: tuple[int, ...] = (1, 2, 4, 8)
-    cluster_min: int = 8192
-    use_cluster: bool = False
+    cluster_min: int = 98304
+    use_cluster: bool = True
+    # A cluster a row (the hardware schedules the next row's CTAs as others finish, so one CTA's
+    # loads overlap another's reductions) or, persistent, as many clusters as fit looping over
+    # rows (measured 1.9x slower: a row's load, reductions and barrier then run back to back).
+    cluster_persistent: bool = False
 
     def cluster_vectors(self, v: int, vec: int) -> int | None:
         """The nv that holds a row of ``v`` classes in the cluster, or None (too wide)."""
         cols = -(-v // self.cluster)      # columns a CTA, then vectors (as the kernel splits the row)
         per = -(-cols // vec)
         for nv in self.cluster_nv:
-            if nv * self.threads >= per:
+            if nv * self.cluster_threads >= per:
                 return nv
         return None
 
     def train_cluster(self, dtype: str, index: str, nv: int) -> Instance:
         vec = 16 // _arrays.DTYPES[dtype][1]
         return Instance(SOURCE, f"cross_entropy_train_cluster<{_arrays.DTYPES[dtype][0]}, {INDEX_CTYPES[index]}, "
-                                f"{vec}, {self.threads}, {nv}>", self.threads)
+                                f"{vec}, {self.cluster_threads}, {nv}>", self.cluster_threads)
 
     def rows(self, dtype: str, index: str, vec: int, mode: int) -> Instance:
         return Instance(SOURCE, f"cross_entropy_rows<{_arrays.DTYPES[dtype][0]}, {INDEX_CTYPES[index]}, {vec}, "
@@ -342,7 +348,9 @@ def _plan(mode: int, arrays: list, opts: Options, flags: tuple, configs: Configs
     if (mode == TRAIN and configs.use_cluster and vec > 1 and nv is not None and v >= configs.cluster_min
             and _kernels.compute_capability(device) >= (9, 0)):
         k = _kernels.kernel(configs.train_cluster(la.dtype, ta.dtype, nv), device)
-        clusters = max(1, min(rows, k.resident_blocks() // configs.cluster))
+        clusters = min(rows, 1 << 27)   # (the grid's limit; the kernel loops over the rest)
+        if configs.cluster_persistent:
+            clusters = max(1, min(rows, k.resident_blocks() // configs.cluster))
         b.launch(k, clusters * configs.cluster, **common)
     else:
         k = _kernels.kernel(configs.rows(la.dtype, ta.dtype, vec, mode), device)
@@ -359,9 +367,10 @@ def _plan(mode: int, arrays: list, opts: Options, flags: tuple, configs: Configs
 
 # ---- linear cross-entropy: the LM head and the loss without the (T, V) logits ------------------
 
-# Bytes of logits a chunk of tokens may hold: the extra memory of the linear cross-entropy (512
-# tokens at V = 128256 in bf16, Liger-Kernel's chunk and memory at that shape).
-CHUNK_BYTES = 128 << 20
+# Bytes of logits a chunk of tokens may hold: the extra memory of the linear cross-entropy. 256
+# MiB: 1024 tokens at V = 128256 in bf16, measured 7% faster than 512 (Liger-Kernel's chunk: the
+# dweight product's inner size doubles) for 126 MiB more (docs/notes-cross-entropy.md, v2).
+CHUNK_BYTES = 256 << 20
 _COUNT = PlanCache()
 
 
@@ -558,6 +567,7 @@ def linear_cross_entropy_forward_backward(hidden, weight, target, bias=None, *, 
         _addmm(dw, logits.T, hc)
         if db is not None:
             db += logits.sum(0, dtype=db.dtype)
+        del logits   # (else the next chunk's logits are made while this one's are held: twice the memory)
     loss = _reduce_rows(_concat(rows, ha), count, reduction, ha, out_dtype)
     if db is not None:
         db = db.to(w.dtype) if hasattr(db, "to") else db.astype(w.dtype)

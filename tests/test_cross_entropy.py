@@ -180,7 +180,6 @@ def test_the_cluster_size_agrees_with_the_kernel_source():
 def test_the_training_form_splits_wide_rows_over_a_cluster_on_sm90(dry, monkeypatch):
     from cukern import _kernels
 
-    monkeypatch.setattr(ce, "CONFIGS", ce.Configs(use_cluster=True))
     def kernels(v, cc, dtype=np.float16, rows=6):
         monkeypatch.setattr(_kernels, "compute_capability", lambda device: cc)
         ce._PLANS.clear()
@@ -188,14 +187,22 @@ def test_the_training_form_splits_wide_rows_over_a_cluster_on_sm90(dry, monkeypa
         return {s[1].name: s[2] for s in plan.steps
                 if isinstance(s, tuple) and s[1].kernel_name in ("cross_entropy_rows", "cross_entropy_train_cluster")}
 
+    # the shipped configuration: LLaMA-3's vocabulary on a cluster, GPT-2's and Mistral's in two passes
     got = kernels(128256, (9, 0))
-    assert list(got) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 512, 4>"]
+    assert list(got) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 256, 8>"]
     assert list(got.values()) == [6 * 8]                                  # a cluster of 8 a row
+    assert "train_cluster" not in str(kernels(50304, (9, 0)))            # below cluster_min: two passes
     assert "train_cluster" not in str(kernels(128256, (8, 0)))           # A100: two passes
-    assert "train_cluster" not in str(kernels(4096, (9, 0)))             # narrow rows: two passes
     assert "train_cluster" not in str(kernels(128255, (9, 0)))           # odd V: scalar loads, two passes
-    assert ", 8>" in str(kernels(2**17, (9, 0), np.float32))             # float32: 8 vectors a thread
-    assert "train_cluster" not in str(kernels(2**18, (9, 0), np.float32))  # too wide for the registers
+    assert "train_cluster" not in str(kernels(151936, (9, 0)))           # too wide for the registers
+    # the number of vectors a thread follows the width (any cluster_min)
+    monkeypatch.setattr(ce, "CONFIGS", ce.Configs(cluster_min=8192))
+    assert list(kernels(32000, (9, 0))) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 256, 2>"]
+    assert "train_cluster" not in str(kernels(4096, (9, 0)))             # narrow rows: two passes
+    assert ", 8>" in str(kernels(2**16, (9, 0), np.float32))             # float32: 8 vectors a thread
+    assert "train_cluster" not in str(kernels(2**17, (9, 0), np.float32))  # too wide for the registers
+    monkeypatch.setattr(ce, "CONFIGS", ce.Configs(cluster_min=8192, use_cluster=False))
+    assert "train_cluster" not in str(kernels(128256, (9, 0)))
     ce._PLANS.clear()
 
 
@@ -261,7 +268,7 @@ def _check(framework, dtype, rows, v, *, seed=0, scale=3.0, strided=False, ignor
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("v", [1, 2, 7, 64, 1000, 4099, 8192, 32000, 50000, 2**17, 2**17 + 1])
 def test_kernels_match_the_reference(framework, dtype, v):
-    """(On sm_90 the training form of the even vocabularies from 8192 up runs on a cluster a row.)"""
+    """(On sm_90 the training form of the even 16-bit vocabularies from 98304 up runs on a cluster a row.)"""
     rows = 3 if v > 40000 else 9
     _check(framework, dtype, rows, v, seed=v)
 
@@ -291,7 +298,7 @@ def test_the_cluster_training_form_matches_the_reference(dtype, v, opts, monkeyp
 
     if _kernels.compute_capability(0) < (9, 0):
         pytest.skip("clusters need sm_90")
-    monkeypatch.setattr(ce, "CONFIGS", ce.Configs(use_cluster=True))
+    monkeypatch.setattr(ce, "CONFIGS", ce.Configs(cluster_min=8192))   # (down to 8192 classes)
     ce._PLANS.clear()
     try:
         _check("torch" if torch is not None else "cupy", dtype, 5, v, seed=v, **opts)
@@ -489,9 +496,10 @@ def test_linear_cross_entropy_on_bfloat16_cupy_arrays_says_what_to_pass(dry, mon
 
 
 def test_chunks_hold_at_most_the_budget_of_logits():
-    assert ce.chunk_rows(16384, 128256, 2) == 512            # 125 MiB of bf16 logits
+    assert ce.chunk_rows(16384, 128256, 2) == 1024           # 250.5 MiB of bf16 logits
     assert ce.chunk_rows(16384, 128256, 2) * 128256 * 2 <= ce.CHUNK_BYTES
     assert ce.chunk_rows(100, 128256, 2) == 128              # never more than the tokens need
+    assert ce.chunk_rows(16384, 128256, 2, budget=128 << 20) == 512
     assert ce.chunk_rows(5, 10**9, 4) == 1                   # at least one token
 
 

@@ -3,7 +3,8 @@
     python3 tools/tune_cross_entropy.py [--tokens 16384] [--vocab 128256 32000 50304] [--dtype bfloat16]
 
 For each vocabulary: the two-pass row kernel (v1) and, on sm_90, the cluster kernel (v2) with
-each number of vectors a thread that holds the row, each passed in a Configs object of its own
+each number of vectors a thread that holds the row (256 and 512 threads; one cluster a row, and
+the persistent grid), each passed in a Configs object of its own
 (the shipped CONFIGS is never changed); then PyTorch eager, torch.compile and Liger-Kernel
 (when installed) on the same logits. Prints ms and the share of the copy bandwidth measured in
 the same run over the byte floor (read the logits once, write the gradient once: 4·T·V bytes
@@ -41,12 +42,19 @@ def measure(tokens: int, v: int, dt, dtype: str, copy: float, sm90: bool) -> Non
     floor = 2 * x.element_size() * x.numel()
     vec = 16 // x.element_size()
     variants = [("v1 two-pass", ce.Configs(use_cluster=False))]
-    if sm90:
-        variants += [(f"v2 cluster nv={nv}", ce.Configs(use_cluster=True, cluster_nv=(nv,)))
-                     for nv in (1, 2, 4, 8) if ce.Configs(cluster_nv=(nv,)).cluster_vectors(v, vec)]
+    if sm90:   # a cluster a row, at 256 and 512 threads, then the persistent grid; down to 8192 classes
+        for threads in (256, 512):
+            base = dict(cluster_threads=threads, use_cluster=True, cluster_min=8192)
+            least = ce.Configs(**base).cluster_vectors(v, vec)   # and twice that (fewer registers spare)
+            variants += [(f"v2 cluster {threads}x{nv}", ce.Configs(**base, cluster_nv=(nv,)))
+                         for nv in ((least, 2 * least) if least and least < 8 else (least,) if least else ())]
+        nv = ce.Configs().cluster_vectors(v, vec)
+        if nv:
+            variants.append((f"v2 persistent 256x{nv}", ce.Configs(use_cluster=True, cluster_min=8192,
+                                                               cluster_nv=(nv,), cluster_persistent=True)))
 
     def line(name, ms, note=""):
-        print(f"V {v:7d} {name:18s} {ms:7.3f} ms  {floor / ms / 1e6 / copy * 100:5.1f}% of copy{note}", flush=True)
+        print(f"V {v:7d} {name:22s} {ms:7.3f} ms  {floor / ms / 1e6 / copy * 100:5.1f}% of copy{note}", flush=True)
 
     first = None
     for name, cfg in variants:
