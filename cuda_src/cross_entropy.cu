@@ -315,6 +315,10 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) CUK_CE_CLUSTER_DIMS c
     for (long long row = cluster_index(); row < rows; row += cluster_count(), parity ^= 1) {
         const T* x = logits + row * x_stride;
         const long long t = row_target(target, row, V, ignore_index, fault, rank == 0 && threadIdx.x == 0);
+        // (the target's logit is loaded with the row, not after it: its latency then overlaps
+        // the row's instead of delaying rank 0 on the way to the barrier; and before the barrier:
+        // in place, a peer may overwrite it right after)
+        const float xt = (rank == 0 && threadIdx.x == 0 && t >= 0) ? to_float(x[t]) : 0.f;
         Vec<T, VEC> v[NV];
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
@@ -332,8 +336,7 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) CUK_CE_CLUSTER_DIMS c
                 add_vector(st, sz, f, softcap, inv_cap);
             }
         }
-        // (read before the barrier: in place, a peer may overwrite it right after)
-        const float zt = (rank == 0 && threadIdx.x == 0 && t >= 0) ? capped(to_float(x[t]), softcap, inv_cap) : 0.f;
+        const float zt = capped(xt, softcap, inv_cap);
         SoftmaxState sv[1] = {st};
         MergeState::reduce(sv, merge_tmp, NaturalMerge{});
         float s[1] = {sz};
