@@ -554,6 +554,9 @@ def torch_impls(case: TorchCase) -> dict[str, Callable]:
 
     import cukern.torch as ct
 
+    # (each case compiles the same wrapper frame again: without a reset the ninth case hits
+    # dynamo's recompile limit and its "compile" column silently runs eager)
+    torch._dynamo.reset()
     impls = {"array": case.array,
              "cukern.torch": _step(case, functools.partial(case.forward, ct)),
              "eager": _step(case, functools.partial(case.forward, F)),
