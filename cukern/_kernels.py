@@ -92,11 +92,14 @@ class Instance:
 
     ``name`` is the NVRTC name expression; ``smem`` the dynamic shared memory in bytes (the
     kernels that use it check this number against their own with a static_assert, so the
-    compile check catches a mismatch); ``threads`` the block size the kernel is built for."""
+    compile check catches a mismatch); ``threads`` the block size the kernel is built for;
+    ``arch`` an architecture with its own features the instance is built for alone ("sm_90a":
+    wgmma, setmaxnreg), else None (built by CuPy for the device it runs on)."""
     source: str
     name: str
     threads: int
     smem: int = 0
+    arch: str | None = None
 
     @property
     def kernel_name(self) -> str:
@@ -170,6 +173,9 @@ def declarations(source: str) -> dict[str, Declaration]:
     return found
 
 
+# The code of a CUtensorMap parameter (a TMA descriptor passed by value, __grid_constant__).
+TENSOR_MAP = "M"
+
 # C scalar types -> struct codes (native size and alignment: the C parameter-buffer layout).
 _SCALAR_CODES = {"long long": "q", "int": "i", "float": "f", "unsigned long long": "Q", "unsigned int": "I",
                  "double": "d"}
@@ -217,6 +223,9 @@ def signature(inst: Instance) -> Signature:
                 raise ValueError(f"{inst.name}: parameter {p.name} points to {ctype}, which has no dtype here")
             codes.append("P")
             dtypes.append(elements[ctype])
+        elif ctype == "CUtensorMap":   # (by value, 128 bytes at a 64-byte offset: see pack)
+            codes.append(TENSOR_MAP)
+            dtypes.append(None)
         else:
             code = _SCALAR_CODES.get(ctype)
             if code is None:
@@ -232,8 +241,9 @@ _functions: dict[tuple[str, str, int], object] = {}
 _lock = threading.Lock()
 
 
-def function(source: str, instance: str, device: int):
-    """The compiled ``cupy.RawKernel`` for ``instance`` of ``cuda_src/<source>`` on ``device``."""
+def function(source: str, instance: str, device: int, arch: str | None = None):
+    """The compiled ``cupy.RawKernel`` for ``instance`` of ``cuda_src/<source>`` on ``device``
+    (built for ``arch`` when given: see ``Instance.arch``)."""
     key = (source, instance, device)
     fn = _functions.get(key)
     if fn is not None:
@@ -242,7 +252,9 @@ def function(source: str, instance: str, device: int):
 
     with _lock:
         fn = _functions.get(key)
-        if fn is None:
+        if fn is None and arch is not None:
+            fn = _arch_function(source, instance, arch, device)
+        elif fn is None:
             with cupy.cuda.Device(device):
                 try:  # CuPy may compile in the constructor or at the first lookup
                     module = cupy.RawModule(code=load_source(source), options=COMPILE_OPTIONS,
@@ -250,8 +262,42 @@ def function(source: str, instance: str, device: int):
                     fn = module.get_function(instance)
                 except cupy.cuda.compiler.CompileException as e:
                     raise CompileError(instance, str(e)) from None
-            _functions[key] = fn
+        _functions[key] = fn
     return fn
+
+
+class _ArchFunction:
+    """A kernel from a cubin that NVRTC built for one architecture's own features (CuPy builds
+    for the device's plain architecture): what Kernel needs of a RawKernel."""
+
+    def __init__(self, loaded):
+        self.kernel = loaded   # (.ptr: the CUfunction; it keeps its module loaded)
+
+    @property
+    def max_dynamic_shared_size_bytes(self) -> int:
+        from . import _driver
+
+        return _driver.max_dynamic_shared(self.kernel.ptr)
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, value: int) -> None:
+        from . import _driver
+
+        _driver.set_max_dynamic_shared(self.kernel.ptr, int(value))
+
+
+def _arch_function(source: str, instance: str, arch: str, device: int) -> _ArchFunction:
+    import cupy
+
+    from . import _driver, _nvrtc
+
+    major, minor = compute_capability(device)
+    if arch != f"sm_{major}{minor}a":
+        raise RuntimeError(f"{instance} is built for {arch} alone; device {device} is sm_{major}{minor}")
+    program = _nvrtc.compile_program(source, [instance], arch)
+    with cupy.cuda.Device(device):
+        cupy.cuda.runtime.free(0)   # (the device's primary context made current: the cubin loads into it)
+        return _ArchFunction(_driver.load_function(program.cubin, program.lowered[instance]))
 
 
 def cached_instances() -> list[tuple[str, str, int]]:
@@ -337,7 +383,7 @@ class Kernel:
     def __init__(self, inst: Instance, device: int):
         self.instance = inst
         self.device = device
-        self.fn = function(inst.source, inst.name, device)
+        self.fn = function(inst.source, inst.name, device, inst.arch)
         self.ptr = self.fn.kernel.ptr
         self.signature = signature(inst)
         self._occupancy: dict[int, int] = {}
@@ -395,6 +441,14 @@ def pack(sig: Signature, what: str, args: dict, dtypes: dict) -> tuple[struct.St
                 raise TypeError(f"{what}: parameter {name} is a pointer; got {v!r}")
             if dtype is not None and got is not None and got != dtype:
                 raise TypeError(f"{what}: parameter {name} points to {dtype}, but the array given has dtype {got}")
+            continue
+        if code == TENSOR_MAP:   # 128 bytes, 64-byte aligned (struct alignas(64) CUtensorMap)
+            raw = getattr(v, "raw", v)
+            if not isinstance(raw, bytes) or len(raw) != 128:
+                raise TypeError(f"{what}: parameter {name} is a CUtensorMap (128 bytes); got {v!r:.80}")
+            pad = -struct.calcsize("".join(fmt)) % 64
+            fmt.append(f"{pad}x128s" if pad else "128s")
+            values.append(raw)
             continue
         fmt.append(code)
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):

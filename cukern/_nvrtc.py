@@ -4,7 +4,8 @@ CuPy's compile entry points ask the driver for the current device, so they fail 
 with no GPU; NVRTC itself does not need one. This module drives it directly to compile every
 kernel instance for a named architecture and to read ptxas's resource report (registers,
 spills) from the program log. It is used by the compile-check test and by
-``python -m cukern info``; the kernels that run are compiled by CuPy (see ``_kernels``).
+``python -m cukern info``; the kernels that run are compiled by CuPy (see ``_kernels``), except
+those built for one architecture's own features (sm_90a: wgmma), whose cubin comes from here.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 from . import _kernels
 
-__all__ = ["library", "version", "compile_instances", "ResourceUsage"]
+__all__ = ["library", "version", "compile_instances", "compile_program", "Program", "ResourceUsage"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,6 +78,20 @@ _USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
 _compile_lock = threading.Lock()
 
 
+@dataclass(frozen=True)
+class Program:
+    """One compiled NVRTC program: ptxas's report per instance, its performance warnings
+    (C75xx: e.g. wgmma serialized), the cubin, and each instance's lowered (mangled) name."""
+    usages: list
+    warnings: tuple[str, ...]
+    cubin: bytes
+    lowered: dict
+
+
+# ptxas's performance warnings: wgmma serialized (C7515, C7511), setmaxnreg ignored (C7508), ...
+_PERF_WARNING = re.compile(r"\(C75\d\d\)")
+
+
 def compile_instances(source: str, instances: list[str], arch: str = "sm_90",
                       extra_options: tuple[str, ...] = ()) -> list[ResourceUsage]:
     """Compile ``instances`` of ``cuda_src/<source>`` for ``arch`` in one NVRTC program.
@@ -84,11 +99,17 @@ def compile_instances(source: str, instances: list[str], arch: str = "sm_90",
     Returns ptxas's resource report per instance; raises CompileError with NVRTC's log on
     failure. The options are the ones CuPy uses at run time, plus ptxas's verbose report.
     """
+    return compile_program(source, instances, arch, extra_options).usages
+
+
+def compile_program(source: str, instances: list[str], arch: str = "sm_90",
+                    extra_options: tuple[str, ...] = ()) -> Program:
+    """``compile_instances``, with the cubin, the lowered names and ptxas's C75xx warnings."""
     with _compile_lock:
         return _compile_instances(source, instances, arch, extra_options)
 
 
-def _compile_instances(source, instances, arch, extra_options):
+def _compile_instances(source, instances, arch, extra_options) -> Program:
     lib = library()
     src = _kernels.load_source(source).encode()
     prog = ctypes.c_void_p()
@@ -107,14 +128,21 @@ def _compile_instances(source, instances, arch, extra_options):
         lib.nvrtcGetProgramLog(prog, buf)
         log = buf.value.decode(errors="replace")
         _check(status, f"{source} for {arch} ({len(instances)} instances)", log)
-        lowered = {}
+        lowered, names = {}, {}
         for inst in instances:
             name = ctypes.c_char_p()
             _check(lib.nvrtcGetLoweredName(prog, inst.encode(), ctypes.byref(name)), inst)
             lowered[name.value.decode()] = inst
+            names[inst] = name.value.decode()
+        cubin_size = ctypes.c_size_t()
+        _check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(cubin_size)), "nvrtcGetCUBINSize")
+        cubin = ctypes.create_string_buffer(cubin_size.value)
+        if cubin_size.value:
+            _check(lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    return _parse_report(log, lowered, arch)
+    warnings = tuple(line.strip() for line in log.splitlines() if _PERF_WARNING.search(line))
+    return Program(_parse_report(log, lowered, arch), warnings, cubin.raw, names)
 
 
 def _parse_report(log: str, lowered: dict[str, str], arch: str) -> list[ResourceUsage]:

@@ -36,13 +36,21 @@ def _units() -> list[tuple[str, str]]:
     return out
 
 
-UNITS = _units()
-PAIRS = [(module, source, arch) for module, source in UNITS for arch in ARCHS]
-
-
-def instances_of(module: str, source: str) -> list:
+def instances_of(module: str, source: str, arch: str | None = None) -> list:
+    """The instances of ``source`` (those ``arch`` builds: an instance built for one architecture
+    alone, Instance.arch, only for that one)."""
     fn = dict(_registry.kernel_modules())[module]
-    return [i for i in fn() if i.source == source]
+    return [i for i in fn() if i.source == source and (arch is None or i.arch in (None, arch))]
+
+
+def _archs(module: str, source: str) -> tuple[str, ...]:
+    """sm_80 and sm_90, or the architectures the source's instances are built for alone (sm_90a)."""
+    own = {i.arch for i in instances_of(module, source) if i.arch}
+    return tuple(sorted(own)) if own else ARCHS
+
+
+UNITS = _units()
+PAIRS = [(module, source, arch) for module, source in UNITS for arch in _archs(module, source)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,7 +73,7 @@ def nvrtc():
 
 
 def _compile(module: str, source: str, arch: str):
-    return _nvrtc.compile_instances(source, [i.name for i in instances_of(module, source)], arch)
+    return _nvrtc.compile_program(source, [i.name for i in instances_of(module, source, arch)], arch)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +85,7 @@ def reports(nvrtc):
 
 
 def _report(reports, module, source, arch):
-    return reports[(module, source, arch)].result()  # re-raises a CompileError here
+    return reports[(module, source, arch)].result().usages  # re-raises a CompileError here
 
 
 def test_nvrtc_loads_in_ci():
@@ -118,7 +126,7 @@ def test_every_instance_has_a_declared_signature(module, source):
 def test_every_instance_compiles(reports, module, source, arch):
     """Each requested instance got a ptxas report, and no unrequested kernel did."""
     usages = _report(reports, module, source, arch)
-    requested = {i.name for i in instances_of(module, source)}
+    requested = {i.name for i in instances_of(module, source, arch)}
     reported = {u.instance for u in usages}
     missing, extra = sorted(requested - reported), sorted(reported - requested)
     assert not missing and not extra, (
@@ -136,6 +144,25 @@ def test_no_spills(reports, module, source, arch):
     assert not offenders, f"{source} for {arch}: {len(offenders)} instance(s) spill:\n" + "\n".join(
         f"  {u.instance}: {u.registers} registers, {u.stack_frame} B stack frame, "
         f"{u.spill_stores} B spill stores, {u.spill_loads} B spill loads" for u in offenders)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("module, source, arch", PAIRS)
+def test_no_performance_warnings(reports, module, source, arch):
+    """ptxas reports no C75xx warning: wgmma serialized (C7515, C7511: accumulators touched
+    between its fence and its wait, or registers short), setmaxnreg ignored (C7508), ..."""
+    _report(reports, module, source, arch)
+    warnings = reports[(module, source, arch)].result().warnings
+    assert not warnings, f"{source} for {arch}:\n" + "\n".join(warnings)
+
+
+def test_sm90a_instances_are_checked_for_sm90a_alone():
+    """The Hopper primitives' instances are built (and checked) for sm_90a only; the rest for
+    sm_80 and sm_90."""
+    pairs = {(source, arch) for _, source, arch in PAIRS}
+    assert ("hopper_check.cu", "sm_90a") in pairs
+    assert not {("hopper_check.cu", a) for a in ARCHS} & pairs
+    assert ("norm.cu", "sm_80") in pairs and ("norm.cu", "sm_90a") not in pairs
 
 
 @pytest.mark.compile

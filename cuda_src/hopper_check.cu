@@ -1,0 +1,62 @@
+// A self-check of the Hopper primitives of common/hopper.cuh, run by the tests before any
+// kernel relies on them: one warpgroup computes C (64 x N, float32) = A (64 x 64·KB) ·
+// B (N x 64·KB)^T, both operands brought into shared memory by TMA (128-byte swizzle, one box
+// of 64 columns at a time, completing on one mbarrier) and multiplied by wgmma from shared-memory
+// descriptors, a k16 step at a time. Built for sm_90a alone.
+#include "common/hopper.cuh"
+
+// SMEM: the dynamic shared memory the launch gives (checked against the tiles' size, with the
+// 1024 bytes of slack that align them).
+template <typename T, int N, int KB, int SMEM>
+__global__ void __launch_bounds__(128, 1) hopper_tile_product(
+    const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map, float* __restrict__ c)
+{
+    constexpr int A_BYTES = 64 * 128, B_BYTES = N * 128;   // a box: rows x 64 16-bit columns
+    static_assert(SMEM == KB * (A_BYTES + B_BYTES) + 1024, "SMEM: the tiles and their alignment slack");
+    static_assert(N == 64 || N == 128 || N == 256, "N");
+#if CUK_SM90A
+    using namespace cuk;
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024 - (shared_address(smem_raw) & 1023)) & 1023);
+    unsigned char* a_tiles = smem;
+    unsigned char* b_tiles = smem + KB * A_BYTES;
+    __shared__ unsigned long long bar;
+    if (threadIdx.x == 0) {
+        mbarrier_init(&bar, 1);
+        mbarrier_init_fence();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        mbarrier_arrive_expect_tx(&bar, KB * (A_BYTES + B_BYTES));
+        for (int kb = 0; kb < KB; ++kb) {
+            tma_load_2d(a_tiles + kb * A_BYTES, &a_map, kb * 64, 0, &bar);
+            tma_load_2d(b_tiles + kb * B_BYTES, &b_map, kb * 64, 0, &bar);
+        }
+    }
+    mbarrier_wait(&bar, 0);
+    float d[N / 2];
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) d[i] = 0.f;
+    wgmma_fence();
+#pragma unroll
+    for (int kb = 0; kb < KB; ++kb) {
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+            Wgmma<T, N>::ss(d, wgmma_desc_sw128(a_tiles + kb * A_BYTES + ks * 32),
+                            wgmma_desc_sw128(b_tiles + kb * B_BYTES + ks * 32), 1);
+        }
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_hold(d);
+    const int w = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+        const int r = 16 * w + g, col = 8 * j + 2 * t;
+        c[r * N + col] = d[4 * j];
+        c[r * N + col + 1] = d[4 * j + 1];
+        c[(r + 8) * N + col] = d[4 * j + 2];
+        c[(r + 8) * N + col + 1] = d[4 * j + 3];
+    }
+#endif
+}

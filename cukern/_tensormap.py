@@ -1,0 +1,76 @@
+"""TMA tensor maps (the driver's CUtensorMap) for the Hopper kernels: a map describes an array
+in device memory and the box a ``cp.async.bulk.tensor`` copies into shared memory. Made on the
+host (``cuTensorMapEncodeTiled``, cukern._driver) and passed by value to a kernel parameter
+declared ``const __grid_constant__ CUtensorMap``.
+
+The driver's rules are checked here first, so that a bad array or box gets an error naming the
+argument instead of the driver's CUDA_ERROR_INVALID_VALUE; the checks need no GPU."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import _driver
+from ._arrays import DeviceArray
+
+__all__ = ["TensorMap", "check_tile_map", "tile_map"]
+
+DATA_TYPES = {"float16": 6, "float32": 7, "bfloat16": 9}   # CUtensorMapDataType
+SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}                       # bytes -> CUtensorMapSwizzle
+L2_PROMOTION_128B = 2
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """An encoded map (``raw``: the 128 bytes a kernel takes) and the box it loads (NumPy
+    order, outermost first) in bytes: ``box_bytes``, what one copy completes on its mbarrier."""
+    raw: bytes
+    box: tuple[int, ...]
+    box_bytes: int
+
+
+def check_tile_map(name: str, shape: tuple, strides: tuple, itemsize: int, dtype: str, address: int,
+                   box: tuple, swizzle: int) -> None:
+    """Raise ValueError (naming ``name``) where the driver would refuse the map. ``shape``,
+    ``strides`` (elements) and ``box`` in NumPy order (outermost first)."""
+    if dtype not in DATA_TYPES:
+        raise ValueError(f"{name}: dtype {dtype} has no tensor map here (float16, bfloat16, float32)")
+    if not 1 <= len(shape) <= 5:
+        raise ValueError(f"{name}: a tensor map takes 1 to 5 axes, got shape {shape}")
+    if len(box) != len(shape):
+        raise ValueError(f"{name}: box {box} must have one extent an axis of shape {shape}")
+    if swizzle not in SWIZZLE:
+        raise ValueError(f"swizzle: {swizzle} bytes; one of {sorted(SWIZZLE)}")
+    if any(n < 1 or n > 2**32 for n in shape):
+        raise ValueError(f"{name}: every axis needs 1 to 2^32 elements, got shape {shape}")
+    if strides[-1] != 1:
+        raise ValueError(f"{name}: the innermost axis must have unit stride (strides {strides}, in elements)")
+    if address % 16:
+        raise ValueError(f"{name}: the data must start 16-byte aligned (address {address:#x})")
+    for s in strides[:-1]:
+        if s * itemsize % 16 or s * itemsize >= 2**40 or s < 1:
+            raise ValueError(f"{name}: every outer stride must be a positive multiple of 16 bytes below 2^40 "
+                             f"(strides {strides} elements of {itemsize} bytes)")
+    if any(b < 1 or b > 256 for b in box):
+        raise ValueError(f"{name}: every box extent must be 1 to 256, got box {box}")
+    inner = box[-1] * itemsize
+    if inner % 16:
+        raise ValueError(f"{name}: the box's inner extent ({box[-1]} elements, {inner} bytes) must be a multiple "
+                         f"of 16 bytes")
+    if swizzle and inner > swizzle:
+        raise ValueError(f"{name}: the box's inner extent ({inner} bytes) must fit the {swizzle}-byte swizzle "
+                         f"(load wider rows as several boxes)")
+
+
+def tile_map(a: DeviceArray, box: tuple, *, swizzle: int = 128) -> TensorMap:
+    """The map of ``a`` (1 to 5 axes, the innermost unit-stride) loading boxes of ``box``
+    elements (NumPy order), out-of-bounds elements read as zero."""
+    box = tuple(int(b) for b in box)
+    check_tile_map(a.name, a.shape, a.strides, a.itemsize, a.dtype, a.ptr, box, swizzle)
+    dims = tuple(reversed(a.shape))
+    strides = tuple(s * a.itemsize for s in reversed(a.strides[:-1]))
+    raw = _driver.encode_tiled(DATA_TYPES[a.dtype], a.ptr, dims, strides, tuple(reversed(box)), SWIZZLE[swizzle],
+                               L2_PROMOTION_128B)
+    nbytes = a.itemsize
+    for b in box:
+        nbytes *= b
+    return TensorMap(raw, box, nbytes)

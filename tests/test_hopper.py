@@ -1,0 +1,109 @@
+"""The Hopper primitives (cuda_src/common/hopper.cuh) and their host side: TMA tensor maps
+(cukern._tensormap, checked with no GPU), their packing as kernel parameters, and one
+warpgroup's tile product through TMA, an mbarrier and wgmma against NumPy (sm_90 GPUs)."""
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from cukern import _hopper, _kernels, _tensormap
+
+from arrays import assert_close, np_dtype, poison_allocator, random_host, to_device, torch
+
+gpu = pytest.mark.gpu
+FRAMEWORKS = ["cupy", "torch"] if torch is not None else ["cupy"]
+
+
+def _check(**kw):
+    args = dict(name="q", shape=(256, 128), strides=(128, 1), itemsize=2, dtype="bfloat16", address=1 << 20,
+                box=(64, 64), swizzle=128)
+    args.update(kw)
+    _tensormap.check_tile_map(**args)
+
+
+def test_a_valid_map_passes_the_checks():
+    _check()
+    _check(shape=(4, 2048, 16, 128), strides=(2048 * 16 * 128, 16 * 128, 128, 1), box=(1, 128, 1, 64))
+    _check(strides=(192, 1))                        # rows of a wider array (384 bytes apart)
+    _check(swizzle=0, box=(64, 128))                # no swizzle: any inner extent of 16-byte multiples
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(address=(1 << 20) + 8), "q: the data must start 16-byte aligned"),
+    (dict(strides=(128, 2)), "q: the innermost axis must have unit stride"),
+    (dict(strides=(100, 1)), "q: every outer stride must be a positive multiple of 16 bytes"),
+    (dict(box=(257, 64)), "q: every box extent must be 1 to 256"),
+    (dict(box=(64, 4)), r"q: the box's inner extent \(4 elements, 8 bytes\) must be a multiple of 16"),
+    (dict(box=(64, 128)), r"q: the box's inner extent \(256 bytes\) must fit the 128-byte swizzle"),
+    (dict(box=(64,)), "q: box .* must have one extent an axis"),
+    (dict(dtype="int32", itemsize=4), "q: dtype int32 has no tensor map"),
+    (dict(shape=(1,) * 6, strides=(8,) * 5 + (1,), box=(1,) * 6), "q: a tensor map takes 1 to 5 axes"),
+    (dict(swizzle=16), "swizzle: 16 bytes"),
+])
+def test_bad_maps_are_refused_naming_the_argument(kw, match):
+    with pytest.raises(ValueError, match=match):
+        _check(**kw)
+
+
+def test_tensor_maps_are_packed_by_value_64_byte_aligned():
+    inst = _hopper.instance("bfloat16", 128, 128)
+    sig = _kernels.signature(inst)
+    assert sig.names == ("a_map", "b_map", "c") and sig.codes == (_kernels.TENSOR_MAP, _kernels.TENSOR_MAP, "P")
+    a, b = bytes(range(128)), bytes(range(128, 256))
+
+    class Array:   # a fixed float32 array argument
+        ptr, dtype = 0xABC0, "float32"
+
+    layout, values, slots = _kernels.pack(sig, inst.name, {"a_map": a, "b_map": b, "c": Array()}, {})
+    raw = layout.pack(*values)
+    assert raw[:128] == a and raw[128:256] == b and struct.unpack_from("Q", raw, 256)[0] == 0xABC0
+    with pytest.raises(TypeError, match="a_map is a CUtensorMap"):
+        _kernels.pack(sig, inst.name, {"a_map": a[:64], "b_map": b, "c": None}, {})
+
+
+def test_a_map_after_a_scalar_is_padded_to_64_bytes():
+    sig = _kernels.Signature("k", ("n", "m"), ("i", _kernels.TENSOR_MAP), (None, None))
+    layout, values, _ = _kernels.pack(sig, "k", {"n": 7, "m": bytes(128)}, {})
+    assert layout.size == 192 and struct.unpack_from("i", layout.pack(*values), 0)[0] == 7
+
+
+def test_the_self_check_is_built_for_sm90a_alone():
+    insts = _hopper.instances()
+    assert insts and all(i.arch == "sm_90a" and i.threads == 128 for i in insts)
+    assert all(i.smem > 48 * 1024 for i in insts if "256, 2," in i.name)   # (the opt-in above 48 KB)
+
+
+def test_tile_product_checks_its_arguments_before_any_device_work(host_arrays_as_device):
+    a = np.ones((64, 64), np.float16)
+    with pytest.raises(ValueError, match=r"a: must be \(64, K\)"):
+        _hopper.tile_product(np.ones((32, 64), np.float16), a)
+    with pytest.raises(ValueError, match=r"b: must be \(N, 64\)"):
+        _hopper.tile_product(a, np.ones((96, 64), np.float16))
+    with pytest.raises(ValueError, match="b: dtype bfloat16 differs from a's float16"):
+        _hopper.tile_product(a, np.ones((64, 64), np_dtype("bfloat16")))
+    with pytest.raises((TypeError, ValueError), match="b: dtype float32 is not supported"):
+        _hopper.tile_product(a, np.ones((64, 64), np.float32))
+
+
+@gpu
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("dtype", _hopper.DTYPES)
+@pytest.mark.parametrize("n", _hopper.NS)
+@pytest.mark.parametrize("k", _hopper.KS)
+def test_tile_product_matches_numpy(framework, dtype, n, k):
+    """TMA (128-byte swizzle), the mbarrier's transaction count and wgmma's descriptors and k16
+    steps: any of them wrong scrambles or drops products. B's rows are strided (a slice of a
+    wider array), and the output comes from NaN-poisoned memory."""
+    if _kernels.compute_capability(0) != (9, 0):
+        pytest.skip("the Hopper primitives need an sm_90 GPU")
+    rng = np.random.default_rng(n * 1000 + k)
+    ah = random_host(rng, (64, k), dtype)
+    bh_wide = random_host(rng, (n, k + 64), dtype)
+    a = to_device(ah, framework)
+    b = to_device(bh_wide, framework)[:, 32:32 + k]   # rows 2·(k + 64) bytes apart, 64 bytes in
+    poison_allocator(framework, [64 * n * 4])
+    c = _hopper.tile_product(a, b)
+    ref = ah.astype(np.float64) @ bh_wide[:, 32:32 + k].astype(np.float64).T
+    assert_close(c, ref, "float32", "c", tol=1e-5)
