@@ -66,11 +66,12 @@ def encode_tiled(data_type: int, address: int, dims: tuple, strides: tuple, box:
     """The 128-byte CUtensorMap of ``cuTensorMapEncodeTiled`` (dims, box innermost first;
     strides in bytes of the dims after the first; interleave none, out-of-bounds zero fill)."""
     rank = len(dims)
-    tmap = (ctypes.c_uint64 * 16)()
+    buf = (ctypes.c_uint8 * (128 + 64))()   # (CUtensorMap is alignas(64): the map at a 64-byte boundary)
+    at = ctypes.addressof(buf) + (-ctypes.addressof(buf)) % 64
     check(library().cuTensorMapEncodeTiled(
-        ctypes.byref(tmap), ctypes.c_int(data_type), ctypes.c_uint32(rank), ctypes.c_void_p(address),
+        ctypes.c_void_p(at), ctypes.c_int(data_type), ctypes.c_uint32(rank), ctypes.c_void_p(address),
         (ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * max(1, rank - 1))(*strides),
         (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)),
         ctypes.c_int(0), ctypes.c_int(swizzle), ctypes.c_int(l2_promotion), ctypes.c_int(0)),
         "cuTensorMapEncodeTiled")
-    return bytes(tmap)
+    return ctypes.string_at(at, 128)

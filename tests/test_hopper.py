@@ -107,3 +107,32 @@ def test_tile_product_matches_numpy(framework, dtype, n, k):
     c = _hopper.tile_product(a, b)
     ref = ah.astype(np.float64) @ bh_wide[:, 32:32 + k].astype(np.float64).T
     assert_close(c, ref, "float32", "c", tol=1e-5)
+
+
+def test_tile_map_hands_the_driver_the_axes_innermost_first(monkeypatch):
+    """(A stand-in driver: what cuTensorMapEncodeTiled receives, and the 128 bytes it writes
+    at a 64-byte-aligned address coming back as the map.)"""
+    import ctypes
+
+    from cukern import _arrays, _driver
+
+    seen = {}
+
+    class Driver:
+        def cuTensorMapEncodeTiled(self, tmap, dt, rank, addr, dims, strides, box, es, il, sw, l2, oob):
+            n = rank.value
+            seen.update(aligned=tmap.value % 64 == 0, dt=dt.value, addr=addr.value, dims=list(dims)[:n],
+                        strides=list(strides)[:n - 1], box=list(box)[:n], es=list(es)[:n], il=il.value,
+                        swizzle=sw.value, oob=oob.value)
+            ctypes.memmove(tmap.value, bytes(range(128)), 128)
+            return 0
+
+    monkeypatch.setattr(_driver, "library", lambda: Driver())
+    # (4, 2048, 16, 128) bf16 with its rows 192 elements apart: a (B, S, H, D) view of a wider array
+    a = _arrays.DeviceArray(None, "cupy", 1 << 20, (4, 2048, 16, 128), (2048 * 16 * 192, 16 * 192, 192, 1),
+                            "bfloat16", 0, "k")
+    m = _tensormap.tile_map(a, (1, 128, 1, 64))
+    assert m.raw == bytes(range(128)) and m.box == (1, 128, 1, 64) and m.box_bytes == 128 * 64 * 2
+    assert seen == dict(aligned=True, dt=9, addr=1 << 20, dims=[128, 16, 2048, 4],
+                        strides=[384, 16 * 384, 2048 * 16 * 384], box=[64, 1, 128, 1], es=[1, 1, 1, 1], il=0,
+                        swizzle=3, oob=0)
