@@ -60,3 +60,68 @@ __global__ void __launch_bounds__(128, 1) hopper_tile_product(
     }
 #endif
 }
+
+// C (64 x D, float32) = P (64 x KV) · V (KV x D), attention's O += P·V: P from registers (wgmma's
+// A fragment, read here from global memory), V brought by TMA in its stored layout (KV rows of
+// D, a box of 64 columns at a time) and read by wgmma MN-major (transposed B).
+template <typename T, int D, int KV, int SMEM>
+__global__ void __launch_bounds__(128, 1) hopper_tile_pv(
+    const T* __restrict__ p, const __grid_constant__ CUtensorMap v_map, float* __restrict__ c)
+{
+    constexpr int BOX = KV * 128;   // KV rows x 64 16-bit columns
+    static_assert(SMEM == (D / 64) * BOX + 1024, "SMEM: the boxes and their alignment slack");
+    static_assert(D == 64 || D == 128 || D == 256, "D");
+    static_assert(KV % 16 == 0 && KV <= 256, "KV");
+#if CUK_SM90A
+    using namespace cuk;
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* v_tiles = smem_raw + ((1024 - (shared_address(smem_raw) & 1023)) & 1023);
+    __shared__ unsigned long long bar;
+    if (threadIdx.x == 0) {
+        mbarrier_init(&bar, 1);
+        mbarrier_init_fence();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        mbarrier_arrive_expect_tx(&bar, (D / 64) * BOX);
+        for (int b = 0; b < D / 64; ++b) tma_load_2d(v_tiles + b * BOX, &v_map, b * 64, 0, &bar);
+    }
+    // P's A fragments, every k16 step's, before the fence (registers written by ordinary
+    // instructions and then read by wgmma need the fence between)
+    const int w = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+    const int r = 16 * w + g;
+    unsigned int a[KV / 16][4];
+    const unsigned short* pb = reinterpret_cast<const unsigned short*>(p);
+#pragma unroll
+    for (int s = 0; s < KV / 16; ++s) {
+        const int c0 = 16 * s + 2 * t;
+        auto pair = [&](int row, int col) {
+            return static_cast<unsigned int>(pb[row * KV + col]) | (static_cast<unsigned int>(pb[row * KV + col + 1]) << 16);
+        };
+        a[s][0] = pair(r, c0);
+        a[s][1] = pair(r + 8, c0);
+        a[s][2] = pair(r, c0 + 8);
+        a[s][3] = pair(r + 8, c0 + 8);
+    }
+    mbarrier_wait(&bar, 0);
+    float d[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) d[i] = 0.f;
+    wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < KV / 16; ++s) {
+        Wgmma<T, D>::template rs<1>(d, a[s], wgmma_desc_sw128_mn(v_tiles + s * 16 * 128, BOX), 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_hold(d);
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+        const int col = 8 * j + 2 * t;
+        c[r * D + col] = d[4 * j];
+        c[r * D + col + 1] = d[4 * j + 1];
+        c[(r + 8) * D + col] = d[4 * j + 2];
+        c[(r + 8) * D + col + 1] = d[4 * j + 3];
+    }
+#endif
+}

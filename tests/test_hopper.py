@@ -1,6 +1,7 @@
 """The Hopper primitives (cuda_src/common/hopper.cuh) and their host side: TMA tensor maps
-(cukern._tensormap, checked with no GPU), their packing as kernel parameters, and one
-warpgroup's tile product through TMA, an mbarrier and wgmma against NumPy (sm_90 GPUs)."""
+(cukern._tensormap, checked with no GPU), their packing as kernel parameters, and the two
+products attention makes, by one warpgroup through TMA, an mbarrier and wgmma, against NumPy
+(sm_90 GPUs): A·Bᵀ from shared memory (S = QKᵀ) and P·V with P in registers (O += PV)."""
 from __future__ import annotations
 
 import struct
@@ -71,6 +72,7 @@ def test_a_map_after_a_scalar_is_padded_to_64_bytes():
 
 def test_the_self_check_is_built_for_sm90a_alone():
     insts = _hopper.instances()
+    assert any("hopper_tile_pv" in i.name for i in insts)
     assert insts and all(i.arch == "sm_90a" and i.threads == 128 for i in insts)
     assert all(i.smem > 48 * 1024 for i in insts if "256, 2," in i.name)   # (the opt-in above 48 KB)
 
@@ -85,6 +87,12 @@ def test_tile_product_checks_its_arguments_before_any_device_work(host_arrays_as
         _hopper.tile_product(a, np.ones((64, 64), np_dtype("bfloat16")))
     with pytest.raises((TypeError, ValueError), match="b: dtype float32 is not supported"):
         _hopper.tile_product(a, np.ones((64, 64), np.float32))
+    with pytest.raises(ValueError, match=r"p: must be a contiguous \(64, KV\)"):
+        _hopper.tile_pv(np.ones((64, 128), np.float16)[:, :64], a)
+    with pytest.raises(ValueError, match=r"v: must be \(64, D\)"):
+        _hopper.tile_pv(a, np.ones((64, 96), np.float16))
+    with pytest.raises(ValueError, match="v: dtype bfloat16 differs from p's float16"):
+        _hopper.tile_pv(a, np.ones((64, 64), np_dtype("bfloat16")))
 
 
 @gpu
@@ -106,6 +114,28 @@ def test_tile_product_matches_numpy(framework, dtype, n, k):
     poison_allocator(framework, [64 * n * 4])
     c = _hopper.tile_product(a, b)
     ref = ah.astype(np.float64) @ bh_wide[:, 32:32 + k].astype(np.float64).T
+    assert_close(c, ref, "float32", "c", tol=1e-5)
+
+
+@gpu
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("dtype", _hopper.DTYPES)
+@pytest.mark.parametrize("d", _hopper.DS)
+@pytest.mark.parametrize("kv", _hopper.KVS)
+def test_tile_pv_matches_numpy(framework, dtype, d, kv):
+    """P in wgmma's A registers and V read MN-major (transposed B) from 128-byte-swizzled
+    boxes: a wrong fragment order, leading or stride byte offset, or k16 step scrambles C. V's
+    rows are strided (a slice of a wider array); the output comes from NaN-poisoned memory."""
+    if _kernels.compute_capability(0) != (9, 0):
+        pytest.skip("the Hopper primitives need an sm_90 GPU")
+    rng = np.random.default_rng(d * 1000 + kv)
+    ph = random_host(rng, (64, kv), dtype)
+    vh_wide = random_host(rng, (kv, d + 64), dtype)
+    p = to_device(ph, framework)
+    v = to_device(vh_wide, framework)[:, 64:64 + d]
+    poison_allocator(framework, [64 * d * 4])
+    c = _hopper.tile_pv(p, v)
+    ref = ph.astype(np.float64) @ vh_wide[:, 64:64 + d].astype(np.float64)
     assert_close(c, ref, "float32", "c", tol=1e-5)
 
 
