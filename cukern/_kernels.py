@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["CompileError", "Instance", "Slot", "Kernel", "Launch", "source_dir", "load_source", "kernel",
+__all__ = ["CompileError", "Instance", "Slot", "MapSlot", "Kernel", "Launch", "source_dir", "load_source", "kernel",
            "signature", "sm_count", "compute_capability", "COMPILE_OPTIONS"]
 
 # -std=c++17 for `if constexpr`. CUKERN_EXTRA_NVRTC_OPTIONS (space-separated) adds options for
@@ -347,6 +347,19 @@ class Slot:
         return f"Slot({self.index}{f', {self.offset}' if self.offset else ''})"
 
 
+class MapSlot:
+    """A CUtensorMap argument made per call from buffer ``index`` (its pointer changes from call
+    to call): TMA boxes of ``box`` elements (NumPy order), ``swizzle`` bytes (cukern._tensormap)."""
+
+    __slots__ = ("index", "box", "swizzle")
+
+    def __init__(self, index: int, box: tuple, swizzle: int = 128):
+        self.index, self.box, self.swizzle = index, tuple(box), swizzle
+
+    def __repr__(self) -> str:
+        return f"MapSlot({self.index}, {self.box}, {self.swizzle})"
+
+
 # Kernel arguments are packed into one buffer laid out as the C parameter list (each value at
 # its natural alignment, which struct's native mode gives) and handed to cuLaunchKernel through
 # CU_LAUNCH_PARAM_BUFFER_POINTER: no per-argument wrapper objects.
@@ -443,11 +456,15 @@ def pack(sig: Signature, what: str, args: dict, dtypes: dict) -> tuple[struct.St
                 raise TypeError(f"{what}: parameter {name} points to {dtype}, but the array given has dtype {got}")
             continue
         if code == TENSOR_MAP:   # 128 bytes, 64-byte aligned (struct alignas(64) CUtensorMap)
+            pad = -struct.calcsize("".join(fmt)) % 64
+            fmt.append(f"{pad}x128s" if pad else "128s")
+            if isinstance(v, MapSlot):   # (encoded per call from the buffer: see Launch)
+                slots.append((i, v, 0))
+                values.append(bytes(128))
+                continue
             raw = getattr(v, "raw", v)
             if not isinstance(raw, bytes) or len(raw) != 128:
                 raise TypeError(f"{what}: parameter {name} is a CUtensorMap (128 bytes); got {v!r:.80}")
-            pad = -struct.calcsize("".join(fmt)) % 64
-            fmt.append(f"{pad}x128s" if pad else "128s")
             values.append(raw)
             continue
         fmt.append(code)
@@ -471,21 +488,29 @@ def pack(sig: Signature, what: str, args: dict, dtypes: dict) -> tuple[struct.St
 class Launch:
     """One prepared launch: constants packed; per call, the slots' pointers and the stream."""
 
-    __slots__ = ("kernel", "grid", "block", "layout", "values", "slots", "_args")
+    __slots__ = ("kernel", "grid", "block", "layout", "values", "slots", "maps", "_args")
 
     def __init__(self, kernel: Kernel, grid, block, layout: struct.Struct, values: list, slots):
         self.kernel, self.grid, self.block = kernel, grid, block
-        self.layout, self.values, self.slots = layout, values, slots
+        self.layout, self.values = layout, values
+        self.slots = tuple(s for s in slots if not isinstance(s[1], MapSlot))
+        self.maps = tuple((at, m) for at, m, _ in slots if isinstance(m, MapSlot))
         self._args = (kernel.ptr, *grid, *block, kernel.instance.smem)
 
     def __call__(self, bufs, ptrs, stream: int) -> None:
-        """Launch with ``ptrs[slot]`` for each slot, on ``stream`` (a raw CUDA stream handle).
-        (The signature of a plan step: ``bufs`` is the plan's buffer list, unused here.)"""
+        """Launch with ``ptrs[slot]`` for each slot (and each map slot's tensor map of
+        ``bufs[index]``), on ``stream`` (a raw CUDA stream handle). (The signature of a plan
+        step: ``bufs`` is the plan's buffer list.)"""
         values = self.values
-        if self.slots:
+        if self.slots or self.maps:
             values = values.copy()
             for at, slot, offset in self.slots:
                 values[at] = ptrs[slot] + offset
+            if self.maps:
+                from . import _tensormap
+
+                for at, m in self.maps:
+                    values[at] = _tensormap.tile_map(bufs[m.index], m.box, swizzle=m.swizzle).raw
         buf, size, extra, _ = _param_buffer()
         self.layout.pack_into(buf, 0, *values)
         size.value = self.layout.size

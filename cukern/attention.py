@@ -23,12 +23,13 @@ import numpy as np
 from . import _arrays, _bench, _checks, _kernels
 from ._arrays import DeviceArray
 from ._family import DropIn, Family, TorchOp
-from ._kernels import Instance
+from ._kernels import Instance, MapSlot
 from ._plans import Builder, Plan, PlanCache
 
 __all__ = ["attention", "attention_backward"]
 
 SOURCE = "attention_fwd.cu"
+SM90_SOURCE = "attention_fwd_sm90.cu"
 BWD_SOURCE = "attention_bwd.cu"
 DTYPES = ("float16", "bfloat16")
 LOG2E = 1.4426950408889634
@@ -72,6 +73,24 @@ class FwdConfig:
         smem = self.smem(d, _arrays.DTYPES[dtype][1])
         return Instance(SOURCE, f"attention_fwd<{_ctype(dtype)}, {d}, {self.warps}, {self.mt}, {self.bn}, "
                                 f"{self.bnc}, {_b(self.qreg)}, {_b(causal)}, {smem}>", 32 * self.warps, smem)
+
+
+@dataclass(frozen=True)
+class Sm90FwdConfig:
+    """attention_fwd_sm90 (TMA + wgmma, sm_90a): two warpgroups of 64 query rows a block, ``bn``
+    keys a tile (K and V double-buffered in shared memory)."""
+    bn: int
+    block_rows = 128
+
+    def smem(self, d: int) -> int:
+        """Q, two K and two V tiles of 128-byte rows (64 head-dim columns a box), and 1 KB to
+        align them (16-bit elements)."""
+        return (self.block_rows + 4 * self.bn) * d * 2 + 1024
+
+    def instance(self, dtype: str, d: int, causal: bool) -> Instance:
+        smem = self.smem(d)
+        return Instance(SM90_SOURCE, f"attention_fwd_sm90<{_ctype(dtype)}, {d}, {self.bn}, {_b(causal)}, {smem}>",
+                        256, smem, "sm_90a")
 
 
 @dataclass(frozen=True)
@@ -122,6 +141,11 @@ class Configs:
     bwd: tuple[tuple[int, BwdConfig], ...]
     dq: tuple[tuple[int, DqConfig], ...]
     dot_threads: int = 256
+    # The forward on sm_90 (H100, H200) by TMA and wgmma, by head dim. Off until its GPU tests
+    # have passed and it has been measured (docs/notes-attention.md, the Hopper path).
+    fwd_sm90: tuple[tuple[int, Sm90FwdConfig], ...] = ((64, Sm90FwdConfig(128)), (128, Sm90FwdConfig(128)),
+                                                       (256, Sm90FwdConfig(64)))
+    use_sm90: bool = False
 
     @property
     def head_dims(self) -> tuple[int, ...]:
@@ -166,6 +190,7 @@ BWD_HEAD_DIMS = CONFIGS.bwd_head_dims
 def instances(configs: Configs = CONFIGS) -> list[Instance]:
     """Every kernel instance the fronts can launch, forward and backward (compile check)."""
     out = [cfg.instance(dt, d, c) for dt in DTYPES for d, cfg in configs.fwd for c in (False, True)]
+    out += [cfg.instance(dt, d, c) for dt in DTYPES for d, cfg in configs.fwd_sm90 for c in (False, True)]
     for dt in DTYPES:
         for d, cfg in configs.bwd:
             out.append(configs.dot(dt, d))
@@ -323,6 +348,15 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs) -
         if sk == 0:  # no keys: zeros, lse = +inf
             b.fill(0.0, out)
             b.fill(float("inf"), lse)
+        elif configs.use_sm90 and d in dict(configs.fwd_sm90) and _kernels.compute_capability(device) == (9, 0):
+            # TMA reads the inputs in place where cp.async can (16-byte rows and strides: _read)
+            cfg = configs.get("fwd_sm90", d)
+            k = _kernels.kernel(cfg.instance(qa.dtype, d, causal), device)
+            os_ = _like(qa, q_copied)
+            b.launch(k, (-(-sq // cfg.block_rows), batch * h), q_map=MapSlot(0, (1, cfg.block_rows, 1, 64)),
+                     k_map=MapSlot(1, (1, cfg.bn, 1, 64)), v_map=MapSlot(2, (1, cfg.bn, 1, 64)), out=out, lse=lse,
+                     **{f"o_{n}": s for n, s in _strides3(os_).items()},
+                     H=h, Hkv=hkv, Sq=sq, Sk=sk, scale_log2=scale * LOG2E)
         else:
             cfg = configs.get("fwd", d)
             k = _kernels.kernel(cfg.instance(qa.dtype, d, causal), device)

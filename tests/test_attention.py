@@ -125,6 +125,38 @@ def test_misaligned_contiguous_views_are_copied(host_arrays_as_device):
     assert info.value.plan.fixes == ()
 
 
+def test_the_sm90_forward_takes_tensor_maps_of_the_inputs(host_arrays_as_device, monkeypatch):
+    """With the Hopper path on (Configs.use_sm90), an sm_90 device runs attention_fwd_sm90 with
+    tensor maps made per call from q, k and v (boxes of 128 query rows, bn keys, 64 columns);
+    other devices and head dims keep attention_fwd."""
+    import importlib
+
+    from cukern import _kernels
+
+    attn = importlib.import_module("cukern.attention")
+    monkeypatch.setattr(attn, "CONFIGS", attn.Configs(attn.CONFIGS.fwd, attn.CONFIGS.bwd, attn.CONFIGS.dq,
+                                                      use_sm90=True))
+
+    def launches(d, cc):
+        monkeypatch.setattr(_kernels, "compute_capability", lambda device: cc)
+        attn._FWD.clear()   # (plans assume one device: the capability is not in their key)
+        q, kv = np.ones((2, 200, 4, d), np.float16), np.ones((2, 300, 2, d), np.float16)
+        with pytest.raises(DryRun) as info:
+            cukern.attention(q, kv, kv, causal=True)
+        return [s for s in info.value.plan.steps if isinstance(s, tuple) and s[0] == "launch"]
+
+    (step,) = launches(128, (9, 0))
+    _, inst, grid, _, _, slots = step
+    assert inst.name.startswith("attention_fwd_sm90<cuk::half, 128, 128, true, ")
+    assert inst.arch == "sm_90a" and inst.threads == 256 and grid == (2, 8)
+    maps = [(m.index, m.box) for _, m, _ in slots if isinstance(m, _kernels.MapSlot)]
+    assert maps == [(0, (1, 128, 1, 64)), (1, (1, 128, 1, 64)), (2, (1, 128, 1, 64))]
+    assert [m.box for _, m, _ in launches(256, (9, 0))[0][5] if isinstance(m, _kernels.MapSlot)][1] == (1, 64, 1, 64)
+    assert launches(128, (8, 0))[0][1].name.startswith("attention_fwd<")   # A100
+    assert launches(96, (9, 0))[0][1].name.startswith("attention_fwd<")    # no Hopper config
+    attn._FWD.clear()
+
+
 # ---- the kernel against the reference (GPU) ---------------------------------------------------
 
 @st.composite
@@ -173,6 +205,26 @@ def _run_case(c, layout="contiguous"):
 @given(c=attn_cases())
 def test_attention_matches_reference(c):
     _run_case(c)
+
+
+@gpu
+@settings(max_examples=80)
+@given(c=attn_cases(), layout=st.sampled_from(["contiguous", "packed"]))
+def test_the_sm90_forward_matches_reference(c, layout):
+    """The Hopper path (TMA + wgmma, attention_fwd_sm90) on its head dims, forced on."""
+    import importlib
+
+    from cukern import _kernels
+
+    if _kernels.compute_capability(0) != (9, 0):
+        pytest.skip("the Hopper path needs an sm_90 GPU")
+    attn = importlib.import_module("cukern.attention")
+    if c["d"] not in dict(attn.CONFIGS.fwd_sm90):
+        c["d"] = 128
+    hopper = attn.Configs(attn.CONFIGS.fwd, attn.CONFIGS.bwd, attn.CONFIGS.dq, use_sm90=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attn, "CONFIGS", hopper)
+        _run_case(c, layout)
 
 
 @gpu

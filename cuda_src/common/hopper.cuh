@@ -82,6 +82,15 @@ __device__ __forceinline__ void tma_load_3d(void* smem, const CUtensorMap* map, 
            "r"(shared_address(bar)) : "memory");
 #endif
 }
+__device__ __forceinline__ void tma_load_4d(void* smem, const CUtensorMap* map, int x, int y, int z, int w,
+                                            unsigned long long* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];"
+        :: "r"(shared_address(smem)), "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(z), "r"(w),
+           "r"(shared_address(bar)) : "memory");
+#endif
+}
 // Shared memory written by ordinary stores, next read by TMA or wgmma (each writing thread,
 // before the barrier that publishes it).
 __device__ __forceinline__ void fence_proxy_async() {

@@ -1,0 +1,182 @@
+// Fused attention forward on Hopper (sm_90a), step 1 of the ladder in docs/notes-attention.md:
+// TMA tile loads and wgmma, no warp specialization yet.
+//
+// A block of two warpgroups computes BM = 128 query rows (64 a warpgroup) of one (batch, head)
+// against all keys. Thread 0 brings Q once and each key/value tile of BN keys by TMA (128-byte
+// swizzle, 64 head-dim columns a box), K and V double-buffered on one mbarrier a buffer; each
+// warpgroup computes S = Q K^T with wgmma from shared memory (both operands K-major), the online
+// softmax in registers (the accumulator layout is mma.sync's, so the FA2 kernel's row logic
+// carries over), and O += P V with P from registers and V read MN-major as stored.
+// Causal masking, GQA, lse and the layouts are those of attention_fwd (attention_fwd.cu):
+// q (B, Sq, H, D), k and v (B, Sk, Hkv, D) through their tensor maps (any strides TMA takes),
+// out (B, Sq, H, D) with element strides, lse (B, H, Sq) float32.
+#include "common/dtype.cuh"
+#include "common/reduce.cuh"
+#include "common/hopper.cuh"
+#include "common/attn_tile.cuh"
+
+// SMEM: the launch's dynamic shared memory: Q, two K and two V tiles, 1 KB of alignment slack.
+template <typename T, int D, int BN, bool CAUSAL, int SMEM>
+__global__ void __launch_bounds__(256, 1) attention_fwd_sm90(
+    const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
+    const __grid_constant__ CUtensorMap v_map, T* __restrict__ out, float* __restrict__ lse,
+    long long o_sb, long long o_ss, long long o_sh, int H, int Hkv, int Sq, int Sk, float scale_log2)
+{
+    constexpr int BM = 128, DB = D / 64;                    // query rows a block; 64-column boxes
+    constexpr int Q_BOX = BM * 128, KV_BOX = BN * 128;      // bytes of one box (rows x 128 bytes)
+    constexpr int Q_BYTES = DB * Q_BOX, KV_BYTES = DB * KV_BOX;
+    static_assert(SMEM == Q_BYTES + 4 * KV_BYTES + 1024, "SMEM: Q, 2 K, 2 V tiles and the alignment slack");
+    static_assert(D % 64 == 0 && D <= 256 && BN % 16 == 0 && BN <= 256, "tile shapes");
+#if CUK_SM90A
+    using namespace cuk;
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* const q_s = smem_raw + ((1024 - (shared_address(smem_raw) & 1023)) & 1023);
+    unsigned char* const k_s = q_s + Q_BYTES;          // [2][DB][BN rows x 128 bytes]
+    unsigned char* const v_s = k_s + 2 * KV_BYTES;     // [2][DB][BN rows x 128 bytes]
+    __shared__ unsigned long long bar_q, bar_kv[2];
+
+    // Causal blocks have different amounts of work: the longest (last) are started first.
+    const int m_block = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int b = blockIdx.y / H, h = blockIdx.y % H;
+    const int hk = h / (H / Hkv);
+    const int wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int m0 = m_block * BM;
+    const int row0 = m0 + wg * 64 + warp * 16 + g;    // this thread's rows: row0 and row0 + 8
+    const int diag = Sk - Sq;
+    int n_blocks = (Sk + BN - 1) / BN;
+    if (CAUSAL) {
+        const int last_key = min(Sk - 1, m0 + BM - 1 + diag);
+        n_blocks = last_key < 0 ? 0 : min(n_blocks, last_key / BN + 1);
+    }
+
+    if (threadIdx.x == 0) {
+        mbarrier_init(&bar_q, 1);
+        mbarrier_init(&bar_kv[0], 1);
+        mbarrier_init(&bar_kv[1], 1);
+        mbarrier_init_fence();
+    }
+    __syncthreads();
+    auto load_kv = [&](int nb, int buf) {   // (thread 0)
+        mbarrier_arrive_expect_tx(&bar_kv[buf], 2 * KV_BYTES);
+#pragma unroll
+        for (int db = 0; db < DB; ++db) {
+            tma_load_4d(k_s + buf * KV_BYTES + db * KV_BOX, &k_map, db * 64, hk, nb * BN, b, &bar_kv[buf]);
+            tma_load_4d(v_s + buf * KV_BYTES + db * KV_BOX, &v_map, db * 64, hk, nb * BN, b, &bar_kv[buf]);
+        }
+    };
+    if (threadIdx.x == 0) {
+        mbarrier_arrive_expect_tx(&bar_q, Q_BYTES);
+#pragma unroll
+        for (int db = 0; db < DB; ++db) tma_load_4d(q_s + db * Q_BOX, &q_map, db * 64, h, m0, b, &bar_q);
+        if (n_blocks > 0) load_kv(0, 0);
+    }
+
+    float o[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};
+    mbarrier_wait(&bar_q, 0);
+
+    for (int nb = 0; nb < n_blocks; ++nb) {
+        const int buf = nb & 1;
+        // (buffer buf ^ 1 was last read in iteration nb - 1, which every thread has left: the
+        // barrier at its end)
+        if (threadIdx.x == 0 && nb + 1 < n_blocks) load_kv(nb + 1, buf ^ 1);
+        mbarrier_wait(&bar_kv[buf], (nb >> 1) & 1);
+
+        // S = Q K^T (this warpgroup's 64 rows x BN keys), a k16 step of the head dim at a time
+        float s[BN / 2];
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            Wgmma<T, BN>::ss(s, wgmma_desc_sw128(q_s + (ks / 4) * Q_BOX + wg * 64 * 128 + (ks % 4) * 32),
+                             wgmma_desc_sw128(k_s + buf * KV_BYTES + (ks / 4) * KV_BOX + (ks % 4) * 32), ks > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_hold(s);
+
+        // Mask keys past the end and, causal, past the diagonal (only tiles that have any).
+        const int n0 = nb * BN;
+        const bool edge = n0 + BN > Sk || (CAUSAL && n0 + BN - 1 > m0 + diag);
+        if (edge) {
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = n0 + 8 * j + 2 * t + (e & 1);
+                    const int row = row0 + (e >> 1) * 8;
+                    if (key >= Sk || (CAUSAL && key > row + diag)) s[4 * j + e] = neg_inf();
+                }
+        }
+
+        // Online softmax in the log2 domain (attention_fwd's): rows g (e = 0, 1) and g + 8 (e = 2, 3).
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = neg_inf();
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+            butterfly<1, 2>(Max{}, mx);   // over the row's quad
+            const float new_max = fmaxf(row_max[r], mx * scale_log2);
+            const float m_use = new_max == neg_inf() ? 0.f : new_max;
+            const float alpha = fast_exp2(row_max[r] - m_use);
+            row_max[r] = new_max;
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+                s[4 * j + 2 * r] = fast_exp2(fmaf(s[4 * j + 2 * r], scale_log2, -m_use));
+                s[4 * j + 2 * r + 1] = fast_exp2(fmaf(s[4 * j + 2 * r + 1], scale_log2, -m_use));
+                sum += s[4 * j + 2 * r] + s[4 * j + 2 * r + 1];
+            }
+            row_sum[r] = row_sum[r] * alpha + sum;
+#pragma unroll
+            for (int j = 0; j < D / 8; ++j) {
+                o[4 * j + 2 * r] *= alpha;
+                o[4 * j + 2 * r + 1] *= alpha;
+            }
+        }
+
+        // O += P V: P's A fragments from the S accumulators (k16 step kk: column groups 2kk, 2kk+1)
+        unsigned int a[BN / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            a[kk][0] = attention::pack_pair(s[8 * kk + 0], s[8 * kk + 1], T{});
+            a[kk][1] = attention::pack_pair(s[8 * kk + 2], s[8 * kk + 3], T{});
+            a[kk][2] = attention::pack_pair(s[8 * kk + 4], s[8 * kk + 5], T{});
+            a[kk][3] = attention::pack_pair(s[8 * kk + 6], s[8 * kk + 7], T{});
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            Wgmma<T, D>::template rs<1>(o, a[kk], wgmma_desc_sw128_mn(v_s + buf * KV_BYTES + kk * 16 * 128, KV_BOX), 1);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_hold(o);
+        __syncthreads();   // the next iteration's copies overwrite the buffer read here
+    }
+
+    // Normalize, write O and the log-sum-exp.
+    T* og = out + b * o_sb + h * o_sh;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float sum = row_sum[r];
+        butterfly<1, 2>(Sum{}, sum);
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        const int row = row0 + r * 8;
+        if (row < Sq) {
+            T* orow = og + static_cast<long long>(row) * o_ss;
+#pragma unroll
+            for (int j = 0; j < D / 8; ++j)
+                *reinterpret_cast<unsigned int*>(orow + 8 * j + 2 * t) =
+                    attention::pack_pair(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv, T{});
+            if (lse && t == 0)
+                lse[(static_cast<long long>(b) * H + h) * Sq + row] =
+                    sum > 0.f ? (row_max[r] + log2f(sum)) * 0.6931471805599453f : __int_as_float(0x7f800000);
+        }
+    }
+#endif
+}
