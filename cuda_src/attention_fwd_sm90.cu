@@ -89,6 +89,7 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_sm90(
         float s[BN / 2];
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
+        wgmma_hold(s);
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
@@ -148,6 +149,8 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_sm90(
             a[kk][2] = attention::pack_pair(s[8 * kk + 4], s[8 * kk + 5], T{});
             a[kk][3] = attention::pack_pair(s[8 * kk + 6], s[8 * kk + 7], T{});
         }
+        wgmma_hold(o);   // (the rescaled accumulators and P's fragments: written before the fence)
+        wgmma_hold(a);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
@@ -178,5 +181,7 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_sm90(
                     sum > 0.f ? (row_max[r] + log2f(sum)) * 0.6931471805599453f : __int_as_float(0x7f800000);
         }
     }
+#elif defined(__CUDA_ARCH__)
+    __trap();   // (built without sm_90a's features: fail loudly, never return an unwritten output)
 #endif
 }

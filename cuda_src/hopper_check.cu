@@ -37,6 +37,7 @@ __global__ void __launch_bounds__(128, 1) hopper_tile_product(
     float d[N / 2];
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) d[i] = 0.f;
+    wgmma_hold(d);
     wgmma_fence();
 #pragma unroll
     for (int kb = 0; kb < KB; ++kb) {
@@ -58,6 +59,8 @@ __global__ void __launch_bounds__(128, 1) hopper_tile_product(
         c[(r + 8) * N + col] = d[4 * j + 2];
         c[(r + 8) * N + col + 1] = d[4 * j + 3];
     }
+#elif defined(__CUDA_ARCH__)
+    __trap();   // (built without sm_90a's features: fail loudly, never return an unwritten output)
 #endif
 }
 
@@ -107,6 +110,8 @@ __global__ void __launch_bounds__(128, 1) hopper_tile_pv(
     float d[D / 2];
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) d[i] = 0.f;
+    wgmma_hold(d);
+    wgmma_hold(a);
     wgmma_fence();
 #pragma unroll
     for (int s = 0; s < KV / 16; ++s) {
@@ -123,5 +128,7 @@ __global__ void __launch_bounds__(128, 1) hopper_tile_pv(
         c[(r + 8) * D + col] = d[4 * j + 2];
         c[(r + 8) * D + col + 1] = d[4 * j + 3];
     }
+#elif defined(__CUDA_ARCH__)
+    __trap();   // (built without sm_90a's features: fail loudly, never return an unwritten output)
 #endif
 }

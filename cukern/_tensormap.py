@@ -65,9 +65,15 @@ def tile_map(a: DeviceArray, box: tuple, *, swizzle: int = 128) -> TensorMap:
     """The map of ``a`` (1 to 5 axes, the innermost unit-stride) loading boxes of ``box``
     elements (NumPy order), out-of-bounds elements read as zero."""
     box = tuple(int(b) for b in box)
-    check_tile_map(a.name, a.shape, a.strides, a.itemsize, a.dtype, a.ptr, box, swizzle)
+    # (an axis of one element is never stepped over: its stride, which may be anything, 0
+    # included, is replaced by one the driver takes)
+    elem = list(a.strides)
+    for i in range(a.ndim - 2, -1, -1):
+        if a.shape[i] == 1:
+            elem[i] = elem[i + 1] * a.shape[i + 1]
+    check_tile_map(a.name, a.shape, tuple(elem), a.itemsize, a.dtype, a.ptr, box, swizzle)
     dims = tuple(reversed(a.shape))
-    strides = tuple(s * a.itemsize for s in reversed(a.strides[:-1]))
+    strides = tuple(s * a.itemsize for s in reversed(elem[:-1]))
     raw = _driver.encode_tiled(DATA_TYPES[a.dtype], a.ptr, dims, strides, tuple(reversed(box)), SWIZZLE[swizzle],
                                L2_PROMOTION_128B)
     nbytes = a.itemsize

@@ -262,6 +262,12 @@ def _misaligned(a: DeviceArray) -> bool:
     return (a.shape[-1] > 1 and a.strides[-1] != 1) or a.ptr % 16 != 0 or any(s % 8 for s in a.strides[:3])
 
 
+def _tma_readable(a: DeviceArray) -> bool:
+    """A tensor map can describe ``a`` as it is: no axis of several elements is broadcast (a
+    stride of 0, as K and V expanded over the heads); those take the sm_80 kernel."""
+    return all(s > 0 or n == 1 for n, s in zip(a.shape[:3], a.strides[:3]))
+
+
 def _strides3(strides) -> dict:
     return dict(zip(("sb", "ss", "sh"), strides[:3]))
 
@@ -348,7 +354,8 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs) -
         if sk == 0:  # no keys: zeros, lse = +inf
             b.fill(0.0, out)
             b.fill(float("inf"), lse)
-        elif configs.use_sm90 and d in dict(configs.fwd_sm90) and _kernels.compute_capability(device) == (9, 0):
+        elif (configs.use_sm90 and d in dict(configs.fwd_sm90) and _kernels.compute_capability(device) == (9, 0)
+              and all(i in {j for j, _ in b.fixes} or _tma_readable(a) for i, a in enumerate(arrays))):
             # TMA reads the inputs in place where cp.async can (16-byte rows and strides: _read)
             cfg = configs.get("fwd_sm90", d)
             k = _kernels.kernel(cfg.instance(qa.dtype, d, causal), device)

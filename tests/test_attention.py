@@ -153,6 +153,13 @@ def test_the_sm90_forward_takes_tensor_maps_of_the_inputs(host_arrays_as_device,
     assert maps == [(0, (1, 128, 1, 64)), (1, (1, 128, 1, 64)), (2, (1, 128, 1, 64))]
     assert [m.box for _, m, _ in launches(256, (9, 0))[0][5] if isinstance(m, _kernels.MapSlot)][1] == (1, 64, 1, 64)
     assert launches(128, (8, 0))[0][1].name.startswith("attention_fwd<")   # A100
+    # K and V expanded over the heads (stride 0): no tensor map describes them, the sm_80 kernel does
+    monkeypatch.setattr(_kernels, "compute_capability", lambda device: (9, 0))
+    attn._FWD.clear()
+    q, kv = np.ones((2, 200, 4, 128), np.float16), np.ones((2, 300, 1, 128), np.float16)
+    with pytest.raises(DryRun) as info:
+        cukern.attention(q, np.broadcast_to(kv, (2, 300, 4, 128)), np.broadcast_to(kv, (2, 300, 4, 128)))
+    assert [s[1].name for s in info.value.plan.steps if isinstance(s, tuple)][0].startswith("attention_fwd<")
     assert launches(96, (9, 0))[0][1].name.startswith("attention_fwd<")    # no Hopper config
     attn._FWD.clear()
 

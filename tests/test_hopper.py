@@ -166,3 +166,7 @@ def test_tile_map_hands_the_driver_the_axes_innermost_first(monkeypatch):
     assert seen == dict(aligned=True, dt=9, addr=1 << 20, dims=[128, 16, 2048, 4],
                         strides=[384, 16 * 384, 2048 * 16 * 384], box=[64, 1, 128, 1], es=[1, 1, 1, 1], il=0,
                         swizzle=3, oob=0)
+    # an axis of one element may have any stride (0 here): the driver gets one it takes
+    one = _arrays.DeviceArray(None, "cupy", 1 << 20, (1, 2048, 1, 128), (0, 192, 0, 1), "bfloat16", 0, "k")
+    _tensormap.tile_map(one, (1, 128, 1, 64))
+    assert seen["strides"] == [256, 384, 2048 * 384]

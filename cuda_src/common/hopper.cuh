@@ -22,6 +22,9 @@
 #else
 #define CUK_SM90A 0
 #endif
+// (a kernel body is `#if CUK_SM90A ... #elif defined(__CUDA_ARCH__) __trap(); #endif`: built
+// for another architecture it traps rather than return an unwritten output)
+
 
 // The driver's tensor map (cuTensorMapEncodeTiled), passed by value: const __grid_constant__.
 struct alignas(64) CUtensorMap {
@@ -133,12 +136,21 @@ __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(PENDING) : "memory");
 #endif
 }
-// (accumulator registers must stay put between the fence and the wait: this orders the
-// compiler's view of them)
+// The compiler's view of registers wgmma reads or writes, pinned where this is called: before
+// wgmma_fence (ordinary writes to accumulators or A fragments may not sink past the fence, as
+// the fence must come between them and the wgmma) and after wgmma_wait (reads may not rise
+// above it).
 template <int R>
 __device__ __forceinline__ void wgmma_hold(float (&d)[R]) {
 #pragma unroll
     for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}
+template <int R, int C>
+__device__ __forceinline__ void wgmma_hold(unsigned int (&a)[R][C]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+        for (int j = 0; j < C; ++j) asm volatile("" : "+r"(a[i][j]) :: "memory");
 }
 
 // D (64 x N, float32) += A (64 x 16) * B (N x 16)^T. ss: both K-major in shared memory
