@@ -30,7 +30,7 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_sm90(
 #if CUK_SM90A
     using namespace cuk;
     extern __shared__ unsigned char smem_raw[];
-    unsigned char* const q_s = smem_raw + ((1024 - (shared_address(smem_raw) & 1023)) & 1023);
+    unsigned char* const q_s = align_1024(smem_raw);
     unsigned char* const k_s = q_s + Q_BYTES;          // [2][DB][BN rows x 128 bytes]
     unsigned char* const v_s = k_s + 2 * KV_BYTES;     // [2][DB][BN rows x 128 bytes]
     __shared__ unsigned long long bar_q, bar_kv[2];

@@ -17,7 +17,7 @@ __global__ void __launch_bounds__(128, 1) hopper_tile_product(
 #if CUK_SM90A
     using namespace cuk;
     extern __shared__ unsigned char smem_raw[];
-    unsigned char* smem = smem_raw + ((1024 - (shared_address(smem_raw) & 1023)) & 1023);
+    unsigned char* smem = align_1024(smem_raw);
     unsigned char* a_tiles = smem;
     unsigned char* b_tiles = smem + KB * A_BYTES;
     __shared__ unsigned long long bar;
@@ -50,15 +50,7 @@ __global__ void __launch_bounds__(128, 1) hopper_tile_product(
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_hold(d);
-    const int w = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
-#pragma unroll
-    for (int j = 0; j < N / 8; ++j) {
-        const int r = 16 * w + g, col = 8 * j + 2 * t;
-        c[r * N + col] = d[4 * j];
-        c[r * N + col + 1] = d[4 * j + 1];
-        c[(r + 8) * N + col] = d[4 * j + 2];
-        c[(r + 8) * N + col + 1] = d[4 * j + 3];
-    }
+    store_accumulators<N>(d, c);
 #elif defined(__CUDA_ARCH__)
     __trap();   // (built without sm_90a's features: fail loudly, never return an unwritten output)
 #endif
@@ -78,7 +70,7 @@ __global__ void __launch_bounds__(128, 1) hopper_tile_pv(
 #if CUK_SM90A
     using namespace cuk;
     extern __shared__ unsigned char smem_raw[];
-    unsigned char* v_tiles = smem_raw + ((1024 - (shared_address(smem_raw) & 1023)) & 1023);
+    unsigned char* v_tiles = align_1024(smem_raw);
     __shared__ unsigned long long bar;
     if (threadIdx.x == 0) {
         mbarrier_init(&bar, 1);
@@ -120,14 +112,7 @@ __global__ void __launch_bounds__(128, 1) hopper_tile_pv(
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_hold(d);
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-        const int col = 8 * j + 2 * t;
-        c[r * D + col] = d[4 * j];
-        c[r * D + col + 1] = d[4 * j + 1];
-        c[(r + 8) * D + col] = d[4 * j + 2];
-        c[(r + 8) * D + col + 1] = d[4 * j + 3];
-    }
+    store_accumulators<D>(d, c);
 #elif defined(__CUDA_ARCH__)
     __trap();   // (built without sm_90a's features: fail loudly, never return an unwritten output)
 #endif

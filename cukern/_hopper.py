@@ -65,12 +65,7 @@ def tile_product(a, b):
     n, k = ba.shape[0], aa.shape[1]
     a_map = _tensormap.tile_map(aa, (64, 64))
     b_map = _tensormap.tile_map(ba, (n, 64))
-    c = _arrays.empty(aa, (64, n), "float32")
-    kern = _kernels.kernel(instance(aa.dtype, n, k), device)
-    launch = kern.prepare(1, a_map=a_map, b_map=b_map, c=c)
-    with _arrays.on_device(device):
-        launch([], [], _arrays.launch_stream(aa))
-    return c.obj
+    return _run_one(instance(aa.dtype, n, k), aa, (64, n), a_map=a_map, b_map=b_map)
 
 
 def tile_pv(p, v):
@@ -97,9 +92,13 @@ def tile_pv(p, v):
     _check_device(device, "tile_pv")
     kv, d = va.shape
     v_map = _tensormap.tile_map(va, (kv, 64))
-    c = _arrays.empty(pa, (64, d), "float32")
-    kern = _kernels.kernel(pv_instance(pa.dtype, d, kv), device)
-    launch = kern.prepare(1, p=pa, v_map=v_map, c=c)
-    with _arrays.on_device(device):
-        launch([], [], _arrays.launch_stream(pa))
+    return _run_one(pv_instance(pa.dtype, d, kv), pa, (64, d), p=pa, v_map=v_map)
+
+
+def _run_one(inst: Instance, like, c_shape: tuple, **args):
+    """One block of ``inst`` on ``like``'s device and stream, writing a new float32 ``c``."""
+    c = _arrays.empty(like, c_shape, "float32")
+    launch = _kernels.kernel(inst, like.device).prepare(1, c=c, **args)
+    with _arrays.on_device(like.device):
+        launch([], [], _arrays.launch_stream(like))
     return c.obj

@@ -37,6 +37,12 @@ __device__ __forceinline__ unsigned int shared_address(const void* p) {
     return static_cast<unsigned int>(__cvta_generic_to_shared(p));
 }
 
+// The first 1024-byte boundary at or after p (dynamic shared memory, for 128-byte-swizzled
+// tiles; the launch gives 1 KB of slack).
+__device__ __forceinline__ unsigned char* align_1024(unsigned char* p) {
+    return p + ((1024 - (shared_address(p) & 1023)) & 1023);
+}
+
 // ---- mbarriers ----------------------------------------------------------------------------
 __device__ __forceinline__ void mbarrier_init(unsigned long long* bar, unsigned int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(shared_address(bar)), "r"(count) : "memory");
@@ -103,6 +109,22 @@ __device__ __forceinline__ void fence_proxy_async() {
 }
 
 // ---- wgmma ---------------------------------------------------------------------------------
+// The float32 accumulators of one m64nNk16 product (N/2 a thread, the layout above) into C, a
+// row-major 64 x N array (tests and checks; kernels write their own epilogues).
+template <int N>
+__device__ __forceinline__ void store_accumulators(const float (&d)[N / 2], float* c) {
+    const int w = (threadIdx.x % 128) / 32, g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+    const int r = 16 * w + g;
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+        const int col = 8 * j + 2 * t;
+        c[r * N + col] = d[4 * j];
+        c[r * N + col + 1] = d[4 * j + 1];
+        c[(r + 8) * N + col] = d[4 * j + 2];
+        c[(r + 8) * N + col + 1] = d[4 * j + 3];
+    }
+}
+
 // The descriptor of a K-major, 128-byte-swizzled tile at `smem` (1024-byte aligned; a k16 step
 // adds 32 bytes to the address): start >> 4 (bits 0-13), leading byte offset 1 (16 bytes,
 // unused by swizzled K-major tiles; bits 16-29), stride byte offset 1024 >> 4 (bits 32-45),
