@@ -170,3 +170,46 @@ def test_tile_map_hands_the_driver_the_axes_innermost_first(monkeypatch):
     one = _arrays.DeviceArray(None, "cupy", 1 << 20, (1, 2048, 1, 128), (0, 192, 0, 1), "bfloat16", 0, "k")
     _tensormap.tile_map(one, (1, 128, 1, 64))
     assert seen["strides"] == [256, 384, 2048 * 384]
+
+
+def test_a_launch_writes_pointers_and_per_call_maps_into_the_parameter_buffer(monkeypatch):
+    """Launch.__call__ on the CPU (the driver call stood in for): each pointer slot gets its
+    buffer's address plus offset, each map slot the map of its buffer as it is at this call, the
+    rest the packed constants; the driver gets the buffer and its size."""
+    import ctypes
+    from types import SimpleNamespace
+
+    from cukern import _arrays, _driver
+
+    inst = _hopper.pv_instance("bfloat16", 64, 64)
+    sig = _kernels.signature(inst)
+    args = {"p": _kernels.Slot(0), "v_map": _kernels.MapSlot(1, (64, 64)), "c": _kernels.Slot(2, 256)}
+    layout, values, slots = _kernels.pack(sig, inst.name, args, {0: "bfloat16", 2: "float32"})
+    kernel = SimpleNamespace(ptr=0xF00, instance=inst)
+    launch = _kernels.Launch(kernel, (1, 1, 1), (128, 1, 1), layout, values, slots)
+    encoded = []
+
+    class Driver:
+        def cuTensorMapEncodeTiled(self, tmap, dt, rank, addr, *rest):
+            encoded.append(addr.value)
+            ctypes.memmove(tmap.value, addr.value.to_bytes(8, "little") * 16, 128)
+            return 0
+
+    monkeypatch.setattr(_driver, "library", lambda: Driver())
+    seen = []
+
+    def launch_kernel(*a):   # extra = (BUFFER_POINTER, the buffer, BUFFER_SIZE, its size, END)
+        extra = ctypes.cast(a[-1], ctypes.POINTER(ctypes.c_void_p))
+        size = ctypes.cast(extra[3], ctypes.POINTER(ctypes.c_size_t))[0]
+        seen.append((a, ctypes.string_at(extra[1], size)))
+
+    monkeypatch.setattr(_kernels, "_launch_kernel", launch_kernel)
+    for v_ptr in (0x10000, 0x20000):   # the map follows the buffer from call to call
+        bufs = [None, _arrays.DeviceArray(None, "cupy", v_ptr, (64, 64), (64, 1), "bfloat16", 0, "v"), None]
+        launch(bufs, [0x5000, v_ptr, 0x9000], stream=7)
+        got, raw = seen[-1]
+        assert got[:8] == (0xF00, 1, 1, 1, 128, 1, 1, inst.smem) and got[8] == 7 and len(raw) == layout.size
+        assert struct.unpack_from("Q", raw, 0)[0] == 0x5000
+        assert raw[64:192] == v_ptr.to_bytes(8, "little") * 16
+        assert struct.unpack_from("Q", raw, 192)[0] == 0x9000 + 256
+    assert encoded == [0x10000, 0x20000]
