@@ -5,8 +5,10 @@
 For each head dim, each attention.FwdConfig of CANDIDATES is passed to the front in a Configs
 object of its own (the shipped CONFIGS is never changed) and timed (device time, median) at the bench shapes,
 printed in TFLOP/s with the ratio to the FLASH_ATTENTION (FlashAttention-2) and
-CUDNN_ATTENTION backends measured in the same run.
+CUDNN_ATTENTION backends measured in the same run. On an sm_90 GPU the Hopper forward
+(attention_fwd_sm90, TMA + wgmma) follows, at each of its key-tile sizes, forced on.
 """
+import dataclasses
 import importlib
 
 import torch
@@ -19,6 +21,8 @@ attn = importlib.import_module("cukern.attention")
 C = attn.FwdConfig   # (warps, m-tiles a warp, keys a staged tile, keys a compute sub-tile, Q in registers)
 CANDIDATES = {64: [C(4, 2, 64, 64, True), C(4, 2, 128, 64, True), C(4, 2, 64, 32, True)],
               128: [C(4, 2, 64, 32, False), C(4, 2, 32, 32, False), C(4, 2, 128, 32, False), C(4, 2, 64, 64, False)]}
+S90 = attn.Sm90FwdConfig   # (keys a tile)
+SM90_CANDIDATES = {64: [S90(128), S90(64)], 128: [S90(128), S90(64)], 256: [S90(64)]}
 SHAPES = [(32, 16, 2048, 128, False), (32, 16, 2048, 128, True), (16, 32, 2048, 64, True),
           (16, 32, 2048, 64, False)]
 
@@ -38,8 +42,11 @@ def main():
         expect = run().transpose(1, 2).float()
         print(f"\nB{B} H{H} S{S} d{D}{' causal' if causal else ''}: flash {flops / ref['flash'] / 1e9:.0f} "
               f"TFLOP/s, cudnn {flops / ref['cudnn'] / 1e9:.0f} TFLOP/s")
-        for cfg in CANDIDATES[D]:
-            configs = attn.CONFIGS.replace("fwd", D, cfg)
+        candidates = [(cfg, attn.CONFIGS.replace("fwd", D, cfg)) for cfg in CANDIDATES[D]]
+        if torch.cuda.get_device_capability() == (9, 0):
+            candidates += [(cfg, dataclasses.replace(attn.CONFIGS, use_sm90=True, fwd_sm90=((D, cfg),)))
+                           for cfg in SM90_CANDIDATES.get(D, [])]
+        for cfg, configs in candidates:
             try:
                 out = attn._attention(q, k, v, causal, None, False, configs)
                 err = ((out.float() - expect).norm() / expect.norm()).item()
