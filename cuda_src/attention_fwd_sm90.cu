@@ -50,13 +50,7 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_sm90(
         n_blocks = last_key < 0 ? 0 : min(n_blocks, last_key / BN + 1);
     }
 
-    if (threadIdx.x == 0) {
-        mbarrier_init(&bar_q, 1);
-        mbarrier_init(&bar_kv[0], 1);
-        mbarrier_init(&bar_kv[1], 1);
-        mbarrier_init_fence();
-    }
-    __syncthreads();
+    mbarrier_init_block(&bar_q, &bar_kv[0], &bar_kv[1]);
     auto load_kv = [&](int nb, int buf) {   // (thread 0)
         mbarrier_arrive_expect_tx(&bar_kv[buf], 2 * KV_BYTES);
 #pragma unroll
@@ -87,10 +81,7 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_sm90(
 
         // S = Q K^T (this warpgroup's 64 rows x BN keys), a k16 step of the head dim at a time
         float s[BN / 2];
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
-        wgmma_hold(s);
-        wgmma_fence();
+        wgmma_zero_and_fence(s);
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
             Wgmma<T, BN>::ss(s, wgmma_desc_sw128(q_s + (ks / 4) * Q_BOX + wg * 64 * 128 + (ks % 4) * 32),

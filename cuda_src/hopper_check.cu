@@ -21,11 +21,7 @@ __global__ void __launch_bounds__(128, 1) hopper_tile_product(
     unsigned char* a_tiles = smem;
     unsigned char* b_tiles = smem + KB * A_BYTES;
     __shared__ unsigned long long bar;
-    if (threadIdx.x == 0) {
-        mbarrier_init(&bar, 1);
-        mbarrier_init_fence();
-    }
-    __syncthreads();
+    mbarrier_init_block(&bar);
     if (threadIdx.x == 0) {
         mbarrier_arrive_expect_tx(&bar, KB * (A_BYTES + B_BYTES));
         for (int kb = 0; kb < KB; ++kb) {
@@ -35,10 +31,7 @@ __global__ void __launch_bounds__(128, 1) hopper_tile_product(
     }
     mbarrier_wait(&bar, 0);
     float d[N / 2];
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) d[i] = 0.f;
-    wgmma_hold(d);
-    wgmma_fence();
+    wgmma_zero_and_fence(d);
 #pragma unroll
     for (int kb = 0; kb < KB; ++kb) {
 #pragma unroll
@@ -72,11 +65,7 @@ __global__ void __launch_bounds__(128, 1) hopper_tile_pv(
     extern __shared__ unsigned char smem_raw[];
     unsigned char* v_tiles = align_1024(smem_raw);
     __shared__ unsigned long long bar;
-    if (threadIdx.x == 0) {
-        mbarrier_init(&bar, 1);
-        mbarrier_init_fence();
-    }
-    __syncthreads();
+    mbarrier_init_block(&bar);
     if (threadIdx.x == 0) {
         mbarrier_arrive_expect_tx(&bar, (D / 64) * BOX);
         for (int b = 0; b < D / 64; ++b) tma_load_2d(v_tiles + b * BOX, &v_map, b * 64, 0, &bar);
@@ -100,11 +89,8 @@ __global__ void __launch_bounds__(128, 1) hopper_tile_pv(
     }
     mbarrier_wait(&bar, 0);
     float d[D / 2];
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) d[i] = 0.f;
-    wgmma_hold(d);
     wgmma_hold(a);
-    wgmma_fence();
+    wgmma_zero_and_fence(d);
 #pragma unroll
     for (int s = 0; s < KV / 16; ++s) {
         Wgmma<T, D>::template rs<1>(d, a[s], wgmma_desc_sw128_mn(v_tiles + s * 16 * 128, BOX), 1);

@@ -53,6 +53,16 @@ __device__ __forceinline__ void mbarrier_init_fence() {
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 #endif
 }
+// Every given barrier initialized for one arrival by thread 0, made visible to TMA, and the
+// block synchronized: the prologue of a kernel that copies by TMA.
+template <typename... B>
+__device__ __forceinline__ void mbarrier_init_block(B*... bars) {
+    if (threadIdx.x == 0) {
+        (mbarrier_init(bars, 1), ...);
+        mbarrier_init_fence();
+    }
+    __syncthreads();
+}
 // This thread arrives and announces `bytes` more to come from copies completing on the barrier.
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned long long* bar, unsigned int bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -166,6 +176,14 @@ template <int R>
 __device__ __forceinline__ void wgmma_hold(float (&d)[R]) {
 #pragma unroll
     for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}
+// Accumulators zeroed and fenced: the start of a batch of wgmma that begins a new product.
+template <int R>
+__device__ __forceinline__ void wgmma_zero_and_fence(float (&d)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) d[i] = 0.f;
+    wgmma_hold(d);
+    wgmma_fence();
 }
 template <int R, int C>
 __device__ __forceinline__ void wgmma_hold(unsigned int (&a)[R][C]) {
