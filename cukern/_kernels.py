@@ -485,16 +485,38 @@ def pack(sig: Signature, what: str, args: dict, dtypes: dict) -> tuple[struct.St
     return layout, values, tuple(slots)
 
 
+def param_offsets(codes) -> tuple[int, ...]:
+    """Each parameter's byte offset in the packed buffer (the layout ``pack`` builds)."""
+    fmt, offsets = "@", []
+    for code in codes:
+        if code == TENSOR_MAP:
+            at = struct.calcsize(fmt)
+            at += -at % 64
+            fmt += f"{at - struct.calcsize(fmt)}x128s"
+        else:
+            code = "Q" if code == "P" else code
+            at = struct.calcsize(fmt + "0" + code)
+            fmt += code
+        offsets.append(at)
+    return tuple(offsets)
+
+
 class Launch:
     """One prepared launch: constants packed; per call, the slots' pointers and the stream."""
 
-    __slots__ = ("kernel", "grid", "block", "layout", "values", "slots", "maps", "_args")
+    __slots__ = ("kernel", "grid", "block", "layout", "values", "slots", "maps", "offsets", "_args")
 
     def __init__(self, kernel: Kernel, grid, block, layout: struct.Struct, values: list, slots):
         self.kernel, self.grid, self.block = kernel, grid, block
         self.layout, self.values = layout, values
         self.slots = tuple(s for s in slots if not isinstance(s[1], MapSlot))
         self.maps = tuple((at, m) for at, m, _ in slots if isinstance(m, MapSlot))
+        # A kernel taking a tensor map (a 64-byte-aligned __grid_constant__) is launched with
+        # cuLaunchKernel's kernelParams (a pointer to each parameter in the packed buffer): with the
+        # buffer handed over whole (CU_LAUNCH_PARAM_BUFFER_POINTER), its TMA loads fault with an
+        # illegal instruction on an H200 (driver 580), though the bytes are the same.
+        codes = kernel.signature.codes if hasattr(kernel, "signature") else ()
+        self.offsets = param_offsets(codes) if TENSOR_MAP in codes else None
         self._args = (kernel.ptr, *grid, *block, kernel.instance.smem)
 
     def __call__(self, bufs, ptrs, stream: int) -> None:
@@ -513,8 +535,22 @@ class Launch:
                     values[at] = _tensormap.tile_map(bufs[m.index], m.box, swizzle=m.swizzle).raw
         buf, size, extra, _ = _param_buffer()
         self.layout.pack_into(buf, 0, *values)
+        if self.offsets is not None:
+            _launch_kernel(*self._args, stream, _param_pointers(self.offsets), 0)
+            return
         size.value = self.layout.size
         _launch_kernel(*self._args, stream, 0, extra)
+
+
+def _param_pointers(offsets: tuple) -> int:
+    """The address of an array of pointers to each parameter in this thread's buffer
+    (cuLaunchKernel's kernelParams), made once a thread and parameter list."""
+    cache = _local.__dict__.setdefault("pointers", {})
+    arr = cache.get(offsets)
+    if arr is None:
+        base = ctypes.addressof(_param_buffer()[0])
+        arr = cache[offsets] = (ctypes.c_void_p * len(offsets))(*[base + o for o in offsets])
+    return ctypes.addressof(arr)
 
 
 def _launch_kernel(*args):

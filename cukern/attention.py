@@ -141,11 +141,11 @@ class Configs:
     bwd: tuple[tuple[int, BwdConfig], ...]
     dq: tuple[tuple[int, DqConfig], ...]
     dot_threads: int = 256
-    # The forward on sm_90 (H100, H200) by TMA and wgmma, by head dim. Off until its GPU tests
-    # have passed and it has been measured (docs/notes-attention.md, the Hopper path).
-    fwd_sm90: tuple[tuple[int, Sm90FwdConfig], ...] = ((64, Sm90FwdConfig(128)), (128, Sm90FwdConfig(128)),
+    # The forward on sm_90 (H100, H200) by TMA and wgmma, by head dim: key tiles as measured
+    # fastest on an H200 (tools/tune_attention.py; docs/notes-attention.md, the Hopper path).
+    fwd_sm90: tuple[tuple[int, Sm90FwdConfig], ...] = ((64, Sm90FwdConfig(64)), (128, Sm90FwdConfig(128)),
                                                        (256, Sm90FwdConfig(64)))
-    use_sm90: bool = False
+    use_sm90: bool = True
 
     @property
     def head_dims(self) -> tuple[int, ...]:

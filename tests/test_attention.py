@@ -192,7 +192,7 @@ def _run_case(c, layout="contiguous"):
     v = random_host(rng, (c["b"], c["sk"], c["hkv"], c["d"]), dt)
     fw = c["framework"]
     poison_allocator(fw, [q.nbytes, c["b"] * c["h"] * c["sq"] * 4])
-    if layout == "packed" and c["h"] == c["hkv"]:  # q, k, v as views of one (B, S, 3, H, D) tensor
+    if layout == "packed" and c["h"] == c["hkv"] and c["sq"] == c["sk"]:  # views of one (B, S, 3, H, D)
         qkv = to_device(np.stack([q, k, v], axis=2), fw)
         qd, kd, vd = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     else:
@@ -536,6 +536,11 @@ def torch_kernel_cases() -> dict:
 
     q, k, v = (leaf((2, 8, 256, 64), torch.bfloat16, s) for s in range(3))
     do = leaf((2, 8, 256, 64), torch.bfloat16, 3).detach()
+    import importlib
+
+    attn = importlib.import_module("cukern.attention")
+    hopper = attn.CONFIGS.use_sm90 and torch.cuda.get_device_capability() == (9, 0)
     return {"sdpa": (lambda: torch.autograd.grad(ct.scaled_dot_product_attention(q, k, v, is_causal=True),
                                                  (q, k, v), do),
-                     ["attention_bwd_dkdv", "attention_bwd_dot", "attention_bwd_dq_convert", "attention_fwd"])}
+                     ["attention_bwd_dkdv", "attention_bwd_dot", "attention_bwd_dq_convert",
+                      "attention_fwd_sm90" if hopper else "attention_fwd"])}

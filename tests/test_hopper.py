@@ -175,7 +175,8 @@ def test_tile_map_hands_the_driver_the_axes_innermost_first(monkeypatch):
 def test_a_launch_writes_pointers_and_per_call_maps_into_the_parameter_buffer(monkeypatch):
     """Launch.__call__ on the CPU (the driver call stood in for): each pointer slot gets its
     buffer's address plus offset, each map slot the map of its buffer as it is at this call, the
-    rest the packed constants; the driver gets the buffer and its size."""
+    rest the packed constants; a kernel with a map gets kernelParams, a pointer to each parameter
+    (the whole-buffer form faults on the GPU with maps)."""
     import ctypes
     from types import SimpleNamespace
 
@@ -185,7 +186,7 @@ def test_a_launch_writes_pointers_and_per_call_maps_into_the_parameter_buffer(mo
     sig = _kernels.signature(inst)
     args = {"p": _kernels.Slot(0), "v_map": _kernels.MapSlot(1, (64, 64)), "c": _kernels.Slot(2, 256)}
     layout, values, slots = _kernels.pack(sig, inst.name, args, {0: "bfloat16", 2: "float32"})
-    kernel = SimpleNamespace(ptr=0xF00, instance=inst)
+    kernel = SimpleNamespace(ptr=0xF00, instance=inst, signature=sig)
     launch = _kernels.Launch(kernel, (1, 1, 1), (128, 1, 1), layout, values, slots)
     encoded = []
 
@@ -198,10 +199,12 @@ def test_a_launch_writes_pointers_and_per_call_maps_into_the_parameter_buffer(mo
     monkeypatch.setattr(_driver, "library", lambda: Driver())
     seen = []
 
-    def launch_kernel(*a):   # extra = (BUFFER_POINTER, the buffer, BUFFER_SIZE, its size, END)
-        extra = ctypes.cast(a[-1], ctypes.POINTER(ctypes.c_void_p))
-        size = ctypes.cast(extra[3], ctypes.POINTER(ctypes.c_size_t))[0]
-        seen.append((a, ctypes.string_at(extra[1], size)))
+    def launch_kernel(*a):   # kernelParams: a pointer to each of p, v_map and c; no extra
+        assert a[-1] == 0
+        params = ctypes.cast(a[-2], ctypes.POINTER(ctypes.c_void_p))
+        base = params[0]
+        assert [params[i] - base for i in range(3)] == [0, 64, 192]
+        seen.append((a, ctypes.string_at(base, layout.size)))
 
     monkeypatch.setattr(_kernels, "_launch_kernel", launch_kernel)
     for v_ptr in (0x10000, 0x20000):   # the map follows the buffer from call to call
@@ -213,3 +216,18 @@ def test_a_launch_writes_pointers_and_per_call_maps_into_the_parameter_buffer(mo
         assert raw[64:192] == v_ptr.to_bytes(8, "little") * 16
         assert struct.unpack_from("Q", raw, 192)[0] == 0x9000 + 256
     assert encoded == [0x10000, 0x20000]
+
+
+def test_parameter_offsets_follow_the_packed_layout():
+    """kernelParams points into the packed buffer: each parameter's offset (pointers and
+    scalars at their natural alignment, a tensor map at 64 bytes) is where pack put its value."""
+    sig = _kernels.Signature("k", ("a", "n", "m", "x", "b", "m2"), ("P", "i", "M", "f", "I", "M"),
+                             (None,) * 6)
+    args = {"a": None, "n": 7, "m": bytes(range(128)), "x": 0.5, "b": 9, "m2": bytes(range(1, 129))}
+    layout, values, _ = _kernels.pack(sig, "k", args, {})
+    raw = layout.pack(*values)
+    at = _kernels.param_offsets(sig.codes)
+    assert at == (0, 8, 64, 192, 196, 256) and layout.size == 384
+    assert struct.unpack_from("i", raw, at[1])[0] == 7 and raw[at[2]:at[2] + 128] == bytes(range(128))
+    assert struct.unpack_from("f", raw, at[3])[0] == 0.5 and struct.unpack_from("I", raw, at[4])[0] == 9
+    assert raw[at[5]:at[5] + 128] == bytes(range(1, 129))

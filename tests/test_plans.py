@@ -52,8 +52,24 @@ def test_plans_read_strided_rows_in_place_and_copy_only_what_they_must(host_arra
     assert _launch_args(plan, "norm_fwd")["x_stride"] == 64
 
 
-def test_attention_reads_sdpa_layout_and_packed_qkv_without_copies(host_arrays_as_device):
+@pytest.mark.parametrize("cc", [(8, 0), (9, 0)])
+def test_attention_reads_sdpa_layout_and_packed_qkv_without_copies(host_arrays_as_device, monkeypatch, cc):
+    """No copies of SDPA's layout or of packed qkv: the sm_80 kernel takes their strides, the
+    Hopper one (sm_90) tensor maps of the buffers as they are."""
+    from cukern import _kernels
+
+    monkeypatch.setattr(_kernels, "compute_capability", lambda device: cc)
+    importlib.import_module("cukern.attention")._FWD.clear()   # (plans assume one device)
     b, h, s, d = 2, 4, 16, 64
+    if cc == (9, 0):
+        sdpa = np.ones((b, h, s, d), np.float16).transpose(0, 2, 1, 3)
+        qkv = np.ones((b, s, 3, h, d), np.float16)
+        for q, k, v in ((sdpa, sdpa, sdpa), (qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])):
+            plan = _plan(lambda: cukern.attention(q, k, v))
+            assert plan.fixes == ()
+            args = _launch_args(plan, "attention_fwd_sm90")
+            assert all(isinstance(args[m], bytes) for m in ("q_map", "k_map", "v_map"))
+        return
     sdpa = np.ones((b, h, s, d), np.float16).transpose(0, 2, 1, 3)     # (B, S, H, D) view of (B, H, S, D)
     plan = _plan(lambda: cukern.attention(sdpa, sdpa, sdpa))
     assert plan.fixes == ()

@@ -1,6 +1,6 @@
 """Time attention forward configurations against torch's SDPA backends (GPU host).
 
-    python3 tools/tune_attention.py
+    python3 tools/tune_attention.py [HEAD_DIM ...]
 
 For each head dim, each attention.FwdConfig of CANDIDATES is passed to the front in a Configs
 object of its own (the shipped CONFIGS is never changed) and timed (device time, median) at the bench shapes,
@@ -10,6 +10,7 @@ CUDNN_ATTENTION backends measured in the same run. On an sm_90 GPU the Hopper fo
 """
 import dataclasses
 import importlib
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -24,12 +25,15 @@ CANDIDATES = {64: [C(4, 2, 64, 64, True), C(4, 2, 128, 64, True), C(4, 2, 64, 32
 S90 = attn.Sm90FwdConfig   # (keys a tile)
 SM90_CANDIDATES = {64: [S90(128), S90(64)], 128: [S90(128), S90(64)], 256: [S90(64)]}
 SHAPES = [(32, 16, 2048, 128, False), (32, 16, 2048, 128, True), (16, 32, 2048, 64, True),
-          (16, 32, 2048, 64, False)]
+          (16, 32, 2048, 64, False), (16, 16, 2048, 256, False), (16, 16, 2048, 256, True)]
 
 
 def main():
     print(torch.cuda.get_device_name())
+    dims = {int(a) for a in sys.argv[1:]}   # (head dims to time; all when none are given)
     for B, H, S, D, causal in SHAPES:
+        if dims and D not in dims:
+            continue
         q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         flops = 4 * B * H * S * S * D / (2 if causal else 1)
         ref = {}
@@ -42,7 +46,8 @@ def main():
         expect = run().transpose(1, 2).float()
         print(f"\nB{B} H{H} S{S} d{D}{' causal' if causal else ''}: flash {flops / ref['flash'] / 1e9:.0f} "
               f"TFLOP/s, cudnn {flops / ref['cudnn'] / 1e9:.0f} TFLOP/s")
-        candidates = [(cfg, attn.CONFIGS.replace("fwd", D, cfg)) for cfg in CANDIDATES[D]]
+        candidates = [(cfg, dataclasses.replace(attn.CONFIGS.replace("fwd", D, cfg), use_sm90=False))
+                      for cfg in CANDIDATES.get(D, [attn.CONFIGS.get("fwd", D)])]
         if torch.cuda.get_device_capability() == (9, 0):
             candidates += [(cfg, dataclasses.replace(attn.CONFIGS, use_sm90=True, fwd_sm90=((D, cfg),)))
                            for cfg in SM90_CANDIDATES.get(D, [])]
