@@ -1,22 +1,25 @@
-// Fused attention forward on Hopper (sm_90a), step 1 of the ladder in docs/notes-attention.md:
+// Fused attention forward on Hopper (sm_90a), step 2 of the ladder in docs/notes-attention.md:
 // TMA tile loads and wgmma, no warp specialization yet.
 //
 // A block of two warpgroups computes BM = 128 query rows (64 a warpgroup) of one (batch, head)
 // against all keys. Thread 0 brings Q once and each key/value tile of BN keys by TMA (128-byte
-// swizzle, 64 head-dim columns a box), K and V double-buffered on one mbarrier a buffer; each
-// warpgroup computes S = Q K^T with wgmma from shared memory (both operands K-major), the online
-// softmax in registers (the accumulator layout is mma.sync's, so the FA2 kernel's row logic
-// carries over), and O += P V with P from registers and V read MN-major as stored.
-// Causal masking, GQA, lse and the layouts are those of attention_fwd (attention_fwd.cu):
-// q (B, Sq, H, D), k and v (B, Sk, Hkv, D) through their tensor maps (any strides TMA takes),
-// out (B, Sq, H, D) with element strides, lse (B, H, Sq) float32.
+// swizzle, 64 head-dim columns a box) into a ring of STAGES buffers, STAGES - 1 tiles ahead,
+// one "landed" and one "released" mbarrier a buffer (no block barrier in the loop: the
+// warpgroups drift apart). Each warpgroup computes S = Q K^T with wgmma from shared memory
+// (both operands K-major), the online softmax in registers (the accumulator layout is
+// mma.sync's, so the FA2 kernel's row logic carries over), and O += P V with P from registers
+// and V read MN-major as stored.
+//
+// (Overlapping a tile's softmax with the previous tile's P V, FlashAttention-3's intra-warpgroup
+// overlap, was tried and lost: ptxas moved the wait for P V above the softmax's exponentials, so
+// nothing overlapped and the extra barrier cost 10%; docs/notes-attention.md.)
 #include "common/dtype.cuh"
 #include "common/reduce.cuh"
 #include "common/hopper.cuh"
 #include "common/attn_tile.cuh"
 
-// SMEM: the launch's dynamic shared memory: Q, two K and two V tiles, 1 KB of alignment slack.
-template <typename T, int D, int BN, bool CAUSAL, int SMEM>
+// SMEM: the launch's dynamic shared memory: Q, STAGES K and V tiles, 1 KB of alignment slack.
+template <typename T, int D, int BN, int STAGES, bool CAUSAL, int SMEM>
 __global__ void __launch_bounds__(256, 1) attention_fwd_sm90(
     const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
     const __grid_constant__ CUtensorMap v_map, T* __restrict__ out, float* __restrict__ lse,
@@ -25,15 +28,17 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_sm90(
     constexpr int BM = 128, DB = D / 64;                    // query rows a block; 64-column boxes
     constexpr int Q_BOX = BM * 128, KV_BOX = BN * 128;      // bytes of one box (rows x 128 bytes)
     constexpr int Q_BYTES = DB * Q_BOX, KV_BYTES = DB * KV_BOX;
-    static_assert(SMEM == Q_BYTES + 4 * KV_BYTES + 1024, "SMEM: Q, 2 K, 2 V tiles and the alignment slack");
+    static_assert(SMEM == Q_BYTES + 2 * STAGES * KV_BYTES + 1024, "SMEM: Q, the K and V ring, alignment slack");
     static_assert(D % 64 == 0 && D <= 256 && BN % 16 == 0 && BN <= 256, "tile shapes");
+    static_assert(STAGES >= 2 && STAGES <= 4, "STAGES");
 #if CUK_SM90A
     using namespace cuk;
     extern __shared__ unsigned char smem_raw[];
     unsigned char* const q_s = align_1024(smem_raw);
-    unsigned char* const k_s = q_s + Q_BYTES;          // [2][DB][BN rows x 128 bytes]
-    unsigned char* const v_s = k_s + 2 * KV_BYTES;     // [2][DB][BN rows x 128 bytes]
-    __shared__ unsigned long long bar_q, bar_kv[2];
+    unsigned char* const k_s = q_s + Q_BYTES;               // [STAGES][DB][BN rows x 128 bytes]
+    unsigned char* const v_s = k_s + STAGES * KV_BYTES;     // [STAGES][DB][BN rows x 128 bytes]
+    // bar_kv: a buffer's tile has landed (TMA's bytes); bar_free: every thread is done with it
+    __shared__ unsigned long long bar_q, bar_kv[STAGES], bar_free[STAGES];
 
     // Causal blocks have different amounts of work: the longest (last) are started first.
     const int m_block = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
@@ -50,8 +55,18 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_sm90(
         n_blocks = last_key < 0 ? 0 : min(n_blocks, last_key / BN + 1);
     }
 
-    mbarrier_init_block(&bar_q, &bar_kv[0], &bar_kv[1]);
-    auto load_kv = [&](int nb, int buf) {   // (thread 0)
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int i = 0; i < STAGES; ++i) {
+            mbarrier_init(&bar_kv[i], 1);
+            mbarrier_init(&bar_free[i], 256);
+        }
+        mbarrier_init(&bar_q, 1);
+        mbarrier_init_fence();
+    }
+    __syncthreads();
+    auto load_kv = [&](int nb) {   // (thread 0) tile nb into buffer nb % STAGES
+        const int buf = nb % STAGES;
         mbarrier_arrive_expect_tx(&bar_kv[buf], 2 * KV_BYTES);
 #pragma unroll
         for (int db = 0; db < DB; ++db) {
@@ -63,7 +78,9 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_sm90(
         mbarrier_arrive_expect_tx(&bar_q, Q_BYTES);
 #pragma unroll
         for (int db = 0; db < DB; ++db) tma_load_4d(q_s + db * Q_BOX, &q_map, db * 64, h, m0, b, &bar_q);
-        if (n_blocks > 0) load_kv(0, 0);
+#pragma unroll
+        for (int i = 0; i < STAGES - 1; ++i)
+            if (i < n_blocks) load_kv(i);
     }
 
     float o[D / 2];
@@ -73,11 +90,15 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_sm90(
     mbarrier_wait(&bar_q, 0);
 
     for (int nb = 0; nb < n_blocks; ++nb) {
-        const int buf = nb & 1;
-        // (buffer buf ^ 1 was last read in iteration nb - 1, which every thread has left: the
-        // barrier at its end)
-        if (threadIdx.x == 0 && nb + 1 < n_blocks) load_kv(nb + 1, buf ^ 1);
-        mbarrier_wait(&bar_kv[buf], (nb >> 1) & 1);
+        const int buf = nb % STAGES;
+        // Refill buffer (nb - 1) % STAGES once every thread has released tile nb - 1. (No block
+        // barrier: the two warpgroups drift apart by up to a tile, so that one's softmax can
+        // run beside the other's products.)
+        if (threadIdx.x == 0 && nb + STAGES - 1 < n_blocks) {
+            if (nb > 0) mbarrier_wait(&bar_free[(nb - 1) % STAGES], ((nb - 1) / STAGES) & 1);
+            load_kv(nb + STAGES - 1);
+        }
+        mbarrier_wait(&bar_kv[buf], (nb / STAGES) & 1);
 
         // S = Q K^T (this warpgroup's 64 rows x BN keys), a k16 step of the head dim at a time
         float s[BN / 2];
@@ -150,7 +171,7 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_sm90(
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_hold(o);
-        __syncthreads();   // the next iteration's copies overwrite the buffer read here
+        mbarrier_arrive(&bar_free[buf]);   // (this thread's products have read the buffer)
     }
 
     // Normalize, write O and the log-sum-exp.

@@ -78,19 +78,20 @@ class FwdConfig:
 @dataclass(frozen=True)
 class Sm90FwdConfig:
     """attention_fwd_sm90 (TMA + wgmma, sm_90a): two warpgroups of 64 query rows a block, ``bn``
-    keys a tile (K and V double-buffered in shared memory)."""
+    keys a tile, a ring of ``stages`` K and V tiles in shared memory."""
     bn: int
+    stages: int = 2
     block_rows = 128
 
     def smem(self, d: int) -> int:
-        """Q, two K and two V tiles of 128-byte rows (64 head-dim columns a box), and 1 KB to
-        align them (16-bit elements)."""
-        return (self.block_rows + 4 * self.bn) * d * 2 + 1024
+        """Q and the ring of K and V tiles, 128-byte rows (64 head-dim columns a box), and 1 KB
+        to align them (16-bit elements)."""
+        return (self.block_rows + 2 * self.stages * self.bn) * d * 2 + 1024
 
     def instance(self, dtype: str, d: int, causal: bool) -> Instance:
         smem = self.smem(d)
-        return Instance(SM90_SOURCE, f"attention_fwd_sm90<{_ctype(dtype)}, {d}, {self.bn}, {_b(causal)}, {smem}>",
-                        256, smem, "sm_90a")
+        return Instance(SM90_SOURCE, f"attention_fwd_sm90<{_ctype(dtype)}, {d}, {self.bn}, {self.stages}, "
+                        f"{_b(causal)}, {smem}>", 256, smem, "sm_90a")
 
 
 @dataclass(frozen=True)
@@ -143,8 +144,8 @@ class Configs:
     dot_threads: int = 256
     # The forward on sm_90 (H100, H200) by TMA and wgmma, by head dim: key tiles as measured
     # fastest on an H200 (tools/tune_attention.py; docs/notes-attention.md, the Hopper path).
-    fwd_sm90: tuple[tuple[int, Sm90FwdConfig], ...] = ((64, Sm90FwdConfig(64)), (128, Sm90FwdConfig(128)),
-                                                       (256, Sm90FwdConfig(64)))
+    fwd_sm90: tuple[tuple[int, Sm90FwdConfig], ...] = ((64, Sm90FwdConfig(64, 2)), (128, Sm90FwdConfig(128, 2)),
+                                                       (256, Sm90FwdConfig(64, 2)))
     use_sm90: bool = True
 
     @property

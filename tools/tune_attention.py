@@ -1,6 +1,6 @@
 """Time attention forward configurations against torch's SDPA backends (GPU host).
 
-    python3 tools/tune_attention.py [HEAD_DIM ...]
+    python3 tools/tune_attention.py [HEAD_DIM ...] [--sm90-only]
 
 For each head dim, each attention.FwdConfig of CANDIDATES is passed to the front in a Configs
 object of its own (the shipped CONFIGS is never changed) and timed (device time, median) at the bench shapes,
@@ -22,15 +22,17 @@ attn = importlib.import_module("cukern.attention")
 C = attn.FwdConfig   # (warps, m-tiles a warp, keys a staged tile, keys a compute sub-tile, Q in registers)
 CANDIDATES = {64: [C(4, 2, 64, 64, True), C(4, 2, 128, 64, True), C(4, 2, 64, 32, True)],
               128: [C(4, 2, 64, 32, False), C(4, 2, 32, 32, False), C(4, 2, 128, 32, False), C(4, 2, 64, 64, False)]}
-S90 = attn.Sm90FwdConfig   # (keys a tile)
-SM90_CANDIDATES = {64: [S90(128), S90(64)], 128: [S90(128), S90(64)], 256: [S90(64)]}
+S90 = attn.Sm90FwdConfig   # (keys a tile, stages)
+SM90_CANDIDATES = {64: [S90(64, 2), S90(64, 3)], 128: [S90(128, 2), S90(128, 3)],
+                   256: [S90(64, 2)]}
 SHAPES = [(32, 16, 2048, 128, False), (32, 16, 2048, 128, True), (16, 32, 2048, 64, True),
           (16, 32, 2048, 64, False), (16, 16, 2048, 256, False), (16, 16, 2048, 256, True)]
 
 
 def main():
     print(torch.cuda.get_device_name())
-    dims = {int(a) for a in sys.argv[1:]}   # (head dims to time; all when none are given)
+    dims = {int(a) for a in sys.argv[1:] if a.isdigit()}   # (head dims to time; all when none are given)
+    sm90_only = "--sm90-only" in sys.argv
     for B, H, S, D, causal in SHAPES:
         if dims and D not in dims:
             continue
@@ -47,7 +49,7 @@ def main():
         print(f"\nB{B} H{H} S{S} d{D}{' causal' if causal else ''}: flash {flops / ref['flash'] / 1e9:.0f} "
               f"TFLOP/s, cudnn {flops / ref['cudnn'] / 1e9:.0f} TFLOP/s")
         candidates = [(cfg, dataclasses.replace(attn.CONFIGS.replace("fwd", D, cfg), use_sm90=False))
-                      for cfg in CANDIDATES.get(D, [attn.CONFIGS.get("fwd", D)])]
+                      for cfg in CANDIDATES.get(D, [attn.CONFIGS.get("fwd", D)]) if not sm90_only]
         if torch.cuda.get_device_capability() == (9, 0):
             candidates += [(cfg, dataclasses.replace(attn.CONFIGS, use_sm90=True, fwd_sm90=((D, cfg),)))
                            for cfg in SM90_CANDIDATES.get(D, [])]

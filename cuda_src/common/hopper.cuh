@@ -70,6 +70,12 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned long long* ba
                  : "memory");
 #endif
 }
+// This thread arrives on the barrier (no bytes announced): a consumer releasing a buffer.
+__device__ __forceinline__ void mbarrier_arrive(unsigned long long* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(shared_address(bar)) : "memory");
+#endif
+}
 // Waits until the barrier's phase of the given parity (0, 1, 0, ...) has completed.
 __device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned int parity) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
