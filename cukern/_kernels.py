@@ -515,7 +515,7 @@ class Launch:
         # cuLaunchKernel's kernelParams (a pointer to each parameter in the packed buffer): with the
         # buffer handed over whole (CU_LAUNCH_PARAM_BUFFER_POINTER), its TMA loads fault with an
         # illegal instruction on an H200 (driver 580), though the bytes are the same.
-        codes = kernel.signature.codes
+        codes = kernel.signature.codes if hasattr(kernel, "signature") else ()
         self.offsets = param_offsets(codes) if TENSOR_MAP in codes else None
         self._args = (kernel.ptr, *grid, *block, kernel.instance.smem)
 
