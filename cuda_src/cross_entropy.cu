@@ -21,6 +21,7 @@
 #include "common/reduce.cuh"
 #include "common/fault.cuh"
 #include "common/cluster.cuh"
+#include "common/hopper.cuh"
 
 // The training form on sm_90 splits a row over a cluster of CE_CLUSTER CTAs (below).
 #define CE_CLUSTER 8
@@ -388,5 +389,165 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) CUK_CE_CLUSTER_DIMS c
         }
     }
     cluster_sync();   // (no CTA leaves while a peer may still read its shared memory)
+#endif
+}
+
+// The training form with the row part in shared memory (sm_90): as cross_entropy_train_cluster,
+// a row over a cluster of CE_CLUSTER CTAs, but each CTA's part (at most SMEM bytes) comes in by
+// one thread's bulk copies (the copy engine: a whole part in flight a CTA, at a few registers a
+// thread, so more CTAs an SM and more bytes in flight than registers allow), and the states
+// are exchanged one-sided: each CTA pushes its (m, l, sum z, z_t) into every peer's shared
+// memory with st.async, completing on the peer's mbarrier, and merges the CE_CLUSTER states
+// it receives in rank order (the same result everywhere). No cluster barrier a row, none at
+// the exit: a CTA leaves once its own states have arrived, and nobody writes to it after.
+// STAGES parts in flight: a cluster looping over rows has the next STAGES - 1 rows' parts
+// coming in while it works on one (dynamic shared memory: STAGES * SMEM bytes).
+//   In place (dlogits == logits): a CTA writes its part only after every peer's state has
+//   arrived, so after every peer's copy of its own part has landed; rank 0 reads the target's
+//   logit before it pushes (z_t is part of what it pushes: the data dependency orders them).
+//   The states are double-buffered by row parity: a peer can push row r + 2 only after this
+//   CTA pushed row r + 1, which it does after reading row r's.
+// Needs 16-byte vectors (V, the row stride and the pointers multiples of 16 bytes).
+template <typename T, typename IT, int THREADS, int SMEM, int STAGES, bool ONE_WAITER, int U>
+__global__ void __launch_bounds__(THREADS) CUK_CE_CLUSTER_DIMS cross_entropy_train_bulk(
+    const T* logits, long long x_stride, const IT* __restrict__ target, long long rows, long long V,
+    long long ignore_index, float smoothing, float z_loss, float softcap,
+    float* __restrict__ loss_rows, float* lse, const float* __restrict__ count,
+    T* dlogits, long long d_stride, long long* fault)
+{
+    constexpr int VEC = 16 / sizeof(T);
+    static_assert(SMEM % 16 == 0 && SMEM >= 16 * THREADS, "SMEM: whole vectors, at least one a thread");
+    static_assert(STAGES >= 1 && STAGES <= 4, "STAGES");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    using namespace cuk;
+    using namespace cuk::cross_entropy;
+    constexpr int C = CE_CLUSTER;
+    constexpr unsigned int CHUNK = 16384;   // bytes a bulk copy
+    using MergeState = GroupReduce<THREADS, 1, SoftmaxState>;
+    using SumF = GroupReduce<THREADS, 1, float>;
+    extern __shared__ __align__(128) unsigned char part_raw[];   // [STAGES][SMEM]: parts of rows
+    __shared__ typename MergeState::TempStorage merge_tmp;
+    __shared__ typename SumF::TempStorage sum_tmp;
+    __shared__ float4 states[2][C];   // the peers' (m, l, sum z, z_t), by row parity
+    __shared__ unsigned long long bar_part[STAGES], bar_states[2];
+    const unsigned int rank = cluster_rank();
+    const float inv_cap = softcap > 0.f ? 1.f / softcap : 0.f;
+    const float eps_v = smoothing / static_cast<float>(V);
+    const long long per = ((V + C - 1) / C + VEC - 1) / VEC * VEC;
+    const long long c_begin = rank * per;
+    const int n = static_cast<int>(c_begin < V ? (c_begin + per < V ? per : V - c_begin) : 0);   // columns here
+    if (n * static_cast<long long>(sizeof(T)) > SMEM) __trap();   // (the host picks SMEM; never overrun it)
+    const unsigned int bytes = n * sizeof(T);
+    const long long step = cluster_count();
+    // (thread 0) the part of row `row` into buffer `buf`
+    auto load_part = [&](long long row, int buf) {
+        mbarrier_arrive_expect_tx(&bar_part[buf], bytes);
+        const T* x = logits + row * x_stride + c_begin;
+        for (unsigned int off = 0; off < bytes; off += CHUNK)
+            bulk_load(part_raw + buf * SMEM + off, x + off / sizeof(T), min(CHUNK, bytes - off), &bar_part[buf]);
+    };
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int i = 0; i < STAGES; ++i) mbarrier_init(&bar_part[i], 1);
+        mbarrier_init(&bar_states[0], 1);
+        mbarrier_init(&bar_states[1], 1);
+        mbarrier_init_fence();
+    }
+    __syncthreads();
+    cluster_arrive_relaxed();   // (waited for before the first push: every peer's barriers exist)
+    if (STAGES > 1 && threadIdx.x == 0) {   // (one stage: each row's part is asked for as the row starts)
+#pragma unroll
+        for (int i = 0; i < STAGES; ++i)
+            if (cluster_index() + i * step < rows) load_part(cluster_index() + i * step, i);
+    }
+    int it = 0;
+    for (long long row = cluster_index(); row < rows; row += step, ++it) {
+        const int par = it & 1, buf = it % STAGES;
+        const T* const xs = reinterpret_cast<const T*>(part_raw + buf * SMEM);
+        const T* x = logits + row * x_stride;
+        if (threadIdx.x == 0) {
+            if (STAGES == 1) load_part(row, 0);
+            mbarrier_arrive_expect_tx(&bar_states[par], C * sizeof(float4));
+        }
+        const long long t = row_target(target, row, V, ignore_index, fault, rank == 0 && threadIdx.x == 0);
+        const float xt = (rank == 0 && threadIdx.x == 0 && t >= 0) ? to_float(x[t]) : 0.f;
+        if (!ONE_WAITER || threadIdx.x < 32) mbarrier_wait(&bar_part[buf], (it / STAGES) & 1);
+        if (ONE_WAITER) __syncthreads();
+        // U vectors a step, loaded together into U independent states (the chains of dependent
+        // exponentials then overlap), merged in a fixed order
+        SoftmaxState st[U];
+        float szs[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) st[u] = SoftmaxState::empty(), szs[u] = 0.f;
+        for (int c0 = threadIdx.x * VEC; c0 < n; c0 += U * THREADS * VEC) {
+            Vec<T, VEC> v[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+                if (c0 + u * THREADS * VEC < n) v[u] = load_vec<T, VEC>(xs + c0 + u * THREADS * VEC);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                if (c0 + u * THREADS * VEC < n) {
+                    float f[VEC];
+                    unpack(v[u], f);
+                    add_vector(st[u], szs[u], f, softcap, inv_cap);
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 1; u < U; ++u) st[0] = NaturalMerge{}(st[0], st[u]), szs[0] += szs[u];
+        const float sz = szs[0];
+        SoftmaxState sv[1] = {st[0]};
+        MergeState::reduce(sv, merge_tmp, NaturalMerge{});
+        float s[1] = {sz};
+        if (smoothing > 0.f) SumF::sum(s, sum_tmp);
+        const float zt = capped(xt, softcap, inv_cap);
+        if (it == 0) cluster_wait();
+        if (threadIdx.x == 0) {
+            const float4 mine = make_float4(sv[0].m, sv[0].l, s[0], zt);
+#pragma unroll
+            for (int r = 0; r < C; ++r) push_peer(mine, &states[par][rank], &bar_states[par], r);
+        }
+        if (!ONE_WAITER || threadIdx.x < 32) mbarrier_wait_cluster(&bar_states[par], (it >> 1) & 1);
+        if (ONE_WAITER) __syncthreads();
+        SoftmaxState whole = SoftmaxState::empty();
+        float sum_z = 0.f;
+#pragma unroll
+        for (int r = 0; r < C; ++r) {   // (rank order: the same merge in every CTA)
+            const float4 p = states[par][r];
+            whole = NaturalMerge{}(whole, SoftmaxState{p.x, p.y});
+            sum_z += p.z;
+        }
+        const float m = whole.m, l = whole.l;
+        const float row_lse = m + log2f(l) * 0.6931471805599453f;
+        if (rank == 0 && threadIdx.x == 0) {
+            const float loss = t >= 0 ? row_loss(row_lse, zt, sum_z, smoothing, eps_v, z_loss) : 0.f;
+            if (loss_rows) loss_rows[row] = loss;
+            if (lse) lse[row] = row_lse;
+        }
+        float g = count ? 1.f / *count : 1.f;
+        if (t < 0) g = 0.f;
+        const GradTerms k = {m, 1.f / l, 1.f + 2.f * z_loss * row_lse, eps_v, 1.f - smoothing, g, softcap, inv_cap, t};
+        T* d = dlogits + row * d_stride + c_begin;
+        for (int c0 = threadIdx.x * VEC; c0 < n; c0 += U * THREADS * VEC) {
+            Vec<T, VEC> v[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+                if (c0 + u * THREADS * VEC < n) v[u] = load_vec<T, VEC>(xs + c0 + u * THREADS * VEC);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int c = c0 + u * THREADS * VEC;
+                if (c < n) {
+                    float f[VEC];
+                    unpack(v[u], f);
+                    grad_vector(f, c_begin + c, k);
+                    store_vec<T, VEC>(d + c, pack<T, VEC>(f));
+                }
+            }
+        }
+        if (row + step < rows) __syncthreads();   // (every thread done with the buffer before it is refilled)
+        if (STAGES > 1 && threadIdx.x == 0 && row + STAGES * step < rows) load_part(row + STAGES * step, buf);
+    }
+#elif defined(__CUDA_ARCH__)
+    __trap();   // (launched only on sm_90 and newer)
 #endif
 }
