@@ -94,15 +94,12 @@ class Instance:
     kernels that use it check this number against their own with a static_assert, so the
     compile check catches a mismatch); ``threads`` the block size the kernel is built for;
     ``arch`` an architecture with its own features the instance is built for alone ("sm_90a":
-    wgmma, setmaxnreg), else None (built by CuPy for the device it runs on); ``carveout`` the
-    share of the L1/shared-memory split to ask for (a hint to the driver, e.g. 100 for a kernel
-    whose occupancy is bounded by its shared memory)."""
+    wgmma, setmaxnreg), else None (built by CuPy for the device it runs on)."""
     source: str
     name: str
     threads: int
     smem: int = 0
     arch: str | None = None
-    carveout: int = -1   # the preferred shared-memory share of L1 in percent (-1: the driver's choice)
 
     @property
     def kernel_name(self) -> str:
@@ -406,10 +403,6 @@ class Kernel:
         # the opt-in above the default 48 KB (static shared memory counts too: opt in at any size)
         if inst.smem and self.fn.max_dynamic_shared_size_bytes < inst.smem:
             self.fn.max_dynamic_shared_size_bytes = inst.smem
-        if inst.carveout >= 0:
-            if inst.arch is not None:
-                raise NotImplementedError(f"{inst.name}: a carveout for an {inst.arch} instance")
-            self.fn.preferred_shared_memory_carveout = inst.carveout
 
     def resident_blocks(self, threads: int | None = None) -> int:
         """How many blocks fit on the whole device at once (the persistent grid size)."""

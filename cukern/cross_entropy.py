@@ -50,56 +50,37 @@ class Configs:
     scale_threads: int = 256
     blocks_per_sm: int = 0   # the row kernel's grid: 0 = as many as fit (measured: docs/notes-cross-entropy.md)
     # The training form on sm_90+: a row over a cluster of `cluster` CTAs (CE_CLUSTER in the
-    # .cu) of `cluster_threads` threads holding `nv` 16-byte vectors each, the smallest nv that
-    # holds the row. Rows of fewer than `cluster_min` classes keep the two-pass kernel: one CTA's
-    # life per row part costs more than the second read below ~96k classes (measured at 32000,
-    # 50304 and 128256: docs/notes-cross-entropy.md, v2).
+    # .cu), each of the first of `cluster_threads` threads that holds its part with one of the
+    # `cluster_nv` 16-byte vectors a thread (the smallest). 128 threads when they hold it: eight
+    # CTAs an SM instead of four (V = 65536: 1.45 ms against 1.87 at 256 threads and 1.66 in two
+    # passes). Rows of fewer than `cluster_min` classes keep the two-pass kernel: one CTA's life per
+    # row part costs more than the second read of a short row (measured at 32000, 50304, 65536,
+    # 98304 and 128256: docs/notes-cross-entropy.md, v2 and v2.1).
     cluster: int = 8
-    cluster_threads: int = 256
+    cluster_threads: tuple[int, ...] = (128, 256)
     cluster_nv: tuple[int, ...] = (1, 2, 4, 8)
-    cluster_min: int = 98304
+    cluster_min: int = 50000
     use_cluster: bool = True
     # A cluster a row (the hardware schedules the next row's CTAs as others finish, so one CTA's
     # loads overlap another's reductions) or, persistent, as many clusters as fit looping over
     # rows (measured 1.9x slower: a row's load, reductions and barrier then run back to back).
     cluster_persistent: bool = False
-    # v3: each CTA's part of the row in shared memory by bulk copies (`bulk_threads` threads; the
-    # smallest of `bulk_smem` bytes that holds the part) and the states pushed one-sided, no
-    # cluster barrier (docs/notes-cross-entropy.md, v3). Rows too wide for the largest keep v2.
-    cluster_bulk: bool = True
-    bulk_threads: int = 128
-    bulk_smem: tuple[int, ...] = (16384, 32768, 65536)
-    bulk_stages: int = 1   # parts in flight a CTA; above 1 a persistent grid (as many clusters as fit)
-    bulk_carveout: int = 100   # (all of L1 as shared memory: the parts bound the CTAs an SM)
-    bulk_one_waiter: bool = True   # one warp polls the mbarriers, then a block barrier
-    bulk_unroll: int = 4   # vectors a thread loads at once from shared memory
-    max_clusters: int = 1 << 27   # the cluster kernels' grid at most (they loop over the rows past it)
+    max_clusters: int = 1 << 27   # the cluster kernel's grid at most (it loops over the rows past it)
 
-    def cluster_vectors(self, v: int, vec: int) -> int | None:
-        """The nv that holds a row of ``v`` classes in the cluster, or None (too wide)."""
+    def cluster_vectors(self, v: int, vec: int) -> tuple[int, int] | None:
+        """(threads, nv) that hold a row of ``v`` classes in the cluster, or None (too wide)."""
         cols = -(-v // self.cluster)      # columns a CTA, then vectors (as the kernel splits the row)
         per = -(-cols // vec)
-        for nv in self.cluster_nv:
-            if nv * self.cluster_threads >= per:
-                return nv
+        for threads in self.cluster_threads:
+            for nv in self.cluster_nv:
+                if nv * threads >= per:
+                    return threads, nv
         return None
 
-    def train_cluster(self, dtype: str, index: str, nv: int) -> Instance:
+    def train_cluster(self, dtype: str, index: str, threads: int, nv: int) -> Instance:
         vec = 16 // _arrays.DTYPES[dtype][1]
         return Instance(SOURCE, f"cross_entropy_train_cluster<{_arrays.DTYPES[dtype][0]}, {INDEX_CTYPES[index]}, "
-                                f"{vec}, {self.cluster_threads}, {nv}>", self.cluster_threads)
-
-    def bulk_bytes(self, v: int, itemsize: int) -> int | None:
-        """The shared memory (one of ``bulk_smem``) that holds a CTA's part of a row of ``v``
-        classes, or None (too wide)."""
-        vec = 16 // itemsize
-        part = -(-(-(-v // self.cluster)) // vec) * vec * itemsize   # (as the kernel splits the row)
-        return next((b for b in self.bulk_smem if b >= part), None)
-
-    def train_bulk(self, dtype: str, index: str, smem: int) -> Instance:
-        return Instance(SOURCE, f"cross_entropy_train_bulk<{_arrays.DTYPES[dtype][0]}, {INDEX_CTYPES[index]}, "
-                                f"{self.bulk_threads}, {smem}, {self.bulk_stages}, {str(self.bulk_one_waiter).lower()}, {self.bulk_unroll}>", self.bulk_threads,
-                        smem * self.bulk_stages, carveout=self.bulk_carveout)
+                                f"{vec}, {threads}, {nv}>", threads)
 
     def rows(self, dtype: str, index: str, vec: int, mode: int) -> Instance:
         return Instance(SOURCE, f"cross_entropy_rows<{_arrays.DTYPES[dtype][0]}, {INDEX_CTYPES[index]}, {vec}, "
@@ -132,8 +113,8 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
             for index in INDEX_CTYPES:
                 out += [configs.rows(dtype, index, vec, mode) for mode in (FORWARD, TRAIN, BACKWARD)]
                 if vec > 1:
-                    out += [configs.train_cluster(dtype, index, nv) for nv in configs.cluster_nv]
-                    out += [configs.train_bulk(dtype, index, smem) for smem in configs.bulk_smem]
+                    out += [configs.train_cluster(dtype, index, threads, nv)
+                            for threads in configs.cluster_threads for nv in configs.cluster_nv]
             out += [configs.scale(dtype, ld, vec) for ld in sorted({"float32", dtype})]
         out += [configs.reduce(dtype), configs.cast(dtype)]
     return out + [configs.count(index) for index in INDEX_CTYPES]
@@ -368,21 +349,13 @@ def _plan(mode: int, arrays: list, opts: Options, flags: tuple, configs: Configs
                   ignore_index=opts.ignore_index, smoothing=opts.smoothing, z_loss=opts.z_loss,
                   softcap=opts.softcap, loss_rows=loss_rows, lse=lse, count=count, dlogits=dlogits,
                   d_stride=d_stride, fault=fault)
-    nv = configs.cluster_vectors(v, vec)
-    bulk = configs.bulk_bytes(v, la.itemsize) if configs.cluster_bulk else None
-    on_cluster = (mode == TRAIN and configs.use_cluster and vec > 1 and v >= configs.cluster_min
-                  and _kernels.compute_capability(device) >= (9, 0))
-    if on_cluster and bulk is not None:
-        k = _kernels.kernel(configs.train_bulk(la.dtype, ta.dtype, bulk), device)
-        clusters = min(rows, configs.max_clusters)
-        if configs.bulk_stages > 1:
-            clusters = max(1, min(clusters, k.resident_blocks() // configs.cluster))
-        b.launch(k, clusters * configs.cluster, **common)
-    elif on_cluster and nv is not None:
-        k = _kernels.kernel(configs.train_cluster(la.dtype, ta.dtype, nv), device)
+    shape = configs.cluster_vectors(v, vec)
+    if (mode == TRAIN and configs.use_cluster and vec > 1 and shape is not None and v >= configs.cluster_min
+            and _kernels.compute_capability(device) >= (9, 0)):
+        k = _kernels.kernel(configs.train_cluster(la.dtype, ta.dtype, *shape), device)
         clusters = min(rows, configs.max_clusters)
         if configs.cluster_persistent:
-            clusters = max(1, min(rows, k.resident_blocks() // configs.cluster))
+            clusters = max(1, min(clusters, k.resident_blocks() // configs.cluster))
         b.launch(k, clusters * configs.cluster, **common)
     else:
         k = _kernels.kernel(configs.rows(la.dtype, ta.dtype, vec, mode), device)

@@ -3,9 +3,8 @@
     python3 tools/tune_cross_entropy.py [--tokens 16384] [--vocab 128256 32000 50304] [--dtype bfloat16]
 
 For each vocabulary: the two-pass row kernel (v1) and, on sm_90, the cluster kernel (v2) with
-each number of vectors a thread that holds the row (256 and 512 threads; one cluster a row, and
-the persistent grid) and the shared-memory cluster kernel (v3, 128 and 256 threads), each passed
-in a Configs object of its own
+each number of vectors a thread that holds the row (128, 256 and 512 threads; one cluster a row, and
+the persistent grid), each passed in a Configs object of its own
 (the shipped CONFIGS is never changed); then PyTorch eager, torch.compile and Liger-Kernel
 (when installed) on the same logits. Prints ms and the share of the copy bandwidth measured in
 the same run over the byte floor (read the logits once, write the gradient once: 4·T·V bytes
@@ -43,23 +42,18 @@ def measure(tokens: int, v: int, dt, dtype: str, copy: float, sm90: bool) -> Non
     floor = 2 * x.element_size() * x.numel()
     vec = 16 // x.element_size()
     variants = [("v1 two-pass", ce.Configs(use_cluster=False))]
-    if sm90:   # a cluster a row, at 256 and 512 threads, then the persistent grid; down to 8192 classes
-        for threads in (256, 512):
-            base = dict(cluster_threads=threads, use_cluster=True, cluster_min=8192, cluster_bulk=False)
-            least = ce.Configs(**base).cluster_vectors(v, vec)   # and twice that (fewer registers spare)
+    if sm90:   # a cluster a row, at 128, 256 and 512 threads, then the persistent grid; down to 8192 classes
+        for threads in (128, 256, 512):
+            base = dict(cluster_threads=(threads,), use_cluster=True, cluster_min=8192)
+            shape = ce.Configs(**base).cluster_vectors(v, vec)   # and twice the vectors (fewer registers spare)
+            least = shape[1] if shape else None
             variants += [(f"v2 cluster {threads}x{nv}", ce.Configs(**base, cluster_nv=(nv,)))
                          for nv in ((least, 2 * least) if least and least < 8 else (least,) if least else ())]
-        nv = ce.Configs().cluster_vectors(v, vec)
-        if nv:
-            variants.append((f"v2 persistent 256x{nv}", ce.Configs(use_cluster=True, cluster_min=8192, cluster_bulk=False,
-                                                               cluster_nv=(nv,), cluster_persistent=True)))
-        for threads, stages, carve in ((64, 1, 100), (128, 1, 100), (128, 1, -1), (256, 1, 100), (128, 2, 100),
-                                       (128, 3, 100)):   # v3: the parts in shared memory
-            cfg = ce.Configs(use_cluster=True, cluster_min=8192, bulk_threads=threads, bulk_stages=stages,
-                             bulk_carveout=carve)
-            smem = cfg.bulk_bytes(v, x.element_size())
-            if smem and smem * stages <= 200 * 1024:
-                variants.append((f"v3 bulk {threads}x{stages} {smem // 1024}K{' driver' if carve < 0 else ''}", cfg))
+        shape = ce.Configs().cluster_vectors(v, vec)
+        if shape:
+            variants.append((f"v2 persistent {shape[0]}x{shape[1]}",
+                             ce.Configs(use_cluster=True, cluster_min=8192, cluster_threads=(shape[0],),
+                                        cluster_nv=(shape[1],), cluster_persistent=True)))
 
     def line(name, ms, note=""):
         print(f"V {v:7d} {name:22s} {ms:7.3f} ms  {floor / ms / 1e6 / copy * 100:5.1f}% of copy{note}", flush=True)

@@ -87,18 +87,6 @@ __device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned 
 #endif
 }
 
-// The same wait with acquire at cluster scope: for data that peers of the cluster wrote into
-// this CTA's shared memory with st.async completing on the barrier (cluster.cuh's push_peer).
-__device__ __forceinline__ void mbarrier_wait_cluster(unsigned long long* bar, unsigned int parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile(
-        "{\n.reg .pred done;\n"
-        "WAIT_%=:\n"
-        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT_%=;\n}\n" :: "r"(shared_address(bar)), "r"(parity) : "memory");
-#endif
-}
-
 // ---- TMA ----------------------------------------------------------------------------------
 // A box of the tensor map at coordinates (x innermost, y) into shared memory, completing (bytes
 // counted) on `bar`.
@@ -126,15 +114,6 @@ __device__ __forceinline__ void tma_load_4d(void* smem, const CUtensorMap* map, 
         "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];"
         :: "r"(shared_address(smem)), "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(z), "r"(w),
            "r"(shared_address(bar)) : "memory");
-#endif
-}
-// `bytes` (a multiple of 16) of global memory at `src` into shared memory at `smem` (both
-// 16-byte aligned) by the copy engine, completing on `bar`: a 1-D bulk copy, no tensor map.
-__device__ __forceinline__ void bulk_load(void* smem, const void* src, unsigned int bytes, unsigned long long* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(shared_address(smem)), "l"(reinterpret_cast<unsigned long long>(src)), "r"(bytes),
-                    "r"(shared_address(bar)) : "memory");
 #endif
 }
 // Shared memory written by ordinary stores, next read by TMA or wgmma (each writing thread,
