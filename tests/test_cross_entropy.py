@@ -283,7 +283,8 @@ def _check(framework, dtype, rows, v, *, seed=0, scale=3.0, strided=False, ignor
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("v", [1, 2, 7, 64, 1000, 4099, 8192, 32000, 50000, 2**17, 2**17 + 1])
 def test_kernels_match_the_reference(framework, dtype, v):
-    """(On sm_90 the training form of the even 16-bit vocabularies from 98304 up runs on a cluster a row.)"""
+    """(On sm_90 the training form of vocabularies from cluster_min up whose rows take 16-byte
+    vectors runs on a cluster a row.)"""
     rows = 3 if v > 40000 else 9
     _check(framework, dtype, rows, v, seed=v, exact_forward=v < ce.CONFIGS.cluster_min)
 
