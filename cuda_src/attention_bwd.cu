@@ -59,16 +59,6 @@ __global__ void __launch_bounds__(256) attention_bwd_dot(
 namespace cuk {
 namespace attention {
 
-// dst[0..1] += (a, b) in global memory, no return value (one vector reduction on sm_90).
-__device__ __forceinline__ void red_add2(float* dst, float a, float b) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(dst), "f"(a), "f"(b) : "memory");
-#else
-    atomicAdd(dst, a);
-    atomicAdd(dst + 1, b);
-#endif
-}
-
 // Dynamic shared memory of attention_bwd_dkdv: element offsets of its tiles from the aligned
 // base (T tiles first, then the float32 rows), and smem_bytes, the launch's byte count, with
 // 1 KB of slack for the kernel to align its base to 1 KB. The kernel's SMEM template argument

@@ -1,4 +1,5 @@
-"""Fused attention on tensor cores (kernels: cuda_src/attention_fwd.cu, cuda_src/attention_bwd.cu).
+"""Fused attention on tensor cores (kernels: cuda_src/attention_fwd.cu, cuda_src/attention_bwd.cu,
+and on sm_90 cuda_src/attention_fwd_sm90.cu, cuda_src/attention_bwd_sm90.cu).
 
 Layout as flash-attention: q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k,
 kv_heads, head_dim) with kv_heads dividing heads (grouped-query and multi-query attention
@@ -31,6 +32,7 @@ __all__ = ["attention", "attention_backward"]
 SOURCE = "attention_fwd.cu"
 SM90_SOURCE = "attention_fwd_sm90.cu"
 BWD_SOURCE = "attention_bwd.cu"
+SM90_BWD_SOURCE = "attention_bwd_sm90.cu"
 DTYPES = ("float16", "bfloat16")
 LOG2E = 1.4426950408889634
 
@@ -120,6 +122,26 @@ class BwdConfig:
 
 
 @dataclass(frozen=True)
+class Sm90BwdConfig:
+    """attention_bwd_sm90 (TMA + wgmma, sm_90a): two warpgroups of 64 keys a block, query tiles
+    of 64 rows in a ring of ``stages`` Q and dO buffers. Replaces attention_bwd_dkdv."""
+    block_keys = 128
+    block_rows = 64
+    stages = 2
+
+    def smem(self, d: int, deterministic: bool) -> int:
+        """K, V, the Q and dO rings (128-byte rows, 64 head-dim columns a box), two dS^T
+        buffers of 128 keys x 64 queries unless deterministic, and 1 KB to align them."""
+        ds = 0 if deterministic else 2 * self.block_keys * 128
+        return (2 * self.block_keys + 2 * self.stages * self.block_rows) * d * 2 + ds + 1024
+
+    def instance(self, dtype: str, d: int, causal: bool, deterministic: bool) -> Instance:
+        smem = self.smem(d, deterministic)
+        return Instance(SM90_BWD_SOURCE, f"attention_bwd_sm90<{_ctype(dtype)}, {d}, {_b(causal)}, "
+                        f"{_b(not deterministic)}, {smem}>", 256, smem, "sm_90a")
+
+
+@dataclass(frozen=True)
 class DqConfig:
     """attention_bwd_dq (deterministic=True): ``warps`` of 16 queries, ``bn`` keys a tile."""
     warps: int
@@ -147,6 +169,9 @@ class Configs:
     fwd_sm90: tuple[tuple[int, Sm90FwdConfig], ...] = ((64, Sm90FwdConfig(64, 2)), (128, Sm90FwdConfig(128, 2)),
                                                        (256, Sm90FwdConfig(64, 2)))
     use_sm90: bool = True
+    # The backward's dK/dV (and dQ-atomic) kernel on sm_90 by TMA and wgmma, by head dim.
+    bwd_sm90: tuple[tuple[int, Sm90BwdConfig], ...] = ((64, Sm90BwdConfig()), (128, Sm90BwdConfig()))
+    use_sm90_bwd: bool = True
 
     @property
     def head_dims(self) -> tuple[int, ...]:
@@ -192,6 +217,8 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
     """Every kernel instance the fronts can launch, forward and backward (compile check)."""
     out = [cfg.instance(dt, d, c) for dt in DTYPES for d, cfg in configs.fwd for c in (False, True)]
     out += [cfg.instance(dt, d, c) for dt in DTYPES for d, cfg in configs.fwd_sm90 for c in (False, True)]
+    out += [cfg.instance(dt, d, c, det) for dt in DTYPES for d, cfg in configs.bwd_sm90 for c in (False, True)
+            for det in (False, True)]
     for dt in DTYPES:
         for d, cfg in configs.bwd:
             out.append(configs.dot(dt, d))
@@ -453,12 +480,22 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
     tail = dict(H=h, Hkv=hkv, Sq=sq, Sk=sk, scale=scale, scale_log2=scale * LOG2E)
     strided = {**{f"q_{n}": s for n, s in _strides3(qs).items()}, **{f"k_{n}": s for n, s in _strides3(ks).items()},
                **{f"v_{n}": s for n, s in _strides3(vs).items()}, **{f"d_{n}": s for n, s in _strides3(ds).items()}}
-    cfg = configs.get("bwd", d)
-    k = _kernels.kernel(cfg.instance(qa.dtype, d, causal, deterministic), device)
-    b.launch(k, (-(-sk // cfg.bn), batch * hkv), q=b.slot(1), k=b.slot(2), v=b.slot(3), dout=b.slot(0),
-             lse=b.slot(5), dsum=dsum, dk=dk, dv=dv, dq_accum=dq_accum, **strided,
-             **{f"dk_{n}": s for n, s in _strides3(dks).items()}, **{f"dv_{n}": s for n, s in _strides3(dvs).items()},
-             **tail)
+    out_strides = {**{f"dk_{n}": s for n, s in _strides3(dks).items()},
+                   **{f"dv_{n}": s for n, s in _strides3(dvs).items()}}
+    if (configs.use_sm90_bwd and d in dict(configs.bwd_sm90) and _kernels.compute_capability(device) == (9, 0)
+            and all(i in copied or _tma_readable(a) for i, a in enumerate(arrays[:4]))):
+        # dK, dV (and dQ's atomics) by TMA and wgmma; Dsum, dQ's conversion or pass as below
+        cfg = configs.get("bwd_sm90", d)
+        k = _kernels.kernel(cfg.instance(qa.dtype, d, causal, deterministic), device)
+        qbox, kbox = (1, cfg.block_rows, 1, 64), (1, cfg.block_keys, 1, 64)
+        b.launch(k, (-(-sk // cfg.block_keys), batch * hkv), q_map=MapSlot(1, qbox), k_map=MapSlot(2, kbox),
+                 v_map=MapSlot(3, kbox), do_map=MapSlot(0, qbox), lse=b.slot(5), dsum=dsum, dk=dk, dv=dv,
+                 dq_accum=dq_accum, **out_strides, **tail)
+    else:
+        cfg = configs.get("bwd", d)
+        k = _kernels.kernel(cfg.instance(qa.dtype, d, causal, deterministic), device)
+        b.launch(k, (-(-sk // cfg.bn), batch * hkv), q=b.slot(1), k=b.slot(2), v=b.slot(3), dout=b.slot(0),
+                 lse=b.slot(5), dsum=dsum, dk=dk, dv=dv, dq_accum=dq_accum, **strided, **out_strides, **tail)
     if deterministic:
         qcfg = configs.get("dq", d)
         k = _kernels.kernel(qcfg.instance(qa.dtype, d, causal), device)

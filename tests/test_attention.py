@@ -2,6 +2,8 @@
 the float64 reference and torch's scaled_dot_product_attention (GPU)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -162,6 +164,48 @@ def test_the_sm90_forward_takes_tensor_maps_of_the_inputs(host_arrays_as_device,
     assert [s[1].name for s in info.value.plan.steps if isinstance(s, tuple)][0].startswith("attention_fwd<")
     assert launches(96, (9, 0))[0][1].name.startswith("attention_fwd<")    # no Hopper config
     attn._FWD.clear()
+
+
+def test_the_sm90_backward_takes_tensor_maps_of_the_inputs(host_arrays_as_device, monkeypatch):
+    """On sm_90 the backward's dK/dV kernel is attention_bwd_sm90 for head dims 64 and 128, with
+    tensor maps of q, k, v and dout (boxes of 64 query rows, 128 keys, 64 columns) and dQ by
+    the same conversion (or, deterministic, the same pass) as the sm_80 path; other devices,
+    head dims and broadcast K/V keep attention_bwd_dkdv."""
+    import importlib
+
+    from cukern import _kernels
+
+    attn = importlib.import_module("cukern.attention")
+
+    def launches(d, cc, deterministic=False, kv_heads=2):
+        monkeypatch.setattr(_kernels, "compute_capability", lambda device: cc)
+        attn._BWD.clear()   # (plans assume one device: the capability is not in their key)
+        q = np.ones((2, 200, 4, d), np.float16)
+        kv = np.ones((2, 300, kv_heads, d), np.float16)
+        if kv_heads == 1:
+            kv = np.broadcast_to(kv, (2, 300, 4, d))
+        lse = np.zeros((2, 4, 200), np.float32)
+        with pytest.raises(DryRun) as info:
+            cukern.attention_backward(q, q, kv, kv, q, lse, causal=True, deterministic=deterministic)
+        return [s for s in info.value.plan.steps if isinstance(s, tuple) and s[0] == "launch"]
+
+    steps = launches(128, (9, 0))
+    assert [s[1].name.split("<")[0] for s in steps] == ["attention_bwd_dot", "attention_bwd_sm90",
+                                                        "attention_bwd_dq_convert"]
+    _, inst, grid, _, _, slots = steps[1]
+    assert inst.name.startswith("attention_bwd_sm90<cuk::half, 128, true, true, ")
+    assert inst.arch == "sm_90a" and inst.threads == 256 and grid == (3, 4)
+    maps = [(m.index, m.box) for _, m, _ in slots if isinstance(m, _kernels.MapSlot)]
+    assert maps == [(1, (1, 64, 1, 64)), (2, (1, 128, 1, 64)), (3, (1, 128, 1, 64)), (0, (1, 64, 1, 64))]
+    steps = launches(64, (9, 0), deterministic=True)
+    assert [s[1].name.split("<")[0] for s in steps] == ["attention_bwd_dot", "attention_bwd_sm90", "attention_bwd_dq"]
+    assert steps[1][1].name.startswith("attention_bwd_sm90<cuk::half, 64, true, false, ")
+    assert launches(128, (8, 0))[1][1].name.startswith("attention_bwd_dkdv<")          # A100
+    assert launches(256, (9, 0))[1][1].name.startswith("attention_bwd_dkdv<")          # no Hopper config
+    assert launches(128, (9, 0), kv_heads=1)[1][1].name.startswith("attention_bwd_dkdv<")   # stride-0 heads
+    monkeypatch.setattr(attn, "CONFIGS", dataclasses.replace(attn.CONFIGS, use_sm90_bwd=False))
+    assert launches(128, (9, 0))[1][1].name.startswith("attention_bwd_dkdv<")          # switched off
+    attn._BWD.clear()
 
 
 # ---- the kernel against the reference (GPU) ---------------------------------------------------
@@ -345,6 +389,35 @@ def _run_backward_case(c):
 @settings(max_examples=80)
 @given(c=attn_cases(forward=False))
 def test_attention_backward_matches_reference(c):
+    _run_backward_case(c)
+
+
+@gpu
+@settings(max_examples=60)
+@given(c=attn_cases(forward=False))
+def test_the_sm80_backward_matches_reference_everywhere(c):
+    """attention_bwd_dkdv forced on: on sm_90 the Hopper backward takes head dims 64 and 128 by
+    default, and the sm_80 kernel stays the path of other GPUs."""
+    import importlib
+
+    attn = importlib.import_module("cukern.attention")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attn, "CONFIGS", dataclasses.replace(attn.CONFIGS, use_sm90_bwd=False))
+        _run_backward_case(c)
+
+
+@gpu
+@settings(max_examples=80)
+@given(c=attn_cases(forward=False), sk=st.sampled_from([127, 128, 129, 300, 513]))
+def test_the_sm90_backward_matches_reference(c, sk):
+    """The Hopper backward (attention_bwd_sm90) on its head dims, over several key blocks of 128
+    (partial last blocks, causal blocks that see few queries, GQA's loop over heads)."""
+    from cukern import _kernels
+
+    if _kernels.compute_capability(0) != (9, 0):
+        pytest.skip("the Hopper path needs an sm_90 GPU")
+    c["d"] = c["d"] if c["d"] in (64, 128) else 128
+    c["sk"] = sk
     _run_backward_case(c)
 
 
@@ -540,7 +613,9 @@ def torch_kernel_cases() -> dict:
 
     attn = importlib.import_module("cukern.attention")
     hopper = attn.CONFIGS.use_sm90 and torch.cuda.get_device_capability() == (9, 0)
+    hopper_bwd = attn.CONFIGS.use_sm90_bwd and torch.cuda.get_device_capability() == (9, 0)
     return {"sdpa": (lambda: torch.autograd.grad(ct.scaled_dot_product_attention(q, k, v, is_causal=True),
                                                  (q, k, v), do),
-                     ["attention_bwd_dkdv", "attention_bwd_dot", "attention_bwd_dq_convert",
+                     ["attention_bwd_sm90" if hopper_bwd else "attention_bwd_dkdv", "attention_bwd_dot",
+                      "attention_bwd_dq_convert",
                       "attention_fwd_sm90" if hopper else "attention_fwd"])}

@@ -49,6 +49,16 @@ __device__ __forceinline__ void load_tile(T* smem, const T* g, long long row_str
     }
 }
 
+// dst[0..1] += (a, b) in global memory, no return value (one vector reduction on sm_90).
+__device__ __forceinline__ void red_add2(float* dst, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(dst), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(dst, a);
+    atomicAdd(dst + 1, b);
+#endif
+}
+
 __device__ __forceinline__ unsigned int pack_pair(float lo, float hi, bf16) { return pack2(lo, hi, bf16{}); }
 __device__ __forceinline__ unsigned int pack_pair(float lo, float hi, half) { return pack2(lo, hi, half{}); }
 

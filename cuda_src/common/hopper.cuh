@@ -87,6 +87,12 @@ __device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned 
 #endif
 }
 
+// A barrier among `count` threads (whole warps) under id 1..15 (0 is __syncthreads'): the
+// warpgroups of a block meet without stopping the others.
+__device__ __forceinline__ void named_barrier_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
+}
+
 // ---- TMA ----------------------------------------------------------------------------------
 // A box of the tensor map at coordinates (x innermost, y) into shared memory, completing (bytes
 // counted) on `bar`.
@@ -202,10 +208,12 @@ __device__ __forceinline__ void wgmma_hold(unsigned int (&a)[R][C]) {
 // D (64 x N, float32) += A (64 x 16) * B (N x 16)^T. ss: both K-major in shared memory
 // (descriptors). rs<TB>: A from registers (a warp's 16 rows as mma.sync's m16k16 A fragment,
 // 4 registers of two 16-bit values: (g, 2t..), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..)), B from
-// shared memory, K-major (TB = 0) or MN-major (TB = 1: B stored K rows of N, as V is). scale_d = 0
-// overwrites D. T: cuk::bf16 or cuk::half.
+// shared memory, K-major (TB = 0) or MN-major (TB = 1: B stored K rows of N, as V is). ss<TA, TB>:
+// TA = 1 reads A MN-major (stored K rows of 64 M values: a transposed tile, as dS^T for dQ = dS K;
+// its descriptor is wgmma_desc_sw128_mn's). scale_d = 0 overwrites D. T: cuk::bf16 or cuk::half.
 template <typename T, int N> struct Wgmma;
 template <> struct Wgmma<bf16, 64> {
+    template <int TA = 0, int TB = 0>
     __device__ __forceinline__ static void ss(float (&d)[32], unsigned long long a, unsigned long long b, int scale_d) {
 #if CUK_SM90A
         asm volatile(
@@ -213,12 +221,12 @@ template <> struct Wgmma<bf16, 64> {
             "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
             "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
             "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-            "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+            "}, %32, %33, p, 1, 1, %35, %36;\n}\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
               "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
               "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
               "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-            : "l"(a), "l"(b), "r"(scale_d));
+            : "l"(a), "l"(b), "r"(scale_d), "n"(TA), "n"(TB));
 #endif
     }
     template <int TB>
@@ -240,6 +248,7 @@ template <> struct Wgmma<bf16, 64> {
     }
 };
 template <> struct Wgmma<half, 64> {
+    template <int TA = 0, int TB = 0>
     __device__ __forceinline__ static void ss(float (&d)[32], unsigned long long a, unsigned long long b, int scale_d) {
 #if CUK_SM90A
         asm volatile(
@@ -247,12 +256,12 @@ template <> struct Wgmma<half, 64> {
             "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
             "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
             "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-            "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+            "}, %32, %33, p, 1, 1, %35, %36;\n}\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
               "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
               "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
               "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-            : "l"(a), "l"(b), "r"(scale_d));
+            : "l"(a), "l"(b), "r"(scale_d), "n"(TA), "n"(TB));
 #endif
     }
     template <int TB>
@@ -274,6 +283,7 @@ template <> struct Wgmma<half, 64> {
     }
 };
 template <> struct Wgmma<bf16, 128> {
+    template <int TA = 0, int TB = 0>
     __device__ __forceinline__ static void ss(float (&d)[64], unsigned long long a, unsigned long long b, int scale_d) {
 #if CUK_SM90A
         asm volatile(
@@ -283,7 +293,7 @@ template <> struct Wgmma<bf16, 128> {
             "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
             "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
             "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-            "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+            "}, %64, %65, p, 1, 1, %67, %68;\n}\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
               "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
               "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -292,7 +302,7 @@ template <> struct Wgmma<bf16, 128> {
               "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
               "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
               "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-            : "l"(a), "l"(b), "r"(scale_d));
+            : "l"(a), "l"(b), "r"(scale_d), "n"(TA), "n"(TB));
 #endif
     }
     template <int TB>
@@ -320,6 +330,7 @@ template <> struct Wgmma<bf16, 128> {
     }
 };
 template <> struct Wgmma<half, 128> {
+    template <int TA = 0, int TB = 0>
     __device__ __forceinline__ static void ss(float (&d)[64], unsigned long long a, unsigned long long b, int scale_d) {
 #if CUK_SM90A
         asm volatile(
@@ -329,7 +340,7 @@ template <> struct Wgmma<half, 128> {
             "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
             "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
             "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-            "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+            "}, %64, %65, p, 1, 1, %67, %68;\n}\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
               "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
               "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -338,7 +349,7 @@ template <> struct Wgmma<half, 128> {
               "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
               "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
               "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-            : "l"(a), "l"(b), "r"(scale_d));
+            : "l"(a), "l"(b), "r"(scale_d), "n"(TA), "n"(TB));
 #endif
     }
     template <int TB>
@@ -366,6 +377,7 @@ template <> struct Wgmma<half, 128> {
     }
 };
 template <> struct Wgmma<bf16, 256> {
+    template <int TA = 0, int TB = 0>
     __device__ __forceinline__ static void ss(float (&d)[128], unsigned long long a, unsigned long long b, int scale_d) {
 #if CUK_SM90A
         asm volatile(
@@ -379,7 +391,7 @@ template <> struct Wgmma<bf16, 256> {
             "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
             "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
             "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-            "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+            "}, %128, %129, p, 1, 1, %131, %132;\n}\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
               "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
               "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -396,7 +408,7 @@ template <> struct Wgmma<bf16, 256> {
               "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
               "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
               "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-            : "l"(a), "l"(b), "r"(scale_d));
+            : "l"(a), "l"(b), "r"(scale_d), "n"(TA), "n"(TB));
 #endif
     }
     template <int TB>
@@ -436,6 +448,7 @@ template <> struct Wgmma<bf16, 256> {
     }
 };
 template <> struct Wgmma<half, 256> {
+    template <int TA = 0, int TB = 0>
     __device__ __forceinline__ static void ss(float (&d)[128], unsigned long long a, unsigned long long b, int scale_d) {
 #if CUK_SM90A
         asm volatile(
@@ -449,7 +462,7 @@ template <> struct Wgmma<half, 256> {
             "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
             "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
             "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-            "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+            "}, %128, %129, p, 1, 1, %131, %132;\n}\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
               "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
               "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -466,7 +479,7 @@ template <> struct Wgmma<half, 256> {
               "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
               "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
               "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-            : "l"(a), "l"(b), "r"(scale_d));
+            : "l"(a), "l"(b), "r"(scale_d), "n"(TA), "n"(TB));
 #endif
     }
     template <int TB>

@@ -1,0 +1,279 @@
+// Fused attention backward on Hopper (sm_90a), step 1 of the backward in docs/notes-attention.md:
+// TMA tile loads and wgmma, no warp specialization yet. It replaces attention_bwd_dkdv
+// (attention_bwd.cu) on sm_90 and shares the rest of that backward: attention_bwd_dot (Dsum,
+// and dq_accum zeroed), attention_bwd_dq_convert (deterministic=False) or attention_bwd_dq
+// (deterministic=True).
+//
+// A block of two warpgroups owns BN = 128 keys of one (batch, kv head), 64 a warpgroup, with K
+// and V loaded once by TMA; it walks every query tile (BM = 64 rows) of every query head that
+// shares the kv head, Q and dO brought by thread 0 into a ring of STAGES buffers ("landed" and
+// "released" mbarriers, as the forward). Computed transposed, FlashAttention-3's way, so that
+// P^T and dS^T come out of the accumulators as the A operands (registers) of the next products:
+//   S^T = K Q^T, dP^T = V dO^T            (64 keys x BM queries a warpgroup; ss, K-major)
+//   P^T = exp2(S^T scale_log2 - lse_log2), dS^T = P^T (dP^T - Dsum)   (lse, Dsum: a column each)
+//   dV += P^T dO, dK += dS^T Q            (rs: A from registers, B = dO, Q read MN-major)
+//   dQ_partial = dS K                     (DQ_ATOMIC: dS^T staged in shared memory, read as a
+//                                          transposed A; added into dq_accum with red.global)
+// dK is scaled at the end; dq_accum is scaled by attention_bwd_dq_convert.
+#include "common/dtype.cuh"
+#include "common/reduce.cuh"
+#include "common/hopper.cuh"
+#include "common/attn_tile.cuh"
+
+// SMEM: the launch's dynamic shared memory: K, V, the Q and dO rings, two dS^T buffers
+// (DQ_ATOMIC), 1 KB of alignment slack.
+template <typename T, int D, bool CAUSAL, bool DQ_ATOMIC, int SMEM>
+__global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
+    const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
+    const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
+    const float* __restrict__ lse, const float* __restrict__ dsum,
+    T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dq_accum,
+    long long dk_sb, long long dk_ss, long long dk_sh, long long dv_sb, long long dv_ss, long long dv_sh,
+    int H, int Hkv, int Sq, int Sk, float scale, float scale_log2)
+{
+    constexpr int BM = 64, BN = 128, STAGES = 2, DB = D / 64;   // DB: 64-column boxes of a row
+    constexpr int Q_BOX = BM * 128, KV_BOX = BN * 128;          // bytes of one box (rows x 128 bytes)
+    constexpr int Q_BYTES = DB * Q_BOX, KV_BYTES = DB * KV_BOX;
+    constexpr int DS_BYTES = BN * 128;                          // dS^T: BN key rows x BM queries
+    constexpr int DS_BUFS = DQ_ATOMIC ? 2 : 0;
+    static_assert(SMEM == 2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + 1024,
+                  "SMEM: K, V, the Q and dO rings, the dS^T buffers, alignment slack");
+    static_assert(D == 64 || D == 128, "head dims of this kernel (the rest take attention_bwd_dkdv)");
+    // dQ = dS K: with D = 128 a warpgroup takes 64 of dQ's columns over all BN keys (both
+    // warpgroups' dS^T: a block barrier); with D = 64 it takes its own 64 keys and every column
+    // (a warpgroup barrier; both warpgroups add into dq_accum).
+    constexpr bool SPLIT_N = D == 128;
+#if CUK_SM90A
+    using namespace cuk;
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* const k_s = align_1024(smem_raw);       // [DB][BN rows x 128 bytes]
+    unsigned char* const v_s = k_s + KV_BYTES;              // [DB][BN rows x 128 bytes]
+    unsigned char* const q_s = v_s + KV_BYTES;              // [STAGES][DB][BM rows x 128 bytes]
+    unsigned char* const do_s = q_s + STAGES * Q_BYTES;     // [STAGES][DB][BM rows x 128 bytes]
+    unsigned char* const ds_s = do_s + STAGES * Q_BYTES;    // [2][BN rows x 128 bytes]
+    __shared__ unsigned long long bar_kv, bar_q[STAGES], bar_free[STAGES];
+
+    const int b = blockIdx.y / Hkv, hk = blockIdx.y % Hkv;
+    const int rep = H / Hkv;
+    const int wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int n0 = blockIdx.x * BN;
+    const int key0 = n0 + wg * 64 + warp * 16 + g;   // this thread's keys: key0 and key0 + 8
+    const int diag = Sk - Sq;
+    // Query tiles that see a key of this block (causal: query i sees key j iff j <= i + diag);
+    // steps walk (head, query tile) pairs, head-major.
+    const int m_first = CAUSAL ? max(0, n0 - diag) / BM : 0;
+    const int per_head = max(0, (Sq + BM - 1) / BM - m_first);
+    const int steps = per_head * rep;
+
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int i = 0; i < STAGES; ++i) {
+            mbarrier_init(&bar_q[i], 1);
+            mbarrier_init(&bar_free[i], 256);
+        }
+        mbarrier_init(&bar_kv, 1);
+        mbarrier_init_fence();
+    }
+    __syncthreads();
+    auto load_q = [&](int it) {   // (thread 0) Q and dO of step it into buffer it % STAGES
+        const int buf = it % STAGES;
+        const int h = hk * rep + it / per_head, m0 = (m_first + it % per_head) * BM;
+        mbarrier_arrive_expect_tx(&bar_q[buf], 2 * Q_BYTES);
+#pragma unroll
+        for (int db = 0; db < DB; ++db) {
+            tma_load_4d(q_s + buf * Q_BYTES + db * Q_BOX, &q_map, db * 64, h, m0, b, &bar_q[buf]);
+            tma_load_4d(do_s + buf * Q_BYTES + db * Q_BOX, &do_map, db * 64, h, m0, b, &bar_q[buf]);
+        }
+    };
+    if (threadIdx.x == 0) {
+        mbarrier_arrive_expect_tx(&bar_kv, 2 * KV_BYTES);
+#pragma unroll
+        for (int db = 0; db < DB; ++db) {
+            tma_load_4d(k_s + db * KV_BOX, &k_map, db * 64, hk, n0, b, &bar_kv);
+            tma_load_4d(v_s + db * KV_BOX, &v_map, db * 64, hk, n0, b, &bar_kv);
+        }
+#pragma unroll
+        for (int i = 0; i < STAGES - 1; ++i)
+            if (i < steps) load_q(i);
+    }
+
+    float dv_acc[D / 2], dk_acc[D / 2];   // this warpgroup's 64 keys x D (the accumulator layout)
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) dv_acc[i] = dk_acc[i] = 0.f;
+    mbarrier_wait(&bar_kv, 0);
+
+    for (int it = 0; it < steps; ++it) {
+        const int buf = it % STAGES;
+        const int h = hk * rep + it / per_head, m0 = (m_first + it % per_head) * BM;
+        if (threadIdx.x == 0 && it + STAGES - 1 < steps) {
+            if (it > 0) mbarrier_wait(&bar_free[(it - 1) % STAGES], ((it - 1) / STAGES) & 1);
+            load_q(it + STAGES - 1);
+        }
+        const unsigned char* const qb = q_s + buf * Q_BYTES;
+        const unsigned char* const dob = do_s + buf * Q_BYTES;
+        const long long rowbase = (static_cast<long long>(b) * H + h) * Sq;
+        mbarrier_wait(&bar_q[buf], (it / STAGES) & 1);
+
+        // S^T = K Q^T, then dP^T = V dO^T behind it (this warpgroup's 64 keys x BM queries)
+        float s[BM / 2], dp[BM / 2];
+        wgmma_zero_and_fence(s);
+        wgmma_zero_and_fence(dp);
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks)
+            Wgmma<T, BM>::ss(s, wgmma_desc_sw128(k_s + (ks / 4) * KV_BOX + wg * 64 * 128 + (ks % 4) * 32),
+                             wgmma_desc_sw128(qb + (ks / 4) * Q_BOX + (ks % 4) * 32), ks > 0);
+        wgmma_commit();
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks)
+            Wgmma<T, BM>::ss(dp, wgmma_desc_sw128(v_s + (ks / 4) * KV_BOX + wg * 64 * 128 + (ks % 4) * 32),
+                             wgmma_desc_sw128(dob + (ks / 4) * Q_BOX + (ks % 4) * 32), ks > 0);
+        wgmma_commit();
+
+        // lse of this thread's query columns (8j + 2t, +1), log2 domain; +inf past Sq (P = 0)
+        float l2[BM / 8][2];
+#pragma unroll
+        for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int q = m0 + 8 * j + 2 * t + c;
+                l2[j][c] = q < Sq ? lse[rowbase + q] * 1.4426950408889634f : __int_as_float(0x7f800000);
+            }
+        wgmma_wait<1>();
+        wgmma_hold(s);
+
+        // P^T = exp2(S^T scale_log2 - lse_log2), 0 for keys past Sk and, causal, past the diagonal
+        const bool edge = n0 + BN > Sk || (CAUSAL && n0 + BN - 1 > m0 + diag);
+#pragma unroll
+        for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -l2[j][e & 1]));
+                if (edge) {
+                    const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
+                    if (key >= Sk || (CAUSAL && key > q + diag)) p = 0.f;
+                }
+                s[4 * j + e] = p;
+            }
+        // dV += P^T dO: P^T's A fragments from the accumulators (k16 step kk: query columns 16kk..)
+        unsigned int pa[BM / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) pa[kk][i] = attention::pack_pair(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1], T{});
+        wgmma_hold(pa);
+        wgmma_hold(dv_acc);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+            Wgmma<T, D>::template rs<1>(dv_acc, pa[kk], wgmma_desc_sw128_mn(dob + kk * 16 * 128, Q_BOX), 1);
+        wgmma_commit();
+
+        float dsm[BM / 8][2];   // Dsum of the same columns (0 past Sq), loaded while dP and dV run
+#pragma unroll
+        for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int q = m0 + 8 * j + 2 * t + c;
+                dsm[j][c] = q < Sq ? dsum[rowbase + q] : 0.f;
+            }
+        wgmma_wait<1>();   // dP^T is in (dV may still run)
+        wgmma_hold(dp);
+#pragma unroll
+        for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - dsm[j][e & 1]);
+        unsigned int dsa[BM / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) dsa[kk][i] = attention::pack_pair(dp[8 * kk + 2 * i], dp[8 * kk + 2 * i + 1], T{});
+        unsigned char* const dsb = ds_s + (it & 1) * DS_BYTES;
+        if constexpr (DQ_ATOMIC) {
+            // dS^T into shared memory as TMA would store it: key rows of BM queries (128 bytes),
+            // 16-byte chunk c of row r at chunk c ^ (r % 8). (Two buffers: a warpgroup writes the
+            // next step's while the other may still read this one's; the barrier below orders
+            // the rest.)
+#pragma unroll
+            for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int row = wg * 64 + warp * 16 + g + 8 * r;
+                    *reinterpret_cast<unsigned int*>(dsb + row * 128 + ((j ^ (row & 7)) << 4) + 4 * t) =
+                        r ? dsa[j / 2][1 + 2 * (j & 1)] : dsa[j / 2][2 * (j & 1)];
+                }
+            fence_proxy_async();   // (generic-proxy stores, read next by wgmma)
+        }
+        wgmma_wait<0>();   // dV done: P^T's fragments are free
+        wgmma_hold(dv_acc);
+        wgmma_hold(pa);
+        if constexpr (DQ_ATOMIC) {
+            if (SPLIT_N) named_barrier_sync(1, 256);
+            else named_barrier_sync(2 + wg, 128);
+        }
+
+        // dK += dS^T Q (Q read MN-major as stored)
+        wgmma_hold(dsa);
+        wgmma_hold(dk_acc);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+            Wgmma<T, D>::template rs<1>(dk_acc, dsa[kk], wgmma_desc_sw128_mn(qb + kk * 16 * 128, Q_BOX), 1);
+        wgmma_commit();
+        if constexpr (DQ_ATOMIC) {
+            // dQ_partial (BM queries x 64 columns) = dS K: A = dS^T read transposed, B = K read
+            // MN-major (key rows of D)
+            constexpr int KSTEPS = SPLIT_N ? BN / 16 : 64 / 16;
+            const unsigned char* const a0 = dsb + (SPLIT_N ? 0 : wg * 64 * 128);
+            const unsigned char* const b0 = k_s + (SPLIT_N ? wg * KV_BOX : wg * 64 * 128);
+            float dq[BM / 2];
+            wgmma_zero_and_fence(dq);
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS; ++kk)
+                Wgmma<T, 64>::template ss<1, 1>(dq, wgmma_desc_sw128_mn(a0 + kk * 16 * 128, 64 * 128),
+                                                wgmma_desc_sw128_mn(b0 + kk * 16 * 128, KV_BOX), kk > 0);
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_hold(dk_acc);
+            wgmma_hold(dsa);
+            wgmma_hold(dq);
+            mbarrier_arrive(&bar_free[buf]);   // (this thread's products have read Q and dO)
+            // dq rows: query m0 + 16 warp + g (+8); columns col0 + 8j + 2t (+1)
+            const int col0 = SPLIT_N ? wg * 64 : 0;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int q = m0 + warp * 16 + g + 8 * r;
+                if (q < Sq) {
+                    float* dst = dq_accum + ((static_cast<long long>(b) * Sq + q) * H + h) * D + col0 + 2 * t;
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) attention::red_add2(dst + 8 * j, dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
+                }
+            }
+        } else {
+            wgmma_wait<0>();
+            wgmma_hold(dk_acc);
+            wgmma_hold(dsa);
+            mbarrier_arrive(&bar_free[buf]);
+        }
+    }
+
+    // dK (scaled) and dV: rows key0 and key0 + 8 of this (batch, kv head)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = key0 + 8 * r;
+        if (key < Sk) {
+            T* krow = dk + b * dk_sb + static_cast<long long>(key) * dk_ss + hk * dk_sh;
+            T* vrow = dv + b * dv_sb + static_cast<long long>(key) * dv_ss + hk * dv_sh;
+#pragma unroll
+            for (int j = 0; j < D / 8; ++j) {
+                *reinterpret_cast<unsigned int*>(krow + 8 * j + 2 * t) =
+                    attention::pack_pair(dk_acc[4 * j + 2 * r] * scale, dk_acc[4 * j + 2 * r + 1] * scale, T{});
+                *reinterpret_cast<unsigned int*>(vrow + 8 * j + 2 * t) =
+                    attention::pack_pair(dv_acc[4 * j + 2 * r], dv_acc[4 * j + 2 * r + 1], T{});
+            }
+        }
+    }
+#elif defined(__CUDA_ARCH__)
+    __trap();   // (built without sm_90a's features: fail loudly, never return an unwritten output)
+#endif
+}
