@@ -5,7 +5,7 @@
 // (deterministic=True).
 //
 // A block of two warpgroups owns BN = 128 keys of one (batch, kv head), 64 a warpgroup, with K
-// and V loaded once by TMA; it walks every query tile (BM = 64 rows) of every query head that
+// and V loaded once by TMA; it walks every query tile (BM = 64 or 128 rows) of every query head that
 // shares the kv head, Q and dO brought by thread 0 into a ring of STAGES buffers ("landed" and
 // "released" mbarriers, as the forward). Computed transposed, FlashAttention-3's way, so that
 // P^T and dS^T come out of the accumulators as the A operands (registers) of the next products:
@@ -21,8 +21,8 @@
 #include "common/attn_tile.cuh"
 
 // SMEM: the launch's dynamic shared memory: K, V, the Q and dO rings, two dS^T buffers
-// (DQ_ATOMIC), 1 KB of alignment slack.
-template <typename T, int D, bool CAUSAL, bool DQ_ATOMIC, int SMEM>
+// (DQ_ATOMIC), lse and Dsum rows (two steps a warpgroup), 1 KB of alignment slack.
+template <typename T, int D, int BM, bool CAUSAL, bool DQ_ATOMIC, int SMEM>
 __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
     const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
     const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
@@ -31,18 +31,21 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
     long long dk_sb, long long dk_ss, long long dk_sh, long long dv_sb, long long dv_ss, long long dv_sh,
     int H, int Hkv, int Sq, int Sk, float scale, float scale_log2)
 {
-    constexpr int BM = 64, BN = 128, STAGES = 2, DB = D / 64;   // DB: 64-column boxes of a row
+    constexpr int BN = 128, STAGES = 2, DB = D / 64;            // DB: 64-column boxes of a row
     constexpr int Q_BOX = BM * 128, KV_BOX = BN * 128;          // bytes of one box (rows x 128 bytes)
     constexpr int Q_BYTES = DB * Q_BOX, KV_BYTES = DB * KV_BOX;
-    constexpr int DS_BYTES = BN * 128;                          // dS^T: BN key rows x BM queries
+    constexpr int DS_BYTES = BM / 64 * BN * 128;                // dS^T: [BM / 64][BN key rows x 64 queries]
     constexpr int DS_BUFS = DQ_ATOMIC ? 2 : 0;
-    static_assert(SMEM == 2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + 1024,
-                  "SMEM: K, V, the Q and dO rings, the dS^T buffers, alignment slack");
-    static_assert(D == 64 || D == 128, "head dims of this kernel (the rest take attention_bwd_dkdv)");
-    // dQ = dS K: with D = 128 a warpgroup takes 64 of dQ's columns over all BN keys (both
-    // warpgroups' dS^T: a block barrier); with D = 64 it takes its own 64 keys and every column
-    // (a warpgroup barrier; both warpgroups add into dq_accum).
-    constexpr bool SPLIT_N = D == 128;
+    constexpr int ROWS_BYTES = 2 * 2 * 2 * BM * 4;              // lse, Dsum [2 warpgroups][2 steps][BM]
+    static_assert(SMEM == 2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + ROWS_BYTES + 1024,
+                  "SMEM: K, V, the Q and dO rings, the dS^T buffers, lse and Dsum, alignment slack");
+    static_assert((D == 64 || D == 128) && (BM == 64 || BM == 128) && BM * D <= 128 * 64,
+                  "tiles of this kernel (other head dims take attention_bwd_dkdv)");
+    // dQ = dS K, BM x D: when that is two 64 x 64 halves (BM = 64, D = 128: columns; BM = 128,
+    // D = 64: queries) a warpgroup takes half wg over all BN keys (both warpgroups' dS^T: a block
+    // barrier); with BM = D = 64 it takes its own 64 keys (a warpgroup barrier; both warpgroups
+    // add into dq_accum).
+    constexpr bool SPLIT_N = BM * D == 2 * 64 * 64;
 #if CUK_SM90A
     using namespace cuk;
     extern __shared__ unsigned char smem_raw[];
@@ -51,6 +54,8 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
     unsigned char* const q_s = v_s + KV_BYTES;              // [STAGES][DB][BM rows x 128 bytes]
     unsigned char* const do_s = q_s + STAGES * Q_BYTES;     // [STAGES][DB][BM rows x 128 bytes]
     unsigned char* const ds_s = do_s + STAGES * Q_BYTES;    // [2][BN rows x 128 bytes]
+    float* const lse_s = reinterpret_cast<float*>(ds_s + DS_BUFS * DS_BYTES);   // [2 wg][2 steps][BM]
+    float* const dsum_s = lse_s + 2 * 2 * BM;                                    // [2 wg][2 steps][BM]
     __shared__ unsigned long long bar_kv, bar_q[STAGES], bar_free[STAGES];
 
     const int b = blockIdx.y / Hkv, hk = blockIdx.y % Hkv;
@@ -66,6 +71,25 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
     const int per_head = max(0, (Sq + BM - 1) / BM - m_first);
     const int steps = per_head * rep;
 
+    // lse and Dsum of step it's queries into this warpgroup's buffers it & 1 by cp.async (a
+    // value a thread; 0 past Sq), one step ahead: each warpgroup reads its own copy after its
+    // barrier of the step before, so no block-wide wait is added.
+    auto stage_rows = [&](int it) {
+        const int h = hk * rep + it / per_head, m0 = (m_first + it % per_head) * BM;
+#pragma unroll
+        for (int tw = threadIdx.x % 128; tw < 2 * BM; tw += 128) {
+            const int i = tw % BM;
+            const bool ok = m0 + i < Sq;
+            const float* src = tw < BM ? lse : dsum;
+            const long long at = (static_cast<long long>(b) * H + h) * Sq + m0 + i;
+            cp_async_4((tw < BM ? lse_s : dsum_s) + (wg * 2 + (it & 1)) * BM + i, ok ? src + at : src, ok);
+        }
+        cp_async_commit();
+    };
+    if (steps > 0) {
+        stage_rows(0);
+        cp_async_wait<0>();
+    }
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int i = 0; i < STAGES; ++i) {
@@ -110,9 +134,11 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
             if (it > 0) mbarrier_wait(&bar_free[(it - 1) % STAGES], ((it - 1) / STAGES) & 1);
             load_q(it + STAGES - 1);
         }
+        if (it + 1 < steps) stage_rows(it + 1);
         const unsigned char* const qb = q_s + buf * Q_BYTES;
         const unsigned char* const dob = do_s + buf * Q_BYTES;
-        const long long rowbase = (static_cast<long long>(b) * H + h) * Sq;
+        const float* const lrow = lse_s + (wg * 2 + (it & 1)) * BM;
+        const float* const drow = dsum_s + (wg * 2 + (it & 1)) * BM;
         mbarrier_wait(&bar_q[buf], (it / STAGES) & 1);
 
         // S^T = K Q^T, then dP^T = V dO^T behind it (this warpgroup's 64 keys x BM queries)
@@ -130,31 +156,25 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
                              wgmma_desc_sw128(dob + (ks / 4) * Q_BOX + (ks % 4) * 32), ks > 0);
         wgmma_commit();
 
-        // lse of this thread's query columns (8j + 2t, +1), log2 domain; +inf past Sq (P = 0)
-        float l2[BM / 8][2];
-#pragma unroll
-        for (int j = 0; j < BM / 8; ++j)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const int q = m0 + 8 * j + 2 * t + c;
-                l2[j][c] = q < Sq ? lse[rowbase + q] * 1.4426950408889634f : __int_as_float(0x7f800000);
-            }
         wgmma_wait<1>();
         wgmma_hold(s);
 
-        // P^T = exp2(S^T scale_log2 - lse_log2), 0 for keys past Sk and, causal, past the diagonal
-        const bool edge = n0 + BN > Sk || (CAUSAL && n0 + BN - 1 > m0 + diag);
+        // P^T = exp2(S^T scale_log2 - lse_log2) (this thread's query columns 8j + 2t, +1), 0 for
+        // queries past Sq, keys past Sk and, causal, keys past the diagonal
+        const bool edge = m0 + BM > Sq || n0 + BN > Sk || (CAUSAL && n0 + BN - 1 > m0 + diag);
 #pragma unroll
-        for (int j = 0; j < BM / 8; ++j)
+        for (int j = 0; j < BM / 8; ++j) {
+            const float2 l = *reinterpret_cast<const float2*>(lrow + 8 * j + 2 * t);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -l2[j][e & 1]));
+                float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -(e & 1 ? l.y : l.x) * 1.4426950408889634f));
                 if (edge) {
                     const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
-                    if (key >= Sk || (CAUSAL && key > q + diag)) p = 0.f;
+                    if (q >= Sq || key >= Sk || (CAUSAL && key > q + diag)) p = 0.f;
                 }
                 s[4 * j + e] = p;
             }
+        }
         // dV += P^T dO: P^T's A fragments from the accumulators (k16 step kk: query columns 16kk..)
         unsigned int pa[BM / 16][4];
 #pragma unroll
@@ -169,20 +189,14 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
             Wgmma<T, D>::template rs<1>(dv_acc, pa[kk], wgmma_desc_sw128_mn(dob + kk * 16 * 128, Q_BOX), 1);
         wgmma_commit();
 
-        float dsm[BM / 8][2];   // Dsum of the same columns (0 past Sq), loaded while dP and dV run
-#pragma unroll
-        for (int j = 0; j < BM / 8; ++j)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const int q = m0 + 8 * j + 2 * t + c;
-                dsm[j][c] = q < Sq ? dsum[rowbase + q] : 0.f;
-            }
         wgmma_wait<1>();   // dP^T is in (dV may still run)
         wgmma_hold(dp);
 #pragma unroll
-        for (int j = 0; j < BM / 8; ++j)
+        for (int j = 0; j < BM / 8; ++j) {
+            const float2 d = *reinterpret_cast<const float2*>(drow + 8 * j + 2 * t);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - dsm[j][e & 1]);
+            for (int e = 0; e < 4; ++e) dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - (e & 1 ? d.y : d.x));
+        }
         unsigned int dsa[BM / 16][4];
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk)
@@ -190,27 +204,28 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
             for (int i = 0; i < 4; ++i) dsa[kk][i] = attention::pack_pair(dp[8 * kk + 2 * i], dp[8 * kk + 2 * i + 1], T{});
         unsigned char* const dsb = ds_s + (it & 1) * DS_BYTES;
         if constexpr (DQ_ATOMIC) {
-            // dS^T into shared memory as TMA would store it: key rows of BM queries (128 bytes),
-            // 16-byte chunk c of row r at chunk c ^ (r % 8). (Two buffers: a warpgroup writes the
-            // next step's while the other may still read this one's; the barrier below orders
-            // the rest.)
+            // dS^T into shared memory as TMA would store it: boxes of 64 queries, key rows of 128
+            // bytes, 16-byte chunk c of row r at chunk c ^ (r % 8). (Two buffers: a warpgroup
+            // writes the next step's while the other may still read this one's; the barrier
+            // below orders the rest.)
 #pragma unroll
             for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const int row = wg * 64 + warp * 16 + g + 8 * r;
-                    *reinterpret_cast<unsigned int*>(dsb + row * 128 + ((j ^ (row & 7)) << 4) + 4 * t) =
-                        r ? dsa[j / 2][1 + 2 * (j & 1)] : dsa[j / 2][2 * (j & 1)];
+                    *reinterpret_cast<unsigned int*>(dsb + (j / 8) * BN * 128 + row * 128 + (((j % 8) ^ (row & 7)) << 4) +
+                                                     4 * t) = r ? dsa[j / 2][1 + 2 * (j & 1)] : dsa[j / 2][2 * (j & 1)];
                 }
             fence_proxy_async();   // (generic-proxy stores, read next by wgmma)
         }
         wgmma_wait<0>();   // dV done: P^T's fragments are free
         wgmma_hold(dv_acc);
         wgmma_hold(pa);
-        if constexpr (DQ_ATOMIC) {
-            if (SPLIT_N) named_barrier_sync(1, 256);
-            else named_barrier_sync(2 + wg, 128);
-        }
+        // dS^T published, and the next step's lse and Dsum in (this thread's cp.async done; the
+        // barrier makes every thread's visible)
+        cp_async_wait<0>();
+        if (SPLIT_N && DQ_ATOMIC) named_barrier_sync(1, 256);
+        else named_barrier_sync(2 + wg, 128);
 
         // dK += dS^T Q (Q read MN-major as stored)
         wgmma_hold(dsa);
@@ -221,12 +236,13 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
             Wgmma<T, D>::template rs<1>(dk_acc, dsa[kk], wgmma_desc_sw128_mn(qb + kk * 16 * 128, Q_BOX), 1);
         wgmma_commit();
         if constexpr (DQ_ATOMIC) {
-            // dQ_partial (BM queries x 64 columns) = dS K: A = dS^T read transposed, B = K read
+            // dQ_partial (64 queries x 64 columns) = dS K: A = dS^T read transposed, B = K read
             // MN-major (key rows of D)
             constexpr int KSTEPS = SPLIT_N ? BN / 16 : 64 / 16;
-            const unsigned char* const a0 = dsb + (SPLIT_N ? 0 : wg * 64 * 128);
-            const unsigned char* const b0 = k_s + (SPLIT_N ? wg * KV_BOX : wg * 64 * 128);
-            float dq[BM / 2];
+            const int qhalf = SPLIT_N && BM == 128 ? wg : 0, dhalf = SPLIT_N && D == 128 ? wg : 0;
+            const unsigned char* const a0 = dsb + qhalf * BN * 128 + (SPLIT_N ? 0 : wg * 64 * 128);
+            const unsigned char* const b0 = k_s + dhalf * KV_BOX + (SPLIT_N ? 0 : wg * 64 * 128);
+            float dq[32];
             wgmma_zero_and_fence(dq);
 #pragma unroll
             for (int kk = 0; kk < KSTEPS; ++kk)
@@ -238,11 +254,11 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
             wgmma_hold(dsa);
             wgmma_hold(dq);
             mbarrier_arrive(&bar_free[buf]);   // (this thread's products have read Q and dO)
-            // dq rows: query m0 + 16 warp + g (+8); columns col0 + 8j + 2t (+1)
-            const int col0 = SPLIT_N ? wg * 64 : 0;
+            // dq rows: query m0 + 64 qhalf + 16 warp + g (+8); columns 64 dhalf + 8j + 2t (+1)
+            const int col0 = dhalf * 64;
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const int q = m0 + warp * 16 + g + 8 * r;
+                const int q = m0 + qhalf * 64 + warp * 16 + g + 8 * r;
                 if (q < Sq) {
                     float* dst = dq_accum + ((static_cast<long long>(b) * Sq + q) * H + h) * D + col0 + 2 * t;
 #pragma unroll

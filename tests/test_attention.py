@@ -193,13 +193,14 @@ def test_the_sm90_backward_takes_tensor_maps_of_the_inputs(host_arrays_as_device
     assert [s[1].name.split("<")[0] for s in steps] == ["attention_bwd_dot", "attention_bwd_sm90",
                                                         "attention_bwd_dq_convert"]
     _, inst, grid, _, _, slots = steps[1]
-    assert inst.name.startswith("attention_bwd_sm90<cuk::half, 128, true, true, ")
+    assert inst.name.startswith("attention_bwd_sm90<cuk::half, 128, 64, true, true, ")
     assert inst.arch == "sm_90a" and inst.threads == 256 and grid == (3, 4)
     maps = [(m.index, m.box) for _, m, _ in slots if isinstance(m, _kernels.MapSlot)]
     assert maps == [(1, (1, 64, 1, 64)), (2, (1, 128, 1, 64)), (3, (1, 128, 1, 64)), (0, (1, 64, 1, 64))]
     steps = launches(64, (9, 0), deterministic=True)
     assert [s[1].name.split("<")[0] for s in steps] == ["attention_bwd_dot", "attention_bwd_sm90", "attention_bwd_dq"]
-    assert steps[1][1].name.startswith("attention_bwd_sm90<cuk::half, 64, true, false, ")
+    rows = attn.CONFIGS.get("bwd_sm90", 64).block_rows
+    assert steps[1][1].name.startswith(f"attention_bwd_sm90<cuk::half, 64, {rows}, true, false, ")
     assert launches(128, (8, 0))[1][1].name.startswith("attention_bwd_dkdv<")          # A100
     assert launches(256, (9, 0))[1][1].name.startswith("attention_bwd_dkdv<")          # no Hopper config
     assert launches(128, (9, 0), kv_heads=1)[1][1].name.startswith("attention_bwd_dkdv<")   # stride-0 heads
@@ -407,18 +408,25 @@ def test_the_sm80_backward_matches_reference_everywhere(c):
 
 
 @gpu
-@settings(max_examples=80)
-@given(c=attn_cases(forward=False), sk=st.sampled_from([127, 128, 129, 300, 513]))
-def test_the_sm90_backward_matches_reference(c, sk):
-    """The Hopper backward (attention_bwd_sm90) on its head dims, over several key blocks of 128
-    (partial last blocks, causal blocks that see few queries, GQA's loop over heads)."""
+@settings(max_examples=100)
+@given(c=attn_cases(forward=False), sk=st.sampled_from([127, 128, 129, 300, 513]), rows=st.sampled_from([64, 128]))
+def test_the_sm90_backward_matches_reference(c, sk, rows):
+    """The Hopper backward (attention_bwd_sm90) on its head dims and query tiles (64 rows, and
+    128 at head dim 64), over several key blocks of 128 (partial last blocks, causal blocks that
+    see few queries, GQA's loop over heads)."""
+    import importlib
+
     from cukern import _kernels
 
     if _kernels.compute_capability(0) != (9, 0):
         pytest.skip("the Hopper path needs an sm_90 GPU")
+    attn = importlib.import_module("cukern.attention")
     c["d"] = c["d"] if c["d"] in (64, 128) else 128
     c["sk"] = sk
-    _run_backward_case(c)
+    cfg = attn.Sm90BwdConfig(rows if c["d"] == 64 else 64)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attn, "CONFIGS", dataclasses.replace(attn.CONFIGS, bwd_sm90=((c["d"], cfg),)))
+        _run_backward_case(c)
 
 
 @gpu

@@ -5,12 +5,14 @@
 --quick skips the S8192 case; --default times only the shipped configuration.
 
 For each head dim, each backward block shape of CANDIDATES (attention.BwdConfig: queries a step,
-keys a block, warps, warp layouts) is passed to the fronts in a Configs object of its own (the
-shipped CONFIGS is never changed) and the forward + backward is timed (device time, median) with
-deterministic=False and True, at the bench shapes; printed in TFLOP/s (FlashAttention's count:
-3.5x the forward's FLOPs) with the ratio to FLASH_ATTENTION (FlashAttention-2) and
-CUDNN_ATTENTION in the same run.
+keys a block, warps, warp layouts; on sm_90 also attention.Sm90BwdConfig: query rows a step of
+the Hopper kernel) is passed to the fronts in a Configs object of its own (the shipped CONFIGS
+is never changed; the sm_80 candidates run with the Hopper backward off) and the forward +
+backward is timed (device time, median) with deterministic=False and True, at the bench
+shapes; printed in TFLOP/s (FlashAttention's count: 3.5x the forward's FLOPs) with the ratio to
+FLASH_ATTENTION (FlashAttention-2) and CUDNN_ATTENTION in the same run.
 """
+import dataclasses
 import importlib
 import sys
 
@@ -24,6 +26,8 @@ attn = importlib.import_module("cukern.attention")
 C = attn.BwdConfig
 CANDIDATES = {64: [C(128, 128, 8, 4, 4, 4), C(64, 128, 8, 2, 4, 4), C(128, 64, 8, 4, 2, 4)],
               128: [C(64, 128, 8, 2, 4, 2), C(64, 64, 4, 2, 2, 2), C(64, 128, 8, 4, 4, 2)]}
+S90 = attn.Sm90BwdConfig
+SM90_CANDIDATES = {64: [S90(64), S90(128)], 128: [S90(64)]}
 SHAPES = [(32, 16, 2048, 128, False), (32, 16, 2048, 128, True), (4, 32, 8192, 128, True),
           (16, 32, 2048, 64, True)]
 
@@ -46,8 +50,14 @@ def main():
         expect = [g.transpose(1, 2).float() for g in run()]
         print(f"\nB{B} H{H} S{S} d{D}{' causal' if causal else ''} fwd+bwd: flash "
               f"{flops / ref['flash'] / 1e9:.0f} TFLOP/s, cudnn {flops / ref['cudnn'] / 1e9:.0f} TFLOP/s")
-        for cfg in [attn.CONFIGS.get("bwd", D)] if "--default" in sys.argv else CANDIDATES[D]:
-            configs = attn.CONFIGS.replace("bwd", D, cfg)
+        hopper = torch.cuda.get_device_capability() == (9, 0) and D in SM90_CANDIDATES
+        if "--default" in sys.argv:
+            cands = [attn.CONFIGS.get("bwd_sm90" if hopper else "bwd", D)]
+        else:
+            cands = CANDIDATES[D] + (SM90_CANDIDATES[D] if hopper else [])
+        for cfg in cands:
+            configs = (dataclasses.replace(attn.CONFIGS, bwd_sm90=((D, cfg),)) if isinstance(cfg, S90) else
+                       dataclasses.replace(attn.CONFIGS.replace("bwd", D, cfg), use_sm90_bwd=False))
             for det in (False, True):
                 def ours(det=det, configs=configs):
                     out, lse = attn._attention(q, k, v, causal, None, True, configs)
