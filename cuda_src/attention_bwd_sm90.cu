@@ -177,17 +177,8 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
         }
         // dV += P^T dO: P^T's A fragments from the accumulators (k16 step kk: query columns 16kk..)
         unsigned int pa[BM / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) pa[kk][i] = attention::pack_pair(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1], T{});
-        wgmma_hold(pa);
-        wgmma_hold(dv_acc);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
-            Wgmma<T, D>::template rs<1>(dv_acc, pa[kk], wgmma_desc_sw128_mn(dob + kk * 16 * 128, Q_BOX), 1);
-        wgmma_commit();
+        accumulators_to_a<T>(s, pa);
+        wgmma_rs_mn<T, D>(dv_acc, pa, dob, Q_BOX);
 
         wgmma_wait<1>();   // dP^T is in (dV may still run)
         wgmma_hold(dp);
@@ -198,10 +189,7 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
             for (int e = 0; e < 4; ++e) dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - (e & 1 ? d.y : d.x));
         }
         unsigned int dsa[BM / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) dsa[kk][i] = attention::pack_pair(dp[8 * kk + 2 * i], dp[8 * kk + 2 * i + 1], T{});
+        accumulators_to_a<T>(dp, dsa);
         unsigned char* const dsb = ds_s + (it & 1) * DS_BYTES;
         if constexpr (DQ_ATOMIC) {
             // dS^T into shared memory as TMA would store it: boxes of 64 queries, key rows of 128
@@ -228,13 +216,7 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
         else named_barrier_sync(2 + wg, 128);
 
         // dK += dS^T Q (Q read MN-major as stored)
-        wgmma_hold(dsa);
-        wgmma_hold(dk_acc);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
-            Wgmma<T, D>::template rs<1>(dk_acc, dsa[kk], wgmma_desc_sw128_mn(qb + kk * 16 * 128, Q_BOX), 1);
-        wgmma_commit();
+        wgmma_rs_mn<T, D>(dk_acc, dsa, qb, Q_BOX);
         if constexpr (DQ_ATOMIC) {
             // dQ_partial (64 queries x 64 columns) = dS K: A = dS^T read transposed, B = K read
             // MN-major (key rows of D)

@@ -152,23 +152,11 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_sm90(
             }
         }
 
-        // O += P V: P's A fragments from the S accumulators (k16 step kk: column groups 2kk, 2kk+1)
+        // O += P V: P's A fragments from the S accumulators (the rescaled accumulators and the
+        // fragments pinned before the fence), V read MN-major as stored
         unsigned int a[BN / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            a[kk][0] = attention::pack_pair(s[8 * kk + 0], s[8 * kk + 1], T{});
-            a[kk][1] = attention::pack_pair(s[8 * kk + 2], s[8 * kk + 3], T{});
-            a[kk][2] = attention::pack_pair(s[8 * kk + 4], s[8 * kk + 5], T{});
-            a[kk][3] = attention::pack_pair(s[8 * kk + 6], s[8 * kk + 7], T{});
-        }
-        wgmma_hold(o);   // (the rescaled accumulators and P's fragments: written before the fence)
-        wgmma_hold(a);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            Wgmma<T, D>::template rs<1>(o, a[kk], wgmma_desc_sw128_mn(v_s + buf * KV_BYTES + kk * 16 * 128, KV_BOX), 1);
-        }
-        wgmma_commit();
+        accumulators_to_a<T>(s, a);
+        wgmma_rs_mn<T, D>(o, a, v_s + buf * KV_BYTES, KV_BOX);
         wgmma_wait<0>();
         wgmma_hold(o);
         mbarrier_arrive(&bar_free[buf]);   // (this thread's products have read the buffer)

@@ -518,4 +518,31 @@ template <> struct Wgmma<half, 256> {
 #endif
     }
 };
+
+// ---- products with A from the accumulators of an earlier one -------------------------------
+// The float32 accumulators of a 64 x 16K product (the layout above) as K16 A fragments of rs
+// (k16 step kk: columns 16kk .. 16kk + 15), rounded to T: P from S, dS from dP.
+template <typename T, int K16>
+__device__ __forceinline__ void accumulators_to_a(const float (&d)[8 * K16], unsigned int (&a)[K16][4]) {
+#pragma unroll
+    for (int kk = 0; kk < K16; ++kk)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[kk][i] = pack2(d[8 * kk + 2 * i], d[8 * kk + 2 * i + 1], T{});
+}
+
+// acc (64 x N) += A (64 x 16 K16, fragments in registers) * B, B read MN-major from `b_tile`
+// (16 K16 rows of N, boxes of 64 columns `box_bytes` apart, as TMA stores V, dO or Q): one
+// commit group. The fragments and accumulators are pinned before the fence (ordinary writes
+// to them may not sink past it).
+template <typename T, int N, int K16>
+__device__ __forceinline__ void wgmma_rs_mn(float (&acc)[N / 2], unsigned int (&a)[K16][4], const unsigned char* b_tile,
+                                            unsigned int box_bytes) {
+    wgmma_hold(a);
+    wgmma_hold(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < K16; ++kk)
+        Wgmma<T, N>::template rs<1>(acc, a[kk], wgmma_desc_sw128_mn(b_tile + kk * 16 * 128, box_bytes), 1);
+    wgmma_commit();
+}
 }  // namespace cuk
