@@ -1,5 +1,5 @@
-// Fused attention backward on Hopper (sm_90a), step 1 of the backward in docs/notes-attention.md:
-// TMA tile loads and wgmma, no warp specialization yet. It replaces attention_bwd_dkdv
+// Fused attention backward on Hopper (sm_90a) (docs/notes-attention.md, the backward's steps):
+// TMA tile loads, wgmma, dQ by TMA reduce-add; no warp specialization yet. It replaces attention_bwd_dkdv
 // (attention_bwd.cu) on sm_90 and shares the rest of that backward: attention_bwd_dot (Dsum,
 // and dq_accum zeroed), attention_bwd_dq_convert (deterministic=False) or attention_bwd_dq
 // (deterministic=True).
@@ -13,21 +13,25 @@
 //   P^T = exp2(S^T scale_log2 - lse_log2), dS^T = P^T (dP^T - Dsum)   (lse, Dsum: a column each)
 //   dV += P^T dO, dK += dS^T Q            (rs: A from registers, B = dO, Q read MN-major)
 //   dQ_partial = dS K                     (DQ_ATOMIC: dS^T staged in shared memory, read as a
-//                                          transposed A; added into dq_accum with red.global)
+//                                          transposed A; added into dq_accum (float32) by TMA
+//                                          reduce-add through dq_map)
+// dQ of a step needs both warpgroups' dS^T; it is computed one step later (behind an mbarrier
+// that both warpgroups' dS^T stores complete), so the two warpgroups are never held in step by a
+// block barrier and drift: one's softmax overlaps the other's products.
 // dK is scaled at the end; dq_accum is scaled by attention_bwd_dq_convert.
 #include "common/dtype.cuh"
 #include "common/reduce.cuh"
 #include "common/hopper.cuh"
 #include "common/attn_tile.cuh"
 
-// SMEM: the launch's dynamic shared memory: K, V, the Q and dO rings, two dS^T buffers
-// (DQ_ATOMIC), lse and Dsum rows (two steps a warpgroup), 1 KB of alignment slack.
+// SMEM: the launch's dynamic shared memory: K, V, the Q and dO rings, two dS^T buffers and the
+// dQ staging boxes (DQ_ATOMIC), lse and Dsum rows (two steps a warpgroup), 1 KB of alignment slack.
 template <typename T, int D, int BM, bool CAUSAL, bool DQ_ATOMIC, int SMEM>
 __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
     const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
     const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
-    const float* __restrict__ lse, const float* __restrict__ dsum,
-    T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dq_accum,
+    const __grid_constant__ CUtensorMap dq_map,   // dq_accum (B, Sq, H, D) float32, boxes 16 x 32 (unused unless DQ_ATOMIC)
+    const float* __restrict__ lse, const float* __restrict__ dsum, T* __restrict__ dk, T* __restrict__ dv,
     long long dk_sb, long long dk_ss, long long dk_sh, long long dv_sb, long long dv_ss, long long dv_sh,
     int H, int Hkv, int Sq, int Sk, float scale, float scale_log2)
 {
@@ -37,14 +41,14 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
     constexpr int DS_BYTES = BM / 64 * BN * 128;                // dS^T: [BM / 64][BN key rows x 64 queries]
     constexpr int DS_BUFS = DQ_ATOMIC ? 2 : 0;
     constexpr int ROWS_BYTES = 2 * 2 * 2 * BM * 4;              // lse, Dsum [2 warpgroups][2 steps][BM]
-    static_assert(SMEM == 2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + ROWS_BYTES + 1024,
-                  "SMEM: K, V, the Q and dO rings, the dS^T buffers, lse and Dsum, alignment slack");
+    constexpr int DQ_STAGE = DQ_ATOMIC ? 8 * 2 * 16 * 128 : 0;  // dQ rows: [8 warps][2 boxes][16 rows x 128 bytes]
+    static_assert(SMEM == 2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + DQ_STAGE + ROWS_BYTES + 1024,
+                  "SMEM: K, V, the Q and dO rings, the dS^T and dQ buffers, lse and Dsum, alignment slack");
     static_assert((D == 64 || D == 128) && (BM == 64 || BM == 128) && BM * D <= 128 * 64,
                   "tiles of this kernel (other head dims take attention_bwd_dkdv)");
     // dQ = dS K, BM x D: when that is two 64 x 64 halves (BM = 64, D = 128: columns; BM = 128,
-    // D = 64: queries) a warpgroup takes half wg over all BN keys (both warpgroups' dS^T: a block
-    // barrier); with BM = D = 64 it takes its own 64 keys (a warpgroup barrier; both warpgroups
-    // add into dq_accum).
+    // D = 64: queries) a warpgroup takes half wg over all BN keys (both warpgroups' dS^T); with
+    // BM = D = 64 it takes its own 64 keys (both warpgroups add into dq_accum).
     constexpr bool SPLIT_N = BM * D == 2 * 64 * 64;
 #if CUK_SM90A
     using namespace cuk;
@@ -54,9 +58,10 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
     unsigned char* const q_s = v_s + KV_BYTES;              // [STAGES][DB][BM rows x 128 bytes]
     unsigned char* const do_s = q_s + STAGES * Q_BYTES;     // [STAGES][DB][BM rows x 128 bytes]
     unsigned char* const ds_s = do_s + STAGES * Q_BYTES;    // [2][BN rows x 128 bytes]
-    float* const lse_s = reinterpret_cast<float*>(ds_s + DS_BUFS * DS_BYTES);   // [2 wg][2 steps][BM]
+    unsigned char* const dq_s = ds_s + DS_BUFS * DS_BYTES;  // [8 warps][2 boxes][16 rows x 32 floats] (DQ_ATOMIC)
+    float* const lse_s = reinterpret_cast<float*>(dq_s + DQ_STAGE);   // [2 wg][2 steps][BM]
     float* const dsum_s = lse_s + 2 * 2 * BM;                                    // [2 wg][2 steps][BM]
-    __shared__ unsigned long long bar_kv, bar_q[STAGES], bar_free[STAGES];
+    __shared__ unsigned long long bar_kv, bar_q[STAGES], bar_free[STAGES], ds_full[2], ds_free[2];
 
     const int b = blockIdx.y / Hkv, hk = blockIdx.y % Hkv;
     const int rep = H / Hkv;
@@ -97,6 +102,10 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
             mbarrier_init(&bar_free[i], 256);
         }
         mbarrier_init(&bar_kv, 1);
+        for (int i = 0; i < 2; ++i) {
+            mbarrier_init(&ds_full[i], 256);
+            mbarrier_init(&ds_free[i], 256);
+        }
         mbarrier_init_fence();
     }
     __syncthreads();
@@ -127,9 +136,50 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
     for (int i = 0; i < D / 2; ++i) dv_acc[i] = dk_acc[i] = 0.f;
     mbarrier_wait(&bar_kv, 0);
 
+    // dQ of step si (DQ_ATOMIC): this warpgroup's 64 x 64 part (see SPLIT_N) of dS K, A = dS^T read
+    // transposed from buffer si & 1, B = K read MN-major (key rows of D); one commit group.
+    const int qhalf = SPLIT_N && BM == 128 ? wg : 0, dhalf = SPLIT_N && D == 128 ? wg : 0;
+    auto dq_issue = [&](int si, float (&dq)[32]) {
+        constexpr int KSTEPS = SPLIT_N ? BN / 16 : 64 / 16;
+        const unsigned char* const a0 = ds_s + (si & 1) * DS_BYTES + qhalf * BN * 128 + (SPLIT_N ? 0 : wg * 64 * 128);
+        const unsigned char* const b0 = k_s + dhalf * KV_BOX + (SPLIT_N ? 0 : wg * 64 * 128);
+        wgmma_zero_and_fence(dq);
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; ++kk)
+            Wgmma<T, 64>::template ss<1, 1>(dq, wgmma_desc_sw128_mn(a0 + kk * 16 * 128, 64 * 128),
+                                            wgmma_desc_sw128_mn(b0 + kk * 16 * 128, KV_BOX), kk > 0);
+        wgmma_commit();
+    };
+    // ... added into dq_accum: rows m0 + 64 qhalf + 16 warp + g (+8), columns 64 dhalf + 8j + 2t (+1).
+    // Each warp stages its 16 rows x 64 columns as two boxes of 16 rows x 32 floats (128-byte
+    // swizzle: chunk c of row r at c ^ (r % 8), conflict-free stores), then lane 0 issues one TMA
+    // reduce-add a box (rows past Sq are skipped by TMA). The step before's reduce has long read
+    // the boxes; lane 0 waits for that before they are written again.
+    auto dq_store = [&](int si, const float (&dq)[32]) {
+        const int h = hk * rep + si / per_head, m0 = (m_first + si % per_head) * BM;
+        unsigned char* const stage = dq_s + (wg * 4 + warp) * 2 * 2048;
+        if (lane == 0) tma_store_wait_read<0>();
+        __syncwarp();
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                *reinterpret_cast<float2*>(stage + (j / 4) * 2048 + (g + 8 * r) * 128 +
+                                           (((2 * (j % 4) + t / 2) ^ g) << 4) + 8 * (t & 1)) =
+                    make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
+        fence_proxy_async();
+        __syncwarp();
+        if (lane == 0) {
+#pragma unroll
+            for (int box = 0; box < 2; ++box)
+                tma_reduce_add_4d(&dq_map, stage + box * 2048, dhalf * 64 + 32 * box, h, m0 + qhalf * 64 + warp * 16, b);
+            tma_store_commit();
+        }
+    };
+
     for (int it = 0; it < steps; ++it) {
         const int buf = it % STAGES;
-        const int h = hk * rep + it / per_head, m0 = (m_first + it % per_head) * BM;
+        const int m0 = (m_first + it % per_head) * BM;
         if (threadIdx.x == 0 && it + STAGES - 1 < steps) {
             if (it > 0) mbarrier_wait(&bar_free[(it - 1) % STAGES], ((it - 1) / STAGES) & 1);
             load_q(it + STAGES - 1);
@@ -190,12 +240,13 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
         }
         unsigned int dsa[BM / 16][4];
         accumulators_to_a<T>(dp, dsa);
-        unsigned char* const dsb = ds_s + (it & 1) * DS_BYTES;
         if constexpr (DQ_ATOMIC) {
             // dS^T into shared memory as TMA would store it: boxes of 64 queries, key rows of 128
-            // bytes, 16-byte chunk c of row r at chunk c ^ (r % 8). (Two buffers: a warpgroup
-            // writes the next step's while the other may still read this one's; the barrier
-            // below orders the rest.)
+            // bytes, 16-byte chunk c of row r at chunk c ^ (r % 8). Two buffers, by step parity:
+            // both warpgroups' dQ of step it - 2 must have read this one (ds_free). Published to
+            // both warpgroups' dQ of this step by ds_full (256 arrivals).
+            if (it >= 2) mbarrier_wait(&ds_free[it & 1], ((it - 2) >> 1) & 1);
+            unsigned char* const dsb = ds_s + (it & 1) * DS_BYTES;
 #pragma unroll
             for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
@@ -205,55 +256,44 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
                                                      4 * t) = r ? dsa[j / 2][1 + 2 * (j & 1)] : dsa[j / 2][2 * (j & 1)];
                 }
             fence_proxy_async();   // (generic-proxy stores, read next by wgmma)
+            mbarrier_arrive(&ds_full[it & 1]);
         }
         wgmma_wait<0>();   // dV done: P^T's fragments are free
         wgmma_hold(dv_acc);
         wgmma_hold(pa);
-        // dS^T published, and the next step's lse and Dsum in (this thread's cp.async done; the
-        // barrier makes every thread's visible)
+        // The next step's lse and Dsum in (this thread's cp.async done; the barrier makes every
+        // thread's of this warpgroup visible).
         cp_async_wait<0>();
-        if (SPLIT_N && DQ_ATOMIC) named_barrier_sync(1, 256);
-        else named_barrier_sync(2 + wg, 128);
+        named_barrier_sync(2 + wg, 128);
 
-        // dK += dS^T Q (Q read MN-major as stored)
-        wgmma_rs_mn<T, D>(dk_acc, dsa, qb, Q_BOX);
-        if constexpr (DQ_ATOMIC) {
-            // dQ_partial (64 queries x 64 columns) = dS K: A = dS^T read transposed, B = K read
-            // MN-major (key rows of D)
-            constexpr int KSTEPS = SPLIT_N ? BN / 16 : 64 / 16;
-            const int qhalf = SPLIT_N && BM == 128 ? wg : 0, dhalf = SPLIT_N && D == 128 ? wg : 0;
-            const unsigned char* const a0 = dsb + qhalf * BN * 128 + (SPLIT_N ? 0 : wg * 64 * 128);
-            const unsigned char* const b0 = k_s + dhalf * KV_BOX + (SPLIT_N ? 0 : wg * 64 * 128);
+        // dK += dS^T Q (Q read MN-major as stored), and dQ of the step before
+        if (DQ_ATOMIC && it > 0) {
+            mbarrier_wait(&ds_full[(it - 1) & 1], ((it - 1) >> 1) & 1);
             float dq[32];
-            wgmma_zero_and_fence(dq);
-#pragma unroll
-            for (int kk = 0; kk < KSTEPS; ++kk)
-                Wgmma<T, 64>::template ss<1, 1>(dq, wgmma_desc_sw128_mn(a0 + kk * 16 * 128, 64 * 128),
-                                                wgmma_desc_sw128_mn(b0 + kk * 16 * 128, KV_BOX), kk > 0);
-            wgmma_commit();
+            wgmma_rs_mn<T, D>(dk_acc, dsa, qb, Q_BOX);
+            dq_issue(it - 1, dq);
             wgmma_wait<0>();
-            wgmma_hold(dk_acc);
-            wgmma_hold(dsa);
             wgmma_hold(dq);
-            mbarrier_arrive(&bar_free[buf]);   // (this thread's products have read Q and dO)
-            // dq rows: query m0 + 64 qhalf + 16 warp + g (+8); columns 64 dhalf + 8j + 2t (+1)
-            const int col0 = dhalf * 64;
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int q = m0 + qhalf * 64 + warp * 16 + g + 8 * r;
-                if (q < Sq) {
-                    float* dst = dq_accum + ((static_cast<long long>(b) * Sq + q) * H + h) * D + col0 + 2 * t;
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) attention::red_add2(dst + 8 * j, dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
-                }
-            }
+            dq_store(it - 1, dq);
+            mbarrier_arrive(&ds_free[(it - 1) & 1]);
         } else {
+            wgmma_rs_mn<T, D>(dk_acc, dsa, qb, Q_BOX);
             wgmma_wait<0>();
-            wgmma_hold(dk_acc);
-            wgmma_hold(dsa);
-            mbarrier_arrive(&bar_free[buf]);
         }
+        wgmma_hold(dk_acc);
+        wgmma_hold(dsa);
+        mbarrier_arrive(&bar_free[buf]);   // (this thread's products have read Q and dO)
     }
+    if (DQ_ATOMIC && steps > 0) {   // the last step's dQ
+        mbarrier_wait(&ds_full[(steps - 1) & 1], ((steps - 1) >> 1) & 1);
+        float dq[32];
+        dq_issue(steps - 1, dq);
+        wgmma_wait<0>();
+        wgmma_hold(dq);
+        dq_store(steps - 1, dq);
+    }
+    if constexpr (DQ_ATOMIC)
+        if (lane == 0) tma_store_wait<0>();   // (the reduces have read this block's shared memory)
 
     // dK (scaled) and dV: rows key0 and key0 + 8 of this (batch, kv head)
 #pragma unroll

@@ -131,12 +131,14 @@ class Sm90BwdConfig:
     stages = 2
 
     def smem(self, d: int, deterministic: bool) -> int:
-        """K, V, the Q and dO rings (128-byte rows, 64 head-dim columns a box), two dS^T
-        buffers of 128 keys x 64 queries unless deterministic, lse and Dsum rows (two steps for
-        each of two warpgroups), and 1 KB to align them."""
+        """K, V, the Q and dO rings (128-byte rows, 64 head-dim columns a box); unless
+        deterministic, two dS^T buffers of 128 keys x 64 queries and dQ's staging boxes (16 rows
+        x 32 floats, two a warp); lse and Dsum rows (two steps for each of two warpgroups), and
+        1 KB to align them."""
         ds = 0 if deterministic else 2 * self.block_rows // 64 * self.block_keys * 128
+        dq = 0 if deterministic else 8 * 2 * 16 * 128
         rows = 2 * 2 * 2 * self.block_rows * 4
-        return (2 * self.block_keys + 2 * self.stages * self.block_rows) * d * 2 + ds + rows + 1024
+        return (2 * self.block_keys + 2 * self.stages * self.block_rows) * d * 2 + ds + dq + rows + 1024
 
     def instance(self, dtype: str, d: int, causal: bool, deterministic: bool) -> Instance:
         smem = self.smem(d, deterministic)
@@ -488,13 +490,15 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
                    **{f"dv_{n}": s for n, s in _strides3(dvs).items()}}
     if (configs.use_sm90_bwd and d in dict(configs.bwd_sm90) and _kernels.compute_capability(device) == (9, 0)
             and all(i in copied or _tma_readable(a) for i, a in enumerate(arrays[:4]))):
-        # dK, dV (and dQ's atomics) by TMA and wgmma; Dsum, dQ's conversion or pass as below
+        # dK, dV (and dQ's float32 partial sums, by TMA reduce-add) by TMA and wgmma; Dsum, dQ's
+        # conversion or pass as below. (deterministic: no dQ here, the dq_map is unused)
         cfg = configs.get("bwd_sm90", d)
         k = _kernels.kernel(cfg.instance(qa.dtype, d, causal, deterministic), device)
         qbox, kbox = (1, cfg.block_rows, 1, 64), (1, cfg.block_keys, 1, 64)
+        dq_map = bytes(128) if deterministic else MapSlot(dq_accum.index, (1, 16, 1, 32))
         b.launch(k, (-(-sk // cfg.block_keys), batch * hkv), q_map=MapSlot(1, qbox), k_map=MapSlot(2, kbox),
-                 v_map=MapSlot(3, kbox), do_map=MapSlot(0, qbox), lse=b.slot(5), dsum=dsum, dk=dk, dv=dv,
-                 dq_accum=dq_accum, **out_strides, **tail)
+                 v_map=MapSlot(3, kbox), do_map=MapSlot(0, qbox), dq_map=dq_map, lse=b.slot(5), dsum=dsum, dk=dk,
+                 dv=dv, **out_strides, **tail)
     else:
         cfg = configs.get("bwd", d)
         k = _kernels.kernel(cfg.instance(qa.dtype, d, causal, deterministic), device)

@@ -187,6 +187,7 @@ def test_the_sm90_backward_takes_tensor_maps_of_the_inputs(host_arrays_as_device
         lse = np.zeros((2, 4, 200), np.float32)
         with pytest.raises(DryRun) as info:
             cukern.attention_backward(q, q, kv, kv, q, lse, causal=True, deterministic=deterministic)
+        launches.plan = info.value.plan
         return [s for s in info.value.plan.steps if isinstance(s, tuple) and s[0] == "launch"]
 
     steps = launches(128, (9, 0))
@@ -196,7 +197,12 @@ def test_the_sm90_backward_takes_tensor_maps_of_the_inputs(host_arrays_as_device
     assert inst.name.startswith("attention_bwd_sm90<cuk::half, 128, 64, true, true, ")
     assert inst.arch == "sm_90a" and inst.threads == 256 and grid == (3, 4)
     maps = [(m.index, m.box) for _, m, _ in slots if isinstance(m, _kernels.MapSlot)]
-    assert maps == [(1, (1, 64, 1, 64)), (2, (1, 128, 1, 64)), (3, (1, 128, 1, 64)), (0, (1, 64, 1, 64))]
+    assert maps[:4] == [(1, (1, 64, 1, 64)), (2, (1, 128, 1, 64)), (3, (1, 128, 1, 64)), (0, (1, 64, 1, 64))]
+    # dQ's float32 partial sums (B, Sq, H, D), added to by TMA in boxes of 16 rows x 32 floats
+    (acc, box), = maps[4:]
+    assert box == (1, 16, 1, 32)
+    alloc = launches.plan.allocs[acc - 6]   # (after the six inputs)
+    assert (alloc.shape, alloc.dtype) == ((2, 200, 4, 128), "float32")
     steps = launches(64, (9, 0), deterministic=True)
     assert [s[1].name.split("<")[0] for s in steps] == ["attention_bwd_dot", "attention_bwd_sm90", "attention_bwd_dq"]
     rows = attn.CONFIGS.get("bwd_sm90", 64).block_rows

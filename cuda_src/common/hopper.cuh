@@ -122,6 +122,35 @@ __device__ __forceinline__ void tma_load_4d(void* smem, const CUtensorMap* map, 
            "r"(shared_address(bar)) : "memory");
 #endif
 }
+// The box of shared memory at `smem` added (float32 +) into the tensor map's box at (x innermost,
+// y, z, w); elements outside the tensor are skipped. One bulk group a call (tma_store_commit).
+__device__ __forceinline__ void tma_reduce_add_4d(const CUtensorMap* map, const void* smem, int x, int y, int z, int w) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile(
+        "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];"
+        :: "l"(reinterpret_cast<unsigned long long>(map)), "r"(shared_address(smem)), "r"(x), "r"(y), "r"(z), "r"(w)
+        : "memory");
+#endif
+}
+__device__ __forceinline__ void tma_store_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+#endif
+}
+// Wait (the issuing thread) until at most PENDING of its bulk groups still read shared memory
+// (the buffer may be written again), or, with `.read` dropped, until their writes are done.
+template <int PENDING>
+__device__ __forceinline__ void tma_store_wait_read() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(PENDING) : "memory");
+#endif
+}
+template <int PENDING>
+__device__ __forceinline__ void tma_store_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.wait_group %0;" :: "n"(PENDING) : "memory");
+#endif
+}
 // Shared memory written by ordinary stores, next read by TMA or wgmma (each writing thread,
 // before the barrier that publishes it).
 __device__ __forceinline__ void fence_proxy_async() {
