@@ -23,16 +23,19 @@
 #include "common/attn_tile.cuh"
 
 // One thread a row (b, i, h). With dq_accum (deterministic=False) also zeroes dQ's float32
-// partial sums, rows * D elements (saves a separate memset).
+// partial sums, rows * D elements (saves a separate memset). With `rows` (the Hopper backward)
+// also writes lse * log2(e) and Dsum as tiles of `tile` queries, (B, H, ceil(Sq / tile), 2,
+// tile) float32, zeros past Sq: one TMA copy a query tile.
 template <typename T, int D>
 __global__ void __launch_bounds__(256) attention_bwd_dot(
     const T* __restrict__ dout, const T* __restrict__ out,
     long long d_sb, long long d_ss, long long d_sh, long long o_sb, long long o_ss, long long o_sh,
-    float* __restrict__ dsum, float* __restrict__ dq_accum, int B, int Sq, int H)
+    float* __restrict__ dsum, const float* __restrict__ lse, float* __restrict__ rows, int tile,
+    float* __restrict__ dq_accum, int B, int Sq, int H)
 {
     using namespace cuk;
-    const long long rows = static_cast<long long>(B) * Sq * H;
-    for (long long r = blockIdx.x * 256LL + threadIdx.x; r < rows; r += gridDim.x * 256LL) {
+    const long long nrows = static_cast<long long>(B) * Sq * H;
+    for (long long r = blockIdx.x * 256LL + threadIdx.x; r < nrows; r += gridDim.x * 256LL) {
         const int h = static_cast<int>(r % H);
         const long long bi = r / H;
         const int i = static_cast<int>(bi % Sq), b = static_cast<int>(bi / Sq);
@@ -47,10 +50,25 @@ __global__ void __launch_bounds__(256) attention_bwd_dot(
 #pragma unroll
             for (int j = 0; j < 8; ++j) acc = fmaf(fd[j], fo[j], acc);
         }
-        dsum[(static_cast<long long>(b) * H + h) * Sq + i] = acc;
+        const long long bh = static_cast<long long>(b) * H + h;
+        dsum[bh * Sq + i] = acc;
+        if (rows) {
+            float* at = rows + (bh * ((Sq + tile - 1) / tile) + i / tile) * 2 * tile + i % tile;
+            at[0] = lse[bh * Sq + i] * 1.4426950408889634f;
+            at[tile] = acc;
+        }
+    }
+    if (rows) {   // the last tile's rows past Sq, of every (b, h)
+        const int tiles = (Sq + tile - 1) / tile, pad = tiles * tile - Sq;
+        for (long long j = blockIdx.x * 256LL + threadIdx.x; j < static_cast<long long>(B) * H * pad;
+             j += gridDim.x * 256LL) {
+            const int i = Sq + static_cast<int>(j % pad);
+            float* at = rows + ((j / pad) * tiles + i / tile) * 2 * tile + i % tile;
+            at[0] = at[tile] = 0.f;
+        }
     }
     if (dq_accum) {
-        const long long n4 = rows * (D / 4);
+        const long long n4 = nrows * (D / 4);
         for (long long j = blockIdx.x * 256LL + threadIdx.x; j < n4; j += gridDim.x * 256LL)
             reinterpret_cast<float4*>(dq_accum)[j] = make_float4(0.f, 0.f, 0.f, 0.f);
     }

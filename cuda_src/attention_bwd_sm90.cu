@@ -1,6 +1,7 @@
 // Fused attention backward on Hopper (sm_90a) (docs/notes-attention.md, the backward's steps):
 // TMA tile loads, wgmma, dQ by TMA reduce-add; no warp specialization yet. It replaces attention_bwd_dkdv
 // (attention_bwd.cu) on sm_90 and shares the rest of that backward: attention_bwd_dot (Dsum,
+// lse_log2 and Dsum in `rows`, tiles of [2][BM] floats this kernel loads by TMA with Q and dO,
 // and dq_accum zeroed), attention_bwd_dq_convert (deterministic=False) or attention_bwd_dq
 // (deterministic=True).
 //
@@ -10,7 +11,7 @@
 // "released" mbarriers, as the forward). Computed transposed, FlashAttention-3's way, so that
 // P^T and dS^T come out of the accumulators as the A operands (registers) of the next products:
 //   S^T = K Q^T, dP^T = V dO^T            (64 keys x BM queries a warpgroup; ss, K-major)
-//   P^T = exp2(S^T scale_log2 - lse_log2), dS^T = P^T (dP^T - Dsum)   (lse, Dsum: a column each)
+//   P^T = exp2(S^T scale_log2 - lse_log2), dS^T = P^T (dP^T - Dsum)   (lse_log2, Dsum: a column each)
 //   dV += P^T dO, dK += dS^T Q            (rs: A from registers, B = dO, Q read MN-major)
 //   dQ_partial = dS K                     (DQ_ATOMIC: dS^T staged in shared memory, read as a
 //                                          transposed A; added into dq_accum (float32) by TMA
@@ -25,13 +26,14 @@
 #include "common/attn_tile.cuh"
 
 // SMEM: the launch's dynamic shared memory: K, V, the Q and dO rings, two dS^T buffers and the
-// dQ staging boxes (DQ_ATOMIC), lse and Dsum rows (two steps a warpgroup), 1 KB of alignment slack.
+// dQ staging boxes (DQ_ATOMIC), the lse_log2 and Dsum ring, 1 KB of alignment slack.
 template <typename T, int D, int BM, bool CAUSAL, bool DQ_ATOMIC, int SMEM>
 __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
     const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
     const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
     const __grid_constant__ CUtensorMap dq_map,   // dq_accum (B, Sq, H, D) float32, boxes 16 x 32 (unused unless DQ_ATOMIC)
-    const float* __restrict__ lse, const float* __restrict__ dsum, T* __restrict__ dk, T* __restrict__ dv,
+    const float* __restrict__ rows,   // (B, H, ceil(Sq / BM), 2, BM): lse * log2(e) and Dsum a query tile
+    T* __restrict__ dk, T* __restrict__ dv,
     long long dk_sb, long long dk_ss, long long dk_sh, long long dv_sb, long long dv_ss, long long dv_sh,
     int H, int Hkv, int Sq, int Sk, float scale, float scale_log2)
 {
@@ -40,7 +42,7 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
     constexpr int Q_BYTES = DB * Q_BOX, KV_BYTES = DB * KV_BOX;
     constexpr int DS_BYTES = BM / 64 * BN * 128;                // dS^T: [BM / 64][BN key rows x 64 queries]
     constexpr int DS_BUFS = DQ_ATOMIC ? 2 : 0;
-    constexpr int ROWS_BYTES = 2 * 2 * 2 * BM * 4;              // lse, Dsum [2 warpgroups][2 steps][BM]
+    constexpr int ROWS_BYTES = STAGES * 2 * BM * 4;             // lse_log2, Dsum [STAGES][2][BM]
     constexpr int DQ_STAGE = DQ_ATOMIC ? 8 * 2 * 16 * 128 : 0;  // dQ rows: [8 warps][2 boxes][16 rows x 128 bytes]
     static_assert(SMEM == 2 * KV_BYTES + 2 * STAGES * Q_BYTES + DS_BUFS * DS_BYTES + DQ_STAGE + ROWS_BYTES + 1024,
                   "SMEM: K, V, the Q and dO rings, the dS^T and dQ buffers, lse and Dsum, alignment slack");
@@ -59,8 +61,7 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
     unsigned char* const do_s = q_s + STAGES * Q_BYTES;     // [STAGES][DB][BM rows x 128 bytes]
     unsigned char* const ds_s = do_s + STAGES * Q_BYTES;    // [2][BN rows x 128 bytes]
     unsigned char* const dq_s = ds_s + DS_BUFS * DS_BYTES;  // [8 warps][2 boxes][16 rows x 32 floats] (DQ_ATOMIC)
-    float* const lse_s = reinterpret_cast<float*>(dq_s + DQ_STAGE);   // [2 wg][2 steps][BM]
-    float* const dsum_s = lse_s + 2 * 2 * BM;                                    // [2 wg][2 steps][BM]
+    float* const rows_s = reinterpret_cast<float*>(dq_s + DQ_STAGE);   // [STAGES][lse_log2, Dsum][BM]
     __shared__ unsigned long long bar_kv, bar_q[STAGES], bar_free[STAGES], ds_full[2], ds_free[2];
 
     const int b = blockIdx.y / Hkv, hk = blockIdx.y % Hkv;
@@ -76,25 +77,6 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
     const int per_head = max(0, (Sq + BM - 1) / BM - m_first);
     const int steps = per_head * rep;
 
-    // lse and Dsum of step it's queries into this warpgroup's buffers it & 1 by cp.async (a
-    // value a thread; 0 past Sq), one step ahead: each warpgroup reads its own copy after its
-    // barrier of the step before, so no block-wide wait is added.
-    auto stage_rows = [&](int it) {
-        const int h = hk * rep + it / per_head, m0 = (m_first + it % per_head) * BM;
-#pragma unroll
-        for (int tw = threadIdx.x % 128; tw < 2 * BM; tw += 128) {
-            const int i = tw % BM;
-            const bool ok = m0 + i < Sq;
-            const float* src = tw < BM ? lse : dsum;
-            const long long at = (static_cast<long long>(b) * H + h) * Sq + m0 + i;
-            cp_async_4((tw < BM ? lse_s : dsum_s) + (wg * 2 + (it & 1)) * BM + i, ok ? src + at : src, ok);
-        }
-        cp_async_commit();
-    };
-    if (steps > 0) {
-        stage_rows(0);
-        cp_async_wait<0>();
-    }
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int i = 0; i < STAGES; ++i) {
@@ -109,10 +91,13 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
         mbarrier_init_fence();
     }
     __syncthreads();
-    auto load_q = [&](int it) {   // (thread 0) Q and dO of step it into buffer it % STAGES
+    const int tiles = (Sq + BM - 1) / BM;
+    auto load_q = [&](int it) {   // (thread 0) Q, dO, lse_log2 and Dsum of step it into buffer it % STAGES
         const int buf = it % STAGES;
-        const int h = hk * rep + it / per_head, m0 = (m_first + it % per_head) * BM;
-        mbarrier_arrive_expect_tx(&bar_q[buf], 2 * Q_BYTES);
+        const int h = hk * rep + it / per_head, m = m_first + it % per_head, m0 = m * BM;
+        mbarrier_arrive_expect_tx(&bar_q[buf], 2 * Q_BYTES + 2 * BM * 4);
+        bulk_load(rows_s + buf * 2 * BM, rows + ((static_cast<long long>(b) * H + h) * tiles + m) * 2 * BM,
+                  2 * BM * 4, &bar_q[buf]);
 #pragma unroll
         for (int db = 0; db < DB; ++db) {
             tma_load_4d(q_s + buf * Q_BYTES + db * Q_BOX, &q_map, db * 64, h, m0, b, &bar_q[buf]);
@@ -184,11 +169,10 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
             if (it > 0) mbarrier_wait(&bar_free[(it - 1) % STAGES], ((it - 1) / STAGES) & 1);
             load_q(it + STAGES - 1);
         }
-        if (it + 1 < steps) stage_rows(it + 1);
         const unsigned char* const qb = q_s + buf * Q_BYTES;
         const unsigned char* const dob = do_s + buf * Q_BYTES;
-        const float* const lrow = lse_s + (wg * 2 + (it & 1)) * BM;
-        const float* const drow = dsum_s + (wg * 2 + (it & 1)) * BM;
+        const float* const lrow = rows_s + buf * 2 * BM;
+        const float* const drow = lrow + BM;
         mbarrier_wait(&bar_q[buf], (it / STAGES) & 1);
 
         // S^T = K Q^T, then dP^T = V dO^T behind it (this warpgroup's 64 keys x BM queries)
@@ -217,7 +201,7 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
             const float2 l = *reinterpret_cast<const float2*>(lrow + 8 * j + 2 * t);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -(e & 1 ? l.y : l.x) * 1.4426950408889634f));
+                float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -(e & 1 ? l.y : l.x)));
                 if (edge) {
                     const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
                     if (q >= Sq || key >= Sk || (CAUSAL && key > q + diag)) p = 0.f;
@@ -261,10 +245,6 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
         wgmma_wait<0>();   // dV done: P^T's fragments are free
         wgmma_hold(dv_acc);
         wgmma_hold(pa);
-        // The next step's lse and Dsum in (this thread's cp.async done; the barrier makes every
-        // thread's of this warpgroup visible).
-        cp_async_wait<0>();
-        named_barrier_sync(2 + wg, 128);
 
         // dK += dS^T Q (Q read MN-major as stored), and dQ of the step before
         if (DQ_ATOMIC && it > 0) {

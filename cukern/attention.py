@@ -133,11 +133,10 @@ class Sm90BwdConfig:
     def smem(self, d: int, deterministic: bool) -> int:
         """K, V, the Q and dO rings (128-byte rows, 64 head-dim columns a box); unless
         deterministic, two dS^T buffers of 128 keys x 64 queries and dQ's staging boxes (16 rows
-        x 32 floats, two a warp); lse and Dsum rows (two steps for each of two warpgroups), and
-        1 KB to align them."""
+        x 32 floats, two a warp); a ring of lse_log2 and Dsum rows; and 1 KB to align them."""
         ds = 0 if deterministic else 2 * self.block_rows // 64 * self.block_keys * 128
         dq = 0 if deterministic else 8 * 2 * 16 * 128
-        rows = 2 * 2 * 2 * self.block_rows * 4
+        rows = self.stages * 2 * self.block_rows * 4
         return (2 * self.block_keys + 2 * self.stages * self.block_rows) * d * 2 + ds + dq + rows + 1024
 
     def instance(self, dtype: str, d: int, causal: bool, deterministic: bool) -> Instance:
@@ -475,30 +474,33 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
     dqs, dks, dvs = _like(qa, 1 in copied), _like(ka, 2 in copied), _like(va, 3 in copied)
     dsum = b.alloc((batch, h, sq), "float32")
     # deterministic=False: dQ's float32 partial sums (B, Sq, H, D), zeroed by the Dsum kernel,
-    # then added to by atomics.
+    # then added to by atomics (or TMA reduce-add).
     dq_accum = None if deterministic else b.alloc((batch, sq, h, d), "float32")
-    threads = configs.dot_threads
-    rows = batch * sq * h
-    k = _kernels.kernel(configs.dot(qa.dtype, d), device)
-    b.launch(k, min(-(-rows // threads), 65535), dout=b.slot(0), out=b.slot(4),
-             **{f"d_{n}": s for n, s in _strides3(ds).items()}, **{f"o_{n}": s for n, s in _strides3(os_).items()},
-             dsum=dsum, dq_accum=dq_accum, B=batch, Sq=sq, H=h)
     tail = dict(H=h, Hkv=hkv, Sq=sq, Sk=sk, scale=scale, scale_log2=scale * LOG2E)
     strided = {**{f"q_{n}": s for n, s in _strides3(qs).items()}, **{f"k_{n}": s for n, s in _strides3(ks).items()},
                **{f"v_{n}": s for n, s in _strides3(vs).items()}, **{f"d_{n}": s for n, s in _strides3(ds).items()}}
     out_strides = {**{f"dk_{n}": s for n, s in _strides3(dks).items()},
                    **{f"dv_{n}": s for n, s in _strides3(dvs).items()}}
-    if (configs.use_sm90_bwd and d in dict(configs.bwd_sm90) and _kernels.compute_capability(device) == (9, 0)
-            and all(i in copied or _tma_readable(a) for i, a in enumerate(arrays[:4]))):
-        # dK, dV (and dQ's float32 partial sums, by TMA reduce-add) by TMA and wgmma; Dsum, dQ's
+    hopper = (configs.use_sm90_bwd and d in dict(configs.bwd_sm90) and _kernels.compute_capability(device) == (9, 0)
+              and all(i in copied or _tma_readable(a) for i, a in enumerate(arrays[:4])))
+    # The Hopper kernel loads lse * log2(e) and Dsum by TMA, a query tile's [2][rows] at once.
+    tile = configs.get("bwd_sm90", d).block_rows if hopper else 0
+    rows = b.alloc((batch, h, -(-sq // tile), 2, tile), "float32") if hopper else None
+    threads = configs.dot_threads
+    k = _kernels.kernel(configs.dot(qa.dtype, d), device)
+    b.launch(k, min(-(-(batch * sq * h) // threads), 65535), dout=b.slot(0), out=b.slot(4),
+             **{f"d_{n}": s for n, s in _strides3(ds).items()}, **{f"o_{n}": s for n, s in _strides3(os_).items()},
+             dsum=dsum, lse=b.slot(5), rows=rows, tile=tile, dq_accum=dq_accum, B=batch, Sq=sq, H=h)
+    if hopper:
+        # dK, dV (and dQ's float32 partial sums, by TMA reduce-add) by TMA and wgmma; dQ's
         # conversion or pass as below. (deterministic: no dQ here, the dq_map is unused)
         cfg = configs.get("bwd_sm90", d)
         k = _kernels.kernel(cfg.instance(qa.dtype, d, causal, deterministic), device)
         qbox, kbox = (1, cfg.block_rows, 1, 64), (1, cfg.block_keys, 1, 64)
         dq_map = bytes(128) if deterministic else MapSlot(dq_accum.index, (1, 16, 1, 32))
         b.launch(k, (-(-sk // cfg.block_keys), batch * hkv), q_map=MapSlot(1, qbox), k_map=MapSlot(2, kbox),
-                 v_map=MapSlot(3, kbox), do_map=MapSlot(0, qbox), dq_map=dq_map, lse=b.slot(5), dsum=dsum, dk=dk,
-                 dv=dv, **out_strides, **tail)
+                 v_map=MapSlot(3, kbox), do_map=MapSlot(0, qbox), dq_map=dq_map, rows=rows, dk=dk, dv=dv,
+                 **out_strides, **tail)
     else:
         cfg = configs.get("bwd", d)
         k = _kernels.kernel(cfg.instance(qa.dtype, d, causal, deterministic), device)

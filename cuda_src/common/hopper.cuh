@@ -122,6 +122,15 @@ __device__ __forceinline__ void tma_load_4d(void* smem, const CUtensorMap* map, 
            "r"(shared_address(bar)) : "memory");
 #endif
 }
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global memory into shared
+// memory, completing (bytes counted) on `bar`.
+__device__ __forceinline__ void bulk_load(void* smem, const void* gmem, unsigned int bytes, unsigned long long* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(shared_address(smem)), "l"(reinterpret_cast<unsigned long long>(gmem)), "r"(bytes),
+                    "r"(shared_address(bar)) : "memory");
+#endif
+}
 // The box of shared memory at `smem` added (float32 +) into the tensor map's box at (x innermost,
 // y, z, w); elements outside the tensor are skipped. One bulk group a call (tma_store_commit).
 __device__ __forceinline__ void tma_reduce_add_4d(const CUtensorMap* map, const void* smem, int x, int y, int z, int w) {
