@@ -27,7 +27,7 @@
 
 // SMEM: the launch's dynamic shared memory: K, V, the Q and dO rings, two dS^T buffers and the
 // dQ staging boxes (DQ_ATOMIC), the lse_log2 and Dsum ring, 1 KB of alignment slack.
-template <typename T, int D, int BM, bool CAUSAL, bool DQ_ATOMIC, int SMEM>
+template <typename T, int D, int BM, int STAGES, bool CAUSAL, bool DQ_ATOMIC, int SMEM>
 __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
     const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
     const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
@@ -37,7 +37,7 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
     long long dk_sb, long long dk_ss, long long dk_sh, long long dv_sb, long long dv_ss, long long dv_sh,
     int H, int Hkv, int Sq, int Sk, float scale, float scale_log2)
 {
-    constexpr int BN = 128, STAGES = 2, DB = D / 64;            // DB: 64-column boxes of a row
+    constexpr int BN = 128, DB = D / 64;            // DB: 64-column boxes of a row
     constexpr int Q_BOX = BM * 128, KV_BOX = BN * 128;          // bytes of one box (rows x 128 bytes)
     constexpr int Q_BYTES = DB * Q_BOX, KV_BYTES = DB * KV_BOX;
     constexpr int DS_BYTES = BM / 64 * BN * 128;                // dS^T: [BM / 64][BN key rows x 64 queries]

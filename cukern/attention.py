@@ -127,8 +127,8 @@ class Sm90BwdConfig:
     of ``block_rows`` (64 or 128) in a ring of ``stages`` Q and dO buffers. Replaces
     attention_bwd_dkdv."""
     block_rows: int = 64
+    stages: int = 2
     block_keys = 128
-    stages = 2
 
     def smem(self, d: int, deterministic: bool) -> int:
         """K, V, the Q and dO rings (128-byte rows, 64 head-dim columns a box); unless
@@ -141,8 +141,8 @@ class Sm90BwdConfig:
 
     def instance(self, dtype: str, d: int, causal: bool, deterministic: bool) -> Instance:
         smem = self.smem(d, deterministic)
-        return Instance(SM90_BWD_SOURCE, f"attention_bwd_sm90<{_ctype(dtype)}, {d}, {self.block_rows}, {_b(causal)}, "
-                        f"{_b(not deterministic)}, {smem}>", 256, smem, "sm_90a")
+        return Instance(SM90_BWD_SOURCE, f"attention_bwd_sm90<{_ctype(dtype)}, {d}, {self.block_rows}, {self.stages}, "
+                        f"{_b(causal)}, {_b(not deterministic)}, {smem}>", 256, smem, "sm_90a")
 
 
 @dataclass(frozen=True)

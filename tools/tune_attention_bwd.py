@@ -6,7 +6,7 @@
 
 For each head dim, each backward block shape of CANDIDATES (attention.BwdConfig: queries a step,
 keys a block, warps, warp layouts; on sm_90 also attention.Sm90BwdConfig: query rows a step of
-the Hopper kernel) is passed to the fronts in a Configs object of its own (the shipped CONFIGS
+the Hopper kernel and its Q/dO ring) is passed to the fronts in a Configs object of its own (the shipped CONFIGS
 is never changed; the sm_80 candidates run with the Hopper backward off) and the forward +
 backward is timed (device time, median) with deterministic=False and True, at the bench
 shapes; printed in TFLOP/s (FlashAttention's count: 3.5x the forward's FLOPs) with the ratio to
@@ -27,7 +27,7 @@ C = attn.BwdConfig
 CANDIDATES = {64: [C(128, 128, 8, 4, 4, 4), C(64, 128, 8, 2, 4, 4), C(128, 64, 8, 4, 2, 4)],
               128: [C(64, 128, 8, 2, 4, 2), C(64, 64, 4, 2, 2, 2), C(64, 128, 8, 4, 4, 2)]}
 S90 = attn.Sm90BwdConfig
-SM90_CANDIDATES = {64: [S90(64), S90(128)], 128: [S90(64)]}
+SM90_CANDIDATES = {64: [S90(64), S90(128)], 128: [S90(64), S90(64, 3)]}
 SHAPES = [(32, 16, 2048, 128, False), (32, 16, 2048, 128, True), (4, 32, 8192, 128, True),
           (16, 32, 2048, 64, True)]
 
