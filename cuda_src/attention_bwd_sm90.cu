@@ -1,5 +1,5 @@
 // Fused attention backward on Hopper (sm_90a) (docs/notes-attention.md, the backward's steps):
-// TMA tile loads, wgmma, dQ by TMA reduce-add; no warp specialization yet. It replaces attention_bwd_dkdv
+// TMA tile loads, wgmma, dQ by TMA reduce-add. It replaces attention_bwd_dkdv
 // (attention_bwd.cu) on sm_90 and shares the rest of that backward: attention_bwd_dot (Dsum,
 // lse_log2 and Dsum in `rows`, tiles of [2][BM] floats this kernel loads by TMA with Q and dO,
 // and dq_accum zeroed), attention_bwd_dq_convert (deterministic=False) or attention_bwd_dq
@@ -7,7 +7,8 @@
 //
 // A block of two warpgroups owns BN = 128 keys of one (batch, kv head), 64 a warpgroup, with K
 // and V loaded once by TMA; it walks every query tile (BM = 64 or 128 rows) of every query head that
-// shares the kv head, Q and dO brought by thread 0 into a ring of STAGES buffers ("landed" and
+// shares the kv head, Q and dO brought by thread 0 (PRODUCER: by a third warpgroup, which gives
+// its registers to the other two with setmaxnreg) into a ring of STAGES buffers ("landed" and
 // "released" mbarriers, as the forward). Computed transposed, FlashAttention-3's way, so that
 // P^T and dS^T come out of the accumulators as the A operands (registers) of the next products:
 //   S^T = K Q^T, dP^T = V dO^T            (64 keys x BM queries a warpgroup; ss, K-major)
@@ -27,8 +28,8 @@
 
 // SMEM: the launch's dynamic shared memory: K, V, the Q and dO rings, two dS^T buffers and the
 // dQ staging boxes (DQ_ATOMIC), the lse_log2 and Dsum ring, 1 KB of alignment slack.
-template <typename T, int D, int BM, int STAGES, bool CAUSAL, bool DQ_ATOMIC, int SMEM>
-__global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
+template <typename T, int D, int BM, int STAGES, bool CAUSAL, bool DQ_ATOMIC, bool PRODUCER, int SMEM>
+__global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
     const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
     const __grid_constant__ CUtensorMap dq_map,   // dq_accum (B, Sq, H, D) float32, boxes 16 x 32 (unused unless DQ_ATOMIC)
@@ -104,13 +105,27 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
             tma_load_4d(do_s + buf * Q_BYTES + db * Q_BOX, &do_map, db * 64, h, m0, b, &bar_q[buf]);
         }
     };
-    if (threadIdx.x == 0) {
+    const int loader = PRODUCER ? 256 : 0;
+    if (threadIdx.x == loader) {
         mbarrier_arrive_expect_tx(&bar_kv, 2 * KV_BYTES);
 #pragma unroll
         for (int db = 0; db < DB; ++db) {
             tma_load_4d(k_s + db * KV_BOX, &k_map, db * 64, hk, n0, b, &bar_kv);
             tma_load_4d(v_s + db * KV_BOX, &v_map, db * 64, hk, n0, b, &bar_kv);
         }
+    }
+    if constexpr (PRODUCER) {
+        if (threadIdx.x >= 256) {   // the producer: every step's Q, dO, lse and Dsum, each once its buffer is released
+            setmaxnreg_dec<24>();
+            if (threadIdx.x == 256)
+                for (int it = 0; it < steps; ++it) {
+                    if (it >= STAGES) mbarrier_wait(&bar_free[it % STAGES], (it / STAGES - 1) & 1);
+                    load_q(it);
+                }
+            return;
+        }
+        setmaxnreg_inc<240>();
+    } else if (threadIdx.x == 0) {
 #pragma unroll
         for (int i = 0; i < STAGES - 1; ++i)
             if (i < steps) load_q(i);
@@ -165,7 +180,7 @@ __global__ void __launch_bounds__(256, 1) attention_bwd_sm90(
     for (int it = 0; it < steps; ++it) {
         const int buf = it % STAGES;
         const int m0 = (m_first + it % per_head) * BM;
-        if (threadIdx.x == 0 && it + STAGES - 1 < steps) {
+        if (!PRODUCER && threadIdx.x == 0 && it + STAGES - 1 < steps) {
             if (it > 0) mbarrier_wait(&bar_free[(it - 1) % STAGES], ((it - 1) / STAGES) & 1);
             load_q(it + STAGES - 1);
         }

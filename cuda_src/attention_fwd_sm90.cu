@@ -1,26 +1,31 @@
-// Fused attention forward on Hopper (sm_90a), step 2 of the ladder in docs/notes-attention.md:
-// TMA tile loads and wgmma, no warp specialization yet.
+// Fused attention forward on Hopper (sm_90a) (docs/notes-attention.md, the Hopper steps): TMA
+// tile loads and wgmma, with the scheduling options listed at the kernel.
 //
 // A block of two warpgroups computes BM = 128 query rows (64 a warpgroup) of one (batch, head)
-// against all keys. Thread 0 brings Q once and each key/value tile of BN keys by TMA (128-byte
-// swizzle, 64 head-dim columns a box) into a ring of STAGES buffers, STAGES - 1 tiles ahead,
-// one "landed" and one "released" mbarrier a buffer (no block barrier in the loop: the
+// against all keys. Thread 0 (with PRODUCER, a thread of a third warpgroup) brings Q once and
+// each key/value tile of BN keys by TMA (128-byte swizzle, 64 head-dim columns a box) into a ring
+// of STAGES buffers, one "landed" and one "released" mbarrier a buffer (no block barrier in the loop: the
 // warpgroups drift apart). Each warpgroup computes S = Q K^T with wgmma from shared memory
 // (both operands K-major), the online softmax in registers (the accumulator layout is
 // mma.sync's, so the FA2 kernel's row logic carries over), and O += P V with P from registers
 // and V read MN-major as stored.
 //
 // (Overlapping a tile's softmax with the previous tile's P V, FlashAttention-3's intra-warpgroup
-// overlap, was tried and lost: ptxas moved the wait for P V above the softmax's exponentials, so
-// nothing overlapped and the extra barrier cost 10%; docs/notes-attention.md.)
+// overlap, was tried twice and lost: ptxas places the wait for P V in the first latency gap of
+// the softmax, before its exponentials, so nothing overlaps; docs/notes-attention.md.)
 #include "common/dtype.cuh"
 #include "common/reduce.cuh"
 #include "common/hopper.cuh"
 #include "common/attn_tile.cuh"
 
 // SMEM: the launch's dynamic shared memory: Q, STAGES K and V tiles, 1 KB of alignment slack.
-template <typename T, int D, int BN, int STAGES, bool CAUSAL, int SMEM>
-__global__ void __launch_bounds__(256, 1) attention_fwd_sm90(
+// Scheduling options (docs/notes-attention.md has what each measured):
+//   PRODUCER  a third warpgroup, one thread of which issues every TMA load (K/V refills wait
+//             for releases there, not in warpgroup 0's path); 384 threads, the producer down to
+//             24 registers and the consumers up to 240 (setmaxnreg).
+//   PINGPONG  the warpgroups take turns issuing S = Q K^T (FlashAttention-3's scheduler barriers).
+template <typename T, int D, int BN, int STAGES, bool CAUSAL, bool PRODUCER, bool PINGPONG, int SMEM>
+__global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_fwd_sm90(
     const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
     const __grid_constant__ CUtensorMap v_map, T* __restrict__ out, float* __restrict__ lse,
     long long o_sb, long long o_ss, long long o_sh, int H, int Hkv, int Sq, int Sk, float scale_log2)
@@ -37,7 +42,7 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_sm90(
     unsigned char* const q_s = align_1024(smem_raw);
     unsigned char* const k_s = q_s + Q_BYTES;               // [STAGES][DB][BN rows x 128 bytes]
     unsigned char* const v_s = k_s + STAGES * KV_BYTES;     // [STAGES][DB][BN rows x 128 bytes]
-    // bar_kv: a buffer's tile has landed (TMA's bytes); bar_free: every thread is done with it
+    // bar_kv: a buffer's tile has landed (TMA's bytes); bar_free: every consumer thread is done with it
     __shared__ unsigned long long bar_q, bar_kv[STAGES], bar_free[STAGES];
 
     // Causal blocks have different amounts of work: the longest (last) are started first.
@@ -65,7 +70,7 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_sm90(
         mbarrier_init_fence();
     }
     __syncthreads();
-    auto load_kv = [&](int nb) {   // (thread 0) tile nb into buffer nb % STAGES
+    auto load_kv = [&](int nb) {   // (the loading thread) tile nb into buffer nb % STAGES
         const int buf = nb % STAGES;
         mbarrier_arrive_expect_tx(&bar_kv[buf], 2 * KV_BYTES);
 #pragma unroll
@@ -74,10 +79,24 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_sm90(
             tma_load_4d(v_s + buf * KV_BYTES + db * KV_BOX, &v_map, db * 64, hk, nb * BN, b, &bar_kv[buf]);
         }
     };
-    if (threadIdx.x == 0) {
+    const int loader = PRODUCER ? 256 : 0;
+    if (threadIdx.x == loader) {
         mbarrier_arrive_expect_tx(&bar_q, Q_BYTES);
 #pragma unroll
         for (int db = 0; db < DB; ++db) tma_load_4d(q_s + db * Q_BOX, &q_map, db * 64, h, m0, b, &bar_q);
+    }
+    if constexpr (PRODUCER) {
+        if (threadIdx.x >= 256) {   // the producer: every tile, each once its buffer is released
+            setmaxnreg_dec<24>();
+            if (threadIdx.x == 256)
+                for (int nb = 0; nb < n_blocks; ++nb) {
+                    if (nb >= STAGES) mbarrier_wait(&bar_free[nb % STAGES], (nb / STAGES - 1) & 1);
+                    load_kv(nb);
+                }
+            return;
+        }
+        setmaxnreg_inc<240>();
+    } else if (threadIdx.x == 0) {
 #pragma unroll
         for (int i = 0; i < STAGES - 1; ++i)
             if (i < n_blocks) load_kv(i);
@@ -88,20 +107,17 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_sm90(
     for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
     float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};
     mbarrier_wait(&bar_q, 0);
+    // PINGPONG: warpgroup w waits at barrier 1 + w for the other's arrival; warpgroup 1's first
+    // arrival lets warpgroup 0 start, and warpgroup 0 takes warpgroup 1's last arrival after the
+    // loop so that every barrier ends complete.
+    if (PINGPONG && wg == 1 && n_blocks > 0) named_barrier_arrive(1, 256);
 
-    for (int nb = 0; nb < n_blocks; ++nb) {
+    // S = Q K^T of tile nb (this warpgroup's 64 rows x BN keys), a k16 step of the head dim at a
+    // time; one commit group.
+    auto issue_s = [&](int nb, float (&s)[BN / 2]) {
         const int buf = nb % STAGES;
-        // Refill buffer (nb - 1) % STAGES once every thread has released tile nb - 1. (No block
-        // barrier: the two warpgroups drift apart by up to a tile, so that one's softmax can
-        // run beside the other's products.)
-        if (threadIdx.x == 0 && nb + STAGES - 1 < n_blocks) {
-            if (nb > 0) mbarrier_wait(&bar_free[(nb - 1) % STAGES], ((nb - 1) / STAGES) & 1);
-            load_kv(nb + STAGES - 1);
-        }
         mbarrier_wait(&bar_kv[buf], (nb / STAGES) & 1);
-
-        // S = Q K^T (this warpgroup's 64 rows x BN keys), a k16 step of the head dim at a time
-        float s[BN / 2];
+        if (PINGPONG) named_barrier_sync(1 + wg, 256);
         wgmma_zero_and_fence(s);
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
@@ -109,6 +125,20 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_sm90(
                              wgmma_desc_sw128(k_s + buf * KV_BYTES + (ks / 4) * KV_BOX + (ks % 4) * 32), ks > 0);
         }
         wgmma_commit();
+        if (PINGPONG) named_barrier_arrive(2 - wg, 256);
+    };
+
+    for (int nb = 0; nb < n_blocks; ++nb) {
+        // Refill buffer (nb - 1) % STAGES once every thread has released tile nb - 1 (without
+        // PRODUCER, thread 0 here). No block barrier: the two warpgroups drift apart by up to a
+        // tile, so that one's softmax can run beside the other's products.
+        if (!PRODUCER && threadIdx.x == 0 && nb + STAGES - 1 < n_blocks) {
+            if (nb > 0) mbarrier_wait(&bar_free[(nb - 1) % STAGES], ((nb - 1) / STAGES) & 1);
+            load_kv(nb + STAGES - 1);
+        }
+        const int buf = nb % STAGES;
+        float s[BN / 2];
+        issue_s(nb, s);
         wgmma_wait<0>();
         wgmma_hold(s);
 
@@ -161,6 +191,7 @@ __global__ void __launch_bounds__(256, 1) attention_fwd_sm90(
         wgmma_hold(o);
         mbarrier_arrive(&bar_free[buf]);   // (this thread's products have read the buffer)
     }
+    if (PINGPONG && wg == 0 && n_blocks > 0) named_barrier_sync(1, 256);
 
     // Normalize, write O and the log-sum-exp.
     T* og = out + b * o_sb + h * o_sh;

@@ -80,10 +80,18 @@ class FwdConfig:
 @dataclass(frozen=True)
 class Sm90FwdConfig:
     """attention_fwd_sm90 (TMA + wgmma, sm_90a): two warpgroups of 64 query rows a block, ``bn``
-    keys a tile, a ring of ``stages`` K and V tiles in shared memory."""
+    keys a tile, a ring of ``stages`` K and V tiles in shared memory. Scheduling: ``producer``, a
+    third warpgroup issues the loads (setmaxnreg: 240 registers for the two others);
+    ``pingpong``, the warpgroups take turns issuing Q K^T."""
     bn: int
     stages: int = 2
+    producer: bool = False
+    pingpong: bool = False
     block_rows = 128
+
+    @property
+    def threads(self) -> int:
+        return 384 if self.producer else 256
 
     def smem(self, d: int) -> int:
         """Q and the ring of K and V tiles, 128-byte rows (64 head-dim columns a box), and 1 KB
@@ -93,7 +101,8 @@ class Sm90FwdConfig:
     def instance(self, dtype: str, d: int, causal: bool) -> Instance:
         smem = self.smem(d)
         return Instance(SM90_SOURCE, f"attention_fwd_sm90<{_ctype(dtype)}, {d}, {self.bn}, {self.stages}, "
-                        f"{_b(causal)}, {smem}>", 256, smem, "sm_90a")
+                        f"{_b(causal)}, {_b(self.producer)}, {_b(self.pingpong)}, {smem}>",
+                        self.threads, smem, "sm_90a")
 
 
 @dataclass(frozen=True)
@@ -124,11 +133,17 @@ class BwdConfig:
 @dataclass(frozen=True)
 class Sm90BwdConfig:
     """attention_bwd_sm90 (TMA + wgmma, sm_90a): two warpgroups of 64 keys a block, query tiles
-    of ``block_rows`` (64 or 128) in a ring of ``stages`` Q and dO buffers. Replaces
+    of ``block_rows`` (64 or 128) in a ring of ``stages`` Q and dO buffers. ``producer``: a third
+    warpgroup issues the loads and the two others get 240 registers (setmaxnreg), with dQ by
+    atomics only (deterministic=False; the deterministic instance would spill). Replaces
     attention_bwd_dkdv."""
     block_rows: int = 64
     stages: int = 2
+    producer: bool = False
     block_keys = 128
+
+    def threads(self, deterministic: bool) -> int:
+        return 384 if self.producer and not deterministic else 256
 
     def smem(self, d: int, deterministic: bool) -> int:
         """K, V, the Q and dO rings (128-byte rows, 64 head-dim columns a box); unless
@@ -142,7 +157,8 @@ class Sm90BwdConfig:
     def instance(self, dtype: str, d: int, causal: bool, deterministic: bool) -> Instance:
         smem = self.smem(d, deterministic)
         return Instance(SM90_BWD_SOURCE, f"attention_bwd_sm90<{_ctype(dtype)}, {d}, {self.block_rows}, {self.stages}, "
-                        f"{_b(causal)}, {_b(not deterministic)}, {smem}>", 256, smem, "sm_90a")
+                        f"{_b(causal)}, {_b(not deterministic)}, {_b(self.threads(deterministic) == 384)}, {smem}>",
+                        self.threads(deterministic), smem, "sm_90a")
 
 
 @dataclass(frozen=True)
@@ -171,11 +187,12 @@ class Configs:
     # The forward on sm_90 (H100, H200) by TMA and wgmma, by head dim: key tiles as measured
     # fastest on an H200 (tools/tune_attention.py; docs/notes-attention.md, the Hopper path).
     fwd_sm90: tuple[tuple[int, Sm90FwdConfig], ...] = ((64, Sm90FwdConfig(64, 2)), (128, Sm90FwdConfig(128, 2)),
-                                                       (256, Sm90FwdConfig(64, 2)))
+                                                       (256, Sm90FwdConfig(64, 2, producer=True, pingpong=True)))
     use_sm90: bool = True
     # The backward's dK/dV (and dQ-atomic) kernel on sm_90 by TMA and wgmma, by head dim: query
     # tiles as measured fastest on an H200 (d64: 128 rows 288 TFLOP/s against 64 rows 235).
-    bwd_sm90: tuple[tuple[int, Sm90BwdConfig], ...] = ((64, Sm90BwdConfig(128)), (128, Sm90BwdConfig(64)))
+    bwd_sm90: tuple[tuple[int, Sm90BwdConfig], ...] = ((64, Sm90BwdConfig(128, producer=True)),
+                                                       (128, Sm90BwdConfig(64, producer=True)))
     use_sm90_bwd: bool = True
 
     @property

@@ -196,7 +196,7 @@ def test_the_sm90_backward_takes_tensor_maps_of_the_inputs(host_arrays_as_device
     _, inst, grid, _, _, slots = steps[1]
     cfg = attn.CONFIGS.get("bwd_sm90", 128)
     assert inst.name.startswith(f"attention_bwd_sm90<cuk::half, 128, 64, {cfg.stages}, true, true, ")
-    assert inst.arch == "sm_90a" and inst.threads == 256 and grid == (3, 4)
+    assert inst.arch == "sm_90a" and inst.threads == cfg.threads(False) and grid == (3, 4)
     maps = [(m.index, m.box) for _, m, _ in slots if isinstance(m, _kernels.MapSlot)]
     assert maps[:4] == [(1, (1, 64, 1, 64)), (2, (1, 128, 1, 64)), (3, (1, 128, 1, 64)), (0, (1, 64, 1, 64))]
     # dQ's float32 partial sums (B, Sq, H, D), added to by TMA in boxes of 16 rows x 32 floats
@@ -208,7 +208,8 @@ def test_the_sm90_backward_takes_tensor_maps_of_the_inputs(host_arrays_as_device
     assert [s[1].name.split("<")[0] for s in steps] == ["attention_bwd_dot", "attention_bwd_sm90", "attention_bwd_dq"]
     cfg = attn.CONFIGS.get("bwd_sm90", 64)
     assert steps[1][1].name.startswith(f"attention_bwd_sm90<cuk::half, 64, {cfg.block_rows}, {cfg.stages}, true, "
-                                       "false, ")
+                                       "false, false, ")   # (no producer warpgroup when deterministic)
+    assert steps[1][1].threads == 256
     assert launches(128, (8, 0))[1][1].name.startswith("attention_bwd_dkdv<")          # A100
     assert launches(256, (9, 0))[1][1].name.startswith("attention_bwd_dkdv<")          # no Hopper config
     assert launches(128, (9, 0), kv_heads=1)[1][1].name.startswith("attention_bwd_dkdv<")   # stride-0 heads
@@ -269,9 +270,11 @@ def test_attention_matches_reference(c):
 
 @gpu
 @settings(max_examples=80)
-@given(c=attn_cases(), layout=st.sampled_from(["contiguous", "packed"]))
-def test_the_sm90_forward_matches_reference(c, layout):
-    """The Hopper path (TMA + wgmma, attention_fwd_sm90) on its head dims, forced on."""
+@given(c=attn_cases(), layout=st.sampled_from(["contiguous", "packed"]), producer=st.booleans(),
+       pingpong=st.booleans())
+def test_the_sm90_forward_matches_reference(c, layout, producer, pingpong):
+    """The Hopper path (TMA + wgmma, attention_fwd_sm90) on its head dims, forced on, with and
+    without a producer warpgroup and the warpgroups' turns (pingpong)."""
     import importlib
 
     from cukern import _kernels
@@ -281,7 +284,8 @@ def test_the_sm90_forward_matches_reference(c, layout):
     attn = importlib.import_module("cukern.attention")
     if c["d"] not in dict(attn.CONFIGS.fwd_sm90):
         c["d"] = 128
-    hopper = attn.Configs(attn.CONFIGS.fwd, attn.CONFIGS.bwd, attn.CONFIGS.dq, use_sm90=True)
+    cfg = dataclasses.replace(attn.CONFIGS.get("fwd_sm90", c["d"]), producer=producer, pingpong=pingpong)
+    hopper = dataclasses.replace(attn.CONFIGS.replace("fwd_sm90", c["d"], cfg), use_sm90=True)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(attn, "CONFIGS", hopper)
         _run_case(c, layout)
@@ -417,11 +421,12 @@ def test_the_sm80_backward_matches_reference_everywhere(c):
 
 @gpu
 @settings(max_examples=100)
-@given(c=attn_cases(forward=False), sk=st.sampled_from([127, 128, 129, 300, 513]), rows=st.sampled_from([64, 128]))
-def test_the_sm90_backward_matches_reference(c, sk, rows):
+@given(c=attn_cases(forward=False), sk=st.sampled_from([127, 128, 129, 300, 513]), rows=st.sampled_from([64, 128]),
+       producer=st.booleans())
+def test_the_sm90_backward_matches_reference(c, sk, rows, producer):
     """The Hopper backward (attention_bwd_sm90) on its head dims and query tiles (64 rows, and
-    128 at head dim 64), over several key blocks of 128 (partial last blocks, causal blocks that
-    see few queries, GQA's loop over heads)."""
+    128 at head dim 64), with and without a producer warpgroup, over several key blocks of 128
+    (partial last blocks, causal blocks that see few queries, GQA's loop over heads)."""
     import importlib
 
     from cukern import _kernels
@@ -431,7 +436,7 @@ def test_the_sm90_backward_matches_reference(c, sk, rows):
     attn = importlib.import_module("cukern.attention")
     c["d"] = c["d"] if c["d"] in (64, 128) else 128
     c["sk"] = sk
-    cfg = attn.Sm90BwdConfig(rows if c["d"] == 64 else 64)
+    cfg = attn.Sm90BwdConfig(rows if c["d"] == 64 else 64, producer=producer)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(attn, "CONFIGS", dataclasses.replace(attn.CONFIGS, bwd_sm90=((c["d"], cfg),)))
         _run_backward_case(c)

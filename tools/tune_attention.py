@@ -22,9 +22,9 @@ attn = importlib.import_module("cukern.attention")
 C = attn.FwdConfig   # (warps, m-tiles a warp, keys a staged tile, keys a compute sub-tile, Q in registers)
 CANDIDATES = {64: [C(4, 2, 64, 64, True), C(4, 2, 128, 64, True), C(4, 2, 64, 32, True)],
               128: [C(4, 2, 64, 32, False), C(4, 2, 32, 32, False), C(4, 2, 128, 32, False), C(4, 2, 64, 64, False)]}
-S90 = attn.Sm90FwdConfig   # (keys a tile, stages)
-SM90_CANDIDATES = {64: [S90(64, 2), S90(64, 3)], 128: [S90(128, 2), S90(128, 3)],
-                   256: [S90(64, 2)]}
+S90 = attn.Sm90FwdConfig   # (keys a tile, stages, producer warpgroup, pingpong)
+SM90_CANDIDATES = {64: [S90(64, 2), S90(64, 3), S90(64, 2, True)], 128: [S90(128, 2), S90(128, 2, True, True)],
+                   256: [S90(64, 2), S90(64, 2, True, True)]}
 SHAPES = [(32, 16, 2048, 128, False), (32, 16, 2048, 128, True), (16, 32, 2048, 64, True),
           (16, 32, 2048, 64, False), (16, 16, 2048, 256, False), (16, 16, 2048, 256, True)]
 

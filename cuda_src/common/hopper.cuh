@@ -92,6 +92,25 @@ __device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned 
 __device__ __forceinline__ void named_barrier_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
 }
+// Registers a thread of this warpgroup may hold from here on (warp specialization: a producer
+// warpgroup gives registers back, the consumer warpgroups take them). All warps of the
+// warpgroup execute it.
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_inc() {
+#if CUK_SM90A
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(REGS));
+#endif
+}
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_dec() {
+#if CUK_SM90A
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(REGS));
+#endif
+}
+// Arrive at barrier `id` without waiting (the other side of a named_barrier_sync).
+__device__ __forceinline__ void named_barrier_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(count) : "memory");
+}
 
 // ---- TMA ----------------------------------------------------------------------------------
 // A box of the tensor map at coordinates (x innermost, y) into shared memory, completing (bytes
