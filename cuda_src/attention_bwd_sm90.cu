@@ -114,22 +114,7 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
             tma_load_4d(v_s + db * KV_BOX, &v_map, db * 64, hk, n0, b, &bar_kv);
         }
     }
-    if constexpr (PRODUCER) {
-        if (threadIdx.x >= 256) {   // the producer: every step's Q, dO, lse and Dsum, each once its buffer is released
-            setmaxnreg_dec<24>();
-            if (threadIdx.x == 256)
-                for (int it = 0; it < steps; ++it) {
-                    if (it >= STAGES) mbarrier_wait(&bar_free[it % STAGES], (it / STAGES - 1) & 1);
-                    load_q(it);
-                }
-            return;
-        }
-        setmaxnreg_inc<240>();
-    } else if (threadIdx.x == 0) {
-#pragma unroll
-        for (int i = 0; i < STAGES - 1; ++i)
-            if (i < steps) load_q(i);
-    }
+    if (!ring_loads<PRODUCER, STAGES>(steps, bar_free, load_q)) return;   // (the producer is done)
 
     float dv_acc[D / 2], dk_acc[D / 2];   // this warpgroup's 64 keys x D (the accumulator layout)
 #pragma unroll

@@ -85,22 +85,7 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_fwd_sm90(
 #pragma unroll
         for (int db = 0; db < DB; ++db) tma_load_4d(q_s + db * Q_BOX, &q_map, db * 64, h, m0, b, &bar_q);
     }
-    if constexpr (PRODUCER) {
-        if (threadIdx.x >= 256) {   // the producer: every tile, each once its buffer is released
-            setmaxnreg_dec<24>();
-            if (threadIdx.x == 256)
-                for (int nb = 0; nb < n_blocks; ++nb) {
-                    if (nb >= STAGES) mbarrier_wait(&bar_free[nb % STAGES], (nb / STAGES - 1) & 1);
-                    load_kv(nb);
-                }
-            return;
-        }
-        setmaxnreg_inc<240>();
-    } else if (threadIdx.x == 0) {
-#pragma unroll
-        for (int i = 0; i < STAGES - 1; ++i)
-            if (i < n_blocks) load_kv(i);
-    }
+    if (!ring_loads<PRODUCER, STAGES>(n_blocks, bar_free, load_kv)) return;   // (the producer is done)
 
     float o[D / 2];
 #pragma unroll

@@ -107,6 +107,33 @@ __device__ __forceinline__ void setmaxnreg_dec() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(REGS));
 #endif
 }
+// Who loads a ring of STAGES shared-memory buffers holding `count` items in turn (item i in
+// buffer i % STAGES; `load(i)` issues its TMA). PRODUCER: threads 256..383 are a producer
+// warpgroup that keeps 24 registers; its first thread issues every load, each once bar_free of
+// its buffer (one phase an item) says the item before it there was released; it returns false
+// (those threads are done) and the computing threads, with 240 registers, true. Otherwise
+// thread 0 issues the first STAGES - 1 loads (the computing threads refill the ring) and every
+// thread returns true.
+template <bool PRODUCER, int STAGES, typename Load>
+__device__ __forceinline__ bool ring_loads(int count, unsigned long long* bar_free, Load load) {
+    if constexpr (PRODUCER) {
+        if (threadIdx.x >= 256) {
+            setmaxnreg_dec<24>();
+            if (threadIdx.x == 256)
+                for (int i = 0; i < count; ++i) {
+                    if (i >= STAGES) mbarrier_wait(&bar_free[i % STAGES], (i / STAGES - 1) & 1);
+                    load(i);
+                }
+            return false;
+        }
+        setmaxnreg_inc<240>();
+    } else if (threadIdx.x == 0) {
+#pragma unroll
+        for (int i = 0; i < STAGES - 1; ++i)
+            if (i < count) load(i);
+    }
+    return true;
+}
 // Arrive at barrier `id` without waiting (the other side of a named_barrier_sync).
 __device__ __forceinline__ void named_barrier_arrive(int id, int count) {
     asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(count) : "memory");
