@@ -94,8 +94,9 @@ CONFIGS = Configs(
     fwd=(RowConfig(1, 4, 128), RowConfig(1, 16, 128), RowConfig(1, 32, 128, 2), RowConfig(2, 32, 128, 2),
          RowConfig(4, 32, 128), RowConfig(2, 128, 128), RowConfig(4, 128, 128, 1, 7), RowConfig(4, 256, 256),
          RowConfig(4, 512, 512)),
-    bwd=(RowConfig(1, 4, 128), RowConfig(1, 16, 128), RowConfig(1, 32, 128), RowConfig(2, 32, 128),
-         RowConfig(4, 32, 128), RowConfig(2, 128, 128), RowConfig(4, 128, 128), RowConfig(4, 256, 256)),
+    bwd=(RowConfig(1, 4, 128), RowConfig(1, 16, 128), RowConfig(1, 32, 128), RowConfig(2, 32, 128, 1, 6),
+         RowConfig(4, 32, 128, 1, 4), RowConfig(2, 128, 128, 1, 6), RowConfig(4, 128, 128, 1, 4),
+         RowConfig(4, 256, 256, 1, 2)),
 )
 
 
