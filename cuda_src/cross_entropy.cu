@@ -22,10 +22,10 @@
 #include "common/fault.cuh"
 #include "common/cluster.cuh"
 
-// The training form on sm_90 splits a row over a cluster of CE_CLUSTER CTAs (below).
-#define CE_CLUSTER 8
+// The training form on sm_90 splits a row over a cluster of C CTAs (below: the kernel's template
+// parameter C; above 8 the kernel must be allowed the non-portable size, as the front does).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define CUK_CE_CLUSTER_DIMS __cluster_dims__(CE_CLUSTER, 1, 1)
+#define CUK_CE_CLUSTER_DIMS __cluster_dims__(C, 1, 1)
 #else
 #define CUK_CE_CLUSTER_DIMS
 #endif
@@ -281,14 +281,14 @@ __global__ void __launch_bounds__(THREADS) cross_entropy_scale(
 }
 
 // The training form reading the logits once (sm_90): a row is split over a cluster of
-// CE_CLUSTER CTAs, each holding its part of the row in registers (NV vectors a thread). Each CTA
+// C CTAs, each holding its part of the row in registers (NV vectors a thread). Each CTA
 // reduces its part to an online-softmax state (and the sum of z for label smoothing), publishes
-// it in its shared memory, and after one cluster barrier every CTA merges the CE_CLUSTER states
+// it in its shared memory, and after one cluster barrier every CTA merges the C states
 // in rank order (the same result in each) and writes its part of the gradient from registers.
 // The states are double-buffered by row parity, so one barrier a row suffices: a CTA can
 // overwrite a buffer only after the next row's barrier, which its peers pass only once they
 // have read it. Same arguments and results as cross_entropy_rows in MODE 1 (dloss null).
-template <typename T, typename IT, int VEC, int THREADS, int NV>
+template <typename T, typename IT, int VEC, int THREADS, int NV, int C>
 __global__ void __launch_bounds__(THREADS, 1024 / THREADS) CUK_CE_CLUSTER_DIMS cross_entropy_train_cluster(
     const T* logits, long long x_stride, const IT* __restrict__ target, long long rows, long long V,
     long long ignore_index, float smoothing, float z_loss, float softcap,
@@ -298,7 +298,7 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) CUK_CE_CLUSTER_DIMS c
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     using namespace cuk;
     using namespace cuk::cross_entropy;
-    constexpr int C = CE_CLUSTER;
+    static_assert(C >= 2 && C <= 16 && (C & (C - 1)) == 0, "C: 2 to 16 CTAs, a power of two");
     using MergeState = GroupReduce<THREADS, 1, SoftmaxState>;
     using SumF = GroupReduce<THREADS, 1, float>;
     __shared__ typename MergeState::TempStorage merge_tmp;

@@ -7,10 +7,11 @@ from __future__ import annotations
 import ctypes
 import functools
 
-__all__ = ["library", "load_function", "set_max_dynamic_shared", "encode_tiled"]
+__all__ = ["library", "load_function", "set_max_dynamic_shared", "allow_non_portable_cluster_size", "encode_tiled"]
 
 # CUfunction_attribute
 MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,6 +60,12 @@ def max_dynamic_shared(fn: int) -> int:
 def set_max_dynamic_shared(fn: int, nbytes: int) -> None:
     check(library().cuFuncSetAttribute(ctypes.c_void_p(fn), MAX_DYNAMIC_SHARED_SIZE_BYTES, ctypes.c_int(nbytes)),
           "cuFuncSetAttribute")
+
+
+def allow_non_portable_cluster_size(fn: int) -> None:
+    """Let kernel ``fn`` run clusters of more than 8 CTAs (16 on an H100/H200)."""
+    check(library().cuFuncSetAttribute(ctypes.c_void_p(fn), NON_PORTABLE_CLUSTER_SIZE_ALLOWED, ctypes.c_int(1)),
+          "cuFuncSetAttribute(non-portable cluster size)")
 
 
 def encode_tiled(data_type: int, address: int, dims: tuple, strides: tuple, box: tuple, swizzle: int,

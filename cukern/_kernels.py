@@ -94,12 +94,15 @@ class Instance:
     kernels that use it check this number against their own with a static_assert, so the
     compile check catches a mismatch); ``threads`` the block size the kernel is built for;
     ``arch`` an architecture with its own features the instance is built for alone ("sm_90a":
-    wgmma, setmaxnreg), else None (built by CuPy for the device it runs on)."""
+    wgmma, setmaxnreg), else None (built by CuPy for the device it runs on); ``cluster`` the
+    CTAs of the cluster the kernel declares (``__cluster_dims__``), 0 for none: above 8, the
+    portable limit, the kernel is allowed the larger size when it is loaded."""
     source: str
     name: str
     threads: int
     smem: int = 0
     arch: str | None = None
+    cluster: int = 0
 
     @property
     def kernel_name(self) -> str:
@@ -403,6 +406,10 @@ class Kernel:
         # the opt-in above the default 48 KB (static shared memory counts too: opt in at any size)
         if inst.smem and self.fn.max_dynamic_shared_size_bytes < inst.smem:
             self.fn.max_dynamic_shared_size_bytes = inst.smem
+        if inst.cluster > 8:
+            from . import _driver
+
+            _driver.allow_non_portable_cluster_size(self.ptr)
 
     def resident_blocks(self, threads: int | None = None) -> int:
         """How many blocks fit on the whole device at once (the persistent grid size)."""

@@ -49,14 +49,15 @@ class Configs:
     single_threads: int = 1024
     scale_threads: int = 256
     blocks_per_sm: int = 0   # the row kernel's grid: 0 = as many as fit (measured: docs/notes-cross-entropy.md)
-    # The training form on sm_90+: a row over a cluster of `cluster` CTAs (CE_CLUSTER in the
-    # .cu), each of the first of `cluster_threads` threads that holds its part with one of the
-    # `cluster_nv` 16-byte vectors a thread (the smallest). 128 threads when they hold it: eight
-    # CTAs an SM instead of four (V = 65536: 1.45 ms against 1.87 at 256 threads and 1.66 in two
-    # passes). Rows of fewer than `cluster_min` classes keep the two-pass kernel: one CTA's life per
-    # row part costs more than the second read of a short row (measured at 32000, 50304, 65536,
-    # 98304 and 128256: docs/notes-cross-entropy.md, v2 and v2.1).
-    cluster: int = 8
+    # The training form on sm_90+: a row over a cluster of CTAs (of the first of `clusters` sizes
+    # and `cluster_threads` threads, taken threads first, that holds its part of the row with one
+    # of the `cluster_nv` 16-byte vectors a thread, the fewest). 128 threads when they hold it:
+    # eight CTAs an SM instead of four (V = 65536: 1.45 ms against 1.87 at 256 threads and 1.66 in
+    # two passes). A cluster of 16 is beyond the portable size (the front allows it per kernel).
+    # Rows of fewer than `cluster_min` classes keep the two-pass kernel: one CTA's life per row
+    # part costs more than the second read of a short row (measured at 32000, 50304, 65536, 98304
+    # and 128256: docs/notes-cross-entropy.md, v2 and v2.1).
+    clusters: tuple[int, ...] = (8,)
     cluster_threads: tuple[int, ...] = (128, 256)
     cluster_nv: tuple[int, ...] = (1, 2, 4, 8)
     cluster_min: int = 50000
@@ -65,22 +66,23 @@ class Configs:
     # loads overlap another's reductions) or, persistent, as many clusters as fit looping over
     # rows (measured 1.9x slower: a row's load, reductions and barrier then run back to back).
     cluster_persistent: bool = False
-    max_clusters: int = 1 << 27   # the cluster kernel's grid at most (it loops over the rows past it)
+    max_clusters: int = 1 << 27   # the cluster kernel's grid at most (it loops over the rest)
 
-    def cluster_vectors(self, v: int, vec: int) -> tuple[int, int] | None:
-        """(threads, nv) that hold a row of ``v`` classes in the cluster, or None (too wide)."""
-        cols = -(-v // self.cluster)      # columns a CTA, then vectors (as the kernel splits the row)
-        per = -(-cols // vec)
+    def cluster_vectors(self, v: int, vec: int) -> tuple[int, int, int] | None:
+        """(cluster, threads, nv) that hold a row of ``v`` classes, or None (too wide)."""
         for threads in self.cluster_threads:
-            for nv in self.cluster_nv:
-                if nv * threads >= per:
-                    return threads, nv
+            for cluster in self.clusters:
+                cols = -(-v // cluster)      # columns a CTA, then vectors (as the kernel splits the row)
+                per = -(-cols // vec)
+                for nv in self.cluster_nv:
+                    if nv * threads >= per:
+                        return cluster, threads, nv
         return None
 
-    def train_cluster(self, dtype: str, index: str, threads: int, nv: int) -> Instance:
+    def train_cluster(self, dtype: str, index: str, cluster: int, threads: int, nv: int) -> Instance:
         vec = 16 // _arrays.DTYPES[dtype][1]
         return Instance(SOURCE, f"cross_entropy_train_cluster<{_arrays.DTYPES[dtype][0]}, {INDEX_CTYPES[index]}, "
-                                f"{vec}, {threads}, {nv}>", threads)
+                                f"{vec}, {threads}, {nv}, {cluster}>", threads, cluster=cluster)
 
     def rows(self, dtype: str, index: str, vec: int, mode: int) -> Instance:
         return Instance(SOURCE, f"cross_entropy_rows<{_arrays.DTYPES[dtype][0]}, {INDEX_CTYPES[index]}, {vec}, "
@@ -113,7 +115,7 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
             for index in INDEX_CTYPES:
                 out += [configs.rows(dtype, index, vec, mode) for mode in (FORWARD, TRAIN, BACKWARD)]
                 if vec > 1:
-                    out += [configs.train_cluster(dtype, index, threads, nv)
+                    out += [configs.train_cluster(dtype, index, cluster, threads, nv) for cluster in configs.clusters
                             for threads in configs.cluster_threads for nv in configs.cluster_nv]
             out += [configs.scale(dtype, ld, vec) for ld in sorted({"float32", dtype})]
         out += [configs.reduce(dtype), configs.cast(dtype)]
@@ -352,11 +354,12 @@ def _plan(mode: int, arrays: list, opts: Options, flags: tuple, configs: Configs
     shape = configs.cluster_vectors(v, vec)
     if (mode == TRAIN and configs.use_cluster and vec > 1 and shape is not None and v >= configs.cluster_min
             and _kernels.compute_capability(device) >= (9, 0)):
+        cluster = shape[0]
         k = _kernels.kernel(configs.train_cluster(la.dtype, ta.dtype, *shape), device)
         clusters = min(rows, configs.max_clusters)
         if configs.cluster_persistent:
-            clusters = max(1, min(clusters, k.resident_blocks() // configs.cluster))
-        b.launch(k, clusters * configs.cluster, **common)
+            clusters = max(1, min(clusters, k.resident_blocks() // cluster))
+        b.launch(k, clusters * cluster, **common)
     else:
         k = _kernels.kernel(configs.rows(la.dtype, ta.dtype, vec, mode), device)
         grid = configs.blocks_per_sm * _kernels.sm_count(device) if configs.blocks_per_sm else k.resident_blocks()

@@ -171,12 +171,6 @@ def test_plans_launch_what_each_form_needs_and_read_strided_rows_in_place(dry):
         cukern.cross_entropy_forward_backward(np.ones((64, 6), np.float16).T, t, inplace=True)
 
 
-def test_the_cluster_size_agrees_with_the_kernel_source():
-    from cukern import _kernels
-
-    assert f"#define CE_CLUSTER {ce.CONFIGS.cluster}\n" in _kernels.load_source(ce.SOURCE)
-
-
 def test_the_training_form_splits_wide_rows_over_a_cluster_on_sm90(dry, monkeypatch):
     from cukern import _kernels
 
@@ -190,25 +184,31 @@ def test_the_training_form_splits_wide_rows_over_a_cluster_on_sm90(dry, monkeypa
     # the shipped configuration: LLaMA-3's vocabulary on clusters of 256-thread CTAs, 50304 to
     # 65536 classes of 128-thread CTAs (eight an SM), Mistral's 32000 in two passes
     got = kernels(128256, (9, 0))
-    assert list(got) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 256, 8>"]
+    assert list(got) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 256, 8, 8>"]
     assert list(got.values()) == [6 * 8]                                  # a cluster of 8 a row
-    assert list(kernels(50304, (9, 0))) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 128, 8>"]
-    assert list(kernels(65536, (9, 0))) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 128, 8>"]
+    assert list(kernels(50304, (9, 0))) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 128, 8, 8>"]
+    assert list(kernels(65536, (9, 0))) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 128, 8, 8>"]
     assert "train_cluster" not in str(kernels(32000, (9, 0)))            # below cluster_min: two passes
     assert "train_cluster" not in str(kernels(128256, (8, 0)))           # A100: two passes
     assert "train_cluster" not in str(kernels(128255, (9, 0)))           # odd V: scalar loads, two passes
     assert "train_cluster" not in str(kernels(151936, (9, 0)))           # too wide for the registers
     # the number of vectors a thread follows the width (any cluster_min)
     monkeypatch.setattr(ce, "CONFIGS", ce.Configs(cluster_min=8192))
-    assert list(kernels(32000, (9, 0))) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 128, 4>"]
+    assert list(kernels(32000, (9, 0))) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 128, 4, 8>"]
     assert "train_cluster" not in str(kernels(4096, (9, 0)))             # narrow rows: two passes
-    assert ", 256, 8>" in str(kernels(2**16, (9, 0), np.float32))        # float32: 8 vectors of 256 threads
+    assert ", 256, 8, 8>" in str(kernels(2**16, (9, 0), np.float32))        # float32: 8 vectors of 256 threads
     assert "train_cluster" not in str(kernels(2**17, (9, 0), np.float32))  # too wide for the registers
     # a grid of at most max_clusters clusters (the kernel loops over the rest)
     monkeypatch.setattr(ce, "CONFIGS", ce.Configs(max_clusters=2))
     assert list(kernels(128256, (9, 0), rows=5).values()) == [2 * 8]
     monkeypatch.setattr(ce, "CONFIGS", ce.Configs(cluster_min=8192, use_cluster=False))
     assert "train_cluster" not in str(kernels(128256, (9, 0)))
+    # clusters of 16 (beyond the portable size: the instance says so, and loading allows it)
+    monkeypatch.setattr(ce, "CONFIGS", ce.Configs(clusters=(16,)))
+    got = kernels(128256, (9, 0))
+    assert list(got) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 128, 8, 16>"]
+    assert list(got.values()) == [6 * 16]
+    assert ce.CONFIGS.train_cluster("float16", "int64", 16, 128, 8).cluster == 16
     ce._PLANS.clear()
 
 
@@ -308,18 +308,20 @@ def test_every_option_matches_the_reference(rows, v, dtype, reduction, smoothing
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("v, opts", [(8192, {}), (50000, {"label_smoothing": 0.1, "z_loss": 1e-3}),
                                      (128256, {"softcap": 30.0, "reduction": "none"}), (2**17, {"reduction": "sum"})])
-@pytest.mark.parametrize("kind", ["128 threads", "256 threads", "256 threads looping"])
+@pytest.mark.parametrize("kind", ["8 x 128 threads", "8 x 256 threads", "8 x 256 threads looping",
+                                  "16 x 128 threads", "16 x 128 threads looping"])
 def test_the_cluster_training_form_matches_the_reference(dtype, v, opts, kind, monkeypatch):
-    """The sm_90 path (a row over a cluster of CTAs of 128 or 256 threads; a cluster a row, or two
-    clusters looping over the rows), copy and in place, against the reference."""
+    """The sm_90 path (a row over a cluster of 8 or 16 CTAs of 128 or 256 threads; a cluster a
+    row, or two clusters looping over the rows), copy and in place, against the reference."""
     from cukern import _kernels
 
     if _kernels.compute_capability(0) < (9, 0):
         pytest.skip("clusters need sm_90")
-    threads = (128,) if kind.startswith("128") else (256,)
-    if ce.Configs(cluster_threads=threads).cluster_vectors(v, 16 // (4 if dtype == "float32" else 2)) is None:
-        pytest.skip(f"{v} classes are too wide for clusters of {threads[0]}-thread CTAs")
-    configs = ce.Configs(cluster_min=8192, cluster_threads=threads,   # (down to 8192 classes)
+    cluster, threads = (int(kind.split()[0]),), (int(kind.split()[2]),)
+    if ce.Configs(clusters=cluster, cluster_threads=threads).cluster_vectors(
+            v, 16 // (4 if dtype == "float32" else 2)) is None:
+        pytest.skip(f"{v} classes are too wide for clusters of {kind}")
+    configs = ce.Configs(cluster_min=8192, clusters=cluster, cluster_threads=threads,   # (down to 8192 classes)
                          max_clusters=2 if "looping" in kind else 1 << 27)
     monkeypatch.setattr(ce, "CONFIGS", configs)
     ce._PLANS.clear()

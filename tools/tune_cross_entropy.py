@@ -3,9 +3,9 @@
     python3 tools/tune_cross_entropy.py [--tokens 16384] [--vocab 128256 32000 50304] [--dtype bfloat16]
 
 For each vocabulary: the two-pass row kernel (v1) and, on sm_90, the cluster kernel (v2) with
-each number of vectors a thread that holds the row (128, 256 and 512 threads; one cluster a row, and
-the persistent grid), each passed in a Configs object of its own
-(the shipped CONFIGS is never changed); then PyTorch eager, torch.compile and Liger-Kernel
+each number of vectors a thread that holds the row (clusters of 8 and 16 CTAs of 128, 256 and
+512 threads; one cluster a row, and the persistent grid), each passed in a Configs object of
+its own (the shipped CONFIGS is never changed); then PyTorch eager, torch.compile and Liger-Kernel
 (when installed) on the same logits. Prints ms and the share of the copy bandwidth measured in
 the same run over the byte floor (read the logits once, write the gradient once: 4·T·V bytes
 in bf16), and checks each variant's loss and gradient against the first one's.
@@ -42,21 +42,22 @@ def measure(tokens: int, v: int, dt, dtype: str, copy: float, sm90: bool) -> Non
     floor = 2 * x.element_size() * x.numel()
     vec = 16 // x.element_size()
     variants = [("v1 two-pass", ce.Configs(use_cluster=False))]
-    if sm90:   # a cluster a row, at 128, 256 and 512 threads, then the persistent grid; down to 8192 classes
-        for threads in (128, 256, 512):
-            base = dict(cluster_threads=(threads,), use_cluster=True, cluster_min=8192)
-            shape = ce.Configs(**base).cluster_vectors(v, vec)   # and twice the vectors (fewer registers spare)
-            least = shape[1] if shape else None
-            variants += [(f"v2 cluster {threads}x{nv}", ce.Configs(**base, cluster_nv=(nv,)))
-                         for nv in ((least, 2 * least) if least and least < 8 else (least,) if least else ())]
+    if sm90:   # a cluster a row (8 or 16 CTAs; 128, 256 and 512 threads), then the persistent grid
+        for cluster in (8, 16):
+            for threads in (128, 256, 512):
+                base = dict(clusters=(cluster,), cluster_threads=(threads,), use_cluster=True, cluster_min=8192)
+                shape = ce.Configs(**base).cluster_vectors(v, vec)   # and twice the vectors (fewer registers spare)
+                least = shape[2] if shape else None
+                variants += [(f"v2 cluster {cluster}: {threads}x{nv}", ce.Configs(**base, cluster_nv=(nv,)))
+                             for nv in ((least, 2 * least) if least and least < 8 else (least,) if least else ())]
         shape = ce.Configs().cluster_vectors(v, vec)
         if shape:
-            variants.append((f"v2 persistent {shape[0]}x{shape[1]}",
-                             ce.Configs(use_cluster=True, cluster_min=8192, cluster_threads=(shape[0],),
-                                        cluster_nv=(shape[1],), cluster_persistent=True)))
+            variants.append((f"v2 persistent {shape[0]}: {shape[1]}x{shape[2]}",
+                             ce.Configs(use_cluster=True, cluster_min=8192, clusters=(shape[0],),
+                                        cluster_threads=(shape[1],), cluster_nv=(shape[2],), cluster_persistent=True)))
 
     def line(name, ms, note=""):
-        print(f"V {v:7d} {name:22s} {ms:7.3f} ms  {floor / ms / 1e6 / copy * 100:5.1f}% of copy{note}", flush=True)
+        print(f"V {v:7d} {name:26s} {ms:7.3f} ms  {floor / ms / 1e6 / copy * 100:5.1f}% of copy{note}", flush=True)
 
     first = None
     for name, cfg in variants:
