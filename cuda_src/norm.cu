@@ -123,8 +123,10 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_fwd(
                 // The cancellation costs about log2((K-mean)^2/var) bits of the variance.
                 exact |= m * m > 16.f * var;
             }
-            // Uniform where the reductions need it: the block for G > 32, the warp otherwise.
-            if (G > 32 ? __syncthreads_or(exact) : __any_sync(0xffffffffu, exact)) {
+            // Every thread of a group holds the same sums (a butterfly adds the same pairs in
+            // every lane, and addition commutes), so `exact` is uniform over a group already;
+            // a warp of several groups takes the pass together (its reduction's shuffles).
+            if (G >= 32 ? exact : __any_sync(0xffffffffu, exact)) {
                 float q[R];
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
