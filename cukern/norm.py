@@ -81,16 +81,10 @@ class Configs:
     fwd: tuple[RowConfig, ...]
     bwd: tuple[RowConfig, ...]
     loop: LoopConfig = LoopConfig()
-    fwd_rms: tuple[RowConfig, ...] | None = None   # RMSNorm's forward, where it differs (None: fwd)
 
-    def table(self, kind: str, rms: bool) -> tuple[RowConfig, ...]:
-        if kind == "bwd":
-            return self.bwd
-        return self.fwd_rms if rms and self.fwd_rms is not None else self.fwd
-
-    def pick(self, kind: str, cols: int, vec: int, rms: bool) -> RowConfig | LoopConfig:
+    def pick(self, kind: str, cols: int, vec: int) -> RowConfig | LoopConfig:
         nvec = -(-cols // vec)
-        for c in self.table(kind, rms):
+        for c in (self.fwd if kind == "fwd" else self.bwd):
             if c.capacity >= nvec:
                 return c
         return self.loop
@@ -100,11 +94,6 @@ CONFIGS = Configs(
     fwd=(RowConfig(1, 4, 128), RowConfig(1, 16, 128), RowConfig(1, 32, 128, 2), RowConfig(2, 32, 128, 2),
          RowConfig(4, 32, 128), RowConfig(2, 128, 128), RowConfig(4, 128, 128, 1, 7), RowConfig(4, 256, 256),
          RowConfig(4, 512, 512)),
-    # RMSNorm's forward differs from 2049 to 4096 16-bit columns: 256 threads a row, 4 blocks an SM
-    # (there LayerNorm loses a seventh and RMSNorm gains 2.5%: docs/notes-norm.md)
-    fwd_rms=(RowConfig(1, 4, 128), RowConfig(1, 16, 128), RowConfig(1, 32, 128, 2), RowConfig(2, 32, 128, 2),
-             RowConfig(4, 32, 128), RowConfig(2, 128, 128), RowConfig(2, 256, 256, 1, 4), RowConfig(4, 256, 256),
-             RowConfig(4, 512, 512)),
     bwd=(RowConfig(1, 4, 128), RowConfig(1, 16, 128), RowConfig(1, 32, 128), RowConfig(2, 32, 128, 1, 6),
          RowConfig(4, 32, 128, 1, 4), RowConfig(2, 128, 128, 1, 6), RowConfig(4, 128, 128, 1, 4),
          RowConfig(4, 256, 256, 1, 2)),
@@ -117,8 +106,7 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
     for dtype, (_, itemsize) in _arrays.DTYPES.items():
         for rms in (False, True):
             for vec in sorted({1, 16 // itemsize}):
-                for kind in ("fwd", "bwd"):
-                    table = configs.table(kind, rms)
+                for kind, table in (("fwd", configs.fwd), ("bwd", configs.bwd)):
                     out += [c.instance(kind, dtype, rms, vec) for c in (*table, configs.loop)]
     return out
 
@@ -215,7 +203,7 @@ def _plan_forward(rms, arrays, eps, return_stats, configs) -> Plan:
         # (a fresh copy is 256-byte aligned and contiguous)
         vec = _vector_width(xa.itemsize, cols, [(None if copy_x else xa, xs), (None if copy_r else ra, rs),
                                                  (wa, 0), (ba, 0)])
-        cfg = configs.pick("fwd", cols, vec, rms)
+        cfg = configs.pick("fwd", cols, vec)
         k = _kernels.kernel(cfg.instance("fwd", xa.dtype, rms, vec), device)
         b.launch(k, min(-(-rows // cfg.rows_per_block), k.resident_blocks()),
                  x=b.slot(0), x_stride=xs, res=b.slot(3), res_stride=rs, w=b.slot(1), b=b.slot(2), y=y, h=h,
@@ -302,7 +290,7 @@ def _plan_backward(rms, arrays, configs) -> Plan:
                 b.fix(i, DeviceArray.contiguous)
     vec = _vector_width(xa.itemsize, cols, [(None if i in copies else a, strides.get(i, 0))
                                             for i, a in ((0, da), (1, xa), (5, dra))] + [(wa, 0)])
-    cfg = configs.pick("bwd", cols, vec, rms)
+    cfg = configs.pick("bwd", cols, vec)
     k = _kernels.kernel(cfg.instance("bwd", xa.dtype, rms, vec), device)
     grid = min(-(-rows // cfg.rows_per_block), k.resident_blocks())
     nparts = grid * cfg.groups

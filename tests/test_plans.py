@@ -52,19 +52,6 @@ def test_plans_read_strided_rows_in_place_and_copy_only_what_they_must(host_arra
     assert _launch_args(plan, "norm_fwd")["x_stride"] == 64
 
 
-def test_rms_norm_forward_takes_its_own_table_where_it_has_one(host_arrays_as_device):
-    x = np.ones((8, 4096), np.float16)
-
-    def instance(call):
-        return [s[1].name for s in _plan(call).steps if isinstance(s, tuple)][0]
-
-    assert instance(lambda: cukern.layer_norm(x)) == "norm_fwd<cuk::half, false, 8, 4, 128, 128, 1, 7>"
-    assert instance(lambda: cukern.rms_norm(x)) == "norm_fwd<cuk::half, true, 8, 2, 256, 256, 1, 4>"
-    # elsewhere the tables agree
-    assert instance(lambda: cukern.rms_norm(x[:, :1024])) == "norm_fwd<cuk::half, true, 8, 4, 32, 128, 1, 1>"
-    assert norm.Configs(fwd=norm.CONFIGS.fwd, bwd=norm.CONFIGS.bwd).table("fwd", True) is norm.CONFIGS.fwd
-
-
 @pytest.mark.parametrize("cc", [(8, 0), (9, 0)])
 def test_attention_reads_sdpa_layout_and_packed_qkv_without_copies(host_arrays_as_device, monkeypatch, cc):
     """No copies of SDPA's layout or of packed qkv: the sm_80 kernel takes their strides, the
