@@ -271,8 +271,9 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_bwd(
                 for (int r = 0; r < R; ++r) {
                     const long long row = row0 + r;
                     if (row < rows) {
-                        const float a = RMS ? 0.f : s[2 * r] * inv_cols;
-                        const float c = s[2 * r + 1] * inv_cols;
+                        // rstd * (g - mean(g) - xhat * mean(g * xhat)) as two FMAs an element
+                        const float ka = RMS ? 0.f : -rs[r] * (s[2 * r] * inv_cols);
+                        const float kc = -rs[r] * (s[2 * r + 1] * inv_cols);
                         Vec<T, VEC> rv = {};
                         if (dres) rv = load_stream<T, VEC>(dres + row * dres_stride + col);
                         Vec<T, VEC> out;
@@ -281,7 +282,7 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_bwd(
                             const float d = to_float(gv[r][i].v[j]);
                             const float xh = (to_float(xv[r][i].v[j]) - mu[r]) * rs[r];
                             const float g = w ? d * to_float(wv.v[j]) : d;
-                            float v = rs[r] * (g - a - xh * c);
+                            float v = fmaf(rs[r], g, RMS ? xh * kc : fmaf(xh, kc, ka));
                             if (dres) v += to_float(rv.v[j]);
                             out.v[j] = from_float<T>(v);
                         }
