@@ -37,7 +37,10 @@ class TorchOp:
     ``backward_schema`` are the custom ops' schemas; ``fake`` and ``backward_fake`` their
     shapes for torch.compile. ``eager_backward``, when given, replaces ``backward`` in the eager
     Function: it may reuse buffers the forward made and saved (write a gradient in place),
-    which a custom op may not (its outputs must not alias its inputs).
+    which a custom op may not (its outputs must not alias its inputs). ``native``: its plans
+    depend on nothing but its arguments (no global state such as determinism), so the eager
+    path may record them on a signature's first call and replay them from C++ after
+    (cukern/torch/_native.py).
     """
     name: str
     schema: str
@@ -52,6 +55,7 @@ class TorchOp:
     visible: int = 1
     inference: Callable | None = None
     eager_backward: Callable | None = None
+    native: bool = False
 
 
 @dataclass(frozen=True)

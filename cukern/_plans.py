@@ -17,12 +17,16 @@ steps of the plan too, so they happen only where the input forces them.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
+
 from . import _arrays
 from ._arrays import DeviceArray
 from ._kernels import Slot
 
-__all__ = ["Alloc", "Plan", "PlanCache", "Builder"]
+__all__ = ["Alloc", "Plan", "PlanCache", "Builder", "record"]
+
+_recording = threading.local()   # .plans: the list a `record` block collects into
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,7 @@ class Plan:
         """Run on ``arrays`` (the call's inputs, a list it may change); the buffer list."""
         for slot, fix in self.fixes:
             arrays[slot] = fix(arrays[slot])
+        given = len(arrays)
         first = arrays[self.first]
         with _arrays.on_device(self.device):
             bufs = arrays
@@ -82,7 +87,24 @@ class Plan:
                 stream = _arrays.launch_stream(first)
                 for step in self.steps:
                     step(bufs, ptrs, stream)
+        plans = getattr(_recording, "plans", None)
+        if plans is not None:
+            plans.append((self, bufs, given))
         return bufs
+
+
+class record:
+    """``with record() as plans:`` collects ``(plan, buffers, number given)`` for every plan run
+    on this thread inside the block (cukern.torch's native path replays them from C++)."""
+
+    def __enter__(self) -> list:
+        self.previous = getattr(_recording, "plans", None)
+        _recording.plans = []
+        return _recording.plans
+
+    def __exit__(self, *exc):
+        _recording.plans = self.previous
+        return False
 
 
 class PlanCache:

@@ -904,7 +904,7 @@ TORCH_OPS = (
             eager_backward=lambda dloss, dlogits: (_scale_gradient(dloss, dlogits, inplace=True),),
             backward_fake=lambda dloss, dlogits: (dlogits.new_empty(dlogits.shape),),
             backward_args=lambda saved, state, grads, T: (grads[0], saved[0]),
-            grads_to=(0,)),
+            grads_to=(0,), native=True),
 )
 
 

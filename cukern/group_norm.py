@@ -508,7 +508,7 @@ TORCH_OPS = (
                             "-> (Tensor, Tensor, Tensor)",
             backward=group_norm_backward, backward_fake=_bwd_fake,
             backward_args=lambda saved, groups, grads, T: (grads[0], saved[0], groups, *saved[1:]),
-            grads_to=(0, 2, 3)),
+            grads_to=(0, 2, 3), native=True),
 )
 
 

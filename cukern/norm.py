@@ -567,7 +567,7 @@ TORCH_OPS = (
             backward_schema="(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd) "
                             "-> (Tensor, Tensor, Tensor)",
             backward=layer_norm_backward, backward_fake=_ln_bwd_fake,
-            backward_args=lambda saved, state, grads, T: (grads[0], *saved), grads_to=(0, 1, 2)),
+            backward_args=lambda saved, state, grads, T: (grads[0], *saved), grads_to=(0, 1, 2), native=True),
     TorchOp("rms_norm", "(Tensor x, Tensor? weight, float eps) -> (Tensor, Tensor)",
             forward=lambda x, w, eps: rms_norm(x, w, eps, return_stats=True),
             inference=lambda x, w, eps: rms_norm(x, w, eps),
@@ -575,7 +575,7 @@ TORCH_OPS = (
             save=lambda inputs, outputs: ((inputs[0], inputs[1], outputs[1]), None),
             backward_schema="(Tensor dy, Tensor x, Tensor? weight, Tensor rstd) -> (Tensor, Tensor)",
             backward=rms_norm_backward, backward_fake=_rms_bwd_fake,
-            backward_args=lambda saved, state, grads, T: (grads[0], *saved), grads_to=(0, 1)),
+            backward_args=lambda saved, state, grads, T: (grads[0], *saved), grads_to=(0, 1), native=True),
 )
 
 

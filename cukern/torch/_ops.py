@@ -16,9 +16,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import _plans
 from .._family import TorchOp
 from .._registry import families
-from . import _tools
+from . import _native, _tools
 
 _LIB = "cukern"
 
@@ -38,8 +39,9 @@ class Op:
     needs a gradient, the plain forward otherwise) and returns the visible output(s);
     ``op.compiled(*args)`` calls the custom op (inside torch.compile)."""
 
-    def __init__(self, spec: TorchOp):
+    def __init__(self, spec: TorchOp, index: int):
         self.spec = spec
+        self.index = index   # (the native path's op number)
         self.visible = spec.visible
         self.inputs = _arity(spec.schema)
         self.function = _function(spec, self.inputs)
@@ -47,11 +49,38 @@ class Op:
         self._inference = spec.inference or (lambda *a: spec.forward(*a)[:spec.visible])
 
     def __call__(self, *args):
+        if self.spec.native and _native.enabled() and args[0].is_cuda:
+            ext = _native.module()
+            if ext is not None:
+                out = ext.call(self.index, args)
+                if out is None:   # a signature not seen yet: the Python path, recorded
+                    return self._record(ext, args)
+                if out is not False:   # (False: declined, the Python path)
+                    return out
+        return self._python(args)
+
+    def _python(self, args):
         if torch.is_grad_enabled():
             for a in args:
                 if isinstance(a, Tensor) and a.requires_grad:
                     return self.function.apply(*args)
         return self._inference(*args)
+
+    def _record(self, ext, args):
+        grad = torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args)
+        key = ext.key(self.index, args, grad)
+        if key is None:
+            return self._python(args)
+        if grad:   # the Function's forward records, its backward registers (_function)
+            _native.begin(key)
+            try:
+                return self.function.apply(*args)
+            finally:
+                _native.take()
+        with _plans.record() as plans:
+            out = self._inference(*args)
+        _native.register_inference(ext, key, args, out if isinstance(out, tuple) else (out,), plans)
+        return out
 
     def compiled(self, *args):
         out = self.custom(*args)
@@ -75,15 +104,37 @@ def _function(spec: TorchOp, n: int):
     class Function(torch.autograd.Function):
         @staticmethod
         def forward(ctx, *inputs):
-            outputs = spec.forward(*inputs)
+            key = _native.take()
+            if key is None:
+                outputs = spec.forward(*inputs)
+            else:
+                with _plans.record() as plans:
+                    outputs = spec.forward(*inputs)
             tensors, state = spec.save(inputs, outputs)
             ctx.save_for_backward(*tensors)
             ctx.state = state
+            ctx.recording = None
+            if key is not None:   # the signature's first call: keep what the native path needs
+                ext = _native.module()
+                fwd = _native.forward_parts(ext, inputs, outputs, tensors, plans)
+                if fwd is None:
+                    ext.decline(key)
+                else:
+                    ctx.recording = (key, fwd)
             return outputs[0] if spec.visible == 1 else tuple(outputs[:spec.visible])
 
         @staticmethod
         def backward(ctx, *grads):
-            out = backward(*spec.backward_args(ctx.saved_tensors, ctx.state, grads, _tools))
+            saved = ctx.saved_tensors
+            args = spec.backward_args(saved, ctx.state, grads, _tools)
+            if ctx.recording is None:
+                out = backward(*args)
+            else:
+                (key, fwd), ctx.recording = ctx.recording, None
+                with _plans.record() as plans:
+                    out = backward(*args)
+                _native.register_training(_native.module(), key, fwd, spec.visible, args, grads, saved, out,
+                                          spec.grads_to, plans)
             return _scatter(spec, n, out, ctx.needs_input_grad)
 
     Function.__name__ = Function.__qualname__ = f"cukern_{spec.name}"
@@ -138,4 +189,5 @@ def _custom(spec: TorchOp, n: int):
     return op, bwd
 
 
-OPS: dict[str, Op] = {spec.name: Op(spec) for family in families() for spec in family.torch_ops}
+OPS: dict[str, Op] = {spec.name: Op(spec, i) for i, spec in
+                      enumerate(spec for family in families() for spec in family.torch_ops)}

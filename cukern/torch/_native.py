@@ -1,0 +1,224 @@
+"""The native eager path: an op's launch plans run from C++ under a C++ autograd node.
+
+A Python ``torch.autograd.Function`` costs more host time than PyTorch's own C++ node for the
+same op, before any of cukern's work (docs/torch.md: 1.63x for a Function that wraps PyTorch's
+own layer_norm). So, for ops whose plans depend on nothing but their arguments
+(``TorchOp.native``), the first call of a signature runs the Python path while
+``cukern._plans.record`` notes the plans it runs (the forward's, and later the backward's);
+those are handed to the extension (``_native.cpp``), and later calls of the signature go
+straight to C++: key, lookup, allocations, driver launches, and a C++ node whose backward
+runs the backward plan with no Python and no hand-off of the GIL.
+
+The extension is built with ``torch.utils.cpp_extension`` (a host C++ compiler and ninja;
+about 30 s once, then cached by PyTorch) the first time a native op runs on CUDA tensors.
+``CUKERN_NATIVE=0`` keeps every call on the Python path; where the build fails, cukern warns once
+and does the same. A signature whose calls the recorder cannot replay (a plan that copies an
+input first, a step that is not a plain launch or launches with a tensor map, more than one
+plan, a gradient with gaps in its layout) is declined and stays on the Python path.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import warnings
+from pathlib import Path
+
+__all__ = ["module", "enabled", "begin", "take", "forward_parts", "register_inference", "register_training"]
+
+SOURCE = Path(__file__).with_name("_native.cpp")
+
+_module = None       # the extension, or False once it failed or was turned off
+_local = threading.local()   # .recording: the key of the signature the next Function.forward records
+
+
+def enabled() -> bool:
+    """Whether the native path is on (``CUKERN_NATIVE`` is not 0) and has not failed."""
+    return _module is not False and os.environ.get("CUKERN_NATIVE", "1") != "0"
+
+
+def module():
+    """The extension (built and initialised on first use), or None where it is off."""
+    global _module
+    if _module is None:
+        if os.environ.get("CUKERN_NATIVE", "1") == "0":
+            _module = False
+        else:
+            try:
+                _module = _build()
+            except Exception as e:   # no compiler, no ninja, an ABI it cannot build against
+                warnings.warn(f"cukern.torch: the native eager path is off, its build failed ({type(e).__name__}: "
+                              f"{str(e)[:300]}); calls take the Python path. CUKERN_NATIVE=0 skips the build.",
+                              RuntimeWarning, stacklevel=3)
+                _module = False
+    return _module or None
+
+
+def load_extension(build_directory: str | None = None):
+    """Build (or load PyTorch's cached build of) the extension; not yet bound to the driver."""
+    from torch.utils import cpp_extension
+
+    return cpp_extension.load(name="cukern_native", sources=[str(SOURCE)], extra_cflags=["-O2"],
+                              build_directory=build_directory, verbose=False)
+
+
+def _build():
+    from .. import _driver
+
+    ext = load_extension()
+    lib = _driver.library()
+
+    def address(fn) -> int:
+        return ctypes.cast(fn, ctypes.c_void_p).value
+
+    ext.init(address(lib.cuLaunchKernel), address(lib.cuCtxGetCurrent), address(lib.cuCtxSetCurrent),
+             address(lib.cuDeviceGet), address(lib.cuDevicePrimaryCtxRetain))
+    return ext
+
+
+# ---- recording --------------------------------------------------------------------------------
+
+def begin(key) -> None:
+    """The next Function.forward on this thread records its plans for signature ``key``."""
+    _local.recording = key
+
+
+def take():
+    """The key if the Function.forward now running should record, else None (and clears it)."""
+    rec = getattr(_local, "recording", None)
+    if rec is not None:
+        _local.recording = None
+    return rec
+
+
+def _same(t, arr) -> bool:
+    """Whether tensor ``t`` and plan buffer ``arr`` (a DeviceArray) are the same view of memory."""
+    return (t is not None and arr is not None and hasattr(t, "data_ptr") and t.data_ptr() == arr.ptr
+            and tuple(t.shape) == arr.shape and tuple(t.stride()) == arr.strides
+            and str(t.dtype).removeprefix("torch.") == arr.dtype)
+
+
+def _dense(t) -> bool:
+    """Whether ``t`` is laid out densely in some axis order (no gaps, no overlap)."""
+    from .._arrays import like_strides
+
+    return tuple(t.stride()) == like_strides(tuple(t.shape), tuple(t.stride()))
+
+
+def _find(t, bufs) -> int:
+    for i, b in enumerate(bufs):
+        if _same(t, b):
+            return i
+    return -1
+
+
+def _export(ext, rec):
+    """A recorded (plan, bufs, inputs) as the extension's plan tuple, or None where it cannot be
+    replayed from C++ (input fix-ups, steps other than plain launches, tensor maps). Holds no
+    tensors (a recording kept on a Function's ctx must not hold its outputs: a reference cycle)."""
+    from .._kernels import Launch, param_offsets
+
+    plan, bufs, n_in = rec
+    if plan.fixes:
+        return None
+    allocs = [None if b is None else ext.layout(b.obj) for b in bufs[n_in:]]
+    steps = []
+    for s in plan.steps:
+        if not isinstance(s, Launch) or s.maps or s.offsets is not None:
+            return None
+        offsets = param_offsets(s.kernel.signature.codes)
+        steps.append((s.kernel.ptr, list(s.grid), list(s.block), s.kernel.instance.smem, s.layout.pack(*s.values),
+                      [[offsets[at], slot, off] for at, slot, off in s.slots]))
+    return (n_in, allocs, steps)
+
+
+def _sources(bufs, n_in, named: list) -> list | None:
+    """For each given buffer of a plan: [kind, index] of the ``named`` tensors ((kind, index,
+    tensor) triples) it is, [0, 0] for an absent one; None when one is none of them."""
+    out = []
+    for b in bufs[:n_in]:
+        if b is None:
+            out.append([0, 0])
+            continue
+        hit = next(([kind, i] for kind, i, t in named if _same(t, b)), None)
+        if hit is None:
+            return None
+        out.append(hit)
+    return out
+
+
+ARG, OUTPUT, GRAD, SAVED = 1, 2, 3, 4
+
+
+def forward_parts(ext, args, outputs, saved, plans):
+    """(device, tensor argument positions, number of arguments, forward plan, its input
+    sources, output buffer indices, saved sources) of a recorded forward, or None where it
+    cannot be replayed. Nothing in it holds a tensor."""
+    if len(plans) != 1:
+        return None
+    plan = _export(ext, plans[0])
+    _, bufs, n_in = plans[0]
+    sources = _sources(bufs, n_in, [(ARG, j, a) for j, a in enumerate(args)])
+    outs = [_find(o, bufs) for o in outputs]
+    if plan is None or sources is None or any(o < n_in for o in outs):
+        return None
+    refs = []
+    for t in saved:
+        hit = next(([ARG, j] for j, a in enumerate(args) if a is t), None) or \
+            next(([OUTPUT, k] for k, o in enumerate(outputs) if o is t), None)
+        if hit is None:
+            return None
+        refs.append(hit)
+    return plans[0][0].device, tensor_args(args), len(args), plan, sources, outs, refs
+
+
+def tensor_args(args) -> list[int]:
+    """The positions of the arguments that are tensors (the C++ node's inputs)."""
+    return [j for j, a in enumerate(args) if hasattr(a, "data_ptr")]
+
+
+def register_inference(ext, key, args, outputs: tuple, plans: list) -> None:
+    """Add a no-grad call's signature (``outputs`` its visible outputs), or decline it."""
+    parts = forward_parts(ext, args, outputs, (), plans)
+    if parts is None:
+        ext.decline(key)
+        return
+    device, tensors, _, plan, sources, outs, _ = parts
+    ext.add(key, device, tensors, plan, sources, outs, len(outputs), [], None, [], [], [])
+
+
+def _backward_parts(ext, bargs, grads, saved, out, grads_to, nargs: int, plans: list):
+    """(backward plan, its input sources, a buffer index an op argument or -1), or None."""
+    if len(plans) != 1:
+        return None
+    plan = _export(ext, plans[0])
+    _, bufs, n_in = plans[0]
+    # (the C++ backward hands the plan dense, aligned gradients in this call's layout)
+    if plan is None or not all(g is not None and _dense(g) and g.data_ptr() % 16 == 0 for g in grads):
+        return None
+    named = [(GRAD, g, t) for g, t in enumerate(grads)] + [(SAVED, s, t) for s, t in enumerate(saved)]
+    if not all(any(t is a for _, _, t in named) for a in bargs if hasattr(a, "data_ptr")):
+        return None   # a backward argument made in Python (it would not be made in C++)
+    sources = _sources(bufs, n_in, named)
+    gradients = [-1] * nargs
+    for r, g in enumerate(out):
+        if g is not None:   # (a given buffer too: a gradient scaled in place into a saved one)
+            b = _find(g, bufs)
+            if b < 0:
+                return None
+            gradients[grads_to[r]] = b
+    return (plan, sources, gradients, [list(g.stride()) for g in grads]) if sources is not None else None
+
+
+def register_training(ext, key, fwd, visible: int, bargs: tuple, grads: tuple, saved: tuple, out: tuple,
+                      grads_to: tuple, plans: list) -> None:
+    """Add signature ``key`` from its forward's parts (``forward_parts``) and the backward just
+    run (``bargs`` its arguments, ``out`` its gradients, ``plans`` what it recorded), or
+    decline it."""
+    device, tensors, nargs, plan, sources, outs, saved_refs = fwd
+    bwd = _backward_parts(ext, bargs, grads, saved, out, grads_to, nargs, plans)
+    if not bwd:
+        ext.decline(key)
+        return
+    bplan, bsources, gradients, grad_strides = bwd
+    ext.add(key, device, tensors, plan, sources, outs, visible, saved_refs, bplan, bsources, gradients, grad_strides)
