@@ -38,9 +38,9 @@ class TorchOp:
     shapes for torch.compile. ``eager_backward``, when given, replaces ``backward`` in the eager
     Function: it may reuse buffers the forward made and saved (write a gradient in place),
     which a custom op may not (its outputs must not alias its inputs). ``native``: its plans
-    depend on nothing but its arguments (no global state such as determinism), so the eager
-    path may record them on a signature's first call and replay them from C++ after
-    (cukern/torch/_native.py).
+    depend on nothing but its arguments and ``torch.use_deterministic_algorithms`` (read when
+    the forward runs), so the eager path may record them on a signature's first call and
+    replay them from C++ after (cukern/torch/_native.py).
     """
     name: str
     schema: str

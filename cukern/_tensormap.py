@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from . import _driver
 from ._arrays import DeviceArray
 
-__all__ = ["TensorMap", "check_tile_map", "tile_map"]
+__all__ = ["TensorMap", "check_tile_map", "encode_args", "tile_map"]
 
 DATA_TYPES = {"float16": 6, "float32": 7, "bfloat16": 9}   # CUtensorMapDataType
 SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}                       # bytes -> CUtensorMapSwizzle
@@ -61,9 +61,9 @@ def check_tile_map(name: str, shape: tuple, strides: tuple, itemsize: int, dtype
                          f"(load wider rows as several boxes)")
 
 
-def tile_map(a: DeviceArray, box: tuple, *, swizzle: int = 128) -> TensorMap:
-    """The map of ``a`` (1 to 5 axes, the innermost unit-stride) loading boxes of ``box``
-    elements (NumPy order), out-of-bounds elements read as zero."""
+def encode_args(a: DeviceArray, box: tuple, swizzle: int = 128) -> tuple:
+    """(data type, dims, byte strides, box, swizzle, L2 promotion) of ``a``'s map, as
+    ``cuTensorMapEncodeTiled`` takes them (innermost first), checked: all but the address."""
     box = tuple(int(b) for b in box)
     # (an axis of one element is never stepped over: its stride, which may be anything, 0
     # included, is replaced by one the driver takes)
@@ -72,10 +72,16 @@ def tile_map(a: DeviceArray, box: tuple, *, swizzle: int = 128) -> TensorMap:
         if a.shape[i] == 1:
             elem[i] = elem[i + 1] * a.shape[i + 1]
     check_tile_map(a.name, a.shape, tuple(elem), a.itemsize, a.dtype, a.ptr, box, swizzle)
-    dims = tuple(reversed(a.shape))
-    strides = tuple(s * a.itemsize for s in reversed(elem[:-1]))
-    raw = _driver.encode_tiled(DATA_TYPES[a.dtype], a.ptr, dims, strides, tuple(reversed(box)), SWIZZLE[swizzle],
-                               L2_PROMOTION_128B)
+    return (DATA_TYPES[a.dtype], tuple(reversed(a.shape)), tuple(s * a.itemsize for s in reversed(elem[:-1])),
+            tuple(reversed(box)), SWIZZLE[swizzle], L2_PROMOTION_128B)
+
+
+def tile_map(a: DeviceArray, box: tuple, *, swizzle: int = 128) -> TensorMap:
+    """The map of ``a`` (1 to 5 axes, the innermost unit-stride) loading boxes of ``box``
+    elements (NumPy order), out-of-bounds elements read as zero."""
+    box = tuple(int(b) for b in box)
+    data_type, dims, strides, rbox, swz, l2 = encode_args(a, box, swizzle)
+    raw = _driver.encode_tiled(data_type, a.ptr, dims, strides, rbox, swz, l2)
     nbytes = a.itemsize
     for b in box:
         nbytes *= b

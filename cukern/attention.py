@@ -734,7 +734,7 @@ TORCH_OPS = (
                 do, q, k, v, o, lse, causal=c, softmax_scale=s, deterministic=det),
             backward_fake=_bwd_fake,
             backward_args=lambda saved, state, grads, T: (grads[0], *saved, *state, T.deterministic()),
-            grads_to=(0, 1, 2)),
+            grads_to=(0, 1, 2), native=True),
 )
 
 

@@ -60,6 +60,11 @@ def test_the_extension_builds_and_tells_call_signatures_apart(ext):
         ext.key(3, (x, "sum", 1e-5), False),
         ext.key(3, (x, "none", 1e-5), False),
     ]
+    torch.use_deterministic_algorithms(True)
+    try:
+        others.append(ext.key(3, base, False))                    # torch.use_deterministic_algorithms
+    finally:
+        torch.use_deterministic_algorithms(False)
     assert all(k != key for k in others) and len({tuple(k) for k in others}) == len(others)
     assert ext.key(3, (x, b"bytes"), False) is None                # an argument it cannot key
 
@@ -105,7 +110,17 @@ CASES = {
                                  lambda x, t: ct.cross_entropy(x, t, label_smoothing=0.1)),
     "cross_entropy_none": lambda dt: ((_leaf((33, 517), dt, 0, 3.0), _target(33, 517)),
                                       lambda x, t: ct.cross_entropy(x, t, ignore_index=3, reduction="none")),
+    # (on Hopper: launches with TMA tensor maps, encoded per call; bits repeat in deterministic mode)
+    "sdpa_causal": lambda dt: (tuple(_leaf((2, 4, 130, 128), _half(dt), s) for s in range(3)),
+                               lambda q, k, v: ct.scaled_dot_product_attention(q, k, v, is_causal=True)),
+    "sdpa_gqa_d64": lambda dt: ((_leaf((1, 8, 200, 64), _half(dt), 0), _leaf((1, 2, 200, 64), _half(dt), 1),
+                                 _leaf((1, 2, 200, 64), _half(dt), 2)),
+                                lambda q, k, v: ct.scaled_dot_product_attention(q, k, v, enable_gqa=True)),
 }
+
+
+def _half(dt):
+    return torch.float16 if dt == torch.float32 else dt
 
 
 def _target(rows, classes):
@@ -143,6 +158,15 @@ def _equal(a, b):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", list(CASES))
 def test_replayed_calls_give_the_python_paths_bits(case, dtype, monkeypatch):
+    deterministic = case.startswith("sdpa")   # (attention's dq: no atomics, so bits repeat)
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        _replays_match(case, dtype, monkeypatch)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def _replays_match(case, dtype, monkeypatch):
     inputs, call = CASES[case](dtype)
     expect = _python_path(monkeypatch, lambda: _run(call, inputs))
     ext = _native.module()

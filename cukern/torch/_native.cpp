@@ -31,6 +31,8 @@ using CtxGetCurrent = int (*)(void**);
 using CtxSetCurrent = int (*)(void*);
 using DeviceGet = int (*)(int*, int);
 using PrimaryCtxRetain = int (*)(void**, int);
+using TensorMapEncodeTiled = int (*)(void*, int, unsigned, void*, const uint64_t*, const uint64_t*, const unsigned*,
+                                     const unsigned*, int, int, int, int);
 
 struct Driver {
   LaunchKernel launch = nullptr;
@@ -38,6 +40,7 @@ struct Driver {
   CtxSetCurrent ctx_set = nullptr;
   DeviceGet device_get = nullptr;
   PrimaryCtxRetain primary_retain = nullptr;
+  TensorMapEncodeTiled encode_tiled = nullptr;
 } driver;
 
 void check(int status, const char* what) {
@@ -71,11 +74,24 @@ struct PointerSlot {
   int64_t offset;   // plus this many bytes
 };
 
+struct MapSlot {   // a CUtensorMap parameter, encoded per call for the buffer's address
+  int64_t at, buffer;
+  int data_type;
+  unsigned rank;
+  uint64_t dims[5], strides[4];
+  unsigned box[5];
+  int swizzle, l2_promotion;
+};
+
 struct Step {   // one kernel launch
   void* function;
   unsigned grid[3], block[3], smem;
   std::vector<uint8_t> params;   // the C parameter list; constants packed, pointers filled per call
   std::vector<PointerSlot> pointers;
+  std::vector<MapSlot> maps;
+  // With tensor maps the launch passes a pointer to each parameter (kernelParams): handed over
+  // as one buffer, their TMA loads fault (cukern/_kernels.py, Launch).
+  std::vector<int64_t> param_offsets;
 };
 
 struct Alloc {   // a buffer the plan allocates (absent: the slot stays undefined)
@@ -143,13 +159,27 @@ std::vector<at::Tensor> run(const Plan& plan, std::vector<at::Tensor> bufs, int 
   c10::DeviceGuard guard(c10::Device(c10::DeviceType::CUDA, device));
   bind_context(device);
   void* stream = current_stream(device);
-  alignas(16) uint8_t params[4096];
+  alignas(64) uint8_t params[4096];   // (a CUtensorMap parameter is 64-byte aligned)
   for (const Step& s : plan.steps) {
     std::memcpy(params, s.params.data(), s.params.size());
     for (const PointerSlot& p : s.pointers) {
       const at::Tensor& b = bufs[p.buffer];
       uintptr_t ptr = b.defined() ? reinterpret_cast<uintptr_t>(b.data_ptr()) + p.offset : 0;
       std::memcpy(params + p.at, &ptr, sizeof ptr);
+    }
+    for (const MapSlot& m : s.maps) {
+      const unsigned ones[5] = {1, 1, 1, 1, 1};
+      check(driver.encode_tiled(params + m.at, m.data_type, m.rank, bufs[m.buffer].data_ptr(), m.dims, m.strides,
+                                m.box, ones, 0, m.swizzle, m.l2_promotion, 0),
+            "cuTensorMapEncodeTiled");
+    }
+    if (!s.param_offsets.empty()) {
+      void* pointers[512];
+      for (size_t i = 0; i < s.param_offsets.size(); ++i) pointers[i] = params + s.param_offsets[i];
+      check(driver.launch(s.function, s.grid[0], s.grid[1], s.grid[2], s.block[0], s.block[1], s.block[2], s.smem,
+                          stream, pointers, nullptr),
+            "cuLaunchKernel");
+      continue;
     }
     size_t size = s.params.size();
     void* extra[] = {reinterpret_cast<void*>(1), params, reinterpret_cast<void*>(2), &size, nullptr};
@@ -170,6 +200,8 @@ bool signature(int64_t op, const py::tuple& args, std::vector<int64_t>& key, std
                bool& requires_grad) {
   key.push_back(op);
   key.push_back(0);   // the grad flag, set by the caller
+  // (torch.use_deterministic_algorithms: a plan may depend on it, attention's backward does)
+  key.push_back(at::globalContext().deterministicAlgorithms());
   requires_grad = false;
   for (const py::handle& h : args) {
     PyObject* o = h.ptr();
@@ -364,6 +396,22 @@ Plan plan_from(const py::tuple& p) {
       TORCH_CHECK(v[0] >= 0 && v[0] + 8 <= static_cast<int64_t>(s.params.size()), "cukern native path: bad slot");
       s.pointers.push_back({v[0], v[1], v[2]});
     }
+    // maps: (at, buffer, data type, rank, dims x5, strides x4, box x5, swizzle, L2 promotion)
+    for (const py::handle& q : t[6].cast<py::list>()) {
+      auto v = q.cast<std::vector<int64_t>>();
+      TORCH_CHECK(v.size() == 20 && v[0] % 64 == 0 && v[0] + 128 <= static_cast<int64_t>(s.params.size()) &&
+                      v[3] >= 1 && v[3] <= 5,
+                  "cukern native path: bad tensor map slot");
+      MapSlot m{};
+      m.at = v[0], m.buffer = v[1], m.data_type = static_cast<int>(v[2]), m.rank = static_cast<unsigned>(v[3]);
+      for (int i = 0; i < 5; ++i) m.dims[i] = v[4 + i], m.box[i] = static_cast<unsigned>(v[13 + i]);
+      for (int i = 0; i < 4; ++i) m.strides[i] = v[9 + i];
+      m.swizzle = static_cast<int>(v[18]), m.l2_promotion = static_cast<int>(v[19]);
+      s.maps.push_back(m);
+    }
+    s.param_offsets = t[7].cast<std::vector<int64_t>>();
+    TORCH_CHECK(s.param_offsets.size() <= 512, "cukern native path: too many parameters");
+    TORCH_CHECK(s.maps.empty() || !s.param_offsets.empty(), "cukern native path: tensor maps need kernelParams");
     plan.steps.push_back(std::move(s));
   }
   return plan;
@@ -411,7 +459,8 @@ bool add(const std::vector<int64_t>& key, int64_t device, const std::vector<int6
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "cukern.torch's native eager path (see cukern/torch/_native.py)";
   m.def("init", [](uintptr_t launch, uintptr_t ctx_get, uintptr_t ctx_set, uintptr_t device_get,
-                   uintptr_t primary_retain) {
+                   uintptr_t primary_retain, uintptr_t encode_tiled) {
+    driver.encode_tiled = reinterpret_cast<TensorMapEncodeTiled>(encode_tiled);
     driver.launch = reinterpret_cast<LaunchKernel>(launch);
     driver.ctx_get = reinterpret_cast<CtxGetCurrent>(ctx_get);
     driver.ctx_set = reinterpret_cast<CtxSetCurrent>(ctx_set);

@@ -13,8 +13,8 @@ The extension is built with ``torch.utils.cpp_extension`` (a host C++ compiler a
 about 30 s once, then cached by PyTorch) the first time a native op runs on CUDA tensors.
 ``CUKERN_NATIVE=0`` keeps every call on the Python path; where the build fails, cukern warns once
 and does the same. A signature whose calls the recorder cannot replay (a plan that copies an
-input first, a step that is not a plain launch or launches with a tensor map, more than one
-plan, a gradient with gaps in its layout) is declined and stays on the Python path.
+input first, a step that is not a kernel launch, more than one plan, a gradient with gaps in
+its layout) is declined and stays on the Python path.
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def _build():
         return ctypes.cast(fn, ctypes.c_void_p).value
 
     ext.init(address(lib.cuLaunchKernel), address(lib.cuCtxGetCurrent), address(lib.cuCtxSetCurrent),
-             address(lib.cuDeviceGet), address(lib.cuDevicePrimaryCtxRetain))
+             address(lib.cuDeviceGet), address(lib.cuDevicePrimaryCtxRetain), address(lib.cuTensorMapEncodeTiled))
     return ext
 
 
@@ -121,15 +121,30 @@ def _export(ext, rec):
     plan, bufs, n_in = rec
     if plan.fixes:
         return None
+    from .._tensormap import encode_args
+
     allocs = [None if b is None else ext.layout(b.obj) for b in bufs[n_in:]]
     steps = []
     for s in plan.steps:
-        if not isinstance(s, Launch) or s.maps or s.offsets is not None:
+        if not isinstance(s, Launch):
             return None
         offsets = param_offsets(s.kernel.signature.codes)
+        # a tensor map a launch: all of cuTensorMapEncodeTiled's arguments but the address are
+        # fixed by the signature
+        maps = [[offsets[at], m.index, *_map_fields(encode_args(bufs[m.index], m.box, m.swizzle))]
+                for at, m in s.maps]
         steps.append((s.kernel.ptr, list(s.grid), list(s.block), s.kernel.instance.smem, s.layout.pack(*s.values),
-                      [[offsets[at], slot, off] for at, slot, off in s.slots]))
+                      [[offsets[at], slot, off] for at, slot, off in s.slots], maps,
+                      [] if s.offsets is None else list(s.offsets)))
     return (n_in, allocs, steps)
+
+
+def _map_fields(args) -> list:
+    """encode_args' tuple flattened for the extension: data type, rank, dims (5), strides (4),
+    box (5), swizzle, L2 promotion."""
+    data_type, dims, strides, box, swizzle, l2 = args
+    pad = lambda v, n: list(v) + [0] * (n - len(v))
+    return [data_type, len(dims), *pad(dims, 5), *pad(strides, 4), *pad(box, 5), swizzle, l2]
 
 
 def _sources(bufs, n_in, named: list) -> list | None:
@@ -215,8 +230,13 @@ def register_training(ext, key, fwd, visible: int, bargs: tuple, grads: tuple, s
     """Add signature ``key`` from its forward's parts (``forward_parts``) and the backward just
     run (``bargs`` its arguments, ``out`` its gradients, ``plans`` what it recorded), or
     decline it."""
+    import torch
+
     device, tensors, nargs, plan, sources, outs, saved_refs = fwd
-    bwd = _backward_parts(ext, bargs, grads, saved, out, grads_to, nargs, plans)
+    # (the key holds torch.use_deterministic_algorithms as the forward saw it; a backward run
+    # under the other setting made a plan for that one)
+    same = bool(key[2]) == torch.are_deterministic_algorithms_enabled()
+    bwd = same and _backward_parts(ext, bargs, grads, saved, out, grads_to, nargs, plans)
     if not bwd:
         ext.decline(key)
         return
