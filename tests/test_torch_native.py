@@ -123,6 +123,35 @@ def _half(dt):
     return torch.float16 if dt == torch.float32 else dt
 
 
+def _family_cases() -> dict:
+    """A family's own cases: ``torch_native_cases()`` in its test module, {name: (dtype ->
+    (inputs, call))}, each name starting with its op's name (a new family adds its rows there)."""
+    from torch_helpers import family_tables
+
+    return {k: v for table in family_tables("torch_native_cases") for k, v in table.items()}
+
+
+CASES.update(_family_cases())
+
+
+def _op_of(case: str) -> str:
+    return "attention" if case.startswith("sdpa") else next(
+        (op for op in sorted(_native_ops(), key=len, reverse=True) if case.startswith(op)), "?")
+
+
+def _native_ops() -> list:
+    from cukern._registry import families
+
+    return [spec.name for f in families() for spec in f.torch_ops if spec.native]
+
+
+def test_every_native_op_has_replay_cases():
+    """An op declared native is replayed from C++ on a GPU: its replays must be checked against
+    its Python path here (a case named after the op, here or in its family's test module)."""
+    covered = {_op_of(c) for c in CASES}
+    assert set(_native_ops()) <= covered, f"native ops without a case: {set(_native_ops()) - covered}"
+
+
 def _target(rows, classes):
     return torch.randint(0, classes, (rows,), generator=torch.Generator(device="cuda").manual_seed(5), device="cuda")
 
