@@ -341,7 +341,7 @@ def zeros(like: DeviceArray, shape, dtype: str | None = None) -> DeviceArray:
 
 
 def fill(arr: DeviceArray, value: float) -> None:
-    """Fill on the caller's stream (used only for degenerate shapes)."""
+    """Fill on the caller's stream (scratch that starts at zero, degenerate shapes' outputs)."""
     if arr.kind == "torch":
         arr.obj.fill_(value)
     elif arr.kind == "numpy":

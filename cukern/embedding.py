@@ -238,21 +238,6 @@ def _embedding_backward(grad, indices, num_embeddings, padding_idx, scale_grad_b
     return plan(arrays)[2].obj
 
 
-def _sort_keys(slot: int):
-    """A plan step: sort the int64 keys in place of their slot, in the framework's own sort on
-    the caller's stream (keys are unique, so any sort gives the same order)."""
-    def step(bufs, ptrs, stream):
-        keys = bufs[slot]
-        if keys.kind == "torch":
-            import torch
-
-            bufs[slot] = _arrays.wrap(torch.sort(keys.obj).values, "keys")
-            ptrs[slot] = bufs[slot].ptr
-        else:
-            keys.obj.sort()
-    return step
-
-
 def _plan_backward(arrays, num_embeddings, padding_idx, scale, configs: Configs) -> Plan:
     ga, ia = arrays
     v = _num_embeddings(num_embeddings)
@@ -286,7 +271,7 @@ def _plan_backward(arrays, num_embeddings, padding_idx, scale, configs: Configs)
              ntok=ntok, V=v, padding=pad, keys=keys, touched=touched, fault=fault)
     k = _kernels.kernel(configs.zero(ga.dtype, vec), device)
     b.launch(k, min(v, k.resident_blocks()), touched=touched, V=v, D=d, dweight=dw)
-    b.step(_sort_keys(keys.index))
+    b.sort(keys)   # (the framework's sort; keys are unique, so any sort gives the same order)
     k = _kernels.kernel(configs.chunks(ga.dtype, vec), device)
     tile = configs.bwd_threads * configs.bwd_nv * vec
     b.launch(k, (nchunks, -(-d // tile)), keys=keys, n=ntok, C=configs.chunk, grad=b.slot(0), V=v, D=d,
@@ -446,7 +431,7 @@ TORCH_OPS = (
             backward=lambda g, i, v, p, s: (embedding_backward(g, i, v, p, s),),
             backward_fake=_bwd_fake,
             backward_args=lambda saved, state, grads, T: (grads[0], saved[0], *state),
-            grads_to=(1,)),
+            grads_to=(1,), native=True),
 )
 
 

@@ -649,3 +649,23 @@ def opcheck_samples() -> list:
     idx = torch.randint(0, 20, (3, 7), device="cuda")
     return [(ops.embedding.default, (idx, leaf((20, 32), torch.bfloat16, 0), None, False)),
             (ops.embedding.default, (idx, leaf((20, 32), torch.bfloat16, 0), 0, True))]
+
+
+def torch_native_cases() -> dict:
+    """Replays from C++ (tests/test_torch_native.py): the backward's key sort and scratch fill run
+    as native steps; int32 and int64 indices, repeated tokens, padding_idx and the frequency
+    scale."""
+    import cukern.torch as ct
+    from torch_helpers import leaf
+
+    def indices(shape, V, dtype, seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        return torch.randint(0, V, shape, generator=g, device="cuda").to(dtype)
+
+    return {
+        "embedding": lambda dt: ((indices((6, 37), 50, torch.int64, 1), leaf((50, 72), dt, 2)),
+                                 lambda i, w: ct.embedding(i, w)),
+        "embedding_int32_padding_freq": lambda dt: ((indices((300,), 40, torch.int32, 3), leaf((40, 256), dt, 4)),
+                                                    lambda i, w: ct.embedding(i, w, padding_idx=5,
+                                                                              scale_grad_by_freq=True)),
+    }

@@ -83,8 +83,15 @@ struct MapSlot {   // a CUtensorMap parameter, encoded per call for the buffer's
   int swizzle, l2_promotion;
 };
 
-struct Step {   // one kernel launch
-  void* function;
+// A step: a kernel launch, a fill of buffers (scratch that starts at zero) or a sort of a
+// buffer of unique int64 keys (ATen's, as the Python path's torch.sort; it replaces the buffer).
+enum class Kind { launch, fill, sort };
+
+struct Step {
+  Kind kind = Kind::launch;
+  std::vector<int64_t> buffers;   // fill, sort: the buffers
+  double value = 0;               // fill: the value
+  void* function = nullptr;
   unsigned grid[3], block[3], smem;
   std::vector<uint8_t> params;   // the C parameter list; constants packed, pointers filled per call
   std::vector<PointerSlot> pointers;
@@ -161,6 +168,15 @@ std::vector<at::Tensor> run(const Plan& plan, std::vector<at::Tensor> bufs, int 
   void* stream = current_stream(device);
   alignas(64) uint8_t params[4096];   // (a CUtensorMap parameter is 64-byte aligned)
   for (const Step& s : plan.steps) {
+    if (s.kind == Kind::fill) {
+      for (int64_t b : s.buffers)
+        if (bufs[b].defined()) bufs[b].fill_(s.value);
+      continue;
+    }
+    if (s.kind == Kind::sort) {
+      bufs[s.buffers[0]] = std::get<0>(at::sort(bufs[s.buffers[0]]));
+      continue;
+    }
     std::memcpy(params, s.params.data(), s.params.size());
     for (const PointerSlot& p : s.pointers) {
       const at::Tensor& b = bufs[p.buffer];
@@ -366,7 +382,8 @@ py::object key(int64_t op, const py::tuple& args, bool grad) {
 
 Plan plan_from(const py::tuple& p) {
   // (inputs, allocs: [None | layout(a tensor the plan allocated)], steps: [(function, grid,
-  //  block, smem, params bytes, [(at, buffer, offset)])])
+  //  block, smem, params bytes, [(at, buffer, offset)], maps, param offsets) | (kind, buffers,
+  //  value)])
   Plan plan;
   plan.inputs = p[0].cast<int64_t>();
   for (const py::handle& a : p[1].cast<py::list>()) {
@@ -380,9 +397,21 @@ Plan plan_from(const py::tuple& p) {
     }
     plan.allocs.push_back(std::move(alloc));
   }
+  const int64_t nbufs = plan.inputs + static_cast<int64_t>(plan.allocs.size());
   for (const py::handle& h : p[2].cast<py::list>()) {
     auto t = h.cast<py::tuple>();
     Step s;
+    if (py::isinstance<py::str>(t[0])) {   // ("fill" | "sort", buffers, value)
+      const std::string kind = t[0].cast<std::string>();
+      TORCH_CHECK(kind == "fill" || kind == "sort", "cukern native path: unknown step ", kind);
+      s.kind = kind == "fill" ? Kind::fill : Kind::sort;
+      s.buffers = t[1].cast<std::vector<int64_t>>();
+      s.value = t[2].cast<double>();
+      for (int64_t b : s.buffers) TORCH_CHECK(b >= 0 && b < nbufs, "cukern native path: bad step buffer");
+      TORCH_CHECK(s.kind == Kind::fill || s.buffers.size() == 1, "cukern native path: a sort takes one buffer");
+      plan.steps.push_back(std::move(s));
+      continue;
+    }
     s.function = reinterpret_cast<void*>(t[0].cast<uintptr_t>());
     auto grid = t[1].cast<std::vector<unsigned>>(), block = t[2].cast<std::vector<unsigned>>();
     TORCH_CHECK(grid.size() == 3 && block.size() == 3, "cukern native path: grid and block need 3 dims");

@@ -13,8 +13,8 @@ The extension is built with ``torch.utils.cpp_extension`` (a host C++ compiler a
 about 30 s once, then cached by PyTorch) the first time a native op runs on CUDA tensors.
 ``CUKERN_NATIVE=0`` keeps every call on the Python path; where the build fails, cukern warns once
 and does the same. A signature whose calls the recorder cannot replay (a plan that copies an
-input first, a step that is not a kernel launch, more than one plan, a gradient with gaps in
-its layout) is declined and stays on the Python path.
+input first, a step other than a kernel launch, a fill or a sort, more than one plan, empty
+buffers, a gradient with gaps in its layout) is declined and stays on the Python path.
 """
 from __future__ import annotations
 
@@ -114,18 +114,28 @@ def _find(t, bufs) -> int:
 
 def _export(ext, rec):
     """A recorded (plan, bufs, inputs) as the extension's plan tuple, or None where it cannot be
-    replayed from C++ (input fix-ups, steps other than plain launches, tensor maps). Holds no
+    replayed from C++ (input fix-ups, steps other than launches, fills and sorts). Holds no
     tensors (a recording kept on a Function's ctx must not hold its outputs: a reference cycle)."""
     from .._kernels import Launch, param_offsets
 
+    from .._plans import Fill, Sort
+
     plan, bufs, n_in = rec
-    if plan.fixes:
+    # (a plan of empty buffers is declined: they share addresses, so which tensor is which
+    # could not be told apart)
+    if plan.fixes or any(b is not None and b.size == 0 for b in bufs):
         return None
     from .._tensormap import encode_args
 
     allocs = [None if b is None else ext.layout(b.obj) for b in bufs[n_in:]]
     steps = []
     for s in plan.steps:
+        if isinstance(s, Fill):
+            steps.append(("fill", list(s.indices), float(s.value)))
+            continue
+        if isinstance(s, Sort):
+            steps.append(("sort", [s.slot], 0.0))
+            continue
         if not isinstance(s, Launch):
             return None
         offsets = param_offsets(s.kernel.signature.codes)
