@@ -21,6 +21,7 @@
 #include "common/reduce.cuh"
 #include "common/fault.cuh"
 #include "common/cluster.cuh"
+#include "common/mma.cuh"
 
 // The training form on sm_90 splits a row over a cluster of C CTAs (below: the kernel's template
 // parameter C; above 8 the kernel must be allowed the non-portable size, as the front does).
@@ -288,8 +289,11 @@ __global__ void __launch_bounds__(THREADS) cross_entropy_scale(
 // The states are double-buffered by row parity, so one barrier a row suffices: a CTA can
 // overwrite a buffer only after the next row's barrier, which its peers pass only once they
 // have read it. Same arguments and results as cross_entropy_rows in MODE 1 (dloss null).
-template <typename T, typename IT, int VEC, int THREADS, int NV, int C>
-__global__ void __launch_bounds__(THREADS, 1024 / THREADS) CUK_CE_CLUSTER_DIMS cross_entropy_train_cluster(
+// STAGE: the part is staged in shared memory by cp.async instead of registers (no registers hold
+// it, so more CTAs fit an SM: six of 256 threads against four); each thread reads back only the
+// vectors it copied, so no barrier separates the copy from the use.
+template <typename T, typename IT, int VEC, int THREADS, int NV, int C, int STAGE>
+__global__ void __launch_bounds__(THREADS, (STAGE ? 1536 : 1024) / THREADS) CUK_CE_CLUSTER_DIMS cross_entropy_train_cluster(
     const T* logits, long long x_stride, const IT* __restrict__ target, long long rows, long long V,
     long long ignore_index, float smoothing, float z_loss, float softcap,
     float* __restrict__ loss_rows, float* lse, const float* __restrict__ count,
@@ -305,6 +309,7 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) CUK_CE_CLUSTER_DIMS c
     __shared__ typename SumF::TempStorage sum_tmp;
     __shared__ float part[2][3];   // this CTA's (m, l, sum z), by row parity
     __shared__ float whole[3];     // the row's merged state
+    __shared__ __align__(16) uint4 stage[STAGE ? NV * THREADS : 1];
     const unsigned int rank = cluster_rank();
     const float inv_cap = softcap > 0.f ? 1.f / softcap : 0.f;
     const float eps_v = smoothing / static_cast<float>(V);
@@ -319,12 +324,24 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) CUK_CE_CLUSTER_DIMS c
         // the row's instead of delaying rank 0 on the way to the barrier; and before the barrier:
         // in place, a peer may overwrite it right after)
         const float xt = (rank == 0 && threadIdx.x == 0 && t >= 0) ? to_float(x[t]) : 0.f;
-        Vec<T, VEC> v[NV];
+        Vec<T, VEC> v[STAGE ? 1 : NV];
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
             const long long c = c_begin + (static_cast<long long>(i) * THREADS + threadIdx.x) * VEC;
-            if (c < c_end) v[i] = load_vec<T, VEC>(x + c);
+            if (STAGE) {
+                cp_async_16(&stage[i * THREADS + threadIdx.x], c < c_end ? x + c : x, c < c_end);
+            } else if (c < c_end) {
+                v[STAGE ? 0 : i] = load_vec<T, VEC>(x + c);
+            }
         }
+        if (STAGE) {
+            cp_async_commit();
+            cp_async_wait<0>();
+        }
+        // (vector i of this thread's part)
+        auto part_of = [&](int i) -> Vec<T, VEC> {
+            return STAGE ? *reinterpret_cast<const Vec<T, VEC>*>(&stage[i * THREADS + threadIdx.x]) : v[STAGE ? 0 : i];
+        };
         SoftmaxState st = SoftmaxState::empty();
         float sz = 0.f;
 #pragma unroll
@@ -332,7 +349,7 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) CUK_CE_CLUSTER_DIMS c
             const long long c = c_begin + (static_cast<long long>(i) * THREADS + threadIdx.x) * VEC;
             if (c < c_end) {
                 float f[VEC];
-                unpack(v[i], f);
+                unpack(part_of(i), f);
                 add_vector(st, sz, f, softcap, inv_cap);
             }
         }
@@ -381,7 +398,7 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) CUK_CE_CLUSTER_DIMS c
             const long long c = c_begin + (static_cast<long long>(i) * THREADS + threadIdx.x) * VEC;
             if (c < c_end) {
                 float f[VEC];
-                unpack(v[i], f);
+                unpack(part_of(i), f);
                 grad_vector(f, c, k);
                 store_vec<T, VEC>(d + c, pack<T, VEC>(f));
             }

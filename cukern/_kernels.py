@@ -153,7 +153,7 @@ def _split_args(text: str) -> tuple[str, ...]:
 
 
 _GLOBAL = re.compile(r"(?:template\s*<(?P<tpl>[^{};]*?)>\s*)?__global__\s+void\s+"
-                     r"(?:(?:__launch_bounds__\s*\([^)]*\)|CUK_[A-Z0-9_]+)\s*)*(?P<name>\w+)\s*\((?P<params>[^)]*)\)")
+                     r"(?:(?:__launch_bounds__\s*\((?:[^()]|\([^()]*\))*\)|CUK_[A-Z0-9_]+)\s*)*(?P<name>\w+)\s*\((?P<params>[^)]*)\)")
 _QUALIFIERS = {"const", "volatile", "__restrict__", "__grid_constant__"}
 
 

@@ -67,6 +67,10 @@ class Configs:
     # rows (measured 1.9x slower: a row's load, reductions and barrier then run back to back).
     cluster_persistent: bool = False
     max_clusters: int = 1 << 27   # the cluster kernel's grid at most (it loops over the rest)
+    # CTAs of these sizes stage their part of the row in shared memory by cp.async instead of
+    # holding it in registers: 256-thread CTAs go from four an SM to six (7-8% faster at 98304
+    # and 128256 classes); 128-thread ones measured 5% slower staged (docs/notes-cross-entropy.md).
+    cluster_stage: tuple[int, ...] = (256,)
 
     def cluster_vectors(self, v: int, vec: int) -> tuple[int, int, int] | None:
         """(cluster, threads, nv) that hold a row of ``v`` classes, or None (too wide)."""
@@ -82,7 +86,8 @@ class Configs:
     def train_cluster(self, dtype: str, index: str, cluster: int, threads: int, nv: int) -> Instance:
         vec = 16 // _arrays.DTYPES[dtype][1]
         return Instance(SOURCE, f"cross_entropy_train_cluster<{_arrays.DTYPES[dtype][0]}, {INDEX_CTYPES[index]}, "
-                                f"{vec}, {threads}, {nv}, {cluster}>", threads, cluster=cluster)
+                                f"{vec}, {threads}, {nv}, {cluster}, {int(threads in self.cluster_stage)}>", threads,
+                        cluster=cluster)
 
     def rows(self, dtype: str, index: str, vec: int, mode: int) -> Instance:
         return Instance(SOURCE, f"cross_entropy_rows<{_arrays.DTYPES[dtype][0]}, {INDEX_CTYPES[index]}, {vec}, "

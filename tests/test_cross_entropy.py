@@ -184,19 +184,19 @@ def test_the_training_form_splits_wide_rows_over_a_cluster_on_sm90(dry, monkeypa
     # the shipped configuration: LLaMA-3's vocabulary on clusters of 256-thread CTAs, 50304 to
     # 65536 classes of 128-thread CTAs (eight an SM), Mistral's 32000 in two passes
     got = kernels(128256, (9, 0))
-    assert list(got) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 256, 8, 8>"]
+    assert list(got) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 256, 8, 8, 1>"]   # (staged)
     assert list(got.values()) == [6 * 8]                                  # a cluster of 8 a row
-    assert list(kernels(50304, (9, 0))) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 128, 8, 8>"]
-    assert list(kernels(65536, (9, 0))) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 128, 8, 8>"]
+    assert list(kernels(50304, (9, 0))) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 128, 8, 8, 0>"]
+    assert list(kernels(65536, (9, 0))) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 128, 8, 8, 0>"]
     assert "train_cluster" not in str(kernels(32000, (9, 0)))            # below cluster_min: two passes
     assert "train_cluster" not in str(kernels(128256, (8, 0)))           # A100: two passes
     assert "train_cluster" not in str(kernels(128255, (9, 0)))           # odd V: scalar loads, two passes
     assert "train_cluster" not in str(kernels(151936, (9, 0)))           # too wide for the registers
     # the number of vectors a thread follows the width (any cluster_min)
     monkeypatch.setattr(ce, "CONFIGS", ce.Configs(cluster_min=8192))
-    assert list(kernels(32000, (9, 0))) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 128, 4, 8>"]
+    assert list(kernels(32000, (9, 0))) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 128, 4, 8, 0>"]
     assert "train_cluster" not in str(kernels(4096, (9, 0)))             # narrow rows: two passes
-    assert ", 256, 8, 8>" in str(kernels(2**16, (9, 0), np.float32))        # float32: 8 vectors of 256 threads
+    assert ", 256, 8, 8, 1>" in str(kernels(2**16, (9, 0), np.float32))        # float32: 8 vectors of 256 threads
     assert "train_cluster" not in str(kernels(2**17, (9, 0), np.float32))  # too wide for the registers
     # a grid of at most max_clusters clusters (the kernel loops over the rest)
     monkeypatch.setattr(ce, "CONFIGS", ce.Configs(max_clusters=2))
@@ -206,7 +206,7 @@ def test_the_training_form_splits_wide_rows_over_a_cluster_on_sm90(dry, monkeypa
     # clusters of 16 (beyond the portable size: the instance says so, and loading allows it)
     monkeypatch.setattr(ce, "CONFIGS", ce.Configs(clusters=(16,)))
     got = kernels(128256, (9, 0))
-    assert list(got) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 128, 8, 16>"]
+    assert list(got) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 128, 8, 16, 0>"]
     assert list(got.values()) == [6 * 16]
     assert ce.CONFIGS.train_cluster("float16", "int64", 16, 128, 8).cluster == 16
     ce._PLANS.clear()
