@@ -51,16 +51,16 @@ class Configs:
     blocks_per_sm: int = 0   # the row kernel's grid: 0 = as many as fit (measured: docs/notes-cross-entropy.md)
     # The training form on sm_90+: a row over a cluster of CTAs (of the first of `clusters` sizes
     # and `cluster_threads` threads, taken threads first, that holds its part of the row with one
-    # of the `cluster_nv` 16-byte vectors a thread, the fewest). 128 threads when they hold it:
-    # eight CTAs an SM instead of four (V = 65536: 1.45 ms against 1.87 at 256 threads and 1.66 in
-    # two passes). A cluster of 16 is beyond the portable size (the front allows it per kernel).
-    # Rows of fewer than `cluster_min` classes keep the two-pass kernel: one CTA's life per row
-    # part costs more than the second read of a short row (measured at 32000, 50304, 65536, 98304
-    # and 128256: docs/notes-cross-entropy.md, v2 and v2.1).
-    clusters: tuple[int, ...] = (8,)
-    cluster_threads: tuple[int, ...] = (128, 256)
+    # of the `cluster_nv` 16-byte vectors a thread, the fewest). The smallest cluster of 256-thread
+    # CTAs whose part (at most 32 KB) is staged in shared memory: six CTAs an SM, the fewest
+    # barriers a row (V = 32000: 0.636 ms on 2 CTAs against 0.785 in two passes; 50304 and 65536:
+    # 10% faster on 4 than on 8 CTAs of 128 threads). A cluster of 16 is beyond the portable size
+    # (the front allows it per kernel). Rows of fewer than `cluster_min` classes keep the two-pass
+    # kernel (docs/notes-cross-entropy.md, v2 to v2.3).
+    clusters: tuple[int, ...] = (2, 4, 8)
+    cluster_threads: tuple[int, ...] = (256,)
     cluster_nv: tuple[int, ...] = (1, 2, 4, 8)
-    cluster_min: int = 50000
+    cluster_min: int = 32000
     use_cluster: bool = True
     # A cluster a row (the hardware schedules the next row's CTAs as others finish, so one CTA's
     # loads overlap another's reductions) or, persistent, as many clusters as fit looping over
@@ -68,8 +68,8 @@ class Configs:
     cluster_persistent: bool = False
     max_clusters: int = 1 << 27   # the cluster kernel's grid at most (it loops over the rest)
     # CTAs of these sizes stage their part of the row in shared memory by cp.async instead of
-    # holding it in registers: 256-thread CTAs go from four an SM to six (7-8% faster at 98304
-    # and 128256 classes); 128-thread ones measured 5% slower staged (docs/notes-cross-entropy.md).
+    # holding it in registers: 256-thread CTAs go from four an SM to six (7-19% faster); 128-thread
+    # ones measured 5% slower staged.
     cluster_stage: tuple[int, ...] = (256,)
 
     def cluster_vectors(self, v: int, vec: int) -> tuple[int, int, int] | None:

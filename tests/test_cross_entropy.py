@@ -181,30 +181,37 @@ def test_the_training_form_splits_wide_rows_over_a_cluster_on_sm90(dry, monkeypa
         return {s[1].name: s[2] for s in plan.steps
                 if isinstance(s, tuple) and s[1].kernel_name in ("cross_entropy_rows", "cross_entropy_train_cluster")}
 
-    # the shipped configuration: LLaMA-3's vocabulary on clusters of 256-thread CTAs, 50304 to
-    # 65536 classes of 128-thread CTAs (eight an SM), Mistral's 32000 in two passes
+    # the shipped configuration: the smallest cluster of 256-thread CTAs (staged in shared memory)
+    # that holds the row in 8 vectors a thread: 8 CTAs for LLaMA-3's vocabulary, 4 for GPT-2's
+    # padded 50304 and for 65536, 2 for Mistral's 32000
     got = kernels(128256, (9, 0))
-    assert list(got) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 256, 8, 8, 1>"]   # (staged)
+    assert list(got) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 256, 8, 8, 1>"]
     assert list(got.values()) == [6 * 8]                                  # a cluster of 8 a row
-    assert list(kernels(50304, (9, 0))) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 128, 8, 8, 0>"]
-    assert list(kernels(65536, (9, 0))) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 128, 8, 8, 0>"]
-    assert "train_cluster" not in str(kernels(32000, (9, 0)))            # below cluster_min: two passes
+    assert list(kernels(50304, (9, 0))) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 256, 8, 4, 1>"]
+    assert list(kernels(65536, (9, 0))) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 256, 8, 4, 1>"]
+    got = kernels(32000, (9, 0))
+    assert list(got) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 256, 8, 2, 1>"]
+    assert list(got.values()) == [6 * 2]
+    assert "train_cluster" not in str(kernels(31999, (9, 0)))            # below cluster_min: two passes
     assert "train_cluster" not in str(kernels(128256, (8, 0)))           # A100: two passes
     assert "train_cluster" not in str(kernels(128255, (9, 0)))           # odd V: scalar loads, two passes
-    assert "train_cluster" not in str(kernels(151936, (9, 0)))           # too wide for the registers
+    assert "train_cluster" not in str(kernels(151936, (9, 0)))           # too wide for the part
     # the number of vectors a thread follows the width (any cluster_min)
     monkeypatch.setattr(ce, "CONFIGS", ce.Configs(cluster_min=8192))
-    assert list(kernels(32000, (9, 0))) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 128, 4, 8, 0>"]
+    assert list(kernels(12000, (9, 0))) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 256, 4, 2, 1>"]
     assert "train_cluster" not in str(kernels(4096, (9, 0)))             # narrow rows: two passes
     assert ", 256, 8, 8, 1>" in str(kernels(2**16, (9, 0), np.float32))        # float32: 8 vectors of 256 threads
-    assert "train_cluster" not in str(kernels(2**17, (9, 0), np.float32))  # too wide for the registers
+    assert "train_cluster" not in str(kernels(2**17, (9, 0), np.float32))  # too wide for the part
+    # 128-thread CTAs hold their part in registers
+    monkeypatch.setattr(ce, "CONFIGS", ce.Configs(clusters=(8,), cluster_threads=(128, 256)))
+    assert list(kernels(65536, (9, 0))) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 128, 8, 8, 0>"]
     # a grid of at most max_clusters clusters (the kernel loops over the rest)
     monkeypatch.setattr(ce, "CONFIGS", ce.Configs(max_clusters=2))
     assert list(kernels(128256, (9, 0), rows=5).values()) == [2 * 8]
     monkeypatch.setattr(ce, "CONFIGS", ce.Configs(cluster_min=8192, use_cluster=False))
     assert "train_cluster" not in str(kernels(128256, (9, 0)))
     # clusters of 16 (beyond the portable size: the instance says so, and loading allows it)
-    monkeypatch.setattr(ce, "CONFIGS", ce.Configs(clusters=(16,)))
+    monkeypatch.setattr(ce, "CONFIGS", ce.Configs(clusters=(16,), cluster_threads=(128, 256)))
     got = kernels(128256, (9, 0))
     assert list(got) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 128, 8, 16, 0>"]
     assert list(got.values()) == [6 * 16]
@@ -308,11 +315,13 @@ def test_every_option_matches_the_reference(rows, v, dtype, reduction, smoothing
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("v, opts", [(8192, {}), (50000, {"label_smoothing": 0.1, "z_loss": 1e-3}),
                                      (128256, {"softcap": 30.0, "reduction": "none"}), (2**17, {"reduction": "sum"})])
-@pytest.mark.parametrize("kind", ["8 x 128 threads", "8 x 256 threads", "8 x 256 threads looping",
-                                  "16 x 128 threads", "16 x 128 threads looping"])
+@pytest.mark.parametrize("kind", ["2 x 256 threads", "4 x 256 threads", "8 x 128 threads", "8 x 256 threads",
+                                  "8 x 256 threads looping", "8 x 256 threads in registers", "16 x 128 threads",
+                                  "16 x 128 threads looping"])
 def test_the_cluster_training_form_matches_the_reference(dtype, v, opts, kind, monkeypatch):
-    """The sm_90 path (a row over a cluster of 8 or 16 CTAs of 128 or 256 threads; a cluster a
-    row, or two clusters looping over the rows), copy and in place, against the reference."""
+    """The sm_90 path (a row over a cluster of 2 to 16 CTAs of 128 or 256 threads, the part in
+    shared memory or in registers; a cluster a row, or two clusters looping over the rows), copy
+    and in place, against the reference."""
     from cukern import _kernels
 
     if _kernels.compute_capability(0) < (9, 0):
@@ -322,7 +331,8 @@ def test_the_cluster_training_form_matches_the_reference(dtype, v, opts, kind, m
             v, 16 // (4 if dtype == "float32" else 2)) is None:
         pytest.skip(f"{v} classes are too wide for clusters of {kind}")
     configs = ce.Configs(cluster_min=8192, clusters=cluster, cluster_threads=threads,   # (down to 8192 classes)
-                         max_clusters=2 if "looping" in kind else 1 << 27)
+                         max_clusters=2 if "looping" in kind else 1 << 27,
+                         cluster_stage=() if "registers" in kind else (256,))
     monkeypatch.setattr(ce, "CONFIGS", configs)
     ce._PLANS.clear()
     try:

@@ -3,8 +3,9 @@
     python3 tools/tune_cross_entropy.py [--tokens 16384] [--vocab 128256 32000 50304] [--dtype bfloat16]
 
 For each vocabulary: the two-pass row kernel (v1) and, on sm_90, the cluster kernel (v2) with
-each number of vectors a thread that holds the row (clusters of 8 and 16 CTAs of 128, 256 and
-512 threads; one cluster a row, and the persistent grid), each passed in a Configs object of
+each number of vectors a thread that holds the row (clusters of 2 to 16 CTAs of 128, 256 and
+512 threads, the part in registers or staged in shared memory; one cluster a row, and the
+persistent grid), each passed in a Configs object of
 its own (the shipped CONFIGS is never changed); then PyTorch eager, torch.compile and Liger-Kernel
 (when installed) on the same logits. Prints ms and the share of the copy bandwidth measured in
 the same run over the byte floor (read the logits once, write the gradient once: 4·T·V bytes
@@ -42,14 +43,18 @@ def measure(tokens: int, v: int, dt, dtype: str, copy: float, sm90: bool) -> Non
     floor = 2 * x.element_size() * x.numel()
     vec = 16 // x.element_size()
     variants = [("v1 two-pass", ce.Configs(use_cluster=False))]
-    if sm90:   # a cluster a row (8 or 16 CTAs; 128, 256 and 512 threads), then the persistent grid
-        for cluster in (8, 16):
+    if sm90:   # a cluster a row (2 to 16 CTAs; 128, 256 and 512 threads; the part in registers or
+        # staged in shared memory), then the persistent grid
+        for cluster in (2, 4, 8, 16):
             for threads in (128, 256, 512):
-                base = dict(clusters=(cluster,), cluster_threads=(threads,), use_cluster=True, cluster_min=8192)
-                shape = ce.Configs(**base).cluster_vectors(v, vec)   # and twice the vectors (fewer registers spare)
-                least = shape[2] if shape else None
-                variants += [(f"v2 cluster {cluster}: {threads}x{nv}", ce.Configs(**base, cluster_nv=(nv,)))
-                             for nv in ((least, 2 * least) if least and least < 8 else (least,) if least else ())]
+                for stage in (((), (threads,)) if threads <= 256 else ((),)):   # (staged: at most 32 KB)
+                    base = dict(clusters=(cluster,), cluster_threads=(threads,), use_cluster=True, cluster_min=8192,
+                                cluster_stage=stage)
+                    shape = ce.Configs(**base).cluster_vectors(v, vec)   # and twice the vectors (fewer registers spare)
+                    least = shape[2] if shape else None
+                    variants += [(f"v2 cluster {cluster}: {threads}x{nv}{' staged' if stage else ''}",
+                                  ce.Configs(**base, cluster_nv=(nv,)))
+                                 for nv in ((least, 2 * least) if least and least < 8 else (least,) if least else ())]
         shape = ce.Configs().cluster_vectors(v, vec)
         if shape:
             variants.append((f"v2 persistent {shape[0]}: {shape[1]}x{shape[2]}",
