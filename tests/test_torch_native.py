@@ -79,6 +79,23 @@ def test_an_unknown_signature_misses_and_a_declined_one_says_so(ext):
     assert ext.layout(torch.randn(3, 4).t()) == ([4, 3], [1, 4], 6)   # (6: at::ScalarType::Float)
 
 
+@needs_compiler
+def test_plans_with_fills_and_sorts_are_taken_and_bad_steps_refused(ext):
+    """A plan's steps besides launches: fills of buffers and the sort of one int64 buffer (the
+    embedding's backward); anything else, or a buffer outside the plan, is refused when added."""
+    x = torch.randn(5, 7)
+    key = ext.key(99, (x,), False)   # (an op number no other test runs)
+    keys = ext.layout(torch.empty(4, dtype=torch.int64))
+
+    def add(steps):
+        return ext.add(key, 0, [0], (1, [keys], steps), [[1, 0]], [1], 1, [], None, [], [-1], [])
+
+    assert add([("fill", [1], 0.0), ("sort", [1], 0.0)])
+    for bad in ([("sort", [0, 1], 0.0)], [("fill", [2], 0.0)], [("fill", [-1], 0.0)], [("shuffle", [1], 0.0)]):
+        with pytest.raises(RuntimeError, match="cukern native path"):
+            add(bad)
+
+
 # ---- GPU: replays against the Python path -------------------------------------------------------
 
 def _leaf(shape, dtype, seed, scale=1.0, channels_last=False):
