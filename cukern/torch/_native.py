@@ -117,7 +117,6 @@ def _export(ext, rec):
     replayed from C++ (input fix-ups, steps other than launches, fills and sorts). Holds no
     tensors (a recording kept on a Function's ctx must not hold its outputs: a reference cycle)."""
     from .._kernels import Launch, param_offsets
-
     from .._plans import Fill, Sort
 
     plan, bufs, n_in = rec
