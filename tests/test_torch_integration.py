@@ -661,7 +661,7 @@ def test_kernels_launch_from_a_thread_that_has_made_no_cuda_call():
     """The autograd engine runs backward on its own thread; when every tensor there comes from
     torch's cache that thread has made no CUDA runtime call and has no context current, and a
     driver launch fails (CUDA_ERROR_INVALID_CONTEXT) unless cukern binds the device first."""
-    import threading
+    from torch_helpers import in_fresh_thread
 
     import cukern
 
@@ -671,19 +671,7 @@ def test_kernels_launch_from_a_thread_that_has_made_no_cuda_call():
     spare = torch.empty_like(expect)
     del spare                        # torch's cache holds a block for the thread's output
     torch.cuda.synchronize()
-    got = {}
-
-    def run():
-        try:
-            got["y"] = cukern.rms_norm(x, w)
-        except Exception as e:  # noqa: BLE001 - reported by the assertion below
-            got["error"] = e
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
-    assert "error" not in got, got.get("error")
-    assert torch.equal(got["y"], expect)
+    assert torch.equal(in_fresh_thread(lambda: cukern.rms_norm(x, w)), expect)
 
 
 @pytest.mark.parametrize("opts", [{}, {"z_loss": 1e-3, "softcap": 4.0, "ignore_index": 2}, {"reduction": "sum"}])

@@ -265,25 +265,13 @@ def test_a_saved_input_changed_in_place_is_an_error():
 @gpu
 @needs_cuda
 def test_replays_run_on_a_thread_that_has_made_no_cuda_call():
-    import threading
+    from torch_helpers import in_fresh_thread
 
     inputs, call = CASES["rms_norm"](torch.bfloat16)
     expect = _run(call, inputs)
     _run(call, inputs)   # (registered)
     torch.cuda.synchronize()
-    got = {}
-
-    def run():
-        try:
-            got["r"] = _run(call, inputs)
-        except Exception as e:  # noqa: BLE001 - reported by the assertion below
-            got["error"] = e
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
-    assert "error" not in got, got.get("error")
-    _equal(got["r"], expect)
+    _equal(in_fresh_thread(lambda: _run(call, inputs)), expect)
 
 
 @gpu

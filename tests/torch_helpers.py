@@ -35,3 +35,24 @@ def family_tables(name: str, *args) -> list:
         if fn is not None:
             out.append(fn(*args))
     return out
+
+
+def in_fresh_thread(fn):
+    """``fn()`` run on a new thread (one that has made no CUDA call yet); its result, or the
+    exception it raised re-raised here."""
+    import threading
+
+    got = {}
+
+    def run():
+        try:
+            got["result"] = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below
+            got["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if "error" in got:
+        raise got["error"]
+    return got["result"]
