@@ -37,18 +37,34 @@ namespace cross_entropy {
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr long long FAULT_TARGET = 2;   // the fault record's kind (cukern/_faults.py)
 
-// The online-softmax state of a set of logits in natural units: m = the largest, l = the sum of
-// exp(z - m). (reduce.cuh's SoftmaxState keeps m in log2 units, m = max(z * log2 e); here z - m
-// must be exact, as it is for values within a factor of two, so that at |z| ~ 1e4 the
-// probabilities keep float32's precision instead of losing the ulp of z * log2 e.)
+// The online-softmax state of a set of logits: m = the largest (in natural units), l = the sum of
+// 2^(z * log2 e - b) over them, b = m * log2 e rounded to float32 (b_of). Each term is one FFMA and
+// one exp2 (fmaf(z, LOG2E, -b) rounds once, so z - m stays exact to float32 at any |z|: a base
+// kept in log2 units and subtracted after rounding z * log2 e lost its ulp, 0.13% at |z| ~ 1e4),
+// and every thread, CTA and pass derives the same b from the same m.
+__device__ __forceinline__ float b_of(float m) { return __fmul_rn(m, LOG2E); }   // (never contracted into an FMA)
+
 struct NaturalMerge {
     __device__ static SoftmaxState identity() { return SoftmaxState::empty(); }
     __device__ __forceinline__ SoftmaxState operator()(SoftmaxState a, SoftmaxState b) const {
         const float m = fmaxf(a.m, b.m);
-        const float mu = m == neg_inf() ? 0.f : m;
-        return {m, a.l * fast_exp2((a.m - mu) * LOG2E) + b.l * fast_exp2((b.m - mu) * LOG2E)};
+        const float bu = b_of(m == neg_inf() ? 0.f : m);   // (both empty: no (-inf) - (-inf))
+        return {m, a.l * fast_exp2(b_of(a.m) - bu) + b.l * fast_exp2(b_of(b.m) - bu)};
     }
 };
+
+// Compile-time options of a row's loops, chosen once a kernel by a uniform branch (with_options):
+// softcapping and label smoothing add work an element that the common case does not pay.
+template <bool B> struct Flag { static constexpr bool value = B; };
+
+template <typename F>
+__device__ __forceinline__ void with_options(bool cap, bool smooth, F&& f) {
+    if (cap) {
+        if (smooth) f(Flag<true>{}, Flag<true>{}); else f(Flag<true>{}, Flag<false>{});
+    } else {
+        if (smooth) f(Flag<false>{}, Flag<true>{}); else f(Flag<false>{}, Flag<false>{});
+    }
+}
 
 // The logit the softmax sees.
 __device__ __forceinline__ float capped(float x, float cap, float inv_cap) {
@@ -86,47 +102,65 @@ __device__ __forceinline__ float row_loss(float lse, float zt, float sz, float s
     return loss;
 }
 
-// One vector of a row into the online-softmax state (natural units) and the sum of z: the
-// logits are softcapped in place; the state is rescaled once a vector, then one exp2 an element.
-template <int VEC>
+// One vector of a row into the online-softmax state and (SMOOTH) the sum of z: the logits are
+// softcapped in place (CAP); the state is rescaled once a vector, then one FFMA and one exp2 an
+// element.
+template <bool CAP, bool SMOOTH, int VEC>
 __device__ __forceinline__ void add_vector(SoftmaxState& st, float& sz, float (&f)[VEC], float softcap,
                                            float inv_cap) {
     float top = neg_inf();
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-        f[j] = capped(f[j], softcap, inv_cap);
-        sz += f[j];
+        if (CAP) f[j] = capped(f[j], softcap, inv_cap);
+        if (SMOOTH) sz += f[j];
         top = fmaxf(top, f[j]);
     }
     if (top > st.m) {
-        st.l *= fast_exp2((st.m - top) * LOG2E);
+        st.l *= fast_exp2(b_of(st.m) - b_of(top));   // (m = -inf: 2^-inf = 0)
         st.m = top;
     }
     if (st.m != neg_inf()) {
+        const float b = b_of(st.m);
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) st.l += fast_exp2((f[j] - st.m) * LOG2E);   // (NaN in, NaN out)
+        for (int j = 0; j < VEC; ++j) st.l += fast_exp2(fmaf(f[j], LOG2E, -b));   // (NaN in, NaN out)
     } else {
 #pragma unroll
         for (int j = 0; j < VEC; ++j) if (f[j] != f[j]) st.l = f[j];  // NaN among -infs
     }
 }
 
-// The gradient of one vector of logits f (columns c ..), in place: p = exp(z - base) * inv_l.
+// The gradient of a row, an element: dx = (p * ga - geps - [j == t] ghit) * (1 - (z / c)^2) (the
+// last factor with softcap), p * l = 2^(z log2 e - hi - lo): g, 1 / l and the z-loss factor folded
+// into ga, g into geps and ghit. hi + lo is the base in log2 units: b_of(m) and 0 after a forward
+// pass, or a saved lse times log2 e split into a float and its rounding error (exact).
 struct GradTerms {
-    float base, inv_l, a, eps_v, hit, g, softcap, inv_cap;
-    long long t;
+    float hi, lo, ga, geps, ghit, softcap, inv_cap;
+    long long t;   // the target (< 0: the row is ignored; its gradient is zero)
+
+    __device__ static GradTerms make(float hi, float lo, float inv_l, float a, float eps_v, float smoothing,
+                                     float g, float softcap, float inv_cap, long long t) {
+        return {hi, lo, g * a * inv_l, g * eps_v, g * (1.f - smoothing), softcap, inv_cap, t};
+    }
 };
 
-template <int VEC>
-__device__ __forceinline__ void grad_vector(float (&f)[VEC], long long c, const GradTerms& k) {
+// One vector of logits f (columns c ..) into its gradient, in place (the row is not ignored).
+// Returns whether the target's column is in the vector; its gradient, which differs by the hit
+// term, is then in `at_target`, for the caller to store over the vector's (modifying f itself
+// there made the compiler split the vector's store into scalar ones).
+template <bool CAP, int VEC>
+__device__ __forceinline__ bool grad_vector(float (&f)[VEC], long long c, const GradTerms& k, float& at_target) {
+    const long long jt = k.t - c;
+    const bool hit = jt >= 0 && jt < VEC;   // (checked once a vector)
+    at_target = 0.f;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-        const float z = capped(f[j], k.softcap, k.inv_cap);
-        float dz = fast_exp2((z - k.base) * LOG2E) * k.inv_l * k.a - k.eps_v;
-        if (c + j == k.t) dz -= k.hit;
-        if (k.softcap > 0.f) dz *= 1.f - (z * k.inv_cap) * (z * k.inv_cap);
-        f[j] = k.t >= 0 ? k.g * dz : 0.f;
+        const float z = CAP ? capped(f[j], k.softcap, k.inv_cap) : f[j];
+        const float dz = fmaf(fast_exp2(fmaf(z, LOG2E, -k.hi) - k.lo), k.ga, -k.geps);
+        const float cap_factor = CAP ? 1.f - (z * k.inv_cap) * (z * k.inv_cap) : 1.f;
+        if (hit && j == jt) at_target = (dz - k.ghit) * cap_factor;
+        f[j] = dz * cap_factor;
     }
+    return hit;
 }
 
 }  // namespace cross_entropy
@@ -166,15 +200,19 @@ __global__ void __launch_bounds__(THREADS, 2) cross_entropy_rows(
         } else {
             SoftmaxState st = SoftmaxState::empty();
             float sz = 0.f;
-            // U vectors a thread a step, their loads issued together (bytes in flight)
-            for (long long c0 = static_cast<long long>(threadIdx.x) * VEC; c0 < V; c0 += STEP) {
-                float f[U][VEC];
-                load_step<T, VEC, U, THREADS>(x, c0, V, f);
+            with_options(softcap > 0.f, smoothing > 0.f, [&](auto cap, auto smooth) {
+                // U vectors a thread a step, their loads issued together (bytes in flight)
+                for (long long c0 = static_cast<long long>(threadIdx.x) * VEC; c0 < V; c0 += STEP) {
+                    float f[U][VEC];
+                    load_step<T, VEC, U, THREADS>(x, c0, V, f);
 #pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    if (c0 + static_cast<long long>(u) * THREADS * VEC < V) add_vector(st, sz, f[u], softcap, inv_cap);
+                    for (int u = 0; u < U; ++u) {
+                        if (c0 + static_cast<long long>(u) * THREADS * VEC < V) {
+                            add_vector<decltype(cap)::value, decltype(smooth)::value>(st, sz, f[u], softcap, inv_cap);
+                        }
+                    }
                 }
-            }
+            });
             // (the target's logit is read before the reduction's barriers: in place, pass 2 may
             // overwrite it right after them)
             const float zt = (threadIdx.x == 0 && t >= 0) ? capped(to_float(x[t]), softcap, inv_cap) : 0.f;
@@ -183,7 +221,7 @@ __global__ void __launch_bounds__(THREADS, 2) cross_entropy_rows(
             float s[1] = {sz};
             if (smoothing > 0.f) SumF::sum(s, sum_tmp);
             row_lse = sv[0].m + log2f(sv[0].l) * 0.6931471805599453f;
-            base = sv[0].m;   // (pass 2: p = exp(z - m) / l, exact differences)
+            base = sv[0].m;   // (pass 2: p = 2^(z log2 e - b_of(m)) / l, as pass 1 summed it)
             inv_l = 1.f / sv[0].l;
             if (threadIdx.x == 0) {
                 const float loss = t >= 0 ? row_loss(row_lse, zt, s[0], smoothing, eps_v, z_loss) : 0.f;
@@ -193,22 +231,37 @@ __global__ void __launch_bounds__(THREADS, 2) cross_entropy_rows(
         }
         if constexpr (MODE != 0) {
             T* d = dlogits + row * d_stride;
+            if (t < 0) {   // (an ignored row's gradient is zero, whatever its logits)
+                for (long long c = static_cast<long long>(threadIdx.x) * VEC; c < V; c += THREADS * VEC) {
+                    float f[VEC] = {};
+                    store_vec_global<T, VEC>(d + c, pack<T, VEC>(f));
+                }
+                continue;
+            }
             float g = dloss ? dloss[row * dloss_stride] : 1.f;
             if (count) g /= *count;
-            if (t < 0) g = 0.f;
-            const GradTerms k = {base, inv_l, 1.f + 2.f * z_loss * row_lse, eps_v, 1.f - smoothing, g, softcap, inv_cap, t};
-            for (long long c0 = static_cast<long long>(threadIdx.x) * VEC; c0 < V; c0 += STEP) {
-                float f[U][VEC];
-                load_step<T, VEC, U, THREADS>(x, c0, V, f);
+            // the base in log2 units: b_of(m) after pass 1; a saved lse split into hi + lo exactly
+            const float hi = b_of(base);
+            const float lo = MODE == 2 && isfinite(hi) ? fmaf(base, LOG2E, -hi) : 0.f;
+            const GradTerms k = GradTerms::make(hi, lo, inv_l, 1.f + 2.f * z_loss * row_lse, eps_v, smoothing, g,
+                                                softcap, inv_cap, t);
+            auto gradient = [&](auto cap) {
+                for (long long c0 = static_cast<long long>(threadIdx.x) * VEC; c0 < V; c0 += STEP) {
+                    float f[U][VEC];
+                    load_step<T, VEC, U, THREADS>(x, c0, V, f);
 #pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const long long c = c0 + static_cast<long long>(u) * THREADS * VEC;
-                    if (c < V) {
-                        grad_vector(f[u], c, k);
-                        store_vec<T, VEC>(d + c, pack<T, VEC>(f[u]));
+                    for (int u = 0; u < U; ++u) {
+                        const long long c = c0 + static_cast<long long>(u) * THREADS * VEC;
+                        if (c < V) {
+                            float at_target;
+                            const bool hit = grad_vector<decltype(cap)::value>(f[u], c, k, at_target);
+                            store_vec_global<T, VEC>(d + c, pack<T, VEC>(f[u]));
+                            if (hit) d[t] = from_float<T>(at_target);   // (after the vector: program order)
+                        }
                     }
                 }
-            }
+            };
+            if (softcap > 0.f) gradient(Flag<true>{}); else gradient(Flag<false>{});
         }
     }
 }
@@ -292,6 +345,9 @@ __global__ void __launch_bounds__(THREADS) cross_entropy_scale(
 // STAGE: the part is staged in shared memory by cp.async instead of registers (no registers hold
 // it, so more CTAs fit an SM: six of 256 threads against four); each thread reads back only the
 // vectors it copied, so no barrier separates the copy from the use.
+// The kernel is short of the memory floor by its CTAs' lives more than by its arithmetic: its
+// gradient stores are explicit 16-byte stores (the compiler had split one vector's into pieces)
+// and a CTA leaves without waiting for them (docs/notes-cross-entropy.md, v3).
 template <typename T, typename IT, int VEC, int THREADS, int NV, int C, int STAGE>
 __global__ void __launch_bounds__(THREADS, (STAGE ? 1536 : 1024) / THREADS) CUK_CE_CLUSTER_DIMS cross_entropy_train_cluster(
     const T* logits, long long x_stride, const IT* __restrict__ target, long long rows, long long V,
@@ -328,9 +384,9 @@ __global__ void __launch_bounds__(THREADS, (STAGE ? 1536 : 1024) / THREADS) CUK_
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
             const long long c = c_begin + (static_cast<long long>(i) * THREADS + threadIdx.x) * VEC;
-            if (STAGE) {
-                cp_async_16(&stage[i * THREADS + threadIdx.x], c < c_end ? x + c : x, c < c_end);
-            } else if (c < c_end) {
+            if (STAGE && c < c_end) {   // (slots past the part are never read: no copy at all)
+                cp_async_16(&stage[i * THREADS + threadIdx.x], x + c, true);
+            } else if (!STAGE && c < c_end) {
                 v[STAGE ? 0 : i] = load_vec<T, VEC>(x + c);
             }
         }
@@ -344,15 +400,17 @@ __global__ void __launch_bounds__(THREADS, (STAGE ? 1536 : 1024) / THREADS) CUK_
         };
         SoftmaxState st = SoftmaxState::empty();
         float sz = 0.f;
+        with_options(softcap > 0.f, smoothing > 0.f, [&](auto cap, auto smooth) {
 #pragma unroll
-        for (int i = 0; i < NV; ++i) {
-            const long long c = c_begin + (static_cast<long long>(i) * THREADS + threadIdx.x) * VEC;
-            if (c < c_end) {
-                float f[VEC];
-                unpack(part_of(i), f);
-                add_vector(st, sz, f, softcap, inv_cap);
+            for (int i = 0; i < NV; ++i) {
+                const long long c = c_begin + (static_cast<long long>(i) * THREADS + threadIdx.x) * VEC;
+                if (c < c_end) {
+                    float f[VEC];
+                    unpack(part_of(i), f);
+                    add_vector<decltype(cap)::value, decltype(smooth)::value>(st, sz, f, softcap, inv_cap);
+                }
             }
-        }
+        });
         const float zt = capped(xt, softcap, inv_cap);
         SoftmaxState sv[1] = {st};
         MergeState::reduce(sv, merge_tmp, NaturalMerge{});
@@ -389,21 +447,38 @@ __global__ void __launch_bounds__(THREADS, (STAGE ? 1536 : 1024) / THREADS) CUK_
             if (loss_rows) loss_rows[row] = loss;
             if (lse) lse[row] = row_lse;
         }
-        float g = count ? 1.f / *count : 1.f;
-        if (t < 0) g = 0.f;
-        const GradTerms k = {m, 1.f / l, 1.f + 2.f * z_loss * row_lse, eps_v, 1.f - smoothing, g, softcap, inv_cap, t};
         T* d = dlogits + row * d_stride;
+        if (t < 0) {   // (an ignored row's gradient is zero, whatever its logits)
 #pragma unroll
-        for (int i = 0; i < NV; ++i) {
-            const long long c = c_begin + (static_cast<long long>(i) * THREADS + threadIdx.x) * VEC;
-            if (c < c_end) {
-                float f[VEC];
-                unpack(part_of(i), f);
-                grad_vector(f, c, k);
-                store_vec<T, VEC>(d + c, pack<T, VEC>(f));
+            for (int i = 0; i < NV; ++i) {
+                const long long c = c_begin + (static_cast<long long>(i) * THREADS + threadIdx.x) * VEC;
+                float f[VEC] = {};
+                if (c < c_end) store_vec_global<T, VEC>(d + c, pack<T, VEC>(f));
             }
+            continue;
         }
+        const GradTerms k = GradTerms::make(b_of(m), 0.f, 1.f / l, 1.f + 2.f * z_loss * row_lse, eps_v, smoothing,
+                                            count ? 1.f / *count : 1.f, softcap, inv_cap, t);
+        auto gradient = [&](auto cap) {
+            // (softcapped and staged: a loop, not unrolled, within the registers of six CTAs an SM)
+            constexpr int UNROLL = decltype(cap)::value && STAGE ? 1 : NV;
+#pragma unroll UNROLL
+            for (int i = 0; i < NV; ++i) {
+                const long long c = c_begin + (static_cast<long long>(i) * THREADS + threadIdx.x) * VEC;
+                if (c < c_end) {
+                    float f[VEC], at_target;
+                    unpack(part_of(i), f);
+                    const bool hit = grad_vector<decltype(cap)::value>(f, c, k, at_target);
+                    store_vec_global<T, VEC>(d + c, pack<T, VEC>(f));
+                    if (hit) d[t] = from_float<T>(at_target);   // (after the vector: program order)
+                }
+            }
+        };
+        if (softcap > 0.f) gradient(Flag<true>{}); else gradient(Flag<false>{});
     }
-    cluster_sync();   // (no CTA leaves while a peer may still read its shared memory)
+    // No CTA leaves while a peer may still read its shared memory. A relaxed arrival: a release
+    // would first wait for this thread's gradient stores to complete (measured 4% slower).
+    cluster_arrive_relaxed();
+    cluster_wait();
 #endif
 }

@@ -53,14 +53,14 @@ class Configs:
     # and `cluster_threads` threads, taken threads first, that holds its part of the row with one
     # of the `cluster_nv` 16-byte vectors a thread, the fewest). The smallest cluster of 256-thread
     # CTAs whose part (at most 32 KB) is staged in shared memory: six CTAs an SM, the fewest
-    # barriers a row (V = 32000: 0.636 ms on 2 CTAs against 0.785 in two passes; 50304 and 65536:
-    # 10% faster on 4 than on 8 CTAs of 128 threads). A cluster of 16 is beyond the portable size
-    # (the front allows it per kernel). Rows of fewer than `cluster_min` classes keep the two-pass
-    # kernel (docs/notes-cross-entropy.md, v2 to v2.3).
+    # barriers a row (bf16, H200: 128256 classes 2.30 ms on 8 CTAs against 3.15 in two passes;
+    # 32000 0.57 on 2 against 0.72; 8192 0.244 on 2 against 0.265). A cluster of 16 is beyond the
+    # portable size (the front allows it per kernel). Rows of fewer than `cluster_min` classes keep
+    # the two-pass kernel (docs/notes-cross-entropy.md, v2 to v3).
     clusters: tuple[int, ...] = (2, 4, 8)
     cluster_threads: tuple[int, ...] = (256,)
     cluster_nv: tuple[int, ...] = (1, 2, 4, 8)
-    cluster_min: int = 32000
+    cluster_min: int = 8192
     use_cluster: bool = True
     # A cluster a row (the hardware schedules the next row's CTAs as others finish, so one CTA's
     # loads overlap another's reductions) or, persistent, as many clusters as fit looping over

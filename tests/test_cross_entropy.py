@@ -183,7 +183,7 @@ def test_the_training_form_splits_wide_rows_over_a_cluster_on_sm90(dry, monkeypa
 
     # the shipped configuration: the smallest cluster of 256-thread CTAs (staged in shared memory)
     # that holds the row in 8 vectors a thread: 8 CTAs for LLaMA-3's vocabulary, 4 for GPT-2's
-    # padded 50304 and for 65536, 2 for Mistral's 32000
+    # padded 50304 and for 65536, 2 for Mistral's 32000 and down to cluster_min
     got = kernels(128256, (9, 0))
     assert list(got) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 256, 8, 8, 1>"]
     assert list(got.values()) == [6 * 8]                                  # a cluster of 8 a row
@@ -192,12 +192,12 @@ def test_the_training_form_splits_wide_rows_over_a_cluster_on_sm90(dry, monkeypa
     got = kernels(32000, (9, 0))
     assert list(got) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 256, 8, 2, 1>"]
     assert list(got.values()) == [6 * 2]
-    assert "train_cluster" not in str(kernels(31999, (9, 0)))            # below cluster_min: two passes
+    assert list(kernels(8192, (9, 0))) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 256, 2, 2, 1>"]
+    assert "train_cluster" not in str(kernels(8184, (9, 0)))             # below cluster_min: two passes
     assert "train_cluster" not in str(kernels(128256, (8, 0)))           # A100: two passes
     assert "train_cluster" not in str(kernels(128255, (9, 0)))           # odd V: scalar loads, two passes
     assert "train_cluster" not in str(kernels(151936, (9, 0)))           # too wide for the part
-    # the number of vectors a thread follows the width (any cluster_min)
-    monkeypatch.setattr(ce, "CONFIGS", ce.Configs(cluster_min=8192))
+    # the number of vectors a thread follows the width
     assert list(kernels(12000, (9, 0))) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 256, 4, 2, 1>"]
     assert "train_cluster" not in str(kernels(4096, (9, 0)))             # narrow rows: two passes
     assert ", 256, 8, 8, 1>" in str(kernels(2**16, (9, 0), np.float32))        # float32: 8 vectors of 256 threads
@@ -208,7 +208,7 @@ def test_the_training_form_splits_wide_rows_over_a_cluster_on_sm90(dry, monkeypa
     # a grid of at most max_clusters clusters (the kernel loops over the rest)
     monkeypatch.setattr(ce, "CONFIGS", ce.Configs(max_clusters=2))
     assert list(kernels(128256, (9, 0), rows=5).values()) == [2 * 8]
-    monkeypatch.setattr(ce, "CONFIGS", ce.Configs(cluster_min=8192, use_cluster=False))
+    monkeypatch.setattr(ce, "CONFIGS", ce.Configs(use_cluster=False))
     assert "train_cluster" not in str(kernels(128256, (9, 0)))
     # clusters of 16 (beyond the portable size: the instance says so, and loading allows it)
     monkeypatch.setattr(ce, "CONFIGS", ce.Configs(clusters=(16,), cluster_threads=(128, 256)))

@@ -38,6 +38,22 @@ __device__ __forceinline__ void cluster_sync() {
 #endif
 }
 
+// The two halves of a cluster barrier, for a CTA that only needs its peers to be past a point
+// (e.g. done reading its shared memory before it leaves). The arrival is relaxed: it orders none
+// of this thread's memory operations, so it does not wait for its global stores to complete, as
+// a release would. (A peer's loads whose values it has used before arriving are complete.)
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+#endif
+}
+
 // The float at `p` (this CTA's shared memory) in the shared memory of CTA `rank` of the cluster.
 __device__ __forceinline__ float load_peer(const float* p, unsigned int rank) {
     float v = 0.f;

@@ -19,6 +19,20 @@ __device__ __forceinline__ void store_vec(T* __restrict__ p, const Vec<T, N>& v)
     *reinterpret_cast<Vec<T, N>*>(p) = v;
 }
 
+// A 16-byte vector to global memory with one st.global.v4 whatever the compiler makes of the
+// vector's elements: it was seen to split one of a thread's several vector stores into 16- and
+// 32-bit pieces (cross_entropy's first vector: 17% of its sectors excessive in Nsight Compute).
+template <typename T, int N>
+__device__ __forceinline__ void store_vec_global(T* p, const Vec<T, N>& v) {
+    if constexpr (sizeof(Vec<T, N>) == 16) {
+        const unsigned int* w = reinterpret_cast<const unsigned int*>(&v);
+        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};"
+                     :: "l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
+    } else {
+        *reinterpret_cast<Vec<T, N>*>(p) = v;
+    }
+}
+
 // Row data, read or written once per kernel. (The evict-first .cs hint was measured here
 // and lost 2-6%: docs/notes-norm.md.)
 template <typename T, int N>
