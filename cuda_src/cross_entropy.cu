@@ -10,12 +10,13 @@
 // g the row's share of the upstream gradient. Ignored rows (t == ignore_index) have loss 0 and
 // a zero gradient; a target outside [0, V) is recorded as a fault and the row is ignored.
 //
-// cross_entropy_rows runs a block a row: pass 1 streams the row once (online softmax in the
-// log2 domain, the sum of z for label smoothing), reduces it over the block and writes the
-// row's loss and lse; pass 2 (MODE 1, the training form, and MODE 2, the backward from a saved
-// lse) streams the row again and writes the gradient. The logits and the gradient may be one
-// buffer (the in-place training form): pass 2 reads each element before the same thread
-// writes it, and the block's reduction separates the passes, so neither pointer is restrict.
+// cross_entropy_rows runs a block a row: pass 1 streams the row once (online softmax, a term
+// one FFMA and one exp2 on a float32 base; the sum of z for label smoothing), reduces it over
+// the block and writes the row's loss and lse; pass 2 (MODE 1, the training form, and MODE 2,
+// the backward from a saved lse) streams the row again and writes the gradient. The logits and
+// the gradient may be one buffer (the in-place training form): pass 2 reads each element before
+// the same thread writes it, and the block's reduction separates the passes, so neither
+// pointer is restrict.
 #include "common/dtype.cuh"
 #include "common/vec.cuh"
 #include "common/reduce.cuh"
