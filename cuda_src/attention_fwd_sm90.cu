@@ -10,9 +10,10 @@
 // mma.sync's, so the FA2 kernel's row logic carries over), and O += P V with P from registers
 // and V read MN-major as stored.
 //
-// (Overlapping a tile's softmax with the previous tile's P V, FlashAttention-3's intra-warpgroup
-// overlap, was tried twice and lost: ptxas places the wait for P V in the first latency gap of
-// the softmax, before its exponentials, so nothing overlaps; docs/notes-attention.md.)
+// OVERLAP is FlashAttention-3's intra-warpgroup overlap: the softmax of tile j runs while the
+// tensor cores finish P V of tile j - 1. ptxas hoists a wgmma wait above arithmetic, so the
+// softmax's row sums are stored to shared memory before the wait (keep_before_wait), which it
+// does not cross (docs/notes-attention.md, step 5).
 #include "common/dtype.cuh"
 #include "common/reduce.cuh"
 #include "common/hopper.cuh"
@@ -24,7 +25,9 @@
 //             for releases there, not in warpgroup 0's path); 384 threads, the producer down to
 //             24 registers and the consumers up to 240 (setmaxnreg).
 //   PINGPONG  the warpgroups take turns issuing S = Q K^T (FlashAttention-3's scheduler barriers).
-template <typename T, int D, int BN, int STAGES, bool CAUSAL, bool PRODUCER, bool PINGPONG, int SMEM>
+//   OVERLAP   S of tile j is issued with P V of tile j - 1, and tile j's softmax runs between
+//             their waits (a buffer is released a tile later: STAGES = 3, or PRODUCER).
+template <typename T, int D, int BN, int STAGES, bool CAUSAL, bool PRODUCER, bool PINGPONG, bool OVERLAP, int SMEM>
 __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_fwd_sm90(
     const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
     const __grid_constant__ CUtensorMap v_map, T* __restrict__ out, float* __restrict__ lse,
@@ -44,6 +47,7 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_fwd_sm90(
     unsigned char* const v_s = k_s + STAGES * KV_BYTES;     // [STAGES][DB][BN rows x 128 bytes]
     // bar_kv: a buffer's tile has landed (TMA's bytes); bar_free: every consumer thread is done with it
     __shared__ unsigned long long bar_q, bar_kv[STAGES], bar_free[STAGES];
+    __shared__ float ov_sink[OVERLAP ? 256 : 1];
 
     // Causal blocks have different amounts of work: the longest (last) are started first.
     const int m_block = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
@@ -113,24 +117,10 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_fwd_sm90(
         if (PINGPONG) named_barrier_arrive(2 - wg, 256);
     };
 
-    for (int nb = 0; nb < n_blocks; ++nb) {
-        // Refill buffer (nb - 1) % STAGES once every thread has released tile nb - 1 (without
-        // PRODUCER, thread 0 here). No block barrier: the two warpgroups drift apart by up to a
-        // tile, so that one's softmax can run beside the other's products.
-        if (!PRODUCER && threadIdx.x == 0 && nb + STAGES - 1 < n_blocks) {
-            if (nb > 0) mbarrier_wait(&bar_free[(nb - 1) % STAGES], ((nb - 1) / STAGES) & 1);
-            load_kv(nb + STAGES - 1);
-        }
-        const int buf = nb % STAGES;
-        float s[BN / 2];
-        issue_s(nb, s);
-        wgmma_wait<0>();
-        wgmma_hold(s);
-
-        // Mask keys past the end and, causal, past the diagonal (only tiles that have any).
+    // Keys past the end and, causal, past the diagonal masked (only tiles that have any).
+    auto mask = [&](int nb, float (&s)[BN / 2]) {
         const int n0 = nb * BN;
-        const bool edge = n0 + BN > Sk || (CAUSAL && n0 + BN - 1 > m0 + diag);
-        if (edge) {
+        if (n0 + BN > Sk || (CAUSAL && n0 + BN - 1 > m0 + diag)) {
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
@@ -140,8 +130,10 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_fwd_sm90(
                     if (key >= Sk || (CAUSAL && key > row + diag)) s[4 * j + e] = neg_inf();
                 }
         }
-
-        // Online softmax in the log2 domain (attention_fwd's): rows g (e = 0, 1) and g + 8 (e = 2, 3).
+    };
+    // Online softmax in the log2 domain (attention_fwd's) over rows g (e = 0, 1) and g + 8
+    // (e = 2, 3): S becomes P in place; alpha, O's rescale factor, is applied by the caller.
+    auto softmax = [&](float (&s)[BN / 2], float (&alpha)[2]) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float mx = neg_inf();
@@ -150,7 +142,7 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_fwd_sm90(
             butterfly<1, 2>(Max{}, mx);   // over the row's quad
             const float new_max = fmaxf(row_max[r], mx * scale_log2);
             const float m_use = new_max == neg_inf() ? 0.f : new_max;
-            const float alpha = fast_exp2(row_max[r] - m_use);
+            alpha[r] = fast_exp2(row_max[r] - m_use);
             row_max[r] = new_max;
             float sum = 0.f;
 #pragma unroll
@@ -159,22 +151,86 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_fwd_sm90(
                 s[4 * j + 2 * r + 1] = fast_exp2(fmaf(s[4 * j + 2 * r + 1], scale_log2, -m_use));
                 sum += s[4 * j + 2 * r] + s[4 * j + 2 * r + 1];
             }
-            row_sum[r] = row_sum[r] * alpha + sum;
-#pragma unroll
-            for (int j = 0; j < D / 8; ++j) {
-                o[4 * j + 2 * r] *= alpha;
-                o[4 * j + 2 * r + 1] *= alpha;
-            }
+            row_sum[r] = row_sum[r] * alpha[r] + sum;
         }
+    };
+    auto rescale = [&](const float (&alpha)[2]) {
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[4 * j + e] *= alpha[e >> 1];
+    };
+    // O += P V: P's A fragments from the S accumulators, V read MN-major as stored.
+    auto issue_pv = [&](int nb, unsigned int (&a)[BN / 16][4]) {
+        wgmma_rs_mn<T, D>(o, a, v_s + (nb % STAGES) * KV_BYTES, KV_BOX);
+    };
+    // Refill the buffer of tile nb (thread 0, without PRODUCER) once every thread released it.
+    auto refill = [&](int nb) {
+        if (!PRODUCER && threadIdx.x == 0 && nb + STAGES < n_blocks) {
+            mbarrier_wait(&bar_free[nb % STAGES], (nb / STAGES) & 1);
+            load_kv(nb + STAGES);
+        }
+    };
 
-        // O += P V: P's A fragments from the S accumulators (the rescaled accumulators and the
-        // fragments pinned before the fence), V read MN-major as stored
+    // (Tiles 0 .. STAGES - 2 were issued by ring_loads; without PRODUCER thread 0 adds the last.)
+    if (!PRODUCER && threadIdx.x == 0 && STAGES - 1 < n_blocks) load_kv(STAGES - 1);
+    if constexpr (!OVERLAP) {
+        for (int nb = 0; nb < n_blocks; ++nb) {
+            // No block barrier: the two warpgroups drift apart by up to a tile, so that one's
+            // softmax can run beside the other's products.
+            if (nb > 0) refill(nb - 1);
+            float s[BN / 2], alpha[2];
+            issue_s(nb, s);
+            wgmma_wait<0>();
+            wgmma_hold(s);
+            mask(nb, s);
+            softmax(s, alpha);
+            rescale(alpha);
+            unsigned int a[BN / 16][4];
+            accumulators_to_a<T>(s, a);
+            issue_pv(nb, a);
+            wgmma_wait<0>();
+            wgmma_hold(o);
+            mbarrier_arrive(&bar_free[nb % STAGES]);   // (this thread's products have read the buffer)
+        }
+    } else if (n_blocks > 0) {
+        // FlashAttention-3's intra-warpgroup overlap: S of tile nb is issued with P V of tile
+        // nb - 1, and tile nb's softmax runs while the tensor cores finish that P V. P of tile
+        // nb - 1 stays pinned until the P V's wait, so that ptxas cannot hand its registers to
+        // the softmax (which would force the wait before the exponentials).
         unsigned int a[BN / 16][4];
-        accumulators_to_a<T>(s, a);
-        wgmma_rs_mn<T, D>(o, a, v_s + buf * KV_BYTES, KV_BOX);
+        float alpha[2];
+        {
+            float s[BN / 2];
+            issue_s(0, s);
+            wgmma_wait<0>();
+            wgmma_hold(s);
+            mask(0, s);
+            softmax(s, alpha);
+            accumulators_to_a<T>(s, a);
+        }
+        for (int nb = 1; nb < n_blocks; ++nb) {
+            float s[BN / 2];
+            issue_s(nb, s);
+            rescale(alpha);
+            issue_pv(nb - 1, a);
+            wgmma_wait<1>();
+            wgmma_hold(s);
+            mask(nb, s);
+            softmax(s, alpha);
+            keep_before_wait(ov_sink, row_sum[0] + row_sum[1]);   // (the exponentials before the wait)
+            wgmma_wait<0>();
+            wgmma_hold(a);
+            wgmma_hold(o);
+            mbarrier_arrive(&bar_free[(nb - 1) % STAGES]);
+            refill(nb - 1);
+            accumulators_to_a<T>(s, a);
+        }
+        rescale(alpha);
+        issue_pv(n_blocks - 1, a);
         wgmma_wait<0>();
         wgmma_hold(o);
-        mbarrier_arrive(&bar_free[buf]);   // (this thread's products have read the buffer)
+        mbarrier_arrive(&bar_free[(n_blocks - 1) % STAGES]);
     }
     if (PINGPONG && wg == 0 && n_blocks > 0) named_barrier_sync(1, 256);
 

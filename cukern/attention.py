@@ -82,11 +82,14 @@ class Sm90FwdConfig:
     """attention_fwd_sm90 (TMA + wgmma, sm_90a): two warpgroups of 64 query rows a block, ``bn``
     keys a tile, a ring of ``stages`` K and V tiles in shared memory. Scheduling: ``producer``, a
     third warpgroup issues the loads (setmaxnreg: 240 registers for the two others);
-    ``pingpong``, the warpgroups take turns issuing Q K^T."""
+    ``pingpong``, the warpgroups take turns issuing Q K^T; ``overlap``, a tile's softmax runs
+    while the tensor cores finish the previous tile's P V (FlashAttention-3's intra-warpgroup
+    overlap)."""
     bn: int
     stages: int = 2
     producer: bool = False
     pingpong: bool = False
+    overlap: bool = False
     block_rows = 128
 
     @property
@@ -101,7 +104,7 @@ class Sm90FwdConfig:
     def instance(self, dtype: str, d: int, causal: bool) -> Instance:
         smem = self.smem(d)
         return Instance(SM90_SOURCE, f"attention_fwd_sm90<{_ctype(dtype)}, {d}, {self.bn}, {self.stages}, "
-                        f"{_b(causal)}, {_b(self.producer)}, {_b(self.pingpong)}, {smem}>",
+                        f"{_b(causal)}, {_b(self.producer)}, {_b(self.pingpong)}, {_b(self.overlap)}, {smem}>",
                         self.threads, smem, "sm_90a")
 
 
@@ -186,7 +189,8 @@ class Configs:
     dot_threads: int = 256
     # The forward on sm_90 (H100, H200) by TMA and wgmma, by head dim: key tiles as measured
     # fastest on an H200 (tools/tune_attention.py; docs/notes-attention.md, the Hopper path).
-    fwd_sm90: tuple[tuple[int, Sm90FwdConfig], ...] = ((64, Sm90FwdConfig(64, 2)), (128, Sm90FwdConfig(128, 2)),
+    fwd_sm90: tuple[tuple[int, Sm90FwdConfig], ...] = ((64, Sm90FwdConfig(64, 2)),
+                                                       (128, Sm90FwdConfig(128, 3, producer=True, overlap=True)),
                                                        (256, Sm90FwdConfig(64, 2, producer=True, pingpong=True)))
     use_sm90: bool = True
     # The backward's dK/dV (and dQ-atomic) kernel on sm_90 by TMA and wgmma, by head dim: query

@@ -149,8 +149,8 @@ def test_the_sm90_forward_takes_tensor_maps_of_the_inputs(host_arrays_as_device,
 
     (step,) = launches(128, (9, 0))
     _, inst, grid, _, _, slots = step
-    assert inst.name.startswith("attention_fwd_sm90<cuk::half, 128, 128, 2, true, ")
-    assert inst.arch == "sm_90a" and inst.threads == 256 and grid == (2, 8)
+    assert inst.name.startswith("attention_fwd_sm90<cuk::half, 128, 128, 3, true, true, false, true, ")
+    assert inst.arch == "sm_90a" and inst.threads == 384 and grid == (2, 8)
     maps = [(m.index, m.box) for _, m, _ in slots if isinstance(m, _kernels.MapSlot)]
     assert maps == [(0, (1, 128, 1, 64)), (1, (1, 128, 1, 64)), (2, (1, 128, 1, 64))]
     assert [m.box for _, m, _ in launches(256, (9, 0))[0][5] if isinstance(m, _kernels.MapSlot)][1] == (1, 64, 1, 64)

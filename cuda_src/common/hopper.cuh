@@ -273,6 +273,13 @@ __device__ __forceinline__ void wgmma_hold(float (&d)[R]) {
 #pragma unroll
     for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
 }
+// Keeps the instructions that `v` depends on ahead of the next wgmma_wait: ptxas hoists a wait
+// above any arithmetic (waiting early is always safe) but not above a shared-memory store, so
+// `v` is stored to this thread's slot of `sink` (never read). The intra-warpgroup overlap needs
+// it: without it the wait for P V lands before the softmax's exponentials.
+__device__ __forceinline__ void keep_before_wait(float* sink, float v) {
+    asm volatile("st.shared.f32 [%0], %1;" :: "r"(shared_address(sink + threadIdx.x)), "f"(v) : "memory");
+}
 // Accumulators zeroed and fenced: the start of a batch of wgmma that begins a new product.
 template <int R>
 __device__ __forceinline__ void wgmma_zero_and_fence(float (&d)[R]) {
