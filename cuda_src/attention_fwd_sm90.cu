@@ -1,8 +1,8 @@
 // Fused attention forward on Hopper (sm_90a) (docs/notes-attention.md, the Hopper steps): TMA
 // tile loads and wgmma, with the scheduling options listed at the kernel.
 //
-// A block of two warpgroups computes BM = 128 query rows (64 a warpgroup) of one (batch, head)
-// against all keys. Thread 0 (with PRODUCER, a thread of a third warpgroup) brings Q once and
+// A block of CONSUMERS (2 or 3) warpgroups computes BM = 64 CONSUMERS query rows (64 a warpgroup)
+// of one (batch, head) against all keys. Thread 0 (with PRODUCER, a thread of a third warpgroup) brings Q once and
 // each key/value tile of BN keys by TMA (128-byte swizzle, 64 head-dim columns a box) into a ring
 // of STAGES buffers, one "landed" and one "released" mbarrier a buffer (no block barrier in the loop: the
 // warpgroups drift apart). Each warpgroup computes S = Q K^T with wgmma from shared memory
@@ -27,18 +27,20 @@
 //   PINGPONG  the warpgroups take turns issuing S = Q K^T (FlashAttention-3's scheduler barriers).
 //   OVERLAP   S of tile j is issued with P V of tile j - 1, and tile j's softmax runs between
 //             their waits (a buffer is released a tile later: STAGES = 3, or PRODUCER).
-template <typename T, int D, int BN, int STAGES, bool CAUSAL, bool PRODUCER, bool PINGPONG, bool OVERLAP, int SMEM>
-__global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_fwd_sm90(
+template <typename T, int D, int BN, int STAGES, int CONSUMERS, bool CAUSAL, bool PRODUCER, bool PINGPONG, bool OVERLAP, int SMEM>
+__global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention_fwd_sm90(
     const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
     const __grid_constant__ CUtensorMap v_map, T* __restrict__ out, float* __restrict__ lse,
     long long o_sb, long long o_ss, long long o_sh, int H, int Hkv, int Sq, int Sk, float scale_log2)
 {
-    constexpr int BM = 128, DB = D / 64;                    // query rows a block; 64-column boxes
+    constexpr int BM = 64 * CONSUMERS, DB = D / 64;         // query rows a block; 64-column boxes
+    constexpr int THREADS = CONSUMERS * 128;                // the computing threads
     constexpr int Q_BOX = BM * 128, KV_BOX = BN * 128;      // bytes of one box (rows x 128 bytes)
     constexpr int Q_BYTES = DB * Q_BOX, KV_BYTES = DB * KV_BOX;
     static_assert(SMEM == Q_BYTES + 2 * STAGES * KV_BYTES + 1024, "SMEM: Q, the K and V ring, alignment slack");
     static_assert(D % 64 == 0 && D <= 256 && BN % 16 == 0 && BN <= 256, "tile shapes");
     static_assert(STAGES >= 2 && STAGES <= 4, "STAGES");
+    static_assert((CONSUMERS == 2 || CONSUMERS == 3) && (!PINGPONG || CONSUMERS == 2), "CONSUMERS");
 #if CUK_SM90A
     using namespace cuk;
     extern __shared__ unsigned char smem_raw[];
@@ -47,7 +49,7 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_fwd_sm90(
     unsigned char* const v_s = k_s + STAGES * KV_BYTES;     // [STAGES][DB][BN rows x 128 bytes]
     // bar_kv: a buffer's tile has landed (TMA's bytes); bar_free: every consumer thread is done with it
     __shared__ unsigned long long bar_q, bar_kv[STAGES], bar_free[STAGES];
-    __shared__ float ov_sink[OVERLAP ? 256 : 1];
+    __shared__ float ov_sink[OVERLAP ? THREADS : 1];
 
     // Causal blocks have different amounts of work: the longest (last) are started first.
     const int m_block = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
@@ -68,7 +70,7 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_fwd_sm90(
 #pragma unroll
         for (int i = 0; i < STAGES; ++i) {
             mbarrier_init(&bar_kv[i], 1);
-            mbarrier_init(&bar_free[i], 256);
+            mbarrier_init(&bar_free[i], THREADS);
         }
         mbarrier_init(&bar_q, 1);
         mbarrier_init_fence();
@@ -83,13 +85,13 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_fwd_sm90(
             tma_load_4d(v_s + buf * KV_BYTES + db * KV_BOX, &v_map, db * 64, hk, nb * BN, b, &bar_kv[buf]);
         }
     };
-    const int loader = PRODUCER ? 256 : 0;
+    const int loader = PRODUCER ? THREADS : 0;
     if (threadIdx.x == loader) {
         mbarrier_arrive_expect_tx(&bar_q, Q_BYTES);
 #pragma unroll
         for (int db = 0; db < DB; ++db) tma_load_4d(q_s + db * Q_BOX, &q_map, db * 64, h, m0, b, &bar_q);
     }
-    if (!ring_loads<PRODUCER, STAGES>(n_blocks, bar_free, load_kv)) return;   // (the producer is done)
+    if (!ring_loads<PRODUCER, STAGES, CONSUMERS>(n_blocks, bar_free, load_kv)) return;   // (the producer is done)
 
     float o[D / 2];
 #pragma unroll

@@ -149,7 +149,7 @@ def test_the_sm90_forward_takes_tensor_maps_of_the_inputs(host_arrays_as_device,
 
     (step,) = launches(128, (9, 0))
     _, inst, grid, _, _, slots = step
-    assert inst.name.startswith("attention_fwd_sm90<cuk::half, 128, 128, 3, true, true, false, true, ")
+    assert inst.name.startswith("attention_fwd_sm90<cuk::half, 128, 128, 3, 2, true, true, false, true, ")
     assert inst.arch == "sm_90a" and inst.threads == 384 and grid == (2, 8)
     maps = [(m.index, m.box) for _, m, _ in slots if isinstance(m, _kernels.MapSlot)]
     assert maps == [(0, (1, 128, 1, 64)), (1, (1, 128, 1, 64)), (2, (1, 128, 1, 64))]
@@ -164,6 +164,20 @@ def test_the_sm90_forward_takes_tensor_maps_of_the_inputs(host_arrays_as_device,
     assert [s[1].name for s in info.value.plan.steps if isinstance(s, tuple)][0].startswith("attention_fwd<")
     assert launches(96, (9, 0))[0][1].name.startswith("attention_fwd<")    # no Hopper config
     attn._FWD.clear()
+
+
+def test_the_sm90_forward_config_by_head_dim_and_mask():
+    """The forward without a causal mask may have its own Hopper config (d64: three warpgroups
+    of rows); causal, and head dims without one, take fwd_sm90's. Each is compiled by the check."""
+    import importlib
+
+    attn = importlib.import_module("cukern.attention")
+    cfgs = attn.CONFIGS
+    for d, full in cfgs.fwd_sm90_full:
+        assert cfgs.sm90_forward(d, False) == full and cfgs.sm90_forward(d, True) == cfgs.get("fwd_sm90", d)
+        assert full.instance("float16", d, False).name in {i.name for i in attn.instances()}
+    assert cfgs.sm90_forward(64, False).warpgroups == 3 and cfgs.sm90_forward(64, False).threads == 512
+    assert cfgs.sm90_forward(128, False) == cfgs.get("fwd_sm90", 128)
 
 
 def test_the_sm90_backward_takes_tensor_maps_of_the_inputs(host_arrays_as_device, monkeypatch):
@@ -271,10 +285,11 @@ def test_attention_matches_reference(c):
 @gpu
 @settings(max_examples=80)
 @given(c=attn_cases(), layout=st.sampled_from(["contiguous", "packed"]), producer=st.booleans(),
-       pingpong=st.booleans())
-def test_the_sm90_forward_matches_reference(c, layout, producer, pingpong):
-    """The Hopper path (TMA + wgmma, attention_fwd_sm90) on its head dims, forced on, with and
-    without a producer warpgroup and the warpgroups' turns (pingpong)."""
+       pingpong=st.booleans(), overlap=st.booleans(), warpgroups=st.sampled_from([2, 3]))
+def test_the_sm90_forward_matches_reference(c, layout, producer, pingpong, overlap, warpgroups):
+    """The Hopper path (TMA + wgmma, attention_fwd_sm90) on its head dims, forced on, with every
+    scheduling option: a producer warpgroup, the warpgroups' turns (pingpong, two warpgroups
+    only), the intra-warpgroup overlap, and two or three warpgroups of rows."""
     import importlib
 
     from cukern import _kernels
@@ -284,8 +299,11 @@ def test_the_sm90_forward_matches_reference(c, layout, producer, pingpong):
     attn = importlib.import_module("cukern.attention")
     if c["d"] not in dict(attn.CONFIGS.fwd_sm90):
         c["d"] = 128
-    cfg = dataclasses.replace(attn.CONFIGS.get("fwd_sm90", c["d"]), producer=producer, pingpong=pingpong)
-    hopper = dataclasses.replace(attn.CONFIGS.replace("fwd_sm90", c["d"], cfg), use_sm90=True)
+    cfg = dataclasses.replace(attn.CONFIGS.get("fwd_sm90", c["d"]), producer=producer,
+                              pingpong=pingpong and warpgroups == 2, overlap=overlap, warpgroups=warpgroups)
+    while cfg.smem(c["d"]) > 225 * 1024 and cfg.stages > 2:   # (the ring that fits, as a config would)
+        cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
+    hopper = dataclasses.replace(attn.CONFIGS.replace("fwd_sm90", c["d"], cfg), fwd_sm90_full=(), use_sm90=True)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(attn, "CONFIGS", hopper)
         _run_case(c, layout)

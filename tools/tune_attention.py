@@ -51,7 +51,8 @@ def main():
         candidates = [(cfg, dataclasses.replace(attn.CONFIGS.replace("fwd", D, cfg), use_sm90=False))
                       for cfg in CANDIDATES.get(D, [attn.CONFIGS.get("fwd", D)]) if not sm90_only]
         if torch.cuda.get_device_capability() == (9, 0):
-            candidates += [(cfg, dataclasses.replace(attn.CONFIGS, use_sm90=True, fwd_sm90=((D, cfg),)))
+            candidates += [(cfg, dataclasses.replace(attn.CONFIGS, use_sm90=True, fwd_sm90=((D, cfg),),
+                                                     fwd_sm90_full=()))
                            for cfg in SM90_CANDIDATES.get(D, [])]
         for cfg, configs in candidates:
             try:

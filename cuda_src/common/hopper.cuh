@@ -108,25 +108,27 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 #endif
 }
 // Who loads a ring of STAGES shared-memory buffers holding `count` items in turn (item i in
-// buffer i % STAGES; `load(i)` issues its TMA). PRODUCER: threads 256..383 are a producer
-// warpgroup that keeps 24 registers; its first thread issues every load, each once bar_free of
-// its buffer (one phase an item) says the item before it there was released; it returns false
-// (those threads are done) and the computing threads, with 240 registers, true. Otherwise
-// thread 0 issues the first STAGES - 1 loads (the computing threads refill the ring) and every
-// thread returns true.
-template <bool PRODUCER, int STAGES, typename Load>
+// buffer i % STAGES; `load(i)` issues its TMA). The computing threads are the first CONSUMERS
+// warpgroups. PRODUCER: the warpgroup after them is a producer that keeps 24 registers; its first
+// thread issues every load, each once bar_free of its buffer (one phase an item) says the item
+// before it there was released; it returns false (those threads are done) and the computing
+// threads, with the registers the producer gave back (240 for two warpgroups, 160 for three),
+// true. Otherwise thread 0 issues the first STAGES - 1 loads (the computing threads refill the
+// ring) and every thread returns true.
+template <bool PRODUCER, int STAGES, int CONSUMERS = 2, typename Load>
 __device__ __forceinline__ bool ring_loads(int count, unsigned long long* bar_free, Load load) {
+    static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three computing warpgroups");
     if constexpr (PRODUCER) {
-        if (threadIdx.x >= 256) {
+        if (threadIdx.x >= CONSUMERS * 128) {
             setmaxnreg_dec<24>();
-            if (threadIdx.x == 256)
+            if (threadIdx.x == CONSUMERS * 128)
                 for (int i = 0; i < count; ++i) {
                     if (i >= STAGES) mbarrier_wait(&bar_free[i % STAGES], (i / STAGES - 1) & 1);
                     load(i);
                 }
             return false;
         }
-        setmaxnreg_inc<240>();
+        setmaxnreg_inc<CONSUMERS == 2 ? 240 : 160>();
     } else if (threadIdx.x == 0) {
 #pragma unroll
         for (int i = 0; i < STAGES - 1; ++i)
