@@ -22,10 +22,13 @@
 #include "common/reduce.cuh"
 #include "common/attn_tile.cuh"
 
-// One thread a row (b, i, h). With dq_accum (deterministic=False) also zeroes dQ's float32
-// partial sums, rows * D elements (saves a separate memset). With `rows` (the Hopper backward)
-// also writes lse * log2(e) and Dsum as tiles of `tile` queries, (B, H, ceil(Sq / tile), 2,
-// tile) float32, zeros past Sq: one TMA copy a query tile.
+// L = LANES lanes a row (b, h, i), rows numbered i fastest (so that Dsum, lse and `rows` are
+// read and written in runs), each lane one or more 16-byte vectors of the row's dO and O (a
+// warp reads 32 / L rows' whole vectors at once), the lanes' sums reduced by shuffles. With
+// dq_accum (deterministic=False) also zeroes dQ's float32 partial sums, rows * D elements (saves
+// a separate memset). With `rows` (the Hopper backward) also writes lse * log2(e) and Dsum as
+// tiles of `tile` queries, (B, H, ceil(Sq / tile), 2, tile) float32, zeros past Sq: one TMA copy
+// a query tile.
 template <typename T, int D>
 __global__ void __launch_bounds__(256) attention_bwd_dot(
     const T* __restrict__ dout, const T* __restrict__ out,
@@ -34,28 +37,38 @@ __global__ void __launch_bounds__(256) attention_bwd_dot(
     float* __restrict__ dq_accum, int B, int Sq, int H)
 {
     using namespace cuk;
+    constexpr int V = D / 8;                               // 16-byte vectors a row
+    constexpr int LANES = (V & 15) == 0 ? 16 : (V & 7) == 0 ? 8 : (V & 3) == 0 ? 4 : (V & 1) == 0 ? 2 : 1;
+    constexpr int VPL = V / LANES;                         // vectors a lane
     const long long nrows = static_cast<long long>(B) * Sq * H;
-    for (long long r = blockIdx.x * 256LL + threadIdx.x; r < nrows; r += gridDim.x * 256LL) {
-        const int h = static_cast<int>(r % H);
-        const long long bi = r / H;
-        const int i = static_cast<int>(bi % Sq), b = static_cast<int>(bi / Sq);
+    const int sub = threadIdx.x % LANES;
+    // (the lanes of a row run the loop alike, so the shuffles name them alone: a warp's last
+    // rows may end before its first)
+    const unsigned int row_lanes = (LANES == 32 ? 0xffffffffu : (1u << LANES) - 1) << (threadIdx.x % 32 - sub);
+    for (long long r = (blockIdx.x * 256LL + threadIdx.x) / LANES; r < nrows; r += gridDim.x * (256LL / LANES)) {
+        const int i = static_cast<int>(r % Sq);
+        const long long bh = r / Sq;
+        const int h = static_cast<int>(bh % H), b = static_cast<int>(bh / H);
         const T* dp = dout + b * d_sb + i * d_ss + h * d_sh;
         const T* op = out + b * o_sb + i * o_ss + h * o_sh;
         float acc = 0.f;
 #pragma unroll
-        for (int c = 0; c < D; c += 8) {
+        for (int v = 0; v < VPL; ++v) {
             float fd[8], fo[8];
-            unpack(load_vec<T, 8>(dp + c), fd);
-            unpack(load_vec<T, 8>(op + c), fo);
+            unpack(load_vec<T, 8>(dp + 8 * (sub + LANES * v)), fd);
+            unpack(load_vec<T, 8>(op + 8 * (sub + LANES * v)), fo);
 #pragma unroll
             for (int j = 0; j < 8; ++j) acc = fmaf(fd[j], fo[j], acc);
         }
-        const long long bh = static_cast<long long>(b) * H + h;
-        dsum[bh * Sq + i] = acc;
-        if (rows) {
-            float* at = rows + (bh * ((Sq + tile - 1) / tile) + i / tile) * 2 * tile + i % tile;
-            at[0] = lse[bh * Sq + i] * 1.4426950408889634f;
-            at[tile] = acc;
+#pragma unroll
+        for (int m = 1; m < LANES; m *= 2) acc += __shfl_xor_sync(row_lanes, acc, m);
+        if (sub == 0) {
+            dsum[bh * Sq + i] = acc;
+            if (rows) {
+                float* at = rows + (bh * ((Sq + tile - 1) / tile) + i / tile) * 2 * tile + i % tile;
+                at[0] = lse[bh * Sq + i] * 1.4426950408889634f;
+                at[tile] = acc;
+            }
         }
     }
     if (rows) {   // the last tile's rows past Sq, of every (b, h)

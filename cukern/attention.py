@@ -525,7 +525,7 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
     rows = b.alloc((batch, h, -(-sq // tile), 2, tile), "float32") if hopper else None
     threads = configs.dot_threads
     k = _kernels.kernel(configs.dot(qa.dtype, d), device)
-    b.launch(k, min(-(-(batch * sq * h) // threads), 65535), dout=b.slot(0), out=b.slot(4),
+    b.launch(k, min(-(-(batch * sq * h * _dot_lanes(d)) // threads), 65535), dout=b.slot(0), out=b.slot(4),
              **{f"d_{n}": s for n, s in _strides3(ds).items()}, **{f"o_{n}": s for n, s in _strides3(os_).items()},
              dsum=dsum, lse=b.slot(5), rows=rows, tile=tile, dq_accum=dq_accum, B=batch, Sq=sq, H=h)
     if hopper:
@@ -555,6 +555,12 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
         b.launch(k, min(-(-n8 // threads), 65535 * 16), acc=dq_accum, dq=dq, B=batch, Sq=sq, H=h,
                  **{f"dq_{n}": s for n, s in _strides3(dqs).items()}, scale=scale)
     return b.plan(device, first=1)
+
+
+def _dot_lanes(d: int) -> int:
+    """attention_bwd_dot's lanes a row: the largest power of two up to 16 that divides d / 8."""
+    v = d // 8
+    return next(n for n in (16, 8, 4, 2, 1) if v % n == 0)
 
 
 # ---- NumPy references ------------------------------------------------------------------------
