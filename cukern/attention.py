@@ -108,7 +108,8 @@ class Sm90FwdConfig:
     def instance(self, dtype: str, d: int, causal: bool) -> Instance:
         if self.warpgroups == 3 and d > 128:
             raise ValueError(f"warpgroups=3 takes head dims up to 128, not {d}: the O accumulators of "
-                             "64 rows x d do not fit a thread's share of the registers (at most 168)")
+                             "64 rows x d do not fit a thread's share of the registers "
+                             "(128 with a producer, 168 without)")
         smem = self.smem(d)
         return Instance(SM90_SOURCE, f"attention_fwd_sm90<{_ctype(dtype)}, {d}, {self.bn}, {self.stages}, "
                         f"{self.warpgroups}, {_b(causal)}, {_b(self.producer)}, {_b(self.pingpong)}, "
