@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
 
     const int b = blockIdx.y / Hkv, hk = blockIdx.y % Hkv;
     const int rep = H / Hkv;
-    const int wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+    const int wg = warpgroup_index(), warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const int n0 = blockIdx.x * BN;
     const int key0 = n0 + wg * 64 + warp * 16 + g;   // this thread's keys: key0 and key0 + 8
@@ -120,19 +120,22 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) dv_acc[i] = dk_acc[i] = 0.f;
     mbarrier_wait(&bar_kv, 0);
+    // This warpgroup's 64 key rows of K and V (k16 steps and 64-column boxes advance from here)
+    const unsigned long long k_desc = wgmma_desc_sw128(k_s + wg * 64 * 128), v_desc = wgmma_desc_sw128(v_s + wg * 64 * 128);
 
     // dQ of step si (DQ_ATOMIC): this warpgroup's 64 x 64 part (see SPLIT_N) of dS K, A = dS^T read
     // transposed from buffer si & 1, B = K read MN-major (key rows of D); one commit group.
     const int qhalf = SPLIT_N && BM == 128 ? wg : 0, dhalf = SPLIT_N && D == 128 ? wg : 0;
     auto dq_issue = [&](int si, float (&dq)[32]) {
         constexpr int KSTEPS = SPLIT_N ? BN / 16 : 64 / 16;
-        const unsigned char* const a0 = ds_s + (si & 1) * DS_BYTES + qhalf * BN * 128 + (SPLIT_N ? 0 : wg * 64 * 128);
-        const unsigned char* const b0 = k_s + dhalf * KV_BOX + (SPLIT_N ? 0 : wg * 64 * 128);
+        const unsigned long long a0 = wgmma_desc_sw128_mn(
+            ds_s + (si & 1) * DS_BYTES + qhalf * BN * 128 + (SPLIT_N ? 0 : wg * 64 * 128), 64 * 128);
+        const unsigned long long b0 = wgmma_desc_sw128_mn(k_s + dhalf * KV_BOX + (SPLIT_N ? 0 : wg * 64 * 128), KV_BOX);
         wgmma_zero_and_fence(dq);
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk)
-            Wgmma<T, 64>::template ss<1, 1>(dq, wgmma_desc_sw128_mn(a0 + kk * 16 * 128, 64 * 128),
-                                            wgmma_desc_sw128_mn(b0 + kk * 16 * 128, KV_BOX), kk > 0);
+            Wgmma<T, 64>::template ss<1, 1>(dq, wgmma_desc_advance(a0, kk * 16 * 128), wgmma_desc_advance(b0, kk * 16 * 128),
+                                            kk > 0);
         wgmma_commit();
     };
     // ... added into dq_accum: rows m0 + 64 qhalf + 16 warp + g (+8), columns 64 dhalf + 8j + 2t (+1).
@@ -177,17 +180,18 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
 
         // S^T = K Q^T, then dP^T = V dO^T behind it (this warpgroup's 64 keys x BM queries)
         float s[BM / 2], dp[BM / 2];
+        const unsigned long long q_desc = wgmma_desc_sw128(qb), do_desc = wgmma_desc_sw128(dob);
         wgmma_zero_and_fence(s);
         wgmma_zero_and_fence(dp);
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks)
-            Wgmma<T, BM>::ss(s, wgmma_desc_sw128(k_s + (ks / 4) * KV_BOX + wg * 64 * 128 + (ks % 4) * 32),
-                             wgmma_desc_sw128(qb + (ks / 4) * Q_BOX + (ks % 4) * 32), ks > 0);
+            Wgmma<T, BM>::ss(s, wgmma_desc_advance(k_desc, (ks / 4) * KV_BOX + (ks % 4) * 32),
+                             wgmma_desc_advance(q_desc, (ks / 4) * Q_BOX + (ks % 4) * 32), ks > 0);
         wgmma_commit();
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks)
-            Wgmma<T, BM>::ss(dp, wgmma_desc_sw128(v_s + (ks / 4) * KV_BOX + wg * 64 * 128 + (ks % 4) * 32),
-                             wgmma_desc_sw128(dob + (ks / 4) * Q_BOX + (ks % 4) * 32), ks > 0);
+            Wgmma<T, BM>::ss(dp, wgmma_desc_advance(v_desc, (ks / 4) * KV_BOX + (ks % 4) * 32),
+                             wgmma_desc_advance(do_desc, (ks / 4) * Q_BOX + (ks % 4) * 32), ks > 0);
         wgmma_commit();
 
         wgmma_wait<1>();

@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
     const int m_block = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     const int b = blockIdx.y / H, h = blockIdx.y % H;
     const int hk = h / (H / Hkv);
-    const int wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+    const int wg = warpgroup_index(), warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const int m0 = m_block * BM;
     const int row0 = m0 + wg * 64 + warp * 16 + g;    // this thread's rows: row0 and row0 + 8
@@ -103,17 +103,19 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
     // loop so that every barrier ends complete.
     if (PINGPONG && wg == 1 && n_blocks > 0) named_barrier_arrive(1, 256);
 
+    const unsigned long long q_desc = wgmma_desc_sw128(q_s + wg * 64 * 128);   // this warpgroup's 64 rows of Q
     // S = Q K^T of tile nb (this warpgroup's 64 rows x BN keys), a k16 step of the head dim at a
     // time; one commit group.
     auto issue_s = [&](int nb, float (&s)[BN / 2]) {
         const int buf = nb % STAGES;
         mbarrier_wait(&bar_kv[buf], (nb / STAGES) & 1);
         if (PINGPONG) named_barrier_sync(1 + wg, 256);
+        const unsigned long long k_desc = wgmma_desc_sw128(k_s + buf * KV_BYTES);
         wgmma_zero_and_fence(s);
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
-            Wgmma<T, BN>::ss(s, wgmma_desc_sw128(q_s + (ks / 4) * Q_BOX + wg * 64 * 128 + (ks % 4) * 32),
-                             wgmma_desc_sw128(k_s + buf * KV_BYTES + (ks / 4) * KV_BOX + (ks % 4) * 32), ks > 0);
+            Wgmma<T, BN>::ss(s, wgmma_desc_advance(q_desc, (ks / 4) * Q_BOX + (ks % 4) * 32),
+                             wgmma_desc_advance(k_desc, (ks / 4) * KV_BOX + (ks % 4) * 32), ks > 0);
         }
         wgmma_commit();
         if (PINGPONG) named_barrier_arrive(2 - wg, 256);

@@ -250,6 +250,19 @@ __device__ __forceinline__ unsigned long long wgmma_desc_sw128_mn(const void* sm
     return ((addr & 0x3FFFFull) >> 4) | ((static_cast<unsigned long long>(mn_atom_bytes >> 4) & 0x3FFF) << 16) |
            ((1024ull >> 4) << 32) | (1ull << 62);
 }
+// `desc` moved on by `bytes` (a multiple of 16) in shared memory: only the start address field
+// (bits 0-13, 16-byte units) changes, and it never carries out of the low word (shared addresses
+// are below 2^18). A base descriptor made once and moved on a k16 step at a time costs one add a
+// wgmma; made from the address each time it costs a mask, a shift and an or in ordinary registers
+// and two moves to uniform ones, in the chain ahead of every wgmma.
+__device__ __forceinline__ unsigned long long wgmma_desc_advance(unsigned long long desc, unsigned int bytes) {
+    return (desc & 0xFFFFFFFF00000000ull) | static_cast<unsigned int>(static_cast<unsigned int>(desc) + (bytes >> 4));
+}
+// This thread's warpgroup, as a value the compiler knows is the same across the warp (a
+// shuffle from lane 0), so that addresses and descriptors made from it stay in uniform registers.
+__device__ __forceinline__ int warpgroup_index() {
+    return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+}
 __device__ __forceinline__ void wgmma_fence() {
 #if CUK_SM90A
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -633,9 +646,9 @@ __device__ __forceinline__ void wgmma_rs_mn(float (&acc)[N / 2], unsigned int (&
     wgmma_hold(a);
     wgmma_hold(acc);
     wgmma_fence();
+    const unsigned long long b = wgmma_desc_sw128_mn(b_tile, box_bytes);
 #pragma unroll
-    for (int kk = 0; kk < K16; ++kk)
-        Wgmma<T, N>::template rs<1>(acc, a[kk], wgmma_desc_sw128_mn(b_tile + kk * 16 * 128, box_bytes), 1);
+    for (int kk = 0; kk < K16; ++kk) Wgmma<T, N>::template rs<1>(acc, a[kk], wgmma_desc_advance(b, kk * 16 * 128), 1);
     wgmma_commit();
 }
 }  // namespace cuk
