@@ -16,10 +16,12 @@ SHARED_KERNELS = ("_partials", "_hopper")
 @functools.lru_cache(maxsize=None)
 def families() -> tuple:
     """Every family's ``FAMILY`` declaration (cukern._family.Family), in the order above."""
-    return tuple(importlib.import_module(f"cukern.{name}").FAMILY for name in FAMILIES)
+    # (relative to this package, so that a copy under another name, e.g. a baseline that a
+    # benchmark imports beside the working tree, runs its own families)
+    return tuple(importlib.import_module(f".{name}", __package__).FAMILY for name in FAMILIES)
 
 
 def kernel_modules() -> tuple:
     """(name, instances function) of every module that declares kernels: families and shared."""
-    shared = tuple((name, importlib.import_module(f"cukern.{name}").instances) for name in SHARED_KERNELS)
+    shared = tuple((name, importlib.import_module(f".{name}", __package__).instances) for name in SHARED_KERNELS)
     return tuple((f.name, f.instances) for f in families()) + shared
