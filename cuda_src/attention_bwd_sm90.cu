@@ -138,13 +138,12 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
                                             kk > 0);
         wgmma_commit();
     };
-    // ... added into dq_accum: rows m0 + 64 qhalf + 16 warp + g (+8), columns 64 dhalf + 8j + 2t (+1).
+    // ... added into dq_accum (query head h, the tile at row m0): rows m0 + 64 qhalf + 16 warp + g (+8), columns 64 dhalf + 8j + 2t (+1).
     // Each warp stages its 16 rows x 64 columns as two boxes of 16 rows x 32 floats (128-byte
     // swizzle: chunk c of row r at c ^ (r % 8), conflict-free stores), then lane 0 issues one TMA
     // reduce-add a box (rows past Sq are skipped by TMA). The step before's reduce has long read
     // the boxes; lane 0 waits for that before they are written again.
-    auto dq_store = [&](int si, const float (&dq)[32]) {
-        const int h = hk * rep + si / per_head, m0 = (m_first + si % per_head) * BM;
+    auto dq_store = [&](int h, int m0, const float (&dq)[32]) {
         unsigned char* const stage = dq_s + (wg * 4 + warp) * 2 * 2048;
         if (lane == 0) tma_store_wait_read<0>();
         __syncwarp();
@@ -165,9 +164,12 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
         }
     };
 
+    // The step's query tile and head, and the step before's (its dQ is stored in this one), kept
+    // by counting rather than divided out of the step number a step.
+    int m_tile = m_first, h_step = hk * rep, prev_m0 = 0, prev_h = 0;
     for (int it = 0; it < steps; ++it) {
         const int buf = it % STAGES;
-        const int m0 = (m_first + it % per_head) * BM;
+        const int m0 = m_tile * BM;
         if (!PRODUCER && threadIdx.x == 0 && it + STAGES - 1 < steps) {
             if (it > 0) mbarrier_wait(&bar_free[(it - 1) % STAGES], ((it - 1) / STAGES) & 1);
             load_q(it + STAGES - 1);
@@ -258,7 +260,7 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
             dq_issue(it - 1, dq);
             wgmma_wait<0>();
             wgmma_hold(dq);
-            dq_store(it - 1, dq);
+            dq_store(prev_h, prev_m0, dq);
             mbarrier_arrive(&ds_free[(it - 1) & 1]);
         } else {
             wgmma_rs_mn<T, D>(dk_acc, dsa, qb, Q_BOX);
@@ -267,6 +269,12 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
         wgmma_hold(dk_acc);
         wgmma_hold(dsa);
         mbarrier_arrive(&bar_free[buf]);   // (this thread's products have read Q and dO)
+        prev_m0 = m0;
+        prev_h = h_step;
+        if (++m_tile == m_first + per_head) {
+            m_tile = m_first;
+            ++h_step;
+        }
     }
     if (DQ_ATOMIC && steps > 0) {   // the last step's dQ
         mbarrier_wait(&ds_full[(steps - 1) & 1], ((steps - 1) >> 1) & 1);
@@ -274,7 +282,7 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
         dq_issue(steps - 1, dq);
         wgmma_wait<0>();
         wgmma_hold(dq);
-        dq_store(steps - 1, dq);
+        dq_store(prev_h, prev_m0, dq);
     }
     if constexpr (DQ_ATOMIC)
         if (lane == 0) tma_store_wait<0>();   // (the reduces have read this block's shared memory)

@@ -359,6 +359,31 @@ def test_long_sequences_against_torch_sdpa_float32(sq, sk, causal, d):
     assert_close(to_host(lse[seen]), to_host(ref_lse[seen]), "float32", "lse", tol=1e-4)
 
 
+@gpu
+@needs_torch
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_scores_that_grow_along_the_keys(causal, d):
+    """Keys scaled up along the sequence (x0.1 to x6), so that a row's running max grows tile
+    after tile and the output is rescaled again and again (peaked rows, a few keys dominating):
+    the same results as float32 softmax."""
+    g = torch.Generator(device="cuda").manual_seed(d + causal)
+    sq = sk = 1500
+    q = torch.randn(2, sq, 4, d, device="cuda", generator=g)
+    growth = torch.linspace(0.1, 6, sk, device="cuda")[None, :, None, None]
+    k = torch.randn(2, sk, 2, d, device="cuda", generator=g) * growth
+    v = torch.randn(2, sk, 2, d, device="cuda", generator=g)
+    q, k, v = (a.bfloat16() for a in (q, k, v))
+    out, lse = cukern.attention(q, k, v, causal=causal, return_lse=True)
+    qt = q.float().transpose(1, 2)
+    kt, vt = (a.float().transpose(1, 2).repeat_interleave(2, 1) for a in (k, v))   # (GQA: 2 heads a kv head)
+    s = (qt @ kt.transpose(-1, -2)) / d ** 0.5
+    if causal:
+        s = s.masked_fill(torch.ones(sq, sk, device="cuda", dtype=torch.bool).triu(1), -float("inf"))
+    assert_close(out, to_host((torch.softmax(s, -1) @ vt).transpose(1, 2)), "bfloat16", "out", tol=TOL["bfloat16"])
+    assert_close(lse, to_host(torch.logsumexp(s, -1)), "float32", "lse", tol=1e-4)
+
+
 # ---- backward ---------------------------------------------------------------------------------
 
 @needs_torch
