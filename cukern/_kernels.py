@@ -31,9 +31,12 @@ import numpy as np
 __all__ = ["CompileError", "Instance", "Slot", "MapSlot", "Kernel", "Launch", "source_dir", "load_source", "kernel",
            "signature", "sm_count", "compute_capability", "COMPILE_OPTIONS"]
 
-# -std=c++17 for `if constexpr`. CUKERN_EXTRA_NVRTC_OPTIONS (space-separated) adds options for
-# experiments, e.g. -DCUK_STREAM_HINTS; they are part of CuPy's cache key.
-COMPILE_OPTIONS = ("--std=c++17", *os.environ.get("CUKERN_EXTRA_NVRTC_OPTIONS", "").split())
+# -std=c++17 for `if constexpr`. -default-device: NVRTC 13.0 takes a generic lambda in device
+# code (cross_entropy's with_options) for a host function unless unannotated functions default
+# to __device__ (13.5 infers it); every function here is device code. CUKERN_EXTRA_NVRTC_OPTIONS
+# (space-separated) adds options for experiments, e.g. -DCUK_STREAM_HINTS; they are part of
+# CuPy's cache key.
+COMPILE_OPTIONS = ("--std=c++17", "-default-device", *os.environ.get("CUKERN_EXTRA_NVRTC_OPTIONS", "").split())
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
