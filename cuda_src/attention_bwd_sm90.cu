@@ -138,7 +138,8 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
                                             kk > 0);
         wgmma_commit();
     };
-    // ... added into dq_accum (query head h, the tile at row m0): rows m0 + 64 qhalf + 16 warp + g (+8), columns 64 dhalf + 8j + 2t (+1).
+    // ... added into dq_accum (query head h, the tile at row m0): rows m0 + 64 qhalf + 16 warp + g
+    // (+8), columns 64 dhalf + 8j + 2t (+1).
     // Each warp stages its 16 rows x 64 columns as two boxes of 16 rows x 32 floats (128-byte
     // swizzle: chunk c of row r at c ^ (r % 8), conflict-free stores), then lane 0 issues one TMA
     // reduce-add a box (rows past Sq are skipped by TMA). The step before's reduce has long read
