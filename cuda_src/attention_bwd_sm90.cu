@@ -288,22 +288,18 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     if constexpr (DQ_ATOMIC)
         if (lane == 0) tma_store_wait<0>();   // (the reduces have read this block's shared memory)
 
-    // dK (scaled) and dV: rows key0 and key0 + 8 of this (batch, kv head)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int key = key0 + 8 * r;
-        if (key < Sk) {
-            T* krow = dk + b * dk_sb + static_cast<long long>(key) * dk_ss + hk * dk_sh;
-            T* vrow = dv + b * dv_sb + static_cast<long long>(key) * dv_ss + hk * dv_sh;
-#pragma unroll
-            for (int j = 0; j < D / 8; ++j) {
-                *reinterpret_cast<unsigned int*>(krow + 8 * j + 2 * t) =
-                    attention::pack_pair(dk_acc[4 * j + 2 * r] * scale, dk_acc[4 * j + 2 * r + 1] * scale, T{});
-                *reinterpret_cast<unsigned int*>(vrow + 8 * j + 2 * t) =
-                    attention::pack_pair(dv_acc[4 * j + 2 * r], dv_acc[4 * j + 2 * r + 1], T{});
-            }
-        }
-    }
+    // dV and dK (scaled), this warpgroup's 64 keys of this (batch, kv head), staged in its own
+    // rows of V and K and written by whole rows (dk and dv are allocated dense in some order of
+    // their dims: 16-byte rows and strides). Only this warpgroup reads its rows of V; K's rows
+    // are read by both warpgroups' dQ products (SPLIT_N), so dK waits for both to be done.
+    const int wg_key0 = n0 + wg * 64;
+    store_tile_staged<T, D, KV_BOX>(dv_acc, 1.f, 1.f, v_s + wg * 64 * 128,
+                                    dv + b * dv_sb + static_cast<long long>(wg_key0) * dv_ss + hk * dv_sh, dv_ss,
+                                    Sk - wg_key0, 8 + wg);
+    named_barrier_sync(10, 256);
+    store_tile_staged<T, D, KV_BOX>(dk_acc, scale, scale, k_s + wg * 64 * 128,
+                                    dk + b * dk_sb + static_cast<long long>(wg_key0) * dk_ss + hk * dk_sh, dk_ss,
+                                    Sk - wg_key0, 8 + wg);
 #elif defined(__CUDA_ARCH__)
     __trap();   // (built without sm_90a's features: fail loudly, never return an unwritten output)
 #endif

@@ -1,14 +1,15 @@
 // Fused attention forward on Hopper (sm_90a) (docs/notes-attention.md, the Hopper steps): TMA
 // tile loads and wgmma, with the scheduling options listed at the kernel.
 //
-// A block of CONSUMERS (2 or 3) warpgroups computes BM = 64 CONSUMERS query rows (64 a warpgroup)
-// of one (batch, head) against all keys. Thread 0 (with PRODUCER, a thread of a third warpgroup) brings Q once and
-// each key/value tile of BN keys by TMA (128-byte swizzle, 64 head-dim columns a box) into a ring
-// of STAGES buffers, one "landed" and one "released" mbarrier a buffer (no block barrier in the loop: the
-// warpgroups drift apart). Each warpgroup computes S = Q K^T with wgmma from shared memory
-// (both operands K-major), the online softmax in registers (the accumulator layout is
-// mma.sync's, so the FA2 kernel's row logic carries over), and O += P V with P from registers
-// and V read MN-major as stored.
+// A block of CONSUMERS (2 or 3) warpgroups computes BM = 64 CONSUMERS query rows (64 a
+// warpgroup) of one (batch, head) against all keys. Thread 0 (with PRODUCER, a thread of a
+// third warpgroup) brings Q once and each key/value tile of BN keys by TMA (128-byte swizzle, 64
+// head-dim columns a box) into a ring of STAGES buffers, with "landed" and "released" mbarriers
+// a buffer (no block barrier in the loop: the warpgroups drift apart). Each
+// warpgroup computes S = Q K^T with wgmma from shared memory (both operands K-major), the online
+// softmax in registers (the accumulator layout is mma.sync's, so the FA2 kernel's row logic
+// carries over), and O += P V with P from registers and V read MN-major as stored. O is written
+// by way of shared memory (store_tile_staged).
 //
 // OVERLAP is FlashAttention-3's intra-warpgroup overlap: the softmax of tile j runs while the
 // tensor cores finish P V of tile j - 1. ptxas hoists a wgmma wait above arithmetic, so the
@@ -18,6 +19,10 @@
 #include "common/reduce.cuh"
 #include "common/hopper.cuh"
 #include "common/attn_tile.cuh"
+#include "common/trace.cuh"
+// (CUK_TRACE: phases of warpgroups 0 and 1 of each block, slots 6 wg + i, i = 0 entry, 1 Q landed,
+// 2 the first S done, 3 its softmax done, 4 the last P V done, 5 O written)
+#define CUK_STAMP(i) CUK_TRACE_STAMP(threadIdx.x % 128 == 0 && wg < 2, 6 * wg + (i), wg == 0 && (i) == 0)
 
 // SMEM: the launch's dynamic shared memory: Q, STAGES K and V tiles, 1 KB of alignment slack.
 // Scheduling options (docs/notes-attention.md has what each measured):
@@ -57,6 +62,7 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
     const int hk = h / (H / Hkv);
     const int wg = warpgroup_index(), warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
+    CUK_STAMP(0);
     const int m0 = m_block * BM;
     const int row0 = m0 + wg * 64 + warp * 16 + g;    // this thread's rows: row0 and row0 + 8
     const int diag = Sk - Sq;
@@ -98,6 +104,7 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
     for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
     float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};
     mbarrier_wait(&bar_q, 0);
+    CUK_STAMP(1);
     // PINGPONG: warpgroup w waits at barrier 1 + w for the other's arrival; warpgroup 1's first
     // arrival lets warpgroup 0 start, and warpgroup 0 takes warpgroup 1's last arrival after the
     // loop so that every barrier ends complete.
@@ -105,8 +112,10 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
 
     const unsigned long long q_desc = wgmma_desc_sw128(q_s + wg * 64 * 128);   // this warpgroup's 64 rows of Q
     // S = Q K^T of tile nb (this warpgroup's 64 rows x BN keys), a k16 step of the head dim at a
-    // time; one commit group.
-    auto issue_s = [&](int nb, float (&s)[BN / 2]) {
+    // time; one commit group. PINGPONG: the turn ends here unless the caller issues P V in it
+    // (ends_turn false; FlashAttention-3's order with OVERLAP: S of tile nb and P V of tile nb - 1
+    // in one turn).
+    auto issue_s = [&](int nb, float (&s)[BN / 2], bool ends_turn = true) {
         const int buf = nb % STAGES;
         mbarrier_wait(&bar_kv[buf], (nb / STAGES) & 1);
         if (PINGPONG) named_barrier_sync(1 + wg, 256);
@@ -118,7 +127,7 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
                              wgmma_desc_advance(k_desc, (ks / 4) * KV_BOX + (ks % 4) * 32), ks > 0);
         }
         wgmma_commit();
-        if (PINGPONG) named_barrier_arrive(2 - wg, 256);
+        if (PINGPONG && ends_turn) named_barrier_arrive(2 - wg, 256);
     };
 
     // Keys past the end and, causal, past the diagonal masked (only tiles that have any).
@@ -209,15 +218,18 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
             issue_s(0, s);
             wgmma_wait<0>();
             wgmma_hold(s);
+            CUK_STAMP(2);
             mask(0, s);
             softmax(s, alpha);
             accumulators_to_a<T>(s, a);
         }
+        CUK_STAMP(3);
         for (int nb = 1; nb < n_blocks; ++nb) {
             float s[BN / 2];
-            issue_s(nb, s);
+            issue_s(nb, s, false);
             rescale(alpha);
             issue_pv(nb - 1, a);
+            if (PINGPONG) named_barrier_arrive(2 - wg, 256);
             wgmma_wait<1>();
             wgmma_hold(s);
             mask(nb, s);
@@ -234,29 +246,30 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
         issue_pv(n_blocks - 1, a);
         wgmma_wait<0>();
         wgmma_hold(o);
+        CUK_STAMP(4);
         mbarrier_arrive(&bar_free[(n_blocks - 1) % STAGES]);
     }
     if (PINGPONG && wg == 0 && n_blocks > 0) named_barrier_sync(1, 256);
 
-    // Normalize, write O and the log-sum-exp.
-    T* og = out + b * o_sb + h * o_sh;
+    // Normalize; the log-sum-exp; O staged in this warpgroup's rows of Q (its products are done
+    // with them, and no one else reads them) and written by whole rows (out is allocated dense
+    // in some order of its dims, so its rows and strides are 16-byte multiples).
+    float inv[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float sum = row_sum[r];
         butterfly<1, 2>(Sum{}, sum);
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        inv[r] = sum > 0.f ? 1.f / sum : 0.f;
         const int row = row0 + r * 8;
-        if (row < Sq) {
-            T* orow = og + static_cast<long long>(row) * o_ss;
-#pragma unroll
-            for (int j = 0; j < D / 8; ++j)
-                *reinterpret_cast<unsigned int*>(orow + 8 * j + 2 * t) =
-                    attention::pack_pair(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv, T{});
-            if (lse && t == 0)
-                lse[(static_cast<long long>(b) * H + h) * Sq + row] =
-                    sum > 0.f ? (row_max[r] + log2f(sum)) * 0.6931471805599453f : __int_as_float(0x7f800000);
-        }
+        if (lse && t == 0 && row < Sq)
+            lse[(static_cast<long long>(b) * H + h) * Sq + row] =
+                sum > 0.f ? (row_max[r] + log2f(sum)) * 0.6931471805599453f : __int_as_float(0x7f800000);
     }
+    const int wg_row0 = m0 + wg * 64;
+    store_tile_staged<T, D, Q_BOX>(o, inv[0], inv[1], q_s + wg * 64 * 128,
+                                   out + b * o_sb + h * o_sh + static_cast<long long>(wg_row0) * o_ss, o_ss,
+                                   Sq - wg_row0, 8 + wg);
+    CUK_STAMP(5);
 #elif defined(__CUDA_ARCH__)
     __trap();   // (built without sm_90a's features: fail loudly, never return an unwritten output)
 #endif

@@ -149,7 +149,7 @@ def test_the_sm90_forward_takes_tensor_maps_of_the_inputs(host_arrays_as_device,
 
     (step,) = launches(128, (9, 0))
     _, inst, grid, _, _, slots = step
-    assert inst.name.startswith("attention_fwd_sm90<cuk::half, 128, 128, 3, 2, true, true, false, true, ")
+    assert inst.name.startswith("attention_fwd_sm90<cuk::half, 128, 128, 3, 2, true, true, true, true, ")
     assert inst.arch == "sm_90a" and inst.threads == 384 and grid == (2, 8)
     maps = [(m.index, m.box) for _, m, _ in slots if isinstance(m, _kernels.MapSlot)]
     assert maps == [(0, (1, 128, 1, 64)), (1, (1, 128, 1, 64)), (2, (1, 128, 1, 64))]
@@ -168,7 +168,8 @@ def test_the_sm90_forward_takes_tensor_maps_of_the_inputs(host_arrays_as_device,
 
 def test_the_sm90_forward_config_by_head_dim_and_mask():
     """The forward without a causal mask may have its own Hopper config (d64: three warpgroups
-    of rows); causal, and head dims without one, take fwd_sm90's. Each is compiled by the check."""
+    of rows; d128: no turns between the warpgroups); causal, and head dims without one, take
+    fwd_sm90's. Each is compiled by the check."""
     import importlib
 
     attn = importlib.import_module("cukern.attention")
@@ -177,7 +178,8 @@ def test_the_sm90_forward_config_by_head_dim_and_mask():
         assert cfgs.sm90_forward(d, False) == full and cfgs.sm90_forward(d, True) == cfgs.get("fwd_sm90", d)
         assert full.instance("float16", d, False).name in {i.name for i in attn.instances()}
     assert cfgs.sm90_forward(64, False).warpgroups == 3 and cfgs.sm90_forward(64, False).threads == 512
-    assert cfgs.sm90_forward(128, False) == cfgs.get("fwd_sm90", 128)
+    assert not cfgs.sm90_forward(128, False).pingpong and cfgs.sm90_forward(128, True).pingpong
+    assert cfgs.sm90_forward(256, False) == cfgs.get("fwd_sm90", 256)
     with pytest.raises(ValueError, match="warpgroups=3 takes head dims up to 128, not 256"):
         attn.Sm90FwdConfig(64, warpgroups=3).instance("bfloat16", 256, False)
 

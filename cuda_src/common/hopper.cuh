@@ -233,6 +233,39 @@ __device__ __forceinline__ void store_accumulators(const float (&d)[N / 2], floa
     }
 }
 
+// A warpgroup's 64 x D float32 accumulator tile (the layout above) as T, row g of each 16 scaled by
+// s0 and row g + 8 by s1, into rows 0 .. 63 of `g` (those below `nrows`; row stride `stride`
+// elements, rows 16-byte aligned), by way of shared memory. Stored straight from the
+// accumulators, a warp instruction writes 8 rows x 16 bytes (half sectors, and D / 4 instructions
+// a thread); staged, it writes whole rows, 16 bytes a thread (a quarter of the instructions,
+// every sector full). `stage`: D / 64 pieces of 64 rows x 128 bytes, BOX bytes apart, 1024-byte
+// aligned, that no other thread touches meanwhile (chunks XOR-swizzled by row: conflict-free);
+// `bar`: a named barrier id for this warpgroup's 128 threads.
+template <typename T, int D, int BOX>
+__device__ __forceinline__ void store_tile_staged(const float (&acc)[D / 2], float s0, float s1, unsigned char* stage,
+                                                  T* g, long long stride, int nrows, int bar) {
+    static_assert(D % 64 == 0 && D <= 256, "D");
+    const int tid = threadIdx.x % 128, warp = tid / 32, lg = (tid % 32) / 4, lt = tid % 4;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float s = r ? s1 : s0;
+            const int row = 16 * warp + lg + 8 * r;   // (row & 7 == lg)
+            *reinterpret_cast<unsigned int*>(stage + (j / 8) * BOX + row * 128 + (((j % 8) ^ lg) << 4) + 4 * lt) =
+                pack2(acc[4 * j + 2 * r] * s, acc[4 * j + 2 * r + 1] * s, T{});
+        }
+    named_barrier_sync(bar, 128);
+    constexpr int CPR = D / 8, RSTEP = 128 / CPR;   // 16-byte chunks a row; rows a pass
+    const int c = tid % CPR;
+#pragma unroll
+    for (int i = 0; i < 64 / RSTEP; ++i) {
+        const int row = i * RSTEP + tid / CPR;
+        const uint4 v = *reinterpret_cast<const uint4*>(stage + (c / 8) * BOX + row * 128 + (((c % 8) ^ (row & 7)) << 4));
+        if (row < nrows) *reinterpret_cast<uint4*>(g + static_cast<long long>(row) * stride + 8 * c) = v;
+    }
+}
+
 // The descriptor of a K-major, 128-byte-swizzled tile at `smem` (1024-byte aligned; a k16 step
 // adds 32 bytes to the address): start >> 4 (bits 0-13), leading byte offset 1 (16 bytes,
 // unused by swizzled K-major tiles; bits 16-29), stride byte offset 1024 >> 4 (bits 32-45),
