@@ -14,7 +14,10 @@ about 30 s once, then cached by PyTorch) the first time a native op runs on CUDA
 ``CUKERN_NATIVE=0`` keeps every call on the Python path; where the build fails, cukern warns once
 and does the same. A signature whose calls the recorder cannot replay (a plan that copies an
 input first, a step other than a kernel launch, a fill or a sort, more than one plan, empty
-buffers, a gradient with gaps in its layout) is declined and stays on the Python path.
+buffers) is declined and stays on the Python path. A backward that cannot be recorded for a
+reason of that call alone (a gradient with gaps in its layout, or in a layout the backward
+copies first; the deterministic setting changed since the forward) leaves the signature to be
+recorded again by a later call, ``RECORD_TRIES`` times in all, before it is declined.
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ SOURCE = Path(__file__).with_name("_native.cpp")
 
 _module = None       # the extension, or False once it failed or was turned off
 _local = threading.local()   # .recording: the key of the signature the next Function.forward records
+RECORD_TRIES = 4     # recordings of one signature whose backward could not be taken, before declining it
+_failed_tries: dict[tuple, int] = {}
 
 
 def enabled() -> bool:
@@ -247,7 +252,12 @@ def register_training(ext, key, fwd, visible: int, bargs: tuple, grads: tuple, s
     same = bool(key[2]) == torch.are_deterministic_algorithms_enabled()
     bwd = same and _backward_parts(ext, bargs, grads, saved, out, grads_to, nargs, plans)
     if not bwd:
-        ext.decline(key)
+        # (what the backward recorded depends on this call's gradients and setting, not only on
+        # the signature: a gradient in another layout, e.g. out.sum()'s or a contiguous one for a
+        # channels-last output, must not keep later calls off the native path for good)
+        tries = _failed_tries[tuple(key)] = _failed_tries.get(tuple(key), 0) + 1
+        if tries >= RECORD_TRIES:
+            ext.decline(key)
         return
     bplan, bsources, gradients, grad_strides = bwd
     ext.add(key, device, tensors, plan, sources, outs, visible, saved_refs, bplan, bsources, gradients, grad_strides)
