@@ -25,6 +25,13 @@
 #include "common/reduce.cuh"
 #include "common/hopper.cuh"
 #include "common/attn_tile.cuh"
+// (CUK_TRACE: warpgroup wg's stamps of the block and of its middle step, slots 10 wg + i: i = 0
+// entry, then in step steps / 2: 1 start, 2 Q and dO landed, 3 S^T done, 4 dV issued, 5 dS^T
+// stored, 6 dV done, 7 dK and dQ done, 8 step end; 9 dK written)
+#define CUK_TRACE_SLOTS 32
+#include "common/trace.cuh"
+#define CUK_STAMP(i) CUK_TRACE_STAMP(threadIdx.x % 128 == 0 && wg < 2, 10 * wg + (i), wg == 0 && (i) == 0)
+#define CUK_STEP_STAMP(i) CUK_TRACE_STAMP(threadIdx.x % 128 == 0 && wg < 2 && it == steps / 2, 10 * wg + (i), false)
 
 // SMEM: the launch's dynamic shared memory: K, V, the Q and dO rings, two dS^T buffers and the
 // dQ staging boxes (DQ_ATOMIC), the lse_log2 and Dsum ring, 1 KB of alignment slack.
@@ -77,6 +84,7 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     const int m_first = CAUSAL ? max(0, n0 - diag) / BM : 0;
     const int per_head = max(0, (Sq + BM - 1) / BM - m_first);
     const int steps = per_head * rep;
+    CUK_STAMP(0);
 
     if (threadIdx.x == 0) {
 #pragma unroll
@@ -171,6 +179,7 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     for (int it = 0; it < steps; ++it) {
         const int buf = it % STAGES;
         const int m0 = m_tile * BM;
+        CUK_STEP_STAMP(1);
         if (!PRODUCER && threadIdx.x == 0 && it + STAGES - 1 < steps) {
             if (it > 0) mbarrier_wait(&bar_free[(it - 1) % STAGES], ((it - 1) / STAGES) & 1);
             load_q(it + STAGES - 1);
@@ -180,6 +189,7 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
         const float* const lrow = rows_s + buf * 2 * BM;
         const float* const drow = lrow + BM;
         mbarrier_wait(&bar_q[buf], (it / STAGES) & 1);
+        CUK_STEP_STAMP(2);
 
         // S^T = K Q^T, then dP^T = V dO^T behind it (this warpgroup's 64 keys x BM queries)
         float s[BM / 2], dp[BM / 2];
@@ -199,6 +209,7 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
 
         wgmma_wait<1>();
         wgmma_hold(s);
+        CUK_STEP_STAMP(3);
 
         // P^T = exp2(S^T scale_log2 - lse_log2) (this thread's query columns 8j + 2t, +1), 0 for
         // queries past Sq, keys past Sk and, causal, keys past the diagonal
@@ -220,6 +231,7 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
         unsigned int pa[BM / 16][4];
         accumulators_to_a<T>(s, pa);
         wgmma_rs_mn<T, D>(dv_acc, pa, dob, Q_BOX);
+        CUK_STEP_STAMP(4);
 
         wgmma_wait<1>();   // dP^T is in (dV may still run)
         wgmma_hold(dp);
@@ -249,9 +261,11 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
             fence_proxy_async();   // (generic-proxy stores, read next by wgmma)
             mbarrier_arrive(&ds_full[it & 1]);
         }
+        CUK_STEP_STAMP(5);
         wgmma_wait<0>();   // dV done: P^T's fragments are free
         wgmma_hold(dv_acc);
         wgmma_hold(pa);
+        CUK_STEP_STAMP(6);
 
         // dK += dS^T Q (Q read MN-major as stored), and dQ of the step before
         if (DQ_ATOMIC && it > 0) {
@@ -261,6 +275,7 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
             dq_issue(it - 1, dq);
             wgmma_wait<0>();
             wgmma_hold(dq);
+            CUK_STEP_STAMP(7);
             dq_store(prev_h, prev_m0, dq);
             mbarrier_arrive(&ds_free[(it - 1) & 1]);
         } else {
@@ -270,6 +285,7 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
         wgmma_hold(dk_acc);
         wgmma_hold(dsa);
         mbarrier_arrive(&bar_free[buf]);   // (this thread's products have read Q and dO)
+        CUK_STEP_STAMP(8);
         prev_m0 = m0;
         prev_h = h_step;
         if (++m_tile == m_first + per_head) {
@@ -300,6 +316,7 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     store_tile_staged<T, D, KV_BOX>(dk_acc, scale, scale, k_s + wg * 64 * 128,
                                     dk + b * dk_sb + static_cast<long long>(wg_key0) * dk_ss + hk * dk_sh, dk_ss,
                                     Sk - wg_key0, 8 + wg);
+    CUK_STAMP(9);
 #elif defined(__CUDA_ARCH__)
     __trap();   // (built without sm_90a's features: fail loudly, never return an unwritten output)
 #endif
