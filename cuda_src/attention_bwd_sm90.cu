@@ -247,17 +247,17 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
             // dS^T into shared memory as TMA would store it: boxes of 64 queries, key rows of 128
             // bytes, 16-byte chunk c of row r at chunk c ^ (r % 8). Two buffers, by step parity:
             // both warpgroups' dQ of step it - 2 must have read this one (ds_free). Published to
-            // both warpgroups' dQ of this step by ds_full (256 arrivals).
+            // both warpgroups' dQ of this step by ds_full (256 arrivals). By stmatrix: 8 x 8
+            // matrices of (key rows, 8 queries), four a store; lane l addresses row l % 8 of matrix
+            // l / 8 (query chunk j + (l / 8) / 2, rows 8 ((l / 8) % 2) on). 4 stores against 16
+            // 4-byte ones: +2-5% at d128 (docs/notes-attention.md, step 8).
             if (it >= 2) mbarrier_wait(&ds_free[it & 1], ((it - 2) >> 1) & 1);
             unsigned char* const dsb = ds_s + (it & 1) * DS_BYTES;
 #pragma unroll
-            for (int j = 0; j < BM / 8; ++j)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int row = wg * 64 + warp * 16 + g + 8 * r;
-                    *reinterpret_cast<unsigned int*>(dsb + (j / 8) * BN * 128 + row * 128 + (((j % 8) ^ (row & 7)) << 4) +
-                                                     4 * t) = r ? dsa[j / 2][1 + 2 * (j & 1)] : dsa[j / 2][2 * (j & 1)];
-                }
+            for (int j = 0; j < BM / 8; j += 2) {
+                const int mat = lane / 8, jj = j + mat / 2, row = wg * 64 + warp * 16 + 8 * (mat % 2) + lane % 8;
+                stmatrix_x4(dsb + (jj / 8) * BN * 128 + row * 128 + (((jj % 8) ^ (lane % 8)) << 4), dsa[j / 2]);
+            }
             fence_proxy_async();   // (generic-proxy stores, read next by wgmma)
             mbarrier_arrive(&ds_full[it & 1]);
         }

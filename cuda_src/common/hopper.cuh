@@ -37,6 +37,14 @@ __device__ __forceinline__ unsigned int shared_address(const void* p) {
     return static_cast<unsigned int>(__cvta_generic_to_shared(p));
 }
 
+// Four 8 x 8 b16 matrices in mma's accumulator-fragment layout (register k: matrix k, this lane's
+// row lane / 4, columns 2 (lane % 4), +1) stored to shared memory; lane l gives the address of row
+// l % 8 of matrix l / 8.
+__device__ __forceinline__ void stmatrix_x4(void* p, const unsigned int (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+                 :: "r"(shared_address(p)), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+
 // The first 1024-byte boundary at or after p (dynamic shared memory, for 128-byte-swizzled
 // tiles; the launch gives 1 KB of slack).
 __device__ __forceinline__ unsigned char* align_1024(unsigned char* p) {
