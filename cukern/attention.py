@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -244,6 +245,9 @@ class Configs:
         return Instance(BWD_SOURCE, f"attention_bwd_dq_convert<{_ctype(dtype)}, {d}>", self.dot_threads)
 
 
+# CUKERN_ATTENTION_SM80=1 (read at import): Hopper runs the sm_80 kernels too, forward and backward
+# (to compare the two paths, or to rule the Hopper kernels out when something looks wrong).
+SM80_ONLY = os.environ.get("CUKERN_ATTENTION_SM80", "0") not in ("", "0")
 CONFIGS = Configs(
     fwd=((32, FwdConfig(4, 2, 64, 64, True)), (64, FwdConfig(4, 2, 64, 64, True)), (96, FwdConfig(4, 2, 32, 32, False)),
          (128, FwdConfig(4, 2, 32, 32, False)), (256, FwdConfig(4, 1, 32, 32, False))),
@@ -253,6 +257,7 @@ CONFIGS = Configs(
          (256, BwdConfig(64, 64, 8, 4, 2, 2))),
     dq=((32, DqConfig(4, 64)), (64, DqConfig(4, 64)), (96, DqConfig(4, 64)), (128, DqConfig(4, 64)),
         (256, DqConfig(4, 32))),
+    use_sm90=not SM80_ONLY, use_sm90_bwd=not SM80_ONLY,
 )
 HEAD_DIMS = CONFIGS.head_dims
 BWD_HEAD_DIMS = CONFIGS.bwd_head_dims

@@ -3,6 +3,7 @@ the float64 reference and torch's scaled_dot_product_attention (GPU)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -184,6 +185,22 @@ def test_the_sm90_forward_config_by_head_dim_and_mask():
         attn.Sm90FwdConfig(64, warpgroups=3).instance("bfloat16", 256, False)
 
 
+def test_the_sm80_path_can_be_forced_by_the_environment():
+    """CUKERN_ATTENTION_SM80=1 turns both Hopper paths off at import (so that the whole suite can
+    run the sm_80 kernels on an H100); unset or 0 leaves them on."""
+    import subprocess
+    import sys
+
+    code = "import importlib; c = importlib.import_module('cukern.attention').CONFIGS; " \
+           "print(c.use_sm90, c.use_sm90_bwd)"
+    for value, expect in (("1", "False False"), ("0", "True True"), (None, "True True")):
+        env = {k: v for k, v in os.environ.items() if k != "CUKERN_ATTENTION_SM80"}
+        if value is not None:
+            env["CUKERN_ATTENTION_SM80"] = value
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.split() == expect.split(), (value, out.stdout, out.stderr)
+
+
 def test_the_sm90_backward_takes_tensor_maps_of_the_inputs(host_arrays_as_device, monkeypatch):
     """On sm_90 the backward's dK/dV kernel is attention_bwd_sm90 for head dims 64 and 128, with
     tensor maps of q, k, v and dout (boxes of 64 query rows, 128 keys, 64 columns) and dQ by
@@ -194,6 +211,7 @@ def test_the_sm90_backward_takes_tensor_maps_of_the_inputs(host_arrays_as_device
     from cukern import _kernels
 
     attn = importlib.import_module("cukern.attention")
+    monkeypatch.setattr(attn, "CONFIGS", dataclasses.replace(attn.CONFIGS, use_sm90_bwd=True))   # (env or not)
 
     def launches(d, cc, deterministic=False, kv_heads=2):
         monkeypatch.setattr(_kernels, "compute_capability", lambda device: cc)
@@ -486,7 +504,7 @@ def test_the_sm90_backward_matches_reference(c, sk, rows, producer):
     c["sk"] = sk
     cfg = attn.Sm90BwdConfig(rows if c["d"] == 64 else 64, producer=producer)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(attn, "CONFIGS", dataclasses.replace(attn.CONFIGS, bwd_sm90=((c["d"], cfg),)))
+        mp.setattr(attn, "CONFIGS", dataclasses.replace(attn.CONFIGS, bwd_sm90=((c["d"], cfg),), use_sm90_bwd=True))
         _run_backward_case(c)
 
 

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU host's whole job in one call: the test suite, the two bench tables and asv for HEAD.
-#   bash tools/gpu_host_run.sh [tests] [bench] [torch] [asv]   (default: all four)
+#   bash tools/gpu_host_run.sh [tests] [tests_sm80] [bench] [torch] [asv]   (default: all five)
+# (tests_sm80: the suite again with CUKERN_ATTENTION_SM80=1, attention's sm_80 kernels on Hopper too)
 # Logs and results go to $OUT (or ./gpu-out). The wheels the host lacks (asv, pytest-xdist,
 # liger-kernel) come from tools/fetch_wheels.sh as .whl/ (docs/development.md); .whl/repo.bundle
 # (git bundle create .whl/repo.bundle main) restores the history where the copied tree has no .git.
 set -uo pipefail
 out=${OUT:-$PWD/gpu-out}; mkdir -p "$out"
-steps=${*:-tests bench torch asv}
+steps=${*:-tests tests_sm80 bench torch asv}
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci} CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-cache}
 if [ -d .whl ]; then bash .whl/install.sh && export PYTHONPATH=/tmp/site:$PWD; else export PYTHONPATH=$PWD; fi
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
@@ -26,6 +27,8 @@ for step in $steps; do case $step in
   tests) python3 -c "from cukern.torch import _native; assert _native.module() is not None" 2>&1 | tail -3
          python3 -m pytest -q -n 12 -p no:cacheprovider -m "not compile" 2>&1 | tee "$out/tests.log" | tail -15
          python3 -m pytest -q -p no:cacheprovider -m compile tests/test_compile.py 2>&1 | tee -a "$out/tests.log" | tail -3 ;;
+  tests_sm80) CUKERN_ATTENTION_SM80=1 python3 -m pytest -q -n 12 -p no:cacheprovider -m "not compile" 2>&1 |
+         tee "$out/tests_sm80.log" | tail -5 ;;
   bench) python3 -m cukern bench --json "$out/bench.json" 2>&1 | tee "$out/bench.log" ;;
   torch) python3 -m cukern bench --torch --json "$out/bench_torch.json" 2>&1 | tee "$out/bench_torch.log" ;;
   asv)
