@@ -1,10 +1,9 @@
 // Phase timestamps for measuring a kernel from inside (tools/trace_attention.py): compiled in
 // only when the source is built with CUK_TRACE defined (the tool prepends the define), else
-// every stamp is empty. Block b's record is cuk_trace[b * 16 .. b * 16 + 15] (the first
-// CUK_TRACE_BLOCKS blocks, numbered x fastest): slots 0 .. 13 are clock64() stamps the kernel
-// names, 14 is the SM, 15 the global timer (ns) at the stamp the kernel marks as the first.
-// A source that needs more stamps defines CUK_TRACE_SLOTS (the SM and the timer then take its
-// last two slots).
+// every stamp is empty. Block b's record is the CUK_TRACE_SLOTS (default 16; a source that needs
+// more stamps defines it first) values from cuk_trace[b * CUK_TRACE_SLOTS], for the first
+// CUK_TRACE_BLOCKS blocks, numbered x fastest: the last two slots are the SM and the global
+// timer (ns) at the stamp the kernel marks as the first, the others clock64() stamps it names.
 #pragma once
 
 #ifdef CUK_TRACE
