@@ -32,11 +32,18 @@
 //   PINGPONG  the warpgroups take turns issuing S = Q K^T (FlashAttention-3's scheduler barriers).
 //   OVERLAP   S of tile j is issued with P V of tile j - 1, and tile j's softmax runs between
 //             their waits (a buffer is released a tile later: STAGES = 3, or PRODUCER).
-template <typename T, int D, int BN, int STAGES, int CONSUMERS, bool CAUSAL, bool PRODUCER, bool PINGPONG, bool OVERLAP, int SMEM>
+//   PERSISTENT one block an SM walks the work tiles (row tile fastest, `tiles` of them, round
+//             robin; without a causal mask, so every tile costs the same). The K/V ring runs on
+//             across tiles; the next tile's Q is loaded once both warpgroups' last S is done
+//             (bar_q_free), and O is staged in the last key tile's K buffer instead of Q's and
+//             written by a TMA store (o_map; unused otherwise), the buffer released once it is
+//             read, after the next work tile's first S is issued.
+template <typename T, int D, int BN, int STAGES, int CONSUMERS, bool CAUSAL, bool PRODUCER, bool PINGPONG, bool OVERLAP, bool PERSISTENT, int SMEM>
 __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention_fwd_sm90(
     const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
-    const __grid_constant__ CUtensorMap v_map, T* __restrict__ out, float* __restrict__ lse,
-    long long o_sb, long long o_ss, long long o_sh, int H, int Hkv, int Sq, int Sk, float scale_log2)
+    const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap o_map, T* __restrict__ out,
+    float* __restrict__ lse,
+    long long o_sb, long long o_ss, long long o_sh, int H, int Hkv, int Sq, int Sk, float scale_log2, int tiles)
 {
     constexpr int BM = 64 * CONSUMERS, DB = D / 64;         // query rows a block; 64-column boxes
     constexpr int THREADS = CONSUMERS * 128;                // the computing threads
@@ -46,6 +53,7 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
     static_assert(D % 64 == 0 && D <= 256 && BN % 16 == 0 && BN <= 256, "tile shapes");
     static_assert(STAGES >= 2 && STAGES <= 4, "STAGES");
     static_assert((CONSUMERS == 2 || CONSUMERS == 3) && (!PINGPONG || CONSUMERS == 2), "CONSUMERS");
+    static_assert(!PERSISTENT || (PRODUCER && !CAUSAL && BN >= BM), "PERSISTENT: a producer, no mask, O fits a K tile");
 #if CUK_SM90A
     using namespace cuk;
     extern __shared__ unsigned char smem_raw[];
@@ -53,24 +61,28 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
     unsigned char* const k_s = q_s + Q_BYTES;               // [STAGES][DB][BN rows x 128 bytes]
     unsigned char* const v_s = k_s + STAGES * KV_BYTES;     // [STAGES][DB][BN rows x 128 bytes]
     // bar_kv: a buffer's tile has landed (TMA's bytes); bar_free: every consumer thread is done with it
-    __shared__ unsigned long long bar_q, bar_kv[STAGES], bar_free[STAGES];
+    __shared__ unsigned long long bar_q, bar_q_free, bar_kv[STAGES], bar_free[STAGES];
     __shared__ float ov_sink[OVERLAP ? THREADS : 1];
 
-    // Causal blocks have different amounts of work: the longest (last) are started first.
-    const int m_block = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int b = blockIdx.y / H, h = blockIdx.y % H;
-    const int hk = h / (H / Hkv);
     const int wg = warpgroup_index(), warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     CUK_STAMP(0);
-    const int m0 = m_block * BM;
-    const int row0 = m0 + wg * 64 + warp * 16 + g;    // this thread's rows: row0 and row0 + 8
-    const int diag = Sk - Sq;
-    int n_blocks = (Sk + BN - 1) / BN;
-    if (CAUSAL) {
-        const int last_key = min(Sk - 1, m0 + BM - 1 + diag);
-        n_blocks = last_key < 0 ? 0 : min(n_blocks, last_key / BN + 1);
-    }
+    const int diag = Sk - Sq, m_tiles = (Sq + BM - 1) / BM;
+    // A work tile's (query tile, batch, head) and its count of key tiles. Causal blocks have
+    // different amounts of work: the longest (last) are started first.
+    int m_block, b, h, hk, m0, n_blocks;
+    auto enter = [&](int tile) {
+        m_block = PERSISTENT ? tile % m_tiles : CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+        const int bh = PERSISTENT ? tile / m_tiles : blockIdx.y;
+        b = bh / H, h = bh % H, hk = h / (H / Hkv), m0 = m_block * BM;
+        n_blocks = (Sk + BN - 1) / BN;
+        if (CAUSAL) {
+            const int last_key = min(Sk - 1, m0 + BM - 1 + diag);
+            n_blocks = last_key < 0 ? 0 : min(n_blocks, last_key / BN + 1);
+        }
+    };
+    const int first_tile = PERSISTENT ? blockIdx.x : 0, tile_step = PERSISTENT ? gridDim.x : 1;
+    enter(first_tile);
 
     if (threadIdx.x == 0) {
 #pragma unroll
@@ -79,11 +91,13 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
             mbarrier_init(&bar_free[i], THREADS);
         }
         mbarrier_init(&bar_q, 1);
+        mbarrier_init(&bar_q_free, THREADS);
         mbarrier_init_fence();
     }
     __syncthreads();
-    auto load_kv = [&](int nb) {   // (the loading thread) tile nb into buffer nb % STAGES
-        const int buf = nb % STAGES;
+    // (the loading thread) key tile nb of the current work tile into ring slot i % STAGES
+    auto load_kv_at = [&](int i, int nb) {
+        const int buf = i % STAGES;
         mbarrier_arrive_expect_tx(&bar_kv[buf], 2 * KV_BYTES);
 #pragma unroll
         for (int db = 0; db < DB; ++db) {
@@ -91,33 +105,60 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
             tma_load_4d(v_s + buf * KV_BYTES + db * KV_BOX, &v_map, db * 64, hk, nb * BN, b, &bar_kv[buf]);
         }
     };
-    const int loader = PRODUCER ? THREADS : 0;
-    if (threadIdx.x == loader) {
+    auto load_kv = [&](int nb) { load_kv_at(nb, nb); };
+    auto load_q = [&]() {
         mbarrier_arrive_expect_tx(&bar_q, Q_BYTES);
 #pragma unroll
         for (int db = 0; db < DB; ++db) tma_load_4d(q_s + db * Q_BOX, &q_map, db * 64, h, m0, b, &bar_q);
+    };
+    if constexpr (PERSISTENT) {
+        // The producer: each work tile's Q (once the last one's is read), then its key tiles
+        // into the ring, which runs on across work tiles.
+        if (threadIdx.x >= THREADS) {
+            setmaxnreg_dec<24>();
+            if (threadIdx.x == THREADS) {
+                int i = 0;
+                for (int tile = first_tile, k = 0; tile < tiles; tile += tile_step, ++k) {
+                    enter(tile);
+                    if (k > 0) mbarrier_wait(&bar_q_free, (k - 1) & 1);
+                    load_q();
+                    for (int nb = 0; nb < n_blocks; ++nb, ++i) {
+                        if (i >= STAGES) mbarrier_wait(&bar_free[i % STAGES], (i / STAGES - 1) & 1);
+                        load_kv_at(i, nb);
+                    }
+                }
+            }
+            return;
+        }
+        setmaxnreg_inc<CONSUMERS == 2 ? 240 : 160>();
+    } else {
+        if (threadIdx.x == (PRODUCER ? THREADS : 0)) load_q();
+        if (!ring_loads<PRODUCER, STAGES, CONSUMERS>(n_blocks, bar_free, load_kv)) return;   // (the producer is done)
     }
-    if (!ring_loads<PRODUCER, STAGES, CONSUMERS>(n_blocks, bar_free, load_kv)) return;   // (the producer is done)
-
+    const unsigned long long q_desc = wgmma_desc_sw128(q_s + wg * 64 * 128);   // this warpgroup's 64 rows of Q
+    int it0 = 0;   // the ring position of the current work tile's first key tile
+    int staged = -1;   // PERSISTENT: the buffer that the last work tile's O is stored from, if any
+    const bool o_storer = threadIdx.x % 128 == 0;
+    for (int tile = first_tile, k = 0; tile < (PERSISTENT ? tiles : 1); tile += tile_step, ++k) {
+    const int row0 = m0 + wg * 64 + warp * 16 + g;    // this thread's rows: row0 and row0 + 8
     float o[D / 2];
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
     float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};
-    mbarrier_wait(&bar_q, 0);
+    mbarrier_wait(&bar_q, k & 1);
     CUK_STAMP(1);
     // PINGPONG: warpgroup w waits at barrier 1 + w for the other's arrival; warpgroup 1's first
     // arrival lets warpgroup 0 start, and warpgroup 0 takes warpgroup 1's last arrival after the
     // loop so that every barrier ends complete.
     if (PINGPONG && wg == 1 && n_blocks > 0) named_barrier_arrive(1, 256);
 
-    const unsigned long long q_desc = wgmma_desc_sw128(q_s + wg * 64 * 128);   // this warpgroup's 64 rows of Q
     // S = Q K^T of tile nb (this warpgroup's 64 rows x BN keys), a k16 step of the head dim at a
     // time; one commit group. PINGPONG: the turn ends here unless the caller issues P V in it
     // (ends_turn false; FlashAttention-3's order with OVERLAP: S of tile nb and P V of tile nb - 1
     // in one turn).
     auto issue_s = [&](int nb, float (&s)[BN / 2], bool ends_turn = true) {
-        const int buf = nb % STAGES;
-        mbarrier_wait(&bar_kv[buf], (nb / STAGES) & 1);
+        const int buf = (it0 + nb) % STAGES;
+        mbarrier_wait(&bar_kv[buf], ((it0 + nb) / STAGES) & 1);
         if (PINGPONG) named_barrier_sync(1 + wg, 256);
         const unsigned long long k_desc = wgmma_desc_sw128(k_s + buf * KV_BYTES);
         wgmma_zero_and_fence(s);
@@ -175,7 +216,7 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
     };
     // O += P V: P's A fragments from the S accumulators, V read MN-major as stored.
     auto issue_pv = [&](int nb, unsigned int (&a)[BN / 16][4]) {
-        wgmma_rs_mn<T, D>(o, a, v_s + (nb % STAGES) * KV_BYTES, KV_BOX);
+        wgmma_rs_mn<T, D>(o, a, v_s + ((it0 + nb) % STAGES) * KV_BYTES, KV_BOX);
     };
     // Refill the buffer of tile nb (thread 0, without PRODUCER) once every thread released it.
     auto refill = [&](int nb) {
@@ -205,6 +246,7 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
             wgmma_wait<0>();
             wgmma_hold(o);
             mbarrier_arrive(&bar_free[nb % STAGES]);   // (this thread's products have read the buffer)
+            static_assert(!PERSISTENT || OVERLAP, "PERSISTENT takes OVERLAP");
         }
     } else if (n_blocks > 0) {
         // FlashAttention-3's intra-warpgroup overlap: S of tile nb is issued with P V of tile
@@ -216,8 +258,16 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
         {
             float s[BN / 2];
             issue_s(0, s);
+            if (PERSISTENT && staged >= 0) {   // (the last work tile's O read out: its buffer released)
+                if (o_storer) {
+                    tma_store_wait_read<0>();
+                    mbarrier_arrive(&bar_free[staged]);
+                }
+                staged = -1;
+            }
             wgmma_wait<0>();
             wgmma_hold(s);
+            if (PERSISTENT && n_blocks == 1) mbarrier_arrive(&bar_q_free);   // (this thread's S products are done with Q)
             CUK_STAMP(2);
             mask(0, s);
             softmax(s, alpha);
@@ -232,13 +282,14 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
             if (PINGPONG) named_barrier_arrive(2 - wg, 256);
             wgmma_wait<1>();
             wgmma_hold(s);
+            if (PERSISTENT && nb == n_blocks - 1) mbarrier_arrive(&bar_q_free);
             mask(nb, s);
             softmax(s, alpha);
             keep_before_wait(ov_sink, row_sum[0] + row_sum[1]);   // (the exponentials before the wait)
             wgmma_wait<0>();
             wgmma_hold(a);
             wgmma_hold(o);
-            mbarrier_arrive(&bar_free[(nb - 1) % STAGES]);
+            mbarrier_arrive(&bar_free[(it0 + nb - 1) % STAGES]);
             refill(nb - 1);
             accumulators_to_a<T>(s, a);
         }
@@ -247,7 +298,7 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
         wgmma_wait<0>();
         wgmma_hold(o);
         CUK_STAMP(4);
-        mbarrier_arrive(&bar_free[(n_blocks - 1) % STAGES]);
+        if (!PERSISTENT) mbarrier_arrive(&bar_free[(n_blocks - 1) % STAGES]);   // (PERSISTENT: after O's staging)
     }
     if (PINGPONG && wg == 0 && n_blocks > 0) named_barrier_sync(1, 256);
 
@@ -266,10 +317,32 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
                 sum > 0.f ? (row_max[r] + log2f(sum)) * 0.6931471805599453f : __int_as_float(0x7f800000);
     }
     const int wg_row0 = m0 + wg * 64;
-    store_tile_staged<T, D, Q_BOX>(o, inv[0], inv[1], q_s + wg * 64 * 128,
-                                   out + b * o_sb + h * o_sh + static_cast<long long>(wg_row0) * o_ss, o_ss,
-                                   Sq - wg_row0, 8 + wg);
+    if constexpr (PERSISTENT) {
+        // O staged in this warpgroup's rows of the last key tile's K buffer, once every thread's
+        // last S is done with it (bar_q_free), and stored from there by TMA (rows past Sq
+        // skipped). One thread of the warpgroup waits for the store's reads before it releases
+        // the buffer (at the next work tile's first S); the others release it now.
+        staged = (it0 + n_blocks - 1) % STAGES;
+        unsigned char* const stage = k_s + staged * KV_BYTES + wg * 64 * 128;
+        mbarrier_wait(&bar_q_free, k & 1);
+        stage_tile<T, D, KV_BOX>(o, inv[0], inv[1], stage, 8 + wg, true);
+        if (o_storer) {
+#pragma unroll
+            for (int db = 0; db < DB; ++db) tma_store_4d(&o_map, stage + db * KV_BOX, db * 64, h, wg_row0, b);
+            tma_store_commit();
+        } else {
+            mbarrier_arrive(&bar_free[staged]);
+        }
+        it0 += n_blocks;
+        if (tile + tile_step < tiles) enter(tile + tile_step);
+    } else {
+        store_tile_staged<T, D, Q_BOX>(o, inv[0], inv[1], q_s + wg * 64 * 128,
+                                       out + b * o_sb + h * o_sh + static_cast<long long>(wg_row0) * o_ss, o_ss,
+                                       Sq - wg_row0, 8 + wg);
+    }
     CUK_STAMP(5);
+    }
+    if (PERSISTENT && o_storer) tma_store_wait<0>();   // (shared memory stays until the last store has read it)
 #elif defined(__CUDA_ARCH__)
     __trap();   // (built without sm_90a's features: fail loudly, never return an unwritten output)
 #endif

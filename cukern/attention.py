@@ -85,13 +85,15 @@ class Sm90FwdConfig:
     ``producer``, one more warpgroup issues the loads (setmaxnreg: 240 registers for two others,
     160 for three); ``pingpong``, two warpgroups take turns issuing Q K^T; ``overlap``, a tile's
     softmax runs while the tensor cores finish the previous tile's P V (FlashAttention-3's
-    intra-warpgroup overlap)."""
+    intra-warpgroup overlap); ``persistent``, one block an SM walks the work tiles (without a
+    causal mask; with a producer and the overlap)."""
     bn: int
     stages: int = 2
     producer: bool = False
     pingpong: bool = False
     overlap: bool = False
     warpgroups: int = 2
+    persistent: bool = False
 
     @property
     def block_rows(self) -> int:
@@ -111,10 +113,13 @@ class Sm90FwdConfig:
             raise ValueError(f"warpgroups=3 takes head dims up to 128, not {d}: the O accumulators of "
                              "64 rows x d do not fit a thread's share of the registers "
                              "(128 with a producer, 168 without)")
+        if self.persistent and (causal or not (self.producer and self.overlap) or self.bn < self.block_rows):
+            raise ValueError(f"persistent takes no causal mask (causal={causal}), a producer and the overlap, and "
+                             f"key tiles at least as tall as the block's rows (bn={self.bn}, rows {self.block_rows})")
         smem = self.smem(d)
         return Instance(SM90_SOURCE, f"attention_fwd_sm90<{_ctype(dtype)}, {d}, {self.bn}, {self.stages}, "
                         f"{self.warpgroups}, {_b(causal)}, {_b(self.producer)}, {_b(self.pingpong)}, "
-                        f"{_b(self.overlap)}, {smem}>", self.threads, smem, "sm_90a")
+                        f"{_b(self.overlap)}, {_b(self.persistent)}, {smem}>", self.threads, smem, "sm_90a")
 
 
 @dataclass(frozen=True)
@@ -207,7 +212,7 @@ class Configs:
     # overlap without the warpgroups' turns, which the causal forward gains 3-5% by).
     fwd_sm90_full: tuple[tuple[int, Sm90FwdConfig], ...] = (
         (64, Sm90FwdConfig(128, 3, producer=True, overlap=True, warpgroups=3)),
-        (128, Sm90FwdConfig(128, 3, producer=True, overlap=True)))
+        (128, Sm90FwdConfig(128, 3, producer=True, overlap=True, persistent=True)))
     use_sm90: bool = True
     # The backward's dK/dV (and dQ-atomic) kernel on sm_90 by TMA and wgmma, by head dim: query
     # tiles as measured fastest on an H200 (d64: 128 rows 288 TFLOP/s against 64 rows 235).
@@ -439,10 +444,13 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs) -
             cfg = configs.sm90_forward(d, causal)
             k = _kernels.kernel(cfg.instance(qa.dtype, d, causal), device)
             os_ = _like(qa, q_copied)
-            b.launch(k, (-(-sq // cfg.block_rows), batch * h), q_map=MapSlot(0, (1, cfg.block_rows, 1, 64)),
-                     k_map=MapSlot(1, (1, cfg.bn, 1, 64)), v_map=MapSlot(2, (1, cfg.bn, 1, 64)), out=out, lse=lse,
+            m_tiles = -(-sq // cfg.block_rows)
+            grid = (min(m_tiles * batch * h, _kernels.sm_count(device)), 1) if cfg.persistent else (m_tiles, batch * h)
+            b.launch(k, grid, q_map=MapSlot(0, (1, cfg.block_rows, 1, 64)),
+                     k_map=MapSlot(1, (1, cfg.bn, 1, 64)), v_map=MapSlot(2, (1, cfg.bn, 1, 64)),
+                     o_map=MapSlot(out.index, (1, 64, 1, 64)) if cfg.persistent else bytes(128), out=out, lse=lse,
                      **{f"o_{n}": s for n, s in _strides3(os_).items()},
-                     H=h, Hkv=hkv, Sq=sq, Sk=sk, scale_log2=scale * LOG2E)
+                     H=h, Hkv=hkv, Sq=sq, Sk=sk, scale_log2=scale * LOG2E, tiles=m_tiles * batch * h)
         else:
             cfg = configs.get("fwd", d)
             k = _kernels.kernel(cfg.instance(qa.dtype, d, causal), device)

@@ -180,9 +180,17 @@ def test_the_sm90_forward_config_by_head_dim_and_mask():
         assert full.instance("float16", d, False).name in {i.name for i in attn.instances()}
     assert cfgs.sm90_forward(64, False).warpgroups == 3 and cfgs.sm90_forward(64, False).threads == 512
     assert not cfgs.sm90_forward(128, False).pingpong and cfgs.sm90_forward(128, True).pingpong
+    assert cfgs.sm90_forward(128, False).persistent and not cfgs.sm90_forward(128, True).persistent
     assert cfgs.sm90_forward(256, False) == cfgs.get("fwd_sm90", 256)
     with pytest.raises(ValueError, match="warpgroups=3 takes head dims up to 128, not 256"):
         attn.Sm90FwdConfig(64, warpgroups=3).instance("bfloat16", 256, False)
+    persistent = attn.Sm90FwdConfig(128, 3, producer=True, overlap=True, persistent=True)
+    assert ", true, 230400>" in persistent.instance("bfloat16", 128, False).name
+    for cfg, causal in ((persistent, True), (dataclasses.replace(persistent, producer=False), False),
+                        (dataclasses.replace(persistent, overlap=False), False),
+                        (dataclasses.replace(persistent, bn=64), False)):
+        with pytest.raises(ValueError, match="persistent takes no causal mask"):
+            cfg.instance("bfloat16", 128, causal)
 
 
 def test_the_sm80_path_can_be_forced_by_the_environment():
@@ -307,11 +315,12 @@ def test_attention_matches_reference(c):
 @gpu
 @settings(max_examples=80)
 @given(c=attn_cases(), layout=st.sampled_from(["contiguous", "packed"]), producer=st.booleans(),
-       pingpong=st.booleans(), overlap=st.booleans(), warpgroups=st.sampled_from([2, 3]))
-def test_the_sm90_forward_matches_reference(c, layout, producer, pingpong, overlap, warpgroups):
+       pingpong=st.booleans(), overlap=st.booleans(), warpgroups=st.sampled_from([2, 3]), persistent=st.booleans())
+def test_the_sm90_forward_matches_reference(c, layout, producer, pingpong, overlap, warpgroups, persistent):
     """The Hopper path (TMA + wgmma, attention_fwd_sm90) on its head dims, forced on, with every
     scheduling option: a producer warpgroup, the warpgroups' turns (pingpong, two warpgroups
-    only), the intra-warpgroup overlap, and two or three warpgroups of rows."""
+    only), the intra-warpgroup overlap, two or three warpgroups of rows, and one block an SM
+    walking the work tiles (persistent: without a mask, with a producer and the overlap)."""
     import importlib
 
     from cukern import _kernels
@@ -326,6 +335,8 @@ def test_the_sm90_forward_matches_reference(c, layout, producer, pingpong, overl
                               pingpong=pingpong and warpgroups == 2, overlap=overlap, warpgroups=warpgroups)
     while cfg.smem(c["d"]) > 225 * 1024 and cfg.stages > 2:   # (the ring that fits, as a config would)
         cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
+    persistent = persistent and not c["causal"] and producer and overlap and cfg.bn >= cfg.block_rows
+    cfg = dataclasses.replace(cfg, persistent=persistent)
     hopper = dataclasses.replace(attn.CONFIGS.replace("fwd_sm90", c["d"], cfg), fwd_sm90_full=(), use_sm90=True)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(attn, "CONFIGS", hopper)
@@ -351,6 +362,40 @@ def test_misaligned_contiguous_inputs(framework):
 def test_packed_qkv_views_are_read_in_place(dtype, causal):
     _run_case(dict(b=2, sq=100, sk=100, h=4, hkv=4, d=64, dtype=dtype, causal=causal, scale=None,
                    framework="cupy", seed=5), layout="packed")
+
+
+@gpu
+@needs_torch
+@pytest.mark.parametrize("b, sq, sk, h, hkv", [(3, 1000, 777, 32, 8), (1, 300, 129, 2, 1), (2, 128, 1, 4, 4)])
+def test_the_persistent_forward_walks_every_work_tile(b, sq, sk, h, hkv):
+    """The persistent Hopper forward (d128 without a mask: one block an SM over the work tiles,
+    O stored by TMA from the last K buffer): more work tiles than SMs and fewer, a partial last
+    row tile, GQA, a single key, and q laid out (B, H, S, D) so that out is too. Bitwise the
+    one-block-a-tile kernel's output, and float32 SDPA's within the bf16 tolerance."""
+    import importlib
+
+    from cukern import _kernels
+
+    if _kernels.compute_capability(0) != (9, 0):
+        pytest.skip("the Hopper path needs an sm_90 GPU")
+    attn = importlib.import_module("cukern.attention")
+    cfg = attn.CONFIGS.sm90_forward(128, False)
+    assert cfg.persistent
+    one_a_tile = dataclasses.replace(attn.CONFIGS.replace("fwd_sm90_full", 128,
+                                                          dataclasses.replace(cfg, persistent=False)), use_sm90=True)
+    g = torch.Generator(device="cuda").manual_seed(sq + sk + h)
+    q = torch.randn(b, h, sq, 128, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+    k, v = (torch.randn(b, sk, hkv, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    hopper = dataclasses.replace(attn.CONFIGS, use_sm90=True)
+    out, lse = attn._attention(q, k, v, False, None, True, hopper)
+    out1, lse1 = attn._attention(q, k, v, False, None, True, one_a_tile)
+    assert out.stride() == q.stride(), "out is laid out like q"
+    assert torch.equal(out, out1) and torch.equal(lse, lse1)
+    qt, kt, vt = (a.float().transpose(1, 2) for a in (q, k, v))
+    kt, vt = kt.repeat_interleave(h // hkv, 1), vt.repeat_interleave(h // hkv, 1)
+    s = (qt @ kt.transpose(-1, -2)) / 128 ** 0.5
+    assert_close(out, to_host((torch.softmax(s, -1) @ vt).transpose(1, 2)), "bfloat16", "out", tol=TOL["bfloat16"])
+    assert_close(lse, to_host(torch.logsumexp(s, -1)), "float32", "lse", tol=1e-4)
 
 
 @gpu

@@ -14,6 +14,7 @@ middle step (Q and dO landed; S^T; its softmax and the dV issue; dP^T, dS^T and 
 wait for dV; dK and the step before's dQ; dQ's store), the step, and the block over its steps.
 """
 import ctypes
+import dataclasses
 import sys
 
 import numpy as np
@@ -42,8 +43,11 @@ def main():
         run = lambda: attn.attention_backward(do, q, k, v, out, lse, causal=causal)   # noqa: E731
         inst = cfg.instance("bfloat16", D, causal, False)
     else:
-        cfg = attn.CONFIGS.sm90_forward(D, causal)
-        run = lambda: attn.attention(q, k, v, causal=causal, return_lse=True)   # noqa: E731
+        # (a persistent config is traced in its one-block-a-work-tile form: the record is a block's)
+        cfg = dataclasses.replace(attn.CONFIGS.sm90_forward(D, causal), persistent=False)
+        configs = attn.CONFIGS.replace("fwd_sm90_full" if not causal and D in dict(attn.CONFIGS.fwd_sm90_full)
+                                       else "fwd_sm90", D, cfg)
+        run = lambda: attn._attention(q, k, v, causal, None, True, configs)   # noqa: E731
         inst = cfg.instance("bfloat16", D, causal)
     for _ in range(10):
         run()

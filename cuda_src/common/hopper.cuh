@@ -197,6 +197,15 @@ __device__ __forceinline__ void tma_reduce_add_4d(const CUtensorMap* map, const 
         : "memory");
 #endif
 }
+// The box of shared memory at `smem` stored into the tensor map's box at (x innermost, y, z, w);
+// elements outside the tensor are skipped.
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void* smem, int x, int y, int z, int w) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];"
+                 :: "l"(reinterpret_cast<unsigned long long>(map)), "r"(shared_address(smem)), "r"(x), "r"(y), "r"(z),
+                    "r"(w) : "memory");
+#endif
+}
 __device__ __forceinline__ void tma_store_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
@@ -249,9 +258,11 @@ __device__ __forceinline__ void store_accumulators(const float (&d)[N / 2], floa
 // every sector full). `stage`: D / 64 pieces of 64 rows x 128 bytes, BOX bytes apart, 1024-byte
 // aligned, that no other thread touches meanwhile (chunks XOR-swizzled by row: conflict-free);
 // `bar`: a named barrier id for this warpgroup's 128 threads.
+// (stage_tile alone: the tile packed into `stage`, fenced for the async proxy (a TMA store reads it
+// next) and published to the warpgroup by its barrier.)
 template <typename T, int D, int BOX>
-__device__ __forceinline__ void store_tile_staged(const float (&acc)[D / 2], float s0, float s1, unsigned char* stage,
-                                                  T* g, long long stride, int nrows, int bar) {
+__device__ __forceinline__ void stage_tile(const float (&acc)[D / 2], float s0, float s1, unsigned char* stage, int bar,
+                                           bool for_tma = false) {
     static_assert(D % 64 == 0 && D <= 256, "D");
     const int tid = threadIdx.x % 128, warp = tid / 32, lg = (tid % 32) / 4, lt = tid % 4;
 #pragma unroll
@@ -263,7 +274,14 @@ __device__ __forceinline__ void store_tile_staged(const float (&acc)[D / 2], flo
             *reinterpret_cast<unsigned int*>(stage + (j / 8) * BOX + row * 128 + (((j % 8) ^ lg) << 4) + 4 * lt) =
                 pack2(acc[4 * j + 2 * r] * s, acc[4 * j + 2 * r + 1] * s, T{});
         }
+    if (for_tma) fence_proxy_async();
     named_barrier_sync(bar, 128);
+}
+template <typename T, int D, int BOX>
+__device__ __forceinline__ void store_tile_staged(const float (&acc)[D / 2], float s0, float s1, unsigned char* stage,
+                                                  T* g, long long stride, int nrows, int bar) {
+    stage_tile<T, D, BOX>(acc, s0, s1, stage, bar);
+    const int tid = threadIdx.x % 128;
     constexpr int CPR = D / 8, RSTEP = 128 / CPR;   // 16-byte chunks a row; rows a pass
     const int c = tid % CPR;
 #pragma unroll
