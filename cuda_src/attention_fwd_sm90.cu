@@ -53,7 +53,8 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
     static_assert(D % 64 == 0 && D <= 256 && BN % 16 == 0 && BN <= 256, "tile shapes");
     static_assert(STAGES >= 2 && STAGES <= 4, "STAGES");
     static_assert((CONSUMERS == 2 || CONSUMERS == 3) && (!PINGPONG || CONSUMERS == 2), "CONSUMERS");
-    static_assert(!PERSISTENT || (PRODUCER && !CAUSAL && BN >= BM), "PERSISTENT: a producer, no mask, O fits a K tile");
+    static_assert(!PERSISTENT || (PRODUCER && OVERLAP && !CAUSAL && BN >= BM),
+                  "PERSISTENT: a producer, the overlap, no mask, O fits a K tile");
 #if CUK_SM90A
     using namespace cuk;
     extern __shared__ unsigned char smem_raw[];
@@ -246,7 +247,6 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
             wgmma_wait<0>();
             wgmma_hold(o);
             mbarrier_arrive(&bar_free[nb % STAGES]);   // (this thread's products have read the buffer)
-            static_assert(!PERSISTENT || OVERLAP, "PERSISTENT takes OVERLAP");
         }
     } else if (n_blocks > 0) {
         // FlashAttention-3's intra-warpgroup overlap: S of tile nb is issued with P V of tile
