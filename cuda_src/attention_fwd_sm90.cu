@@ -28,42 +28,53 @@
 // Scheduling options (docs/notes-attention.md has what each measured):
 //   PRODUCER  a third warpgroup, one thread of which issues every TMA load (K/V refills wait
 //             for releases there, not in warpgroup 0's path); 384 threads, the producer down to
-//             24 registers and the consumers up to 240 (setmaxnreg).
+//             24 registers and the consumers up to 240 (setmaxnreg; PERSISTENT: 40 and 224, or 32 and
+//             160 with three consumers, as its producer decodes work tiles).
 //   PINGPONG  the warpgroups take turns issuing S = Q K^T (FlashAttention-3's scheduler barriers).
 //   OVERLAP   S of tile j is issued with P V of tile j - 1, and tile j's softmax runs between
 //             their waits (a buffer is released a tile later: STAGES = 3, or PRODUCER).
-//   PERSISTENT one block an SM walks the work tiles (row tile fastest, `tiles` of them, round
-//             robin; without a causal mask, so every tile costs the same). The K/V ring runs on
-//             across tiles; the next tile's Q is loaded once both warpgroups' last S is done
+//   PERSISTENT one block an SM walks the work tiles (`tiles` of them). Without a mask, round
+//             robin, the row tile fastest (every tile costs the same); causal, handed out by an
+//             atomic counter (`tile_counter`, zero at launch), the longest first within sections of
+//             `swizzle` (batch, head) pairs whose K and V share L2. The K/V ring runs on across
+//             tiles; the next tile's Q is loaded once every warpgroup's last S is done
 //             (bar_q_free), and O is staged in the last key tile's K buffer instead of Q's and
 //             written by a TMA store (o_map; unused otherwise), the buffer released once it is
-//             read, after the next work tile's first S is issued.
+//             read, after the next work tile's first S is issued. Where a K tile is shorter than
+//             the block's rows, O has a buffer of its own instead (OWN_O).
 template <typename T, int D, int BN, int STAGES, int CONSUMERS, bool CAUSAL, bool PRODUCER, bool PINGPONG, bool OVERLAP, bool PERSISTENT, int SMEM>
 __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention_fwd_sm90(
     const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
     const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap o_map, T* __restrict__ out,
     float* __restrict__ lse,
-    long long o_sb, long long o_ss, long long o_sh, int H, int Hkv, int Sq, int Sk, float scale_log2, int tiles)
+    long long o_sb, long long o_ss, long long o_sh, int H, int Hkv, int Sq, int Sk, float scale_log2, int tiles,
+    int* __restrict__ tile_counter, int swizzle)
 {
     constexpr int BM = 64 * CONSUMERS, DB = D / 64;         // query rows a block; 64-column boxes
     constexpr int THREADS = CONSUMERS * 128;                // the computing threads
     constexpr int Q_BOX = BM * 128, KV_BOX = BN * 128;      // bytes of one box (rows x 128 bytes)
     constexpr int Q_BYTES = DB * Q_BOX, KV_BYTES = DB * KV_BOX;
-    static_assert(SMEM == Q_BYTES + 2 * STAGES * KV_BYTES + 1024, "SMEM: Q, the K and V ring, alignment slack");
+    // (persistent, with key tiles shorter than the block's rows: O staged in a buffer of its own)
+    constexpr bool OWN_O = PERSISTENT && BN < BM;
+    static_assert(SMEM == (OWN_O ? 2 : 1) * Q_BYTES + 2 * STAGES * KV_BYTES + 1024,
+                  "SMEM: Q, the K and V ring, O's own buffer, alignment slack");
     static_assert(D % 64 == 0 && D <= 256 && BN % 16 == 0 && BN <= 256, "tile shapes");
     static_assert(STAGES >= 2 && STAGES <= 4, "STAGES");
     static_assert((CONSUMERS == 2 || CONSUMERS == 3) && (!PINGPONG || CONSUMERS == 2), "CONSUMERS");
-    static_assert(!PERSISTENT || (PRODUCER && OVERLAP && !CAUSAL && BN >= BM),
-                  "PERSISTENT: a producer, the overlap, no mask, O fits a K tile");
+    static_assert(!PERSISTENT || (PRODUCER && OVERLAP), "PERSISTENT: a producer and the overlap");
+    // Causal work tiles cost different amounts: handed out by an atomic counter, longest first.
+    constexpr bool DYNAMIC = PERSISTENT && CAUSAL;
 #if CUK_SM90A
     using namespace cuk;
     extern __shared__ unsigned char smem_raw[];
     unsigned char* const q_s = align_1024(smem_raw);
     unsigned char* const k_s = q_s + Q_BYTES;               // [STAGES][DB][BN rows x 128 bytes]
     unsigned char* const v_s = k_s + STAGES * KV_BYTES;     // [STAGES][DB][BN rows x 128 bytes]
+    unsigned char* const o_s = v_s + STAGES * KV_BYTES;     // OWN_O: [DB][BM rows x 128 bytes]
     // bar_kv: a buffer's tile has landed (TMA's bytes); bar_free: every consumer thread is done with it
     __shared__ unsigned long long bar_q, bar_q_free, bar_kv[STAGES], bar_free[STAGES];
     __shared__ float ov_sink[OVERLAP ? THREADS : 1];
+    __shared__ int tile_of[2];   // DYNAMIC: the producer's work tile k at k % 2
 
     const int wg = warpgroup_index(), warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
@@ -72,9 +83,24 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
     // A work tile's (query tile, batch, head) and its count of key tiles. Causal blocks have
     // different amounts of work: the longest (last) are started first.
     int m_block, b, h, hk, m0, n_blocks;
+    // PERSISTENT: tiles numbered in sections of `swizzle` (batch, head) pairs (whose K and V fit
+    // L2), query tile major within a section (causal: the last query tile first), then the pair.
+    const int pairs_total = tiles / m_tiles;
     auto enter = [&](int tile) {
-        m_block = PERSISTENT ? tile % m_tiles : CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-        const int bh = PERSISTENT ? tile / m_tiles : blockIdx.y;
+        int bh;
+        if (PERSISTENT && !CAUSAL) {   // (swizzle 1: the query tile fastest)
+            m_block = tile % m_tiles;
+            bh = tile / m_tiles;
+        } else if (PERSISTENT) {
+            const int per_section = m_tiles * swizzle, section = tile / per_section;
+            const int r = tile - section * per_section, pairs = min(swizzle, pairs_total - section * swizzle);
+            const int mi = r / pairs;
+            bh = section * swizzle + (r - mi * pairs);
+            m_block = CAUSAL ? m_tiles - 1 - mi : mi;
+        } else {
+            m_block = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+            bh = blockIdx.y;
+        }
         b = bh / H, h = bh % H, hk = h / (H / Hkv), m0 = m_block * BM;
         n_blocks = (Sk + BN - 1) / BN;
         if (CAUSAL) {
@@ -116,22 +142,30 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
         // The producer: each work tile's Q (once the last one's is read), then its key tiles
         // into the ring, which runs on across work tiles.
         if (threadIdx.x >= THREADS) {
-            setmaxnreg_dec<24>();
+            setmaxnreg_dec<!PERSISTENT ? 24 : CONSUMERS == 3 ? 32 : 40>();   // (PERSISTENT: the producer decodes work tiles)
             if (threadIdx.x == THREADS) {
-                int i = 0;
-                for (int tile = first_tile, k = 0; tile < tiles; tile += tile_step, ++k) {
-                    enter(tile);
+                int i = 0, tile = first_tile;
+                for (int k = 0;; ++k) {
                     if (k > 0) mbarrier_wait(&bar_q_free, (k - 1) & 1);
+                    if (DYNAMIC) tile_of[k & 1] = tile;   // (published by bar_q's phase k)
+                    if (tile >= tiles) {
+                        if (DYNAMIC) mbarrier_arrive(&bar_q);   // (no more: the consumers wake to stop)
+                        break;
+                    }
+                    enter(tile);
                     load_q();
+                    // the next work tile claimed now, so that the atomic's latency passes under this one
+                    const int next = DYNAMIC ? gridDim.x + atomicAdd(tile_counter, 1) : tile + tile_step;
                     for (int nb = 0; nb < n_blocks; ++nb, ++i) {
                         if (i >= STAGES) mbarrier_wait(&bar_free[i % STAGES], (i / STAGES - 1) & 1);
                         load_kv_at(i, nb);
                     }
+                    tile = next;
                 }
             }
             return;
         }
-        setmaxnreg_inc<CONSUMERS == 2 ? 240 : 160>();
+        setmaxnreg_inc<CONSUMERS == 3 ? 160 : PERSISTENT ? 224 : 240>();
     } else {
         if (threadIdx.x == (PRODUCER ? THREADS : 0)) load_q();
         if (!ring_loads<PRODUCER, STAGES, CONSUMERS>(n_blocks, bar_free, load_kv)) return;   // (the producer is done)
@@ -140,13 +174,18 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
     int it0 = 0;   // the ring position of the current work tile's first key tile
     int staged = -1;   // PERSISTENT: the buffer that the last work tile's O is stored from, if any
     const bool o_storer = threadIdx.x % 128 == 0;
-    for (int tile = first_tile, k = 0; tile < (PERSISTENT ? tiles : 1); tile += tile_step, ++k) {
+    for (int tile = first_tile, k = 0; DYNAMIC || tile < (PERSISTENT ? tiles : 1); tile += tile_step, ++k) {
+    mbarrier_wait(&bar_q, k & 1);
+    if (DYNAMIC) {
+        tile = tile_of[k & 1];
+        if (tile >= tiles) break;
+    }
+    if (PERSISTENT) enter(tile);
     const int row0 = m0 + wg * 64 + warp * 16 + g;    // this thread's rows: row0 and row0 + 8
     float o[D / 2];
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
     float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};
-    mbarrier_wait(&bar_q, k & 1);
     CUK_STAMP(1);
     // PINGPONG: warpgroup w waits at barrier 1 + w for the other's arrival; warpgroup 1's first
     // arrival lets warpgroup 0 start, and warpgroup 0 takes warpgroup 1's last arrival after the
@@ -317,7 +356,39 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
                 sum > 0.f ? (row_max[r] + log2f(sum)) * 0.6931471805599453f : __int_as_float(0x7f800000);
     }
     const int wg_row0 = m0 + wg * 64;
-    if constexpr (PERSISTENT) {
+    if constexpr (OWN_O) {
+        // O (zeros for causal rows that see no key) staged in this warpgroup's rows of its own
+        // buffer, once the last work tile's store has read them, and stored by TMA.
+        if (n_blocks == 0) mbarrier_arrive(&bar_q_free);
+        else mbarrier_arrive(&bar_free[(it0 + n_blocks - 1) % STAGES]);
+        if (o_storer) tma_store_wait_read<0>();
+        named_barrier_sync(8 + wg, 128);
+        unsigned char* const stage = o_s + wg * 64 * 128;
+        stage_tile<T, D, Q_BOX>(o, inv[0], inv[1], stage, 8 + wg, true);
+        if (o_storer) {
+#pragma unroll
+            for (int db = 0; db < DB; ++db) tma_store_4d(&o_map, stage + db * Q_BOX, db * 64, h, wg_row0, b);
+            tma_store_commit();
+        }
+        it0 += n_blocks;
+    } else if (PERSISTENT && n_blocks == 0) {
+        // (causal rows that see no key: zeros, staged in this warpgroup's rows of Q, which no S
+        // reads; the next Q may land there once the store has read them)
+        if (staged >= 0 && o_storer) {
+            tma_store_wait_read<0>();
+            mbarrier_arrive(&bar_free[staged]);
+        }
+        staged = -1;
+        unsigned char* const stage = q_s + wg * 64 * 128;
+        stage_tile<T, D, Q_BOX>(o, 0.f, 0.f, stage, 8 + wg, true);
+        if (o_storer) {
+#pragma unroll
+            for (int db = 0; db < DB; ++db) tma_store_4d(&o_map, stage + db * Q_BOX, db * 64, h, wg_row0, b);
+            tma_store_commit();
+            tma_store_wait_read<0>();
+        }
+        mbarrier_arrive(&bar_q_free);
+    } else if constexpr (PERSISTENT) {
         // O staged in this warpgroup's rows of the last key tile's K buffer, once every thread's
         // last S is done with it (bar_q_free), and stored from there by TMA (rows past Sq
         // skipped). One thread of the warpgroup waits for the store's reads before it releases
@@ -334,7 +405,6 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
             mbarrier_arrive(&bar_free[staged]);
         }
         it0 += n_blocks;
-        if (tile + tile_step < tiles) enter(tile + tile_step);
     } else {
         store_tile_staged<T, D, Q_BOX>(o, inv[0], inv[1], q_s + wg * 64 * 128,
                                        out + b * o_sb + h * o_sh + static_cast<long long>(wg_row0) * o_ss, o_ss,

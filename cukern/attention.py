@@ -78,6 +78,9 @@ class FwdConfig:
                                 f"{self.bnc}, {_b(self.qreg)}, {_b(causal)}, {smem}>", 32 * self.warps, smem)
 
 
+SM90_MAX_SMEM = 227 * 1024   # (a block's opt-in shared memory on H100 and H200)
+
+
 @dataclass(frozen=True)
 class Sm90FwdConfig:
     """attention_fwd_sm90 (TMA + wgmma, sm_90a): ``warpgroups`` (2 or 3) of 64 query rows a
@@ -85,8 +88,10 @@ class Sm90FwdConfig:
     ``producer``, one more warpgroup issues the loads (setmaxnreg: 240 registers for two others,
     160 for three); ``pingpong``, two warpgroups take turns issuing Q K^T; ``overlap``, a tile's
     softmax runs while the tensor cores finish the previous tile's P V (FlashAttention-3's
-    intra-warpgroup overlap); ``persistent``, one block an SM walks the work tiles (without a
-    causal mask; with a producer and the overlap)."""
+    intra-warpgroup overlap); ``persistent``, one block an SM walks the work tiles (with a
+    producer and the overlap; causal tiles, which cost different amounts, are handed out by an
+    atomic counter, the longest first; O staged in the last K tile, or in a buffer of its own
+    where that is shorter than the block's rows)."""
     bn: int
     stages: int = 2
     producer: bool = False
@@ -103,20 +108,30 @@ class Sm90FwdConfig:
     def threads(self) -> int:
         return 128 * (self.warpgroups + self.producer)
 
+    @property
+    def own_o_buffer(self) -> bool:
+        """Persistent with key tiles shorter than the block's rows: O is staged in a buffer of
+        its own (it does not fit the last K tile)."""
+        return self.persistent and self.bn < self.block_rows
+
     def smem(self, d: int) -> int:
-        """Q and the ring of K and V tiles, 128-byte rows (64 head-dim columns a box), and 1 KB
-        to align them (16-bit elements)."""
-        return (self.block_rows + 2 * self.stages * self.bn) * d * 2 + 1024
+        """Q, the ring of K and V tiles (and O's own buffer, if any), 128-byte rows (64 head-dim
+        columns a box), and 1 KB to align them (16-bit elements)."""
+        return ((2 if self.own_o_buffer else 1) * self.block_rows + 2 * self.stages * self.bn) * d * 2 + 1024
 
     def instance(self, dtype: str, d: int, causal: bool) -> Instance:
         if self.warpgroups == 3 and d > 128:
             raise ValueError(f"warpgroups=3 takes head dims up to 128, not {d}: the O accumulators of "
                              "64 rows x d do not fit a thread's share of the registers "
                              "(128 with a producer, 168 without)")
-        if self.persistent and (causal or not (self.producer and self.overlap) or self.bn < self.block_rows):
-            raise ValueError(f"persistent takes no causal mask (causal={causal}), a producer and the overlap, and "
-                             f"key tiles at least as tall as the block's rows (bn={self.bn}, rows {self.block_rows})")
+        if self.persistent and not (self.producer and self.overlap):
+            raise ValueError(f"persistent takes a producer and the overlap (producer={self.producer}, "
+                             f"overlap={self.overlap})")
         smem = self.smem(d)
+        if smem > SM90_MAX_SMEM:
+            raise ValueError(f"this config takes {smem} bytes of shared memory at head dim {d} (bn={self.bn}, "
+                             f"stages={self.stages}{', O in a buffer of its own' if self.own_o_buffer else ''}); "
+                             f"a block on sm_90 may have {SM90_MAX_SMEM}")
         return Instance(SM90_SOURCE, f"attention_fwd_sm90<{_ctype(dtype)}, {d}, {self.bn}, {self.stages}, "
                         f"{self.warpgroups}, {_b(causal)}, {_b(self.producer)}, {_b(self.pingpong)}, "
                         f"{_b(self.overlap)}, {_b(self.persistent)}, {smem}>", self.threads, smem, "sm_90a")
@@ -205,7 +220,7 @@ class Configs:
     # fastest on an H200 (tools/tune_attention.py; docs/notes-attention.md, the Hopper path).
     fwd_sm90: tuple[tuple[int, Sm90FwdConfig], ...] = (
         (64, Sm90FwdConfig(64, 2)),
-        (128, Sm90FwdConfig(128, 3, producer=True, pingpong=True, overlap=True)),
+        (128, Sm90FwdConfig(128, 3, producer=True, pingpong=True, overlap=True, persistent=True)),
         (256, Sm90FwdConfig(64, 2, producer=True, pingpong=True)))
     # ... and where the forward without a causal mask measured faster with another config (d64:
     # three warpgroups of 64 rows, 128-key tiles, the overlap: 466 against 441 TFLOP/s; d128: the
@@ -446,11 +461,18 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs) -
             os_ = _like(qa, q_copied)
             m_tiles = -(-sq // cfg.block_rows)
             grid = (min(m_tiles * batch * h, _kernels.sm_count(device)), 1) if cfg.persistent else (m_tiles, batch * h)
+            # (causal persistent: work tiles from a counter that starts at zero every call; sections
+            # of (batch, head) pairs whose K and V fill 32 MB of L2)
+            counter = b.alloc((1,), "int32") if cfg.persistent and causal else None
+            if counter is not None:
+                b.fill(0.0, counter)
+            swizzle = max(1, (32 << 20) // (sk * d * 4)) if causal else 1
             b.launch(k, grid, q_map=MapSlot(0, (1, cfg.block_rows, 1, 64)),
                      k_map=MapSlot(1, (1, cfg.bn, 1, 64)), v_map=MapSlot(2, (1, cfg.bn, 1, 64)),
                      o_map=MapSlot(out.index, (1, 64, 1, 64)) if cfg.persistent else bytes(128), out=out, lse=lse,
                      **{f"o_{n}": s for n, s in _strides3(os_).items()},
-                     H=h, Hkv=hkv, Sq=sq, Sk=sk, scale_log2=scale * LOG2E, tiles=m_tiles * batch * h)
+                     H=h, Hkv=hkv, Sq=sq, Sk=sk, scale_log2=scale * LOG2E, tiles=m_tiles * batch * h,
+                     tile_counter=counter, swizzle=swizzle)
         else:
             cfg = configs.get("fwd", d)
             k = _kernels.kernel(cfg.instance(qa.dtype, d, causal), device)
