@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(256) attention_bwd_dot(
             dsum[bh * Sq + i] = acc;
             if (rows) {
                 float* at = rows + (bh * ((Sq + tile - 1) / tile) + i / tile) * 2 * tile + i % tile;
-                at[0] = lse[bh * Sq + i] * 1.4426950408889634f;
+                at[0] = lse[bh * Sq + i] * LOG2E;
                 at[tile] = acc;
             }
         }
@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int qi = ws_m + mt * 16 + g + r * 8;   // query within the tile
-                const float l2 = lrow[qi] * 1.4426950408889634f, dsm = drow[qi];
+                const float l2 = lrow[qi] * LOG2E, dsm = drow[qi];
 #pragma unroll
                 for (int j = 0; j < SK / 8; ++j) {
                     float pv[2];
@@ -470,7 +470,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dq(
     for (int r = 0; r < 2; ++r) {
         const int row = m0 + warp * 16 + g + r * 8;
         const long long idx = (static_cast<long long>(b) * H + h) * Sq + row;
-        lrow[r] = row < Sq ? lse[idx] * 1.4426950408889634f : 0.f;
+        lrow[r] = row < Sq ? lse[idx] * LOG2E : 0.f;
         drow[r] = row < Sq ? dsum[idx] : 0.f;
     }
 

@@ -35,7 +35,6 @@
 namespace cuk {
 namespace cross_entropy {
 
-constexpr float LOG2E = 1.4426950408889634f;
 constexpr long long FAULT_TARGET = 2;   // the fault record's kind (cukern/_faults.py)
 
 // The online-softmax state of a set of logits: m = the largest (in natural units), l = the sum of

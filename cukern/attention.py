@@ -560,7 +560,8 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
     hopper = (configs.use_sm90_bwd and d in dict(configs.bwd_sm90) and _kernels.compute_capability(device) == (9, 0)
               and all(i in copied or _tma_readable(a) for i, a in enumerate(arrays[:4])))
     # The Hopper kernel loads lse * log2(e) and Dsum by TMA, a query tile's [2][rows] at once.
-    tile = configs.get("bwd_sm90", d).block_rows if hopper else 0
+    cfg_sm90 = configs.get("bwd_sm90", d) if hopper else None
+    tile = cfg_sm90.block_rows if hopper else 0
     rows = b.alloc((batch, h, -(-sq // tile), 2, tile), "float32") if hopper else None
     threads = configs.dot_threads
     k = _kernels.kernel(configs.dot(qa.dtype, d), device)
@@ -570,7 +571,7 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
     if hopper:
         # dK, dV (and dQ's float32 partial sums, by TMA reduce-add) by TMA and wgmma; dQ's
         # conversion or pass as below. (deterministic: no dQ here, the dq_map is unused)
-        cfg = configs.get("bwd_sm90", d)
+        cfg = cfg_sm90
         k = _kernels.kernel(cfg.instance(qa.dtype, d, causal, deterministic), device)
         qbox, kbox = (1, cfg.block_rows, 1, 64), (1, cfg.block_keys, 1, 64)
         dq_map = bytes(128) if deterministic else MapSlot(dq_accum.index, (1, 16, 1, 32))

@@ -13,6 +13,9 @@ namespace cuk {
 // -inf (the identity of max) without <cuda/std/limits>: no include paths under NVRTC.
 __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
 
+// log2(e): natural-log values (lse, logits) into the log2 domain that fast_exp2 works in.
+constexpr float LOG2E = 1.4426950408889634f;
+
 // 2^x with the hardware approximation (2 ulp; ex2.approx(-inf) = +0), as FlashAttention's
 // exp2f under fast math. The softmax state below and the attention kernels use it.
 __device__ __forceinline__ float fast_exp2(float x) {
