@@ -30,25 +30,27 @@
 //             for releases there, not in warpgroup 0's path); 384 threads, the producer down to
 //             24 registers and the consumers up to 240 (setmaxnreg; PERSISTENT: 40 and 224, or 32 and
 //             160 with three consumers, as its producer decodes work tiles).
+//   BLOCKS    2: two blocks an SM (with a producer and two consumers; 24 and 104 registers), so
+//             that one block's softmax and waits are filled by the other's products.
 //   PINGPONG  the warpgroups take turns issuing S = Q K^T (FlashAttention-3's scheduler barriers).
 //   OVERLAP   S of tile j is issued with P V of tile j - 1, and tile j's softmax runs between
 //             their waits (a buffer is released a tile later: STAGES = 3, or PRODUCER).
 //   PERSISTENT one block an SM walks the work tiles (`tiles` of them). Without a mask, round
 //             robin, the row tile fastest (every tile costs the same); causal, handed out by an
-//             atomic counter (`tile_counter`, zero at launch), the longest first within sections of
-//             `swizzle` (batch, head) pairs whose K and V share L2. The K/V ring runs on across
+//             atomic counter (`tile_counter`, zero at launch), in the order of `enter` (the longest
+//             first within L2 sections, as blocks one a tile are). The K/V ring runs on across
 //             tiles; the next tile's Q is loaded once every warpgroup's last S is done
 //             (bar_q_free), and O is staged in the last key tile's K buffer instead of Q's and
 //             written by a TMA store (o_map; unused otherwise), the buffer released once it is
 //             read, after the next work tile's first S is issued. Where a K tile is shorter than
 //             the block's rows, O has a buffer of its own instead (OWN_O).
-template <typename T, int D, int BN, int STAGES, int CONSUMERS, bool CAUSAL, bool PRODUCER, bool PINGPONG, bool OVERLAP, bool PERSISTENT, int SMEM>
-__global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention_fwd_sm90(
+template <typename T, int D, int BN, int STAGES, int CONSUMERS, bool CAUSAL, bool PRODUCER, bool PINGPONG, bool OVERLAP, bool PERSISTENT, int BLOCKS, int SMEM>
+__global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) attention_fwd_sm90(
     const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
     const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap o_map, T* __restrict__ out,
     float* __restrict__ lse,
     long long o_sb, long long o_ss, long long o_sh, int H, int Hkv, int Sq, int Sk, float scale_log2, int tiles,
-    int* __restrict__ tile_counter, int swizzle)
+    int* __restrict__ tile_counter, int section_pairs)
 {
     constexpr int BM = 64 * CONSUMERS, DB = D / 64;         // query rows a block; 64-column boxes
     constexpr int THREADS = CONSUMERS * 128;                // the computing threads
@@ -62,6 +64,10 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
     static_assert(STAGES >= 2 && STAGES <= 4, "STAGES");
     static_assert((CONSUMERS == 2 || CONSUMERS == 3) && (!PINGPONG || CONSUMERS == 2), "CONSUMERS");
     static_assert(!PERSISTENT || (PRODUCER && OVERLAP), "PERSISTENT: a producer and the overlap");
+    static_assert(BLOCKS == 1 || (BLOCKS == 2 && PRODUCER && CONSUMERS == 2 && !PERSISTENT), "BLOCKS");
+    // The consumers' registers (setmaxnreg): what the producer's give-back allows. Two blocks an SM
+    // launch at 80 a thread; the producer's 24 let the consumers have 104.
+    constexpr int CONSUMER_REGS = BLOCKS == 2 ? 104 : CONSUMERS == 3 ? 160 : PERSISTENT ? 224 : 240;
     // Causal work tiles cost different amounts: handed out by an atomic counter, longest first.
     constexpr bool DYNAMIC = PERSISTENT && CAUSAL;
 #if CUK_SM90A
@@ -80,26 +86,27 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
     const int g = lane / 4, t = lane % 4;
     CUK_STAMP(0);
     const int diag = Sk - Sq, m_tiles = (Sq + BM - 1) / BM;
-    // A work tile's (query tile, batch, head) and its count of key tiles. Causal blocks have
-    // different amounts of work: the longest (last) are started first.
+    // A work tile's (query tile, batch, head) and its count of key tiles. Tiles are numbered
+    // (PERSISTENT: walked by each block; otherwise one a block, blockIdx.y major) without a mask
+    // the query tile fastest; causal in sections of `section_pairs` (batch, head) pairs whose K
+    // and V fit L2, the last (longest) query tile first within a section, then the pair: blocks
+    // have different amounts of work and the longest start first.
     int m_block, b, h, hk, m0, n_blocks;
-    // PERSISTENT: tiles numbered in sections of `swizzle` (batch, head) pairs (whose K and V fit
-    // L2), query tile major within a section (causal: the last query tile first), then the pair.
     const int pairs_total = tiles / m_tiles;
     auto enter = [&](int tile) {
         int bh;
-        if (PERSISTENT && !CAUSAL) {   // (swizzle 1: the query tile fastest)
+        if (!CAUSAL && !PERSISTENT) {   // (the same numbering, from the grid's axes)
+            m_block = blockIdx.x;
+            bh = blockIdx.y;
+        } else if (!CAUSAL) {
             m_block = tile % m_tiles;
             bh = tile / m_tiles;
-        } else if (PERSISTENT) {
-            const int per_section = m_tiles * swizzle, section = tile / per_section;
-            const int r = tile - section * per_section, pairs = min(swizzle, pairs_total - section * swizzle);
-            const int mi = r / pairs;
-            bh = section * swizzle + (r - mi * pairs);
-            m_block = CAUSAL ? m_tiles - 1 - mi : mi;
         } else {
-            m_block = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-            bh = blockIdx.y;
+            const int per_section = m_tiles * section_pairs, section = tile / per_section;
+            const int r = tile - section * per_section, pairs = min(section_pairs, pairs_total - section * section_pairs);
+            const int mi = r / pairs;
+            bh = section * section_pairs + (r - mi * pairs);
+            m_block = m_tiles - 1 - mi;
         }
         b = bh / H, h = bh % H, hk = h / (H / Hkv), m0 = m_block * BM;
         n_blocks = (Sk + BN - 1) / BN;
@@ -108,7 +115,8 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
             n_blocks = last_key < 0 ? 0 : min(n_blocks, last_key / BN + 1);
         }
     };
-    const int first_tile = PERSISTENT ? blockIdx.x : 0, tile_step = PERSISTENT ? gridDim.x : 1;
+    const int first_tile = PERSISTENT ? blockIdx.x : blockIdx.y * gridDim.x + blockIdx.x;
+    const int tile_step = PERSISTENT ? gridDim.x : 1;   // (one tile a block: the loop runs once)
     enter(first_tile);
 
     if (threadIdx.x == 0) {
@@ -165,16 +173,16 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
             }
             return;
         }
-        setmaxnreg_inc<CONSUMERS == 3 ? 160 : PERSISTENT ? 224 : 240>();
+        setmaxnreg_inc<CONSUMER_REGS>();
     } else {
         if (threadIdx.x == (PRODUCER ? THREADS : 0)) load_q();
-        if (!ring_loads<PRODUCER, STAGES, CONSUMERS>(n_blocks, bar_free, load_kv)) return;   // (the producer is done)
+        if (!ring_loads<PRODUCER, STAGES, CONSUMERS, CONSUMER_REGS>(n_blocks, bar_free, load_kv)) return;   // (the producer is done)
     }
     const unsigned long long q_desc = wgmma_desc_sw128(q_s + wg * 64 * 128);   // this warpgroup's 64 rows of Q
     int it0 = 0;   // the ring position of the current work tile's first key tile
     int staged = -1;   // PERSISTENT: the buffer that the last work tile's O is stored from, if any
     const bool o_storer = threadIdx.x % 128 == 0;
-    for (int tile = first_tile, k = 0; DYNAMIC || tile < (PERSISTENT ? tiles : 1); tile += tile_step, ++k) {
+    for (int tile = first_tile, k = 0; DYNAMIC || (PERSISTENT ? tile < tiles : k == 0); tile += tile_step, ++k) {
     mbarrier_wait(&bar_q, k & 1);
     if (DYNAMIC) {
         tile = tile_of[k & 1];
@@ -269,10 +277,29 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, 1) attention
     // (Tiles 0 .. STAGES - 2 were issued by ring_loads; without PRODUCER thread 0 adds the last.)
     if (!PRODUCER && threadIdx.x == 0 && STAGES - 1 < n_blocks) load_kv(STAGES - 1);
     if constexpr (!OVERLAP) {
+        // Causal: the key tiles this warpgroup's rows see (the block's last tiles may be past
+        // the diagonal of its upper rows where BN < BM).
+        int n_mine = n_blocks;
+        if (CAUSAL) {
+            const int last_key = min(Sk - 1, m0 + wg * 64 + 63 + diag);
+            n_mine = last_key < 0 ? 0 : min(n_blocks, last_key / BN + 1);
+        }
         for (int nb = 0; nb < n_blocks; ++nb) {
             // No block barrier: the two warpgroups drift apart by up to a tile, so that one's
             // softmax can run beside the other's products.
             if (nb > 0) refill(nb - 1);
+            if (CAUSAL && nb >= n_mine) {
+                // Nothing to compute: the turn is taken (PINGPONG) and the buffer released once
+                // its tile landed (its previous tile's release, which the load waited on, done).
+                const int buf = (it0 + nb) % STAGES;
+                mbarrier_wait(&bar_kv[buf], ((it0 + nb) / STAGES) & 1);
+                if (PINGPONG) {
+                    named_barrier_sync(1 + wg, 256);
+                    named_barrier_arrive(2 - wg, 256);
+                }
+                mbarrier_arrive(&bar_free[nb % STAGES]);
+                continue;
+            }
             float s[BN / 2], alpha[2];
             issue_s(nb, s);
             wgmma_wait<0>();

@@ -79,6 +79,7 @@ class FwdConfig:
 
 
 SM90_MAX_SMEM = 227 * 1024   # (a block's opt-in shared memory on H100 and H200)
+SM90_SMEM_PER_SM = 228 * 1024   # (an SM's, of which each block also takes 1 KB)
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,9 @@ class Sm90FwdConfig:
     intra-warpgroup overlap); ``persistent``, one block an SM walks the work tiles (with a
     producer and the overlap; causal tiles, which cost different amounts, are handed out by an
     atomic counter, the longest first; O staged in the last K tile, or in a buffer of its own
-    where that is shorter than the block's rows)."""
+    where that is shorter than the block's rows); ``blocks_per_sm`` 2, two blocks share an SM
+    (with a producer and two consumer warpgroups: launch bounds for two blocks, the consumers up
+    to 104 registers), so that one block's softmax and loads fill the other's gaps."""
     bn: int
     stages: int = 2
     producer: bool = False
@@ -99,6 +102,7 @@ class Sm90FwdConfig:
     overlap: bool = False
     warpgroups: int = 2
     persistent: bool = False
+    blocks_per_sm: int = 1
 
     @property
     def block_rows(self) -> int:
@@ -127,14 +131,23 @@ class Sm90FwdConfig:
         if self.persistent and not (self.producer and self.overlap):
             raise ValueError(f"persistent takes a producer and the overlap (producer={self.producer}, "
                              f"overlap={self.overlap})")
+        if self.blocks_per_sm not in (1, 2) or (self.blocks_per_sm == 2 and not (
+                self.producer and self.warpgroups == 2 and not self.persistent)):
+            raise ValueError(f"blocks_per_sm={self.blocks_per_sm}: 1, or 2 with a producer, two warpgroups and "
+                             f"not persistent (producer={self.producer}, warpgroups={self.warpgroups}, "
+                             f"persistent={self.persistent})")
         smem = self.smem(d)
+        if self.blocks_per_sm > 1 and self.blocks_per_sm * (smem + 1024) > SM90_SMEM_PER_SM:
+            raise ValueError(f"this config takes {smem} bytes of shared memory at head dim {d}; "
+                             f"{self.blocks_per_sm} blocks of it do not fit an SM's {SM90_SMEM_PER_SM}")
         if smem > SM90_MAX_SMEM:
             raise ValueError(f"this config takes {smem} bytes of shared memory at head dim {d} (bn={self.bn}, "
                              f"stages={self.stages}{', O in a buffer of its own' if self.own_o_buffer else ''}); "
                              f"a block on sm_90 may have {SM90_MAX_SMEM}")
         return Instance(SM90_SOURCE, f"attention_fwd_sm90<{_ctype(dtype)}, {d}, {self.bn}, {self.stages}, "
                         f"{self.warpgroups}, {_b(causal)}, {_b(self.producer)}, {_b(self.pingpong)}, "
-                        f"{_b(self.overlap)}, {_b(self.persistent)}, {smem}>", self.threads, smem, "sm_90a")
+                        f"{_b(self.overlap)}, {_b(self.persistent)}, {self.blocks_per_sm}, {smem}>",
+                        self.threads, smem, "sm_90a")
 
 
 @dataclass(frozen=True)
@@ -217,9 +230,11 @@ class Configs:
     dq: tuple[tuple[int, DqConfig], ...]
     dot_threads: int = 256
     # The forward on sm_90 (H100, H200) by TMA and wgmma, by head dim: key tiles as measured
-    # fastest on an H200 (tools/tune_attention.py; docs/notes-attention.md, the Hopper path).
+    # fastest on an H200 (tools/tune_attention.py; docs/notes-attention.md, the Hopper path);
+    # d64 (causal): two blocks an SM, 394-405 TFLOP/s against 363-374 for one block of (64, 2)
+    # at B16 H32 S2048 on an H100.
     fwd_sm90: tuple[tuple[int, Sm90FwdConfig], ...] = (
-        (64, Sm90FwdConfig(64, 2)),
+        (64, Sm90FwdConfig(64, 3, producer=True, pingpong=True, blocks_per_sm=2)),
         (128, Sm90FwdConfig(128, 3, producer=True, pingpong=True, overlap=True, persistent=True)),
         (256, Sm90FwdConfig(64, 2, producer=True, pingpong=True)))
     # ... and where the forward without a causal mask measured faster with another config (d64:
@@ -228,7 +243,14 @@ class Configs:
     fwd_sm90_full: tuple[tuple[int, Sm90FwdConfig], ...] = (
         (64, Sm90FwdConfig(128, 3, producer=True, overlap=True, warpgroups=3)),
         (128, Sm90FwdConfig(128, 3, producer=True, overlap=True, persistent=True)))
+    # ... and the head dims whose causal forward takes fwd_sm90_full's config from this many keys
+    # on (d64: three warpgroups of rows, 128-key tiles; 469-470 against 426-452 TFLOP/s at 8192
+    # keys, and at 6144 either way, 411-429 against 409-427, on an H100).
+    fwd_sm90_long: tuple[tuple[int, int], ...] = ((64, 8192),)
     use_sm90: bool = True
+    # Causal Hopper forward tiles run the longest first within sections of (batch, head) pairs
+    # whose K and V (16-bit) take this much: they stay in L2 (50 MB on H100) while read.
+    l2_section_bytes: int = 32 << 20
     # The backward's dK/dV (and dQ-atomic) kernel on sm_90 by TMA and wgmma, by head dim: query
     # tiles as measured fastest on an H200 (d64: 128 rows 288 TFLOP/s against 64 rows 235).
     bwd_sm90: tuple[tuple[int, Sm90BwdConfig], ...] = ((64, Sm90BwdConfig(128, producer=True)),
@@ -246,9 +268,11 @@ class Configs:
     def get(self, which: str, d: int):
         return dict(getattr(self, which))[d]
 
-    def sm90_forward(self, d: int, causal: bool) -> Sm90FwdConfig:
-        """The Hopper forward's config for head dim ``d`` (``fwd_sm90_full`` first when not causal)."""
-        return (not causal and dict(self.fwd_sm90_full).get(d)) or self.get("fwd_sm90", d)
+    def sm90_forward(self, d: int, causal: bool, sk: int = 0) -> Sm90FwdConfig:
+        """The Hopper forward's config for head dim ``d`` and ``sk`` keys (``fwd_sm90_full``
+        first when not causal, or causal from ``fwd_sm90_long``'s length on)."""
+        full = not causal or sk >= dict(self.fwd_sm90_long).get(d, sk + 1)
+        return (full and dict(self.fwd_sm90_full).get(d)) or self.get("fwd_sm90", d)
 
     def replace(self, which: str, d: int, config) -> "Configs":
         """A new Configs with ``config`` for head dim ``d`` in table ``which`` (the tuning
@@ -287,7 +311,8 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
     """Every kernel instance the fronts can launch, forward and backward (compile check)."""
     out = [cfg.instance(dt, d, c) for dt in DTYPES for d, cfg in configs.fwd for c in (False, True)]
     out += [cfg.instance(dt, d, c) for dt in DTYPES for d, cfg in configs.fwd_sm90 for c in (False, True)]
-    out += [cfg.instance(dt, d, False) for dt in DTYPES for d, cfg in configs.fwd_sm90_full]
+    out += [cfg.instance(dt, d, c) for dt in DTYPES for d, cfg in configs.fwd_sm90_full
+            for c in ((False, True) if d in dict(configs.fwd_sm90_long) else (False,))]
     out += [cfg.instance(dt, d, c, det) for dt in DTYPES for d, cfg in configs.bwd_sm90 for c in (False, True)
             for det in (False, True)]
     for dt in DTYPES:
@@ -456,23 +481,23 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs) -
         elif (configs.use_sm90 and d in dict(configs.fwd_sm90) and _kernels.compute_capability(device) == (9, 0)
               and all(i in {j for j, _ in b.fixes} or _tma_readable(a) for i, a in enumerate(arrays))):
             # TMA reads the inputs in place where cp.async can (16-byte rows and strides: _read)
-            cfg = configs.sm90_forward(d, causal)
+            cfg = configs.sm90_forward(d, causal, sk)
             k = _kernels.kernel(cfg.instance(qa.dtype, d, causal), device)
             os_ = _like(qa, q_copied)
             m_tiles = -(-sq // cfg.block_rows)
             grid = (min(m_tiles * batch * h, _kernels.sm_count(device)), 1) if cfg.persistent else (m_tiles, batch * h)
-            # (causal persistent: work tiles from a counter that starts at zero every call; sections
-            # of (batch, head) pairs whose K and V fill 32 MB of L2)
+            # (causal persistent: work tiles from a counter that starts at zero every call; causal
+            # tiles in sections of (batch, head) pairs whose K and V fill l2_section_bytes)
             counter = b.alloc((1,), "int32") if cfg.persistent and causal else None
             if counter is not None:
                 b.fill(0.0, counter)
-            swizzle = max(1, (32 << 20) // (sk * d * 4)) if causal else 1
+            section_pairs = max(1, configs.l2_section_bytes // (sk * d * 4)) if causal else 1
             b.launch(k, grid, q_map=MapSlot(0, (1, cfg.block_rows, 1, 64)),
                      k_map=MapSlot(1, (1, cfg.bn, 1, 64)), v_map=MapSlot(2, (1, cfg.bn, 1, 64)),
                      o_map=MapSlot(out.index, (1, 64, 1, 64)) if cfg.persistent else bytes(128), out=out, lse=lse,
                      **{f"o_{n}": s for n, s in _strides3(os_).items()},
                      H=h, Hkv=hkv, Sq=sq, Sk=sk, scale_log2=scale * LOG2E, tiles=m_tiles * batch * h,
-                     tile_counter=counter, swizzle=swizzle)
+                     tile_counter=counter, section_pairs=section_pairs)
         else:
             cfg = configs.get("fwd", d)
             k = _kernels.kernel(cfg.instance(qa.dtype, d, causal), device)

@@ -120,10 +120,10 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 // warpgroups. PRODUCER: the warpgroup after them is a producer that keeps 24 registers; its first
 // thread issues every load, each once bar_free of its buffer (one phase an item) says the item
 // before it there was released; it returns false (those threads are done) and the computing
-// threads, with the registers the producer gave back (240 for two warpgroups, 160 for three),
-// true. Otherwise thread 0 issues the first STAGES - 1 loads (the computing threads refill the
-// ring) and every thread returns true.
-template <bool PRODUCER, int STAGES, int CONSUMERS = 2, typename Load>
+// threads, with the registers the producer gave back (CONSUMER_REGS: 240 for two warpgroups,
+// 160 for three, less where two blocks share the SM), true. Otherwise thread 0 issues the first
+// STAGES - 1 loads (the computing threads refill the ring) and every thread returns true.
+template <bool PRODUCER, int STAGES, int CONSUMERS = 2, int CONSUMER_REGS = CONSUMERS == 2 ? 240 : 160, typename Load>
 __device__ __forceinline__ bool ring_loads(int count, unsigned long long* bar_free, Load load) {
     static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three computing warpgroups");
     if constexpr (PRODUCER) {
@@ -136,7 +136,7 @@ __device__ __forceinline__ bool ring_loads(int count, unsigned long long* bar_fr
                 }
             return false;
         }
-        setmaxnreg_inc<CONSUMERS == 2 ? 240 : 160>();
+        setmaxnreg_inc<CONSUMER_REGS>();
     } else if (threadIdx.x == 0) {
 #pragma unroll
         for (int i = 0; i < STAGES - 1; ++i)
