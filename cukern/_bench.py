@@ -2,8 +2,9 @@
 
 Every case times cukern against the PyTorch equivalent in one process, on torch tensors (cukern
 takes them zero-copy), with CUDA events on torch's current stream: the median of many runs
-after warm-up. Each result is also given as a ratio to a ceiling measured in the same run: the
-device's device-to-device copy bandwidth for memory-bound ops (bytes read + written), the bf16
+after warm-up, taken in blocks that alternate between the two (a clock drift falls on both).
+Each result is also given as a ratio to a ceiling measured in the same run: the device's
+device-to-device copy bandwidth for memory-bound ops (bytes read + written), the bf16
 matrix-product rate for FLOP-bound ones. Absolute times move between machines and runs; ratios
 taken in one run hold.
 
@@ -30,7 +31,8 @@ from typing import Any, Callable, Sequence
 
 from ._version import __version__
 
-__all__ = ["Case", "TorchCase", "Timing", "cases", "torch_cases", "time_cuda", "time_cuda_detail", "host_us",
+__all__ = ["Case", "TorchCase", "Timing", "cases", "torch_cases", "time_cuda", "time_cuda_detail",
+           "time_cuda_interleaved", "host_us",
            "copy_bandwidth", "matmul_rate", "run_cases", "run_case", "run_torch_cases", "summarize",
            "format_table", "format_torch_table", "unavailable_reason", "asv_results", "asv_benchmarks"]
 
@@ -323,6 +325,44 @@ def _hold_device(ms: float) -> None:
         torch.cuda._sleep(int(min(ms, 2000.0) * rate))
 
 
+def _calls(fn: Callable, sets: list | None) -> Callable[[int], object]:
+    return (lambda i: fn(sets[i % len(sets)])) if sets is not None else (lambda i: fn())
+
+
+def _warm(call: Callable[[int], object], warmup: int) -> float:
+    """The first call (it compiles and allocates), then ``warmup`` more; the host's time per call
+    of those in milliseconds."""
+    import torch
+
+    call(0)
+    torch.cuda.synchronize()
+    warmup = max(1, warmup)
+    t0 = time.perf_counter()
+    for i in range(warmup):
+        call(1 + i)
+    host_ms = (time.perf_counter() - t0) * 1e3 / warmup
+    torch.cuda.synchronize()
+    return host_ms
+
+
+def _timed(call: Callable[[int], object], first: int, reps: int, host_ms: float, hold: bool) -> list[float]:
+    """Calls ``first`` .. ``first + reps - 1``, each between two CUDA events; their times."""
+    import torch
+
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    if hold:
+        _hold_device(1.0 + 1.25 * host_ms * reps)
+    for i in range(reps):
+        starts[i].record()
+        call(first + i)
+        ends[i].record()
+        if not hold:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
 def time_cuda_detail(fn: Callable, *, warmup: int = 10, reps: int = 100,
                      input_sets: Sequence | None = None, hold: bool = True) -> Timing:
     """Time ``fn`` with a CUDA event pair around each of ``reps`` calls after ``warmup`` calls.
@@ -334,35 +374,29 @@ def time_cuda_detail(fn: Callable, *, warmup: int = 10, reps: int = 100,
     ``hold=False`` each call is timed alone after the device has drained (synchronizing
     before each), so the host time in front of its kernels shows: an isolated call.
     """
-    import torch
-
-    sets = list(input_sets) if input_sets is not None else None
-
-    def call(i):
-        return fn(sets[i % len(sets)]) if sets is not None else fn()
-
-    call(0)                      # the first call compiles and allocates
-    torch.cuda.synchronize()
-    warmup = max(1, warmup)
-    t0 = time.perf_counter()
-    for i in range(warmup):
-        call(1 + i)
-    host_ms = (time.perf_counter() - t0) * 1e3 / warmup
-    torch.cuda.synchronize()
-
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    if hold:
-        _hold_device(1.0 + 1.25 * host_ms * reps)
-    for i in range(reps):
-        starts[i].record()
-        call(1 + warmup + i)
-        ends[i].record()
-        if not hold:
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
-    samples = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    call = _calls(fn, list(input_sets) if input_sets is not None else None)
+    host_ms = _warm(call, warmup)
+    samples = _timed(call, 1 + max(1, warmup), reps, host_ms, hold)
     return Timing(statistics.median(samples), samples, host_ms)
+
+
+def time_cuda_interleaved(fns: Sequence[Callable], *, warmup: int = 10, reps: int = 100,
+                          input_sets: Sequence | None = None, rounds: int = 4) -> list[Timing]:
+    """Time several functions as ``time_cuda_detail`` does, each ``reps`` calls, but in
+    ``rounds`` blocks taken in turn (the first of a round rotating), so that a drift of the
+    device's clocks over the run (a GPU slows as it heats) falls on all of them alike, not on
+    whichever was timed last. One ``Timing`` a function, in the order given."""
+    sets = list(input_sets) if input_sets is not None else None
+    calls = [_calls(fn, sets) for fn in fns]
+    host = [_warm(call, warmup) for call in calls]
+    samples: list[list[float]] = [[] for _ in fns]
+    rounds = max(1, min(rounds, reps))
+    for r in range(rounds):
+        block = reps // rounds + (r < reps % rounds)
+        for k in range(len(fns)):
+            j = (r + k) % len(fns)
+            samples[j] += _timed(calls[j], 1 + max(1, warmup) + len(samples[j]), block, host[j], True)
+    return [Timing(statistics.median(x), x, h) for x, h in zip(samples, host)]
 
 
 def host_us(fn: Callable, *, calls: int = 100, input_sets: Sequence | None = None) -> float:
@@ -371,11 +405,7 @@ def host_us(fn: Callable, *, calls: int = 100, input_sets: Sequence | None = Non
     Python, the framework and the driver spend in front of the kernels."""
     import torch
 
-    sets = list(input_sets) if input_sets is not None else None
-
-    def call(i):
-        return fn(sets[i % len(sets)]) if sets is not None else fn()
-
+    call = _calls(fn, list(input_sets) if input_sets is not None else None)
     for i in range(3):
         call(i)
     torch.cuda.synchronize()
@@ -467,8 +497,7 @@ def run_case(case: Case, *, warmup: int = 10, reps: int = 100, copy_gbps: float 
     sets = [case.make(seed) for seed in range(nsets)]
     err = relative_error(case.cukern_fn(sets[0]), case.torch_fn(sets[0]))
     torch.cuda.synchronize()
-    tc = time_cuda_detail(case.cukern_fn, warmup=warmup, reps=reps, input_sets=sets)
-    tt = time_cuda_detail(case.torch_fn, warmup=warmup, reps=reps, input_sets=sets)
+    tc, tt = time_cuda_interleaved([case.cukern_fn, case.torch_fn], warmup=warmup, reps=reps, input_sets=sets)
     r = summarize(case, tc.median_ms, tt.median_ms, copy_gbps=copy_gbps, matmul_tflops=matmul_tflops)
     r.update(rel_err=err, agrees=bool(err <= AGREE.get(case.dtype, 2e-2)), input_sets=nsets,
              reps=reps, cukern_host_us=1e3 * tc.host_ms, torch_host_us=1e3 * tt.host_ms)
@@ -600,8 +629,8 @@ def run_torch_case(case: TorchCase, *, warmup: int = 10, reps: int = 100, copy_g
     # (None: the case calls a function of cukern.torch's own, no drop-in to count)
     routed = all(c["torch"] == 0 and c["cukern"] > 0 for c in counts.values()) if counts else None
     torch.cuda.synchronize()
-    ms = {name: time_cuda_detail(fn, warmup=warmup, reps=reps, input_sets=sets).median_ms
-          for name, fn in impls.items()}
+    timings = time_cuda_interleaved(list(impls.values()), warmup=warmup, reps=reps, input_sets=sets)
+    ms = {name: t.median_ms for name, t in zip(impls, timings)}
     isolated = {name: time_cuda_detail(impls[name], warmup=3, reps=max(5, reps // 4), input_sets=sets,
                                        hold=False).median_ms for name in ("cukern.torch", "eager")}
     host = {name: host_us(impls[name], calls=max(20, reps), input_sets=sets)

@@ -359,6 +359,32 @@ def test_time_cuda_rotates_sets_and_takes_the_median(monkeypatch):
     assert len(calls) == 1 + 2 + 5
 
 
+def test_time_cuda_interleaved_alternates_blocks_and_rotates_the_first(monkeypatch):
+    """Each function gets its warm-up and then ``reps`` timed calls in ``rounds`` blocks taken in
+    turn, the first of a round rotating; the input sets keep rotating across the blocks."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    monkeypatch.setattr(_bench, "_sleep_cycles_per_ms", 1e6)
+    log = []
+
+    def make(name, cost):
+        def fn(s):
+            log.append((name, s))
+            _FakeEvent.clock[0] += cost + {"a": 0.0, "b": 0.5}[s]
+        return fn
+
+    a, b = _bench.time_cuda_interleaved([make("x", 1.0), make("y", 4.0)], warmup=2, reps=10,
+                                        input_sets=["a", "b"], rounds=3)
+    assert log[:6] == [("x", "a"), ("x", "b"), ("x", "a"), ("y", "a"), ("y", "b"), ("y", "a")]
+    # (rounds of 4, 3 and 3 calls: x then y, y then x, x then y)
+    assert [n for n, _ in log[6:]] == ["x"] * 4 + ["y"] * 4 + ["y"] * 3 + ["x"] * 3 + ["x"] * 3 + ["y"] * 3
+    assert [s for n, s in log[6:] if n == "x"] == ["b", "a"] * 5   # (call 3 on, as one run would)
+    assert len(a.samples_ms) == len(b.samples_ms) == 10
+    assert a.median_ms == 1.25 and b.median_ms == 4.25 and a.host_ms >= 0
+
+
 def test_each_case_runs_in_order_and_an_error_is_recorded_not_raised(monkeypatch):
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(_bench, "l2_bytes", lambda device=0: 1)
