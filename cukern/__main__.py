@@ -174,7 +174,7 @@ def cmd_bench(args) -> int:
     print(f"cukern {ver['cukern']}, torch {ver['torch']} (CUDA {ver['torch_cuda']}), "
           f"cupy {ver['cupy']}, NVRTC {ver['nvrtc']}"
           + (f", liger-kernel {_bench.liger_version() or 'not installed'}" if args.torch else ""))
-    print(f"timing: median of {reps} runs after {warmup} warm-up, CUDA events"
+    print(f"timing: median of {reps} runs after {warmup} warm-up, CUDA events, a case's sides in alternating blocks"
           + (" (--quick shapes)" if args.quick else ""), flush=True)
     copy = _bench.copy_bandwidth()
     print(f"copy bandwidth: {copy:.0f} GB/s (device-to-device, bytes read + written)", flush=True)
