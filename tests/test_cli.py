@@ -337,12 +337,17 @@ class _FakeEvent:
         return other.t - self.t
 
 
-def test_time_cuda_rotates_sets_and_takes_the_median(monkeypatch):
+@pytest.fixture
+def fake_events(monkeypatch):
+    """torch.cuda's events, synchronize and sleep replaced by _FakeEvent's host-side clock."""
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
     monkeypatch.setattr(_bench, "_sleep_cycles_per_ms", 1e6)
+
+
+def test_time_cuda_rotates_sets_and_takes_the_median(fake_events):
     seen = []
 
     def fn(s):
@@ -359,14 +364,9 @@ def test_time_cuda_rotates_sets_and_takes_the_median(monkeypatch):
     assert len(calls) == 1 + 2 + 5
 
 
-def test_time_cuda_interleaved_alternates_blocks_and_rotates_the_first(monkeypatch):
+def test_time_cuda_interleaved_alternates_blocks_and_rotates_the_first(fake_events):
     """Each function gets its warm-up and then ``reps`` timed calls in ``rounds`` blocks taken in
     turn, the first of a round rotating; the input sets keep rotating across the blocks."""
-    torch = pytest.importorskip("torch")
-    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
-    monkeypatch.setattr(_bench, "_sleep_cycles_per_ms", 1e6)
     log = []
 
     def make(name, cost):
