@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _arrays, _bench, _checks, _kernels
+from . import _arrays, _attention_mask, _bench, _checks, _kernels
 from ._arrays import DeviceArray
+from ._attention_mask import Mask
 from ._family import DropIn, Family, TorchOp
 from ._kernels import Instance, MapSlot
 from ._plans import Builder, Plan, PlanCache
@@ -372,6 +373,54 @@ def _check_lse(la: DeviceArray, qa: DeviceArray) -> None:
         raise ValueError(f"lse: shape {la.shape} does not match (batch, heads, seqlen_q) = {(b, h, sq)}")
 
 
+def _check_varlen(qa, ka, va, cu_q: DeviceArray, cu_k: DeviceArray, max_seqlen_q, max_seqlen_k, head_dims,
+                  which: str) -> tuple[int, int]:
+    """Packed documents: q (total_q, H, D), k and v (total_k, Hkv, D), cu_seqlens_q/k (B + 1)
+    int32 offsets of each document's first token. The max lengths as ints."""
+    for a in (qa, ka, va):
+        if a.dtype == "float32":
+            _check_rank(a)
+        if a.ndim != 3:
+            raise ValueError(f"{a.name}: expected (total_tokens, heads, head_dim) for packed documents, "
+                             f"got shape {a.shape}")
+    if va.shape != ka.shape:
+        raise ValueError(f"v: shape {va.shape} does not match k's {ka.shape}")
+    for cu in (cu_q, cu_k):
+        if cu.dtype != "int32":
+            raise ValueError(f"{cu.name}: dtype {cu.dtype}; expected int32 offsets (flash-attn's cu_seqlens)")
+        if cu.ndim != 1 or cu.shape[0] < 2:
+            raise ValueError(f"{cu.name}: expected (batch + 1,) offsets with batch >= 1, got shape {cu.shape}")
+    if cu_k.shape != cu_q.shape:
+        raise ValueError(f"cu_seqlens_k: {cu_k.shape[0] - 1} documents, cu_seqlens_q {cu_q.shape[0] - 1}")
+    max_q, max_k = _checks.index(max_seqlen_q, "max_seqlen_q"), _checks.index(max_seqlen_k, "max_seqlen_k")
+    for name, m in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
+        if m < 0:
+            raise ValueError(f"{name}: must be >= 0, got {m}")
+    # (the dense checks, on the packed arrays seen as one batch)
+    _check_qkv(*(a.batched() for a in (qa, ka, va)), head_dims, which)
+    if (cu_q.shape[0] - 1) * qa.shape[1] > 65535:
+        raise ValueError(f"cu_seqlens_q: documents * heads = {(cu_q.shape[0] - 1) * qa.shape[1]} exceeds 65535 "
+                         "(one grid axis); split the batch")
+    return max_q, max_k
+
+
+def _check_cu_values(cu: np.ndarray, name: str, total: int, max_seqlen: int) -> None:
+    """The offsets' values (the references check them here; the kernels on the device, as a
+    fault that ``cukern.check_errors()`` raises): from 0 to the token count, none decreasing,
+    no document longer than max_seqlen."""
+    if cu[0] != 0:
+        raise ValueError(f"{name}: must start at 0, got {int(cu[0])}")
+    steps = np.diff(cu.astype(np.int64))
+    if (steps < 0).any():
+        i = int(np.argmax(steps < 0))
+        raise ValueError(f"{name}: offsets must not decrease, got {int(cu[i])} then {int(cu[i + 1])} at {i}")
+    if cu[-1] != total:
+        raise ValueError(f"{name}: the last offset {int(cu[-1])} must be the token count {total}")
+    if steps.size and steps.max() > max_seqlen:
+        i = int(np.argmax(steps))
+        raise ValueError(f"{name}: document {i} has {int(steps[i])} tokens, more than max_seqlen {max_seqlen}")
+
+
 def _scale(softmax_scale, d: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(d)
@@ -636,42 +685,63 @@ def _host_qkv(q, k, v, head_dims=None):
     return qa, ka, va
 
 
-def _ref_scores(q, k, scale, causal):
-    """(p, kh): softmax probabilities (B, H, Sq, Sk) with rows that see no key all zero, and
-    the keys repeated per query head."""
+def _ref_scores(q, k, scale, mask: Mask):
+    """(p, lse, s): softmax probabilities (B, H, Sq, Sk) with rows that see no key all zero,
+    the log-sum-exp (+inf for those rows) and the scaled scores before the softcap."""
     batch, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     kh = np.repeat(k, h // hkv, axis=2)  # (B, Sk, H, D): query head h reads kv head h // rep
     s = np.einsum("bqhd,bkhd->bhqk", q, kh) * scale
-    if causal:
-        keep = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
-        s = np.where(keep[None, None], s, -np.inf)
+    sc = _attention_mask.capped(s, mask)
+    if mask.any:
+        sc = np.where(_attention_mask.visible(mask, sq, sk)[None, None], sc, -np.inf)
     with np.errstate(invalid="ignore", divide="ignore"):
-        m = s.max(axis=-1, keepdims=True) if sk else np.full(s.shape[:-1] + (1,), -np.inf)
+        m = sc.max(axis=-1, keepdims=True) if sk else np.full(sc.shape[:-1] + (1,), -np.inf)
         m_safe = np.where(np.isfinite(m), m, 0.0)
-        p = np.exp(s - m_safe)
+        p = np.exp(sc - m_safe)
         l_ = p.sum(axis=-1, keepdims=True)
         p = np.where(l_ > 0, p / np.where(l_ > 0, l_, 1.0), 0.0)
         lse = np.where(l_[..., 0] > 0, np.log(np.where(l_[..., 0] > 0, l_[..., 0], 1.0)) + m_safe[..., 0], np.inf)
-    return p, lse
+    return p, lse, s
 
 
-def reference_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
-    """``attention`` in float64: out (B, Sq, H, D) [, lse (B, H, Sq)]; causal masking aligned
-    to the bottom right; a query that sees no key gives zeros and lse = +inf (as the kernel)."""
+def _ref_forward(qf, kf, vf, scale, mask: Mask):
+    p, lse, _ = _ref_scores(qf, kf, scale, mask)
+    vh = np.repeat(vf, qf.shape[2] // kf.shape[2], axis=2)
+    return np.einsum("bhqk,bkhd->bqhd", p, vh), lse
+
+
+def _ref_backward(dof, qf, kf, vf, scale, mask: Mask):
+    batch, sq, h, d = qf.shape
+    sk, hkv = kf.shape[1], kf.shape[2]
+    rep = h // hkv
+    p, _, s = _ref_scores(qf, kf, scale, mask)
+    kh, vh = np.repeat(kf, rep, axis=2), np.repeat(vf, rep, axis=2)
+    dvh = np.einsum("bhqk,bqhd->bkhd", p, dof)
+    dp = np.einsum("bqhd,bkhd->bhqk", dof, vh)
+    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True)) * _attention_mask.softcap_grad(s, mask)
+    dq = np.einsum("bhqk,bkhd->bqhd", ds, kh) * scale
+    dkh = np.einsum("bhqk,bqhd->bkhd", ds, qf) * scale
+    return dq, dkh.reshape(batch, sk, hkv, rep, d).sum(axis=3), dvh.reshape(batch, sk, hkv, rep, d).sum(axis=3)
+
+
+def reference_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, window=(-1, -1),
+                        softcap=0.0):
+    """``attention`` in float64: out (B, Sq, H, D) [, lse (B, H, Sq)]; the mask aligned to the
+    bottom right; a query that sees no key gives zeros and lse = +inf (as the kernel)."""
     qa, ka, va = _host_qkv(q, k, v)
+    mask = _attention_mask.mask_of(causal, window, softcap, qa.shape[1], ka.shape[1])
     qf, kf, vf = (a.obj.astype(np.float64) for a in (qa, ka, va))
-    p, lse = _ref_scores(qf, kf, _scale(softmax_scale, qa.shape[-1]), causal)
-    vh = np.repeat(vf, qa.shape[2] // ka.shape[2], axis=2)
-    out = np.einsum("bhqk,bkhd->bqhd", p, vh)
+    out, lse = _ref_forward(qf, kf, vf, _scale(softmax_scale, qa.shape[-1]), mask)
     return (out, lse) if return_lse else out
 
 
 def reference_attention_backward(dout, q, k, v, out=None, lse=None, *, causal=False, softmax_scale=None,
-                                 deterministic=False):
+                                 deterministic=False, window=(-1, -1), softcap=0.0):
     """``attention_backward`` in float64: (dq, dk, dv), dk and dv summed over the query heads
     sharing a K/V head. ``out`` and ``lse`` are recomputed (given ones are shape-checked)."""
     qa, ka, va = _host_qkv(q, k, v)
+    mask = _attention_mask.mask_of(causal, window, softcap, qa.shape[1], ka.shape[1])
     da = _arrays.as_host_array(dout, "dout")
     _check_like_q(da, qa)
     if out is not None:
@@ -679,18 +749,59 @@ def reference_attention_backward(dout, q, k, v, out=None, lse=None, *, causal=Fa
     if lse is not None:
         _check_lse(_arrays.as_host_array(lse, "lse", ("float32",)), qa)
     qf, kf, vf, dof = (a.obj.astype(np.float64) for a in (qa, ka, va, da))
-    batch, sq, h, d = qf.shape
-    sk, hkv = kf.shape[1], kf.shape[2]
-    rep = h // hkv
-    scale = _scale(softmax_scale, d)
-    p, _ = _ref_scores(qf, kf, scale, causal)
-    kh, vh = np.repeat(kf, rep, axis=2), np.repeat(vf, rep, axis=2)
-    dvh = np.einsum("bhqk,bqhd->bkhd", p, dof)
-    dp = np.einsum("bqhd,bkhd->bhqk", dof, vh)
-    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
-    dq = np.einsum("bhqk,bkhd->bqhd", ds, kh) * scale
-    dkh = np.einsum("bhqk,bqhd->bkhd", ds, qf) * scale
-    return dq, dkh.reshape(batch, sk, hkv, rep, d).sum(axis=3), dvh.reshape(batch, sk, hkv, rep, d).sum(axis=3)
+    return _ref_backward(dof, qf, kf, vf, _scale(softmax_scale, qa.shape[-1]), mask)
+
+
+def _host_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    qa, ka, va = (_arrays.as_host_array(a, n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
+    cq, ck = (_arrays.as_host_array(a, n, ("int32",)) for a, n in ((cu_seqlens_q, "cu_seqlens_q"),
+                                                                  (cu_seqlens_k, "cu_seqlens_k")))
+    max_q, max_k = _check_varlen(qa, ka, va, cq, ck, max_seqlen_q, max_seqlen_k, None, "")
+    _check_cu_values(cq.obj, "cu_seqlens_q", qa.shape[0], max_q)
+    _check_cu_values(ck.obj, "cu_seqlens_k", ka.shape[0], max_k)
+    return qa, ka, va, cq.obj, ck.obj
+
+
+def reference_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                               softmax_scale=None, return_lse=False, window=(-1, -1), softcap=0.0):
+    """``attention_varlen`` in float64: out (total_q, H, D) [, lse (H, total_q)]; each document
+    attends to its own keys only, the mask aligned to the bottom right of each document."""
+    qa, ka, va, cq, ck = _host_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    scale = _scale(softmax_scale, qa.shape[-1])
+    out = np.zeros(qa.shape)
+    lse = np.full((qa.shape[1], qa.shape[0]), np.inf)
+    for i in range(len(cq) - 1):
+        (q0, q1), (k0, k1) = cq[i:i + 2], ck[i:i + 2]
+        mask = _attention_mask.mask_of(causal, window, softcap, int(q1 - q0), int(k1 - k0))
+        qf, kf, vf = (a.obj[None, r0:r1].astype(np.float64) for a, r0, r1 in ((qa, q0, q1), (ka, k0, k1), (va, k0, k1)))
+        out[q0:q1], lse[:, q0:q1] = (x[0] for x in _ref_forward(qf, kf, vf, scale, mask))
+    return (out, lse) if return_lse else out
+
+
+def reference_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                        max_seqlen_k, *, causal=False, softmax_scale=None, deterministic=False,
+                                        window=(-1, -1), softcap=0.0):
+    """``attention_varlen_backward`` in float64: (dq, dk, dv) of the packed documents. ``out``
+    and ``lse`` are recomputed (given ones are shape-checked)."""
+    qa, ka, va, cq, ck = _host_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    da = _arrays.as_host_array(dout, "dout")
+    _checks.like(da, qa, qa.shape)
+    if out is not None:
+        _checks.like(_arrays.as_host_array(out, "out"), qa, qa.shape)
+    if lse is not None:
+        la = _arrays.as_host_array(lse, "lse", ("float32",))
+        if la.shape != (qa.shape[1], qa.shape[0]):
+            raise ValueError(f"lse: shape {la.shape} does not match (heads, total_q) = {(qa.shape[1], qa.shape[0])}")
+    scale = _scale(softmax_scale, qa.shape[-1])
+    grads = [np.zeros(qa.shape), np.zeros(ka.shape), np.zeros(ka.shape)]
+    for i in range(len(cq) - 1):
+        (q0, q1), (k0, k1) = cq[i:i + 2], ck[i:i + 2]
+        mask = _attention_mask.mask_of(causal, window, softcap, int(q1 - q0), int(k1 - k0))
+        dof, qf = (a.obj[None, q0:q1].astype(np.float64) for a in (da, qa))
+        kf, vf = (a.obj[None, k0:k1].astype(np.float64) for a in (ka, va))
+        for g, x, (r0, r1) in zip(grads, _ref_backward(dof, qf, kf, vf, scale, mask), ((q0, q1), (k0, k1), (k0, k1))):
+            g[r0:r1] = x[0]
+    return tuple(grads)
 
 
 # ---- benchmark cases ----------------------------------------------------------------------------
@@ -871,7 +982,9 @@ def _transpose12(t):
 FAMILY = Family(
     name="attention",
     api=(attention, attention_backward),
-    references={"attention": reference_attention, "attention_backward": reference_attention_backward},
+    references={"attention": reference_attention, "attention_backward": reference_attention_backward,
+                "attention_varlen": reference_attention_varlen,
+                "attention_varlen_backward": reference_attention_varlen_backward},
     instances=instances,
     bench=bench_cases,
     torch_bench=torch_bench_cases,
