@@ -44,6 +44,11 @@ class Mask:
         return self.left >= 0 or self.right > 0
 
     @property
+    def kind(self) -> int:
+        """The kernels' MASK template argument: 0 none, 1 causal, 2 a window (common/attn_mask.cuh)."""
+        return 2 if self.windowed else 1 if self.causal else 0
+
+    @property
     def any(self) -> bool:
         """Any key may be hidden from some query."""
         return self.left >= 0 or self.right >= 0

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _arrays, _attention_mask, _bench, _checks, _kernels
+from . import _arrays, _attention_mask, _bench, _checks, _faults, _kernels
 from ._arrays import DeviceArray
 from ._attention_mask import Mask
 from ._family import DropIn, Family, TorchOp
@@ -73,10 +73,12 @@ class FwdConfig:
         """Q, two K and two V tiles, and 1 KB to align the tiles."""
         return (self.block_rows + 4 * self.bn) * row_elems(d) * itemsize + 1024
 
-    def instance(self, dtype: str, d: int, causal: bool) -> Instance:
+    def instance(self, dtype: str, d: int, mask: int, softcap: bool = False) -> Instance:
+        """``mask``: Mask.kind (a bool: causal or not)."""
         smem = self.smem(d, _arrays.DTYPES[dtype][1])
         return Instance(SOURCE, f"attention_fwd<{_ctype(dtype)}, {d}, {self.warps}, {self.mt}, {self.bn}, "
-                                f"{self.bnc}, {_b(self.qreg)}, {_b(causal)}, {smem}>", 32 * self.warps, smem)
+                                f"{self.bnc}, {_b(self.qreg)}, {int(mask)}, {_b(softcap)}, {smem}>", 32 * self.warps,
+                        smem)
 
 
 SM90_MAX_SMEM = 227 * 1024   # (a block's opt-in shared memory on H100 and H200)
@@ -310,7 +312,8 @@ BWD_HEAD_DIMS = CONFIGS.bwd_head_dims
 
 def instances(configs: Configs = CONFIGS) -> list[Instance]:
     """Every kernel instance the fronts can launch, forward and backward (compile check)."""
-    out = [cfg.instance(dt, d, c) for dt in DTYPES for d, cfg in configs.fwd for c in (False, True)]
+    out = [cfg.instance(dt, d, m, cap) for dt in DTYPES for d, cfg in configs.fwd for m in (0, 1, 2)
+           for cap in (False, True)]
     out += [cfg.instance(dt, d, c) for dt in DTYPES for d, cfg in configs.fwd_sm90 for c in (False, True)]
     out += [cfg.instance(dt, d, c) for dt in DTYPES for d, cfg in configs.fwd_sm90_full
             for c in ((False, True) if d in dict(configs.fwd_sm90_long) else (False,))]
@@ -393,9 +396,11 @@ def _check_varlen(qa, ka, va, cu_q: DeviceArray, cu_k: DeviceArray, max_seqlen_q
     if cu_k.shape != cu_q.shape:
         raise ValueError(f"cu_seqlens_k: {cu_k.shape[0] - 1} documents, cu_seqlens_q {cu_q.shape[0] - 1}")
     max_q, max_k = _checks.index(max_seqlen_q, "max_seqlen_q"), _checks.index(max_seqlen_k, "max_seqlen_k")
-    for name, m in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
+    for name, m, a in (("max_seqlen_q", max_q, qa), ("max_seqlen_k", max_k, ka)):
         if m < 0:
             raise ValueError(f"{name}: must be >= 0, got {m}")
+        if m == 0 and a.shape[0] > 0:
+            raise ValueError(f"{name}: 0, but {a.name} holds {a.shape[0]} tokens")
     # (the dense checks, on the packed arrays seen as one batch)
     _check_qkv(*(a.batched() for a in (qa, ka, va)), head_dims, which)
     if (cu_q.shape[0] - 1) * qa.shape[1] > 65535:
@@ -432,7 +437,7 @@ def _scale(softmax_scale, d: int) -> float:
 def _misaligned(a: DeviceArray) -> bool:
     """cp.async moves 16-byte chunks: rows must start 16-byte aligned. Such a view is read from
     a fresh copy (a contiguous view at a misaligned address stays misaligned under contiguous())."""
-    return (a.shape[-1] > 1 and a.strides[-1] != 1) or a.ptr % 16 != 0 or any(s % 8 for s in a.strides[:3])
+    return (a.shape[-1] > 1 and a.strides[-1] != 1) or a.ptr % 16 != 0 or any(s % 8 for s in a.strides[:-1])
 
 
 def _tma_readable(a: DeviceArray) -> bool:
@@ -477,8 +482,8 @@ def _qkv(q, k, v) -> list:
             _arrays.as_device_array(v, "v", _arrays.FLOATS)]
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
-    """softmax(q k^T * softmax_scale [+ causal mask]) v, fused (FlashAttention-2 style).
+def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, window=(-1, -1), softcap=0.0):
+    """softmax(q k^T * softmax_scale [+ mask]) v, fused (FlashAttention-2 style).
 
     Args:
         q: (B, Sq, H, D) float16 or bfloat16 (CuPy array or torch CUDA tensor), unit stride
@@ -490,33 +495,48 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
         softmax_scale: positive; defaults to 1 / sqrt(D).
         return_lse: also return the log-sum-exp (B, H, Sq) float32 (natural log; +inf for a
             query that sees no key).
+        window: ``(left, right)``, flash-attn's ``window_size``: query i sees keys j with
+            i + Sk - Sq - left <= j <= i + Sk - Sq + right; -1 leaves a side unbounded
+            (causal sets right to 0). Key tiles outside a block's window are skipped.
+        softcap: c > 0 replaces each scaled score s by c * tanh(s / c) (Gemma 2); 0: none.
 
     Returns:
         ``out`` (B, Sq, H, D) of q's dtype, laid out like q (its stride order) when q is
         dense, else contiguous; with ``return_lse`` ``(out, lse)``.
     """
-    return _attention(q, k, v, causal, softmax_scale, return_lse, CONFIGS)
+    return _attention(q, k, v, causal, softmax_scale, return_lse, CONFIGS, window, softcap)
 
 
-def _attention(q, k, v, causal, softmax_scale, return_lse, configs: Configs):
+def _mask_key(window, softcap):
+    """The plan-cache key of a call's window and softcap, or None where they are not plain
+    values (the plan is then built for the call and not kept)."""
+    w = tuple(window) if isinstance(window, (tuple, list)) else window
+    plain = (w is None or (isinstance(w, tuple) and all(type(x) is int for x in w))) and type(softcap) in (float, int)
+    return (w, softcap) if plain else None
+
+
+def _attention(q, k, v, causal, softmax_scale, return_lse, configs: Configs, window=(-1, -1), softcap=0.0):
     arrays = _qkv(q, k, v)
-    plain = softmax_scale is None or type(softmax_scale) in (float, int)
-    key = (bool(causal), softmax_scale, bool(return_lse), configs, *(a.key for a in arrays))
+    mkey = _mask_key(window, softcap)
+    plain = (softmax_scale is None or type(softmax_scale) in (float, int)) and mkey is not None
+    key = (bool(causal), softmax_scale, bool(return_lse), configs, mkey, *(a.key for a in arrays))
     plan = _FWD.get(key) if plain else None
     if plan is None:
-        plan = _plan_forward(arrays, bool(causal), softmax_scale, bool(return_lse), configs)
+        plan = _plan_forward(arrays, bool(causal), softmax_scale, bool(return_lse), configs, window, softcap)
         if plain:
             _FWD.put(key, plan)
     bufs = plan(arrays)
     return (bufs[3].obj, bufs[4].obj) if return_lse else bufs[3].obj
 
 
-def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs) -> Plan:
+def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs, window=(-1, -1),
+                  softcap=0.0) -> Plan:
     qa, ka, va = arrays
     _check_qkv(qa, ka, va, configs.head_dims, "")
     batch, sq, h, d = qa.shape
     sk, hkv = ka.shape[1], ka.shape[2]
     scale = _scale(softmax_scale, d)
+    mask = _attention_mask.mask_of(causal, window, softcap, sq, sk)
     device = _arrays.same_device(qa, ka, va)
     b = Builder(arrays)
     qs, ks, vs = (_read(b, i, a) for i, a in enumerate(arrays))
@@ -527,9 +547,11 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs) -
         if sk == 0:  # no keys: zeros, lse = +inf
             b.fill(0.0, out)
             b.fill(float("inf"), lse)
-        elif (configs.use_sm90 and d in dict(configs.fwd_sm90) and _kernels.compute_capability(device) == (9, 0)
+        elif (configs.use_sm90 and d in dict(configs.fwd_sm90) and mask.kind < 2 and not mask.softcap
+              and _kernels.compute_capability(device) == (9, 0)
               and all(i in {j for j, _ in b.fixes} or _tma_readable(a) for i, a in enumerate(arrays))):
             # TMA reads the inputs in place where cp.async can (16-byte rows and strides: _read)
+            causal = mask.causal
             cfg = configs.sm90_forward(d, causal, sk)
             k = _kernels.kernel(cfg.instance(qa.dtype, d, causal), device)
             os_ = _like(qa, q_copied)
@@ -548,15 +570,107 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs) -
                      H=h, Hkv=hkv, Sq=sq, Sk=sk, scale_log2=scale * LOG2E, tiles=m_tiles * batch * h,
                      tile_counter=counter, section_pairs=section_pairs)
         else:
-            cfg = configs.get("fwd", d)
-            k = _kernels.kernel(cfg.instance(qa.dtype, d, causal), device)
-            os_ = _like(qa, q_copied)
-            b.launch(k, (-(-sq // cfg.block_rows), batch * h), q=b.slot(0), k=b.slot(1), v=b.slot(2), out=out,
-                     lse=lse, **{f"q_{n}": s for n, s in _strides3(qs).items()},
-                     **{f"k_{n}": s for n, s in _strides3(ks).items()},
-                     **{f"v_{n}": s for n, s in _strides3(vs).items()},
-                     **{f"o_{n}": s for n, s in _strides3(os_).items()},
-                     H=h, Hkv=hkv, Sq=sq, Sk=sk, scale_log2=scale * LOG2E)
+            _launch_forward_sm80(b, configs, qa, (qs, ks, vs), _like(qa, q_copied), out, lse, mask, scale,
+                                 grid_rows=sq, batches=batch, sq=sq, sk=sk, hkv=hkv, device=device)
+    return b.plan(device)
+
+
+def _launch_forward_sm80(b: Builder, configs: Configs, qa: DeviceArray, strides, os_, out, lse, mask: Mask,
+                         scale: float, *, grid_rows: int, batches: int, sq: int, sk: int, hkv: int, device: int,
+                         varlen: tuple | None = None) -> None:
+    """attention_fwd over ``batches`` (batch, head) groups of ``grid_rows`` query rows (packed:
+    ``varlen`` = (cu_q slot, cu_k slot, max_q, max_k), and sq, sk the token totals)."""
+    d, h = qa.shape[-1], qa.shape[-2]
+    cfg = configs.get("fwd", d)
+    k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, bool(mask.softcap)), device)
+    cap_in, cap_out = _attention_mask.softcap_log2(mask, scale)
+    cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
+    fault = _arrays.wrap(_faults.record(device), "fault record") if varlen is not None else None
+    b.launch(k, (-(-grid_rows // cfg.block_rows), batches * h), q=b.slot(0), k=b.slot(1), v=b.slot(2), out=out,
+             lse=lse, **{f"{x}_{n}": s for x, st in zip("qkvo", (*strides, os_)) for n, s in _strides3(st).items()},
+             H=h, Hkv=hkv, Sq=sq, Sk=sk, scale_log2=scale * LOG2E, win_left=mask.left, win_right=mask.right,
+             cap_in=cap_in, cap_out=cap_out, cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k, fault=fault)
+
+
+# ---- packed documents (varlen) ----------------------------------------------------------------
+
+_FWD_VARLEN = PlanCache()
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                     softmax_scale=None, return_lse=False, window=(-1, -1), softcap=0.0):
+    """``attention`` over documents packed into one sequence with no padding (flash-attn's
+    ``flash_attn_varlen_func``): each document attends to its own tokens only.
+
+    Args:
+        q: (total_q, H, D) float16 or bfloat16, the documents' queries one after another.
+        k, v: (total_k, Hkv, D) of q's dtype.
+        cu_seqlens_q, cu_seqlens_k: (B + 1,) int32 offsets of each document's first token,
+            from 0 to total_q (total_k), none decreasing (a document may be empty).
+        max_seqlen_q, max_seqlen_k: ints at least the longest document's length (the grid
+            covers that many rows).
+        causal, softmax_scale, window, softcap: as for ``attention``, each document's mask
+            aligned to its own bottom right.
+        return_lse: also return the log-sum-exp (H, total_q) float32.
+
+    Offsets are read on the device: bad ones (decreasing, not from 0 to the total, a document
+    longer than its max_seqlen) leave that document's rows unwritten and are reported by
+    ``cukern.check_errors()``, as an out-of-range embedding index is.
+
+    Returns:
+        ``out`` (total_q, H, D) of q's dtype; with ``return_lse`` ``(out, lse)``.
+    """
+    return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                             return_lse, window, softcap, CONFIGS)
+
+
+def _varlen_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k) -> list:
+    return [*_qkv(q, k, v), _arrays.as_device_array(cu_seqlens_q, "cu_seqlens_q", ("int32",)),
+            _arrays.as_device_array(cu_seqlens_k, "cu_seqlens_k", ("int32",))]
+
+
+def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                      return_lse, window, softcap, configs: Configs):
+    arrays = _varlen_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    mkey = _mask_key(window, softcap)
+    plain = ((softmax_scale is None or type(softmax_scale) in (float, int)) and mkey is not None
+             and type(max_seqlen_q) is int and type(max_seqlen_k) is int)
+    key = (bool(causal), softmax_scale, bool(return_lse), configs, mkey, max_seqlen_q, max_seqlen_k,
+           *(a.key for a in arrays))
+    plan = _FWD_VARLEN.get(key) if plain else None
+    if plan is None:
+        plan = _plan_forward_varlen(arrays, max_seqlen_q, max_seqlen_k, bool(causal), softmax_scale,
+                                    bool(return_lse), window, softcap, configs)
+        if plain:
+            _FWD_VARLEN.put(key, plan)
+    bufs = plan(arrays)
+    return (bufs[5].obj, bufs[6].obj) if return_lse else bufs[5].obj
+
+
+def _plan_forward_varlen(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_scale, return_lse, window, softcap,
+                         configs: Configs) -> Plan:
+    qa, ka, va, cq, ck = arrays
+    max_q, max_k = _check_varlen(qa, ka, va, cq, ck, max_seqlen_q, max_seqlen_k, configs.head_dims, "")
+    total_q, h, d = qa.shape
+    total_k, hkv = ka.shape[0], ka.shape[1]
+    docs = cq.shape[0] - 1
+    scale = _scale(softmax_scale, d)
+    # (the window's sides normalized against the longest documents: exact for every shorter one)
+    mask = _attention_mask.mask_of(causal, window, softcap, max_q, max_k)
+    device = _arrays.same_device(*arrays)
+    b = Builder(arrays)
+    qs, ks, vs = ((0, *_read(b, i, a)) for i, a in enumerate(arrays[:3]))   # (no batch stride)
+    for i in (3, 4):
+        if not _arrays.is_contiguous(arrays[i]):
+            b.fix(i, DeviceArray.contiguous)
+    q_copied = any(i == 0 for i, _ in b.fixes)
+    out = b.alloc(qa.shape, qa.dtype, "contiguous" if q_copied else "like", 0)
+    lse = b.alloc((h, total_q), "float32") if return_lse else None
+    if total_q * h and max_q:
+        os_ = (0, *_like(qa, q_copied))
+        _launch_forward_sm80(b, configs, qa, (qs, ks, vs), os_, out, lse, mask, scale, grid_rows=max_q,
+                             batches=docs, sq=total_q, sk=total_k, hkv=hkv, device=device,
+                             varlen=(b.slot(3), b.slot(4), max_q, max_k))
     return b.plan(device)
 
 
@@ -981,7 +1095,7 @@ def _transpose12(t):
 
 FAMILY = Family(
     name="attention",
-    api=(attention, attention_backward),
+    api=(attention, attention_backward, attention_varlen),
     references={"attention": reference_attention, "attention_backward": reference_attention_backward,
                 "attention_varlen": reference_attention_varlen,
                 "attention_varlen_backward": reference_attention_varlen_backward},

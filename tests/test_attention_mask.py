@@ -233,3 +233,212 @@ def test_bad_packed_shapes(shapes, pattern):
     q, k, v = (rng.standard_normal(s).astype(np.float16) for s in shapes)
     with pytest.raises(ValueError, match=pattern):
         ref.attention_varlen(q, k, v, CU, CU, 6, 6)
+
+
+# ---- the kernels against the references (GPU) ---------------------------------------------------
+
+gpu = pytest.mark.gpu
+FRAMEWORKS = ["cupy", "torch"] if torch is not None else ["cupy"]
+TOL = {"float16": 4e-3, "bfloat16": 2e-2}   # (as test_attention's: P rounded to the dtype)
+
+
+def _tol(dtype: str, softcap: float) -> float:
+    """The dtype's tolerance, plus the softcap's: tanh.approx's 2^-11 relative error of a capped
+    score (at most softcap in size) moves P by about softcap * 2^-11."""
+    return TOL[dtype] + softcap * 2.0 ** -11
+
+
+def _ints_to_device(a: np.ndarray, framework: str):
+    if framework == "torch":
+        return torch.from_numpy(a).cuda()
+    import cupy
+
+    return cupy.asarray(a)
+
+
+def _check_out_lse(out, lse, e_out, e_lse, dtype, tol):
+    from arrays import assert_close, to_host
+
+    assert_close(out, e_out, dtype, "out", tol=tol, scale=0.25)
+    got = to_host(lse)
+    seen = np.isfinite(e_lse)
+    assert np.array_equal(np.isinf(got) & (got > 0), ~seen), "lse must be +inf exactly where no key is seen"
+    assert_close(got[seen], e_lse[seen], "float32", "lse", tol=1e-4 + tol / 10)
+
+
+@st.composite
+def mask_cases(draw):
+    h, hkv = draw(st.sampled_from([(1, 1), (4, 2), (4, 1), (3, 3)]))
+    sq, sk = draw(st.sampled_from([1, 17, 64, 129, 300])), draw(st.sampled_from([1, 17, 64, 100, 257, 300]))
+    side = st.sampled_from([-1, 0, 1, 17, 64, 100, 400])
+    return dict(b=draw(st.sampled_from([1, 2])), sq=sq, sk=sk, h=h, hkv=hkv,
+                d=draw(st.sampled_from([32, 64, 96, 128, 256])), dtype=draw(st.sampled_from(list(TOL))),
+                causal=draw(st.booleans()), window=(draw(side), draw(side)),
+                softcap=draw(st.sampled_from([0.0, 0.0, 1.0, 5.0, 30.0])), scale=draw(st.sampled_from([None, 0.3])),
+                framework=draw(st.sampled_from(FRAMEWORKS)), seed=draw(st.integers(0, 2**31 - 1)))
+
+
+@gpu
+@settings(max_examples=150, deadline=None)
+@given(c=mask_cases())
+def test_the_forward_with_windows_and_softcap_matches_the_reference(c):
+    """Sliding windows on either side (narrower than a tile, across tiles, wider than the
+    sequence; with causal), the softcap, GQA, rows that see no key; poisoned outputs."""
+    import cukern
+    from arrays import poison_allocator, random_host, to_device
+
+    rng = np.random.default_rng(c["seed"])
+    dt = c["dtype"]
+    q = random_host(rng, (c["b"], c["sq"], c["h"], c["d"]), dt, scale=2.0)
+    k = random_host(rng, (c["b"], c["sk"], c["hkv"], c["d"]), dt, scale=2.0)
+    v = random_host(rng, (c["b"], c["sk"], c["hkv"], c["d"]), dt)
+    poison_allocator(c["framework"], [q.nbytes, c["b"] * c["h"] * c["sq"] * 4])
+    kw = dict(causal=c["causal"], softmax_scale=c["scale"], window=c["window"], softcap=c["softcap"])
+    out, lse = cukern.attention(*(to_device(a, c["framework"]) for a in (q, k, v)), return_lse=True, **kw)
+    e_out, e_lse = ref.attention(q, k, v, return_lse=True, **kw)
+    _check_out_lse(out, lse, e_out, e_lse, dt, _tol(dt, c["softcap"]))
+
+
+@st.composite
+def varlen_cases(draw):
+    docs = draw(documents())
+    docs = [(lq * 23 % 97 if lq > 1 else lq, lk * 23 % 97 if lk > 1 else lk) for lq, lk in docs]   # (up to 96)
+    h, hkv = draw(st.sampled_from([(2, 1), (4, 4), (3, 1)]))
+    side = st.sampled_from([-1, 0, 5, 40])
+    return dict(docs=docs, h=h, hkv=hkv, d=draw(st.sampled_from([64, 128])), dtype=draw(st.sampled_from(list(TOL))),
+                causal=draw(st.booleans()), window=(draw(side), draw(side)), softcap=draw(st.sampled_from([0.0, 5.0])),
+                slack=draw(st.sampled_from([0, 0, 7])), framework=draw(st.sampled_from(FRAMEWORKS)),
+                seed=draw(st.integers(0, 2**31 - 1)))
+
+
+def _packed_inputs(c, rng):
+    from arrays import random_host
+
+    cu_q = np.concatenate([[0], np.cumsum([d[0] for d in c["docs"]])]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum([d[1] for d in c["docs"]])]).astype(np.int32)
+    q = random_host(rng, (int(cu_q[-1]), c["h"], c["d"]), c["dtype"], scale=2.0)
+    k = random_host(rng, (int(cu_k[-1]), c["hkv"], c["d"]), c["dtype"], scale=2.0)
+    v = random_host(rng, (int(cu_k[-1]), c["hkv"], c["d"]), c["dtype"])
+    # (max_seqlen may exceed the longest document: the grid covers more rows than needed)
+    max_q = max(d[0] for d in c["docs"]) + c["slack"]
+    max_k = max(d[1] for d in c["docs"]) + c["slack"]
+    return q, k, v, cu_q, cu_k, max(max_q, 1), max(max_k, 1)
+
+
+@gpu
+@settings(max_examples=120, deadline=None)
+@given(c=varlen_cases())
+def test_the_varlen_forward_matches_the_reference(c):
+    """Packed documents (empty ones and single tokens among them, q and k lengths that differ)
+    with every mask: each document attends to its own keys only; poisoned outputs."""
+    import cukern
+    from arrays import poison_allocator, to_device
+
+    rng = np.random.default_rng(c["seed"])
+    q, k, v, cu_q, cu_k, max_q, max_k = _packed_inputs(c, rng)
+    fw = c["framework"]
+    poison_allocator(fw, [q.nbytes, q.shape[0] * c["h"] * 4])
+    kw = dict(causal=c["causal"], window=c["window"], softcap=c["softcap"])
+    out, lse = cukern.attention_varlen(*(to_device(a, fw) for a in (q, k, v)), _ints_to_device(cu_q, fw),
+                                       _ints_to_device(cu_k, fw), max_q, max_k, return_lse=True, **kw)
+    e_out, e_lse = ref.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, return_lse=True, **kw)
+    assert tuple(out.shape) == q.shape and tuple(lse.shape) == (c["h"], q.shape[0])
+    if q.shape[0]:
+        _check_out_lse(out, lse, e_out, e_lse, c["dtype"], _tol(c["dtype"], c["softcap"]))
+    cukern.check_errors()   # (good offsets: no fault)
+
+
+@gpu
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("cu_q, max_q, doc", [
+    ([0, 6, 4, 10], 6, 1),    # decreasing
+    ([0, 4, 10, 12], 6, 2),   # past the tokens
+    ([0, 4, 10, 10], 5, 1),   # a document longer than max_seqlen_q
+    ([2, 4, 10, 10], 6, 0),   # not from 0
+])
+def test_bad_offsets_are_reported_by_check_errors(cu_q, max_q, doc, framework):
+    """Offsets are read on the device: a bad document is recorded (no sync, no out-of-bounds
+    access) and raised by check_errors(); the good documents are still right."""
+    import cukern
+    from arrays import assert_close, to_device
+
+    q, k, v = _packed(10, 10, 2, 1, 64)
+    cq, ck = np.array(cu_q, np.int32), np.array([0, 4, 10, 10], np.int32)
+    out = cukern.attention_varlen(*(to_device(a, framework) for a in (q, k, v)), _ints_to_device(cq, framework),
+                                  _ints_to_device(ck, framework), max_q, 6)
+    with pytest.raises(IndexError, match=f"cu_seqlens_q / cu_seqlens_k: document {doc} of 3 has offsets"):
+        cukern.check_errors()
+    cukern.check_errors()   # (cleared)
+    if cu_q[:2] == [0, 4]:   # (document 0, tokens 0-3 of q and of k, is good)
+        e = ref.attention(q[None, :4], k[None, :4], v[None, :4])[0]
+        assert_close(out[:4], e, "float16", "out", tol=TOL["float16"])
+
+
+# ---- the launch plans, no GPU (host arrays stand in for device arrays) -----------------------------
+
+def _launch(info):
+    (step,) = [s for s in info.value.plan.steps if isinstance(s, tuple) and s[0] == "launch"]
+    return step
+
+
+def test_the_forward_passes_the_window_and_softcap(host_arrays_as_device, monkeypatch):
+    """The window and the softcap pick attention_fwd's MASK / SOFTCAP instance and reach its
+    arguments (checked against the kernel's declared signature); Hopper's forward is kept for
+    masks it has (none, causal, no softcap)."""
+    import cukern
+    from cukern import _kernels
+
+    from conftest import DryRun
+
+    q, kv = np.ones((2, 200, 4, 64), np.float16), np.ones((2, 300, 2, 64), np.float16)
+    with pytest.raises(DryRun) as info:
+        cukern.attention(q, kv, kv, causal=True, window=(50, 7), softcap=5.0, softmax_scale=0.25)
+    _, inst, grid, _, args, _ = _launch(info)
+    assert inst.name.startswith("attention_fwd<cuk::half, 64, ") and ", 2, true, " in inst.name
+    assert (args["win_left"], args["win_right"]) == (50, 0) and grid == (2, 8)
+    assert args["cap_in"] == pytest.approx(0.25 / 5.0) and args["cap_out"] == pytest.approx(5.0 * np.log2(np.e))
+    assert args["cu_q"] == 0 and args["fault"] == 0   # (dense: null pointers)
+    with pytest.raises(DryRun) as info:   # (a window too wide to hide a key: no mask at all)
+        cukern.attention(q, kv, kv, window=(299, 199))
+    assert ", 0, false, " in _launch(info)[1].name
+    with pytest.raises(DryRun) as info:
+        cukern.attention(q, kv, kv, window=(-1, 0))   # (the causal mask, as a window)
+    assert ", 1, false, " in _launch(info)[1].name
+    import dataclasses
+
+    attn = importlib.import_module("cukern.attention")
+    hopper_on = dataclasses.replace(attn.CONFIGS, use_sm90=True)
+    monkeypatch.setattr(_kernels, "compute_capability", lambda device: (9, 0))
+    for kw, hopper in ((dict(causal=True), True), (dict(window=(-1, 0)), True), (dict(softcap=1.0), False),
+                       (dict(window=(8, -1)), False)):
+        with pytest.raises(DryRun) as info:
+            attn._attention(q, kv, kv, kw.get("causal", False), None, False, hopper_on, kw.get("window", (-1, -1)),
+                            kw.get("softcap", 0.0))
+        assert _launch(info)[1].name.startswith("attention_fwd_sm90<" if hopper else "attention_fwd<"), kw
+
+
+def test_the_varlen_forward_plan(host_arrays_as_device, monkeypatch):
+    """Packed documents: one launch over (max_seqlen_q row tiles, documents x heads), batch
+    strides 0, Sq / Sk the token totals, the offsets and the fault record passed; lse (H, total_q)."""
+    import cukern
+    from cukern import _faults
+
+    from conftest import DryRun
+
+    monkeypatch.setattr(_faults, "record", lambda device: np.zeros(3, np.int64))
+    q, k, v = _packed(30, 40, 4, 2, 128)
+    cu_q, cu_k = np.array([0, 10, 30], np.int32), np.array([0, 25, 40], np.int32)
+    with pytest.raises(DryRun) as info:
+        cukern.attention_varlen(q, k, v, cu_q, cu_k, 20, 25, causal=True, return_lse=True)
+    _, inst, grid, _, args, slots = _launch(info)
+    assert inst.name.startswith("attention_fwd<cuk::half, 128, ") and grid == (1, 8)
+    assert (args["Sq"], args["Sk"], args["max_q"], args["max_k"], args["H"], args["Hkv"]) == (30, 40, 20, 25, 4, 2)
+    assert args["q_sb"] == args["k_sb"] == args["o_sb"] == 0 and args["q_ss"] == 4 * 128 and args["k_ss"] == 2 * 128
+    names = list(args)
+    assert {names[i]: index for i, index, _ in slots if names[i].startswith("cu_")} == {"cu_q": 3, "cu_k": 4}
+    assert args["fault"] != 0   # (the device's fault record)
+    assert [a.shape for a in info.value.plan.allocs] == [(30, 4, 128), (4, 30)]
+    with pytest.raises(ValueError, match="max_seqlen_q: 0, but q holds 30 tokens"):
+        cukern.attention_varlen(q, k, v, cu_q, cu_k, 0, 25)
+    with pytest.raises(ValueError, match="cu_seqlens_q: dtype int64"):
+        cukern.attention_varlen(q, k, v, cu_q.astype(np.int64), cu_k, 20, 25)
