@@ -171,11 +171,12 @@ class BwdConfig:
         return ((2 * self.bn + 4 * self.bm) * row_elems(d) * itemsize + 2 * self.bm * row_elems(self.bn) * itemsize
                 + 4 * self.bm * 4 + 1024)
 
-    def instance(self, dtype: str, d: int, causal: bool, deterministic: bool) -> Instance:
+    def instance(self, dtype: str, d: int, mask: int, deterministic: bool, softcap: bool = False) -> Instance:
+        """``mask``: Mask.kind (a bool: causal or not)."""
         smem = self.smem(d, _arrays.DTYPES[dtype][1])
         return Instance(BWD_SOURCE, f"attention_bwd_dkdv<{_ctype(dtype)}, {d}, {self.bm}, {self.bn}, {self.warps}, "
-                                    f"{self.wm_s}, {self.wn_kv}, {self.wm_q}, {_b(causal)}, {_b(not deterministic)}, "
-                                    f"{smem}>", 32 * self.warps, smem)
+                                    f"{self.wm_s}, {self.wn_kv}, {self.wm_q}, {int(mask)}, {_b(softcap)}, "
+                                    f"{_b(not deterministic)}, {smem}>", 32 * self.warps, smem)
 
 
 @dataclass(frozen=True)
@@ -218,10 +219,11 @@ class DqConfig:
     def smem(self, d: int, itemsize: int) -> int:
         return (2 * 16 * self.warps + 4 * self.bn) * row_elems(d) * itemsize
 
-    def instance(self, dtype: str, d: int, causal: bool) -> Instance:
+    def instance(self, dtype: str, d: int, mask: int, softcap: bool = False) -> Instance:
+        """``mask``: Mask.kind (a bool: causal or not)."""
         smem = self.smem(d, _arrays.DTYPES[dtype][1])
-        return Instance(BWD_SOURCE, f"attention_bwd_dq<{_ctype(dtype)}, {d}, {self.warps}, {self.bn}, {_b(causal)}, "
-                                    f"{smem}>", 32 * self.warps, smem)
+        return Instance(BWD_SOURCE, f"attention_bwd_dq<{_ctype(dtype)}, {d}, {self.warps}, {self.bn}, {int(mask)}, "
+                                    f"{_b(softcap)}, {smem}>", 32 * self.warps, smem)
 
 
 @dataclass(frozen=True, eq=False)   # (hashed by identity: plans are keyed by it, on every call)
@@ -323,9 +325,10 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
         for d, cfg in configs.bwd:
             out.append(configs.dot(dt, d))
             out.append(configs.convert(dt, d))
-            for c in (False, True):
-                out += [cfg.instance(dt, d, c, det) for det in (False, True)]
-                out.append(configs.get("dq", d).instance(dt, d, c))
+            for m in (0, 1, 2):
+                for cap in (False, True):
+                    out += [cfg.instance(dt, d, m, det, cap) for det in (False, True)]
+                    out.append(configs.get("dq", d).instance(dt, d, m, cap))
     return out
 
 
@@ -679,12 +682,13 @@ def _plan_forward_varlen(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_sca
 _BWD = PlanCache()
 
 
-def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, deterministic=False):
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, deterministic=False,
+                       window=(-1, -1), softcap=0.0):
     """Gradients of ``attention``: ``(dq, dk, dv)``.
 
     Args:
         dout: (B, Sq, H, D) gradient of ``out``, q's dtype, any batch/sequence/head strides.
-        q, k, v, causal, softmax_scale: as given to the forward.
+        q, k, v, causal, softmax_scale, window, softcap: as given to the forward.
         out, lse: the forward's output and log-sum-exp (``return_lse=True``).
         deterministic: False (default, as FlashAttention): dQ is summed over key tiles with
             float32 atomics (5 matrix products a tile pair; the last bits of dq may differ run
@@ -697,37 +701,102 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         that share each K/V head — of q's dtype, each laid out like its input (q, k, v) when
         that input is dense, else contiguous.
     """
-    return _attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, CONFIGS)
+    return _attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, CONFIGS, window,
+                               softcap)
 
 
-def _attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, configs: Configs):
-    arrays = [_arrays.as_device_array(dout, "dout", _arrays.FLOATS), *_qkv(q, k, v),
-              _arrays.as_device_array(out, "out", _arrays.FLOATS), _arrays.as_device_array(lse, "lse", ("float32",))]
-    plain = softmax_scale is None or type(softmax_scale) in (float, int)
-    key = (bool(causal), softmax_scale, bool(deterministic), configs, *(a.key for a in arrays))
+def _bwd_arrays(dout, q, k, v, out, lse) -> list:
+    return [_arrays.as_device_array(dout, "dout", _arrays.FLOATS), *_qkv(q, k, v),
+            _arrays.as_device_array(out, "out", _arrays.FLOATS), _arrays.as_device_array(lse, "lse", ("float32",))]
+
+
+def _attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, configs: Configs,
+                        window=(-1, -1), softcap=0.0):
+    arrays = _bwd_arrays(dout, q, k, v, out, lse)
+    mkey = _mask_key(window, softcap)
+    plain = (softmax_scale is None or type(softmax_scale) in (float, int)) and mkey is not None
+    key = (bool(causal), softmax_scale, bool(deterministic), configs, mkey, *(a.key for a in arrays))
     plan = _BWD.get(key) if plain else None
     if plan is None:
-        plan = _plan_backward(arrays, bool(causal), softmax_scale, bool(deterministic), configs)
+        plan = _plan_backward(arrays, bool(causal), softmax_scale, bool(deterministic), configs, window, softcap)
         if plain:
             _BWD.put(key, plan)
     bufs = plan(arrays)
-    return bufs[6].obj, bufs[7].obj, bufs[8].obj
+    return bufs[len(arrays)].obj, bufs[len(arrays) + 1].obj, bufs[len(arrays) + 2].obj
 
 
-def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Configs) -> Plan:
-    da, qa, ka, va, oa, la = arrays
-    _check_qkv(qa, ka, va, configs.bwd_head_dims, " by the backward")
-    _check_like_q(da, qa)
-    _check_like_q(oa, qa)
-    _check_lse(la, qa)
-    batch, sq, h, d = qa.shape
-    sk, hkv = ka.shape[1], ka.shape[2]
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                              causal=False, softmax_scale=None, deterministic=False, window=(-1, -1), softcap=0.0):
+    """Gradients of ``attention_varlen``: ``(dq, dk, dv)`` of the packed documents.
+
+    Args:
+        dout: (total_q, H, D) gradient of ``out``.
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+            window, softcap: as given to the forward.
+        out, lse: the forward's output and log-sum-exp (H, total_q) (``return_lse=True``).
+        deterministic: as for ``attention_backward``.
+
+    Returns:
+        dq (total_q, H, D), dk and dv (total_k, Hkv, D) of q's dtype.
+    """
+    arrays = [*_bwd_arrays(dout, q, k, v, out, lse), *_varlen_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k)[3:]]
+    mkey = _mask_key(window, softcap)
+    plain = ((softmax_scale is None or type(softmax_scale) in (float, int)) and mkey is not None
+             and type(max_seqlen_q) is int and type(max_seqlen_k) is int)
+    key = (bool(causal), softmax_scale, bool(deterministic), CONFIGS, mkey, max_seqlen_q, max_seqlen_k,
+           *(a.key for a in arrays))
+    plan = _BWD_VARLEN.get(key) if plain else None
+    if plan is None:
+        plan = _plan_backward(arrays, bool(causal), softmax_scale, bool(deterministic), CONFIGS, window, softcap,
+                              (max_seqlen_q, max_seqlen_k))
+        if plain:
+            _BWD_VARLEN.put(key, plan)
+    bufs = plan(arrays)
+    return bufs[len(arrays)].obj, bufs[len(arrays) + 1].obj, bufs[len(arrays) + 2].obj
+
+
+_BWD_VARLEN = PlanCache()
+
+
+def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Configs, window=(-1, -1), softcap=0.0,
+                   varlen: tuple | None = None) -> Plan:
+    """The backward's plan; ``varlen`` = (max_seqlen_q, max_seqlen_k) for packed documents,
+    whose offsets are arrays 6 and 7 (the kernels then see one batch of all the tokens)."""
+    da, qa, ka, va, oa, la = arrays[:6]
+    if varlen is None:
+        _check_qkv(qa, ka, va, configs.bwd_head_dims, " by the backward")
+        _check_like_q(da, qa)
+        _check_like_q(oa, qa)
+        _check_lse(la, qa)
+        batch, sq, h, d = qa.shape
+        sk, hkv = ka.shape[1], ka.shape[2]
+        groups, rows_q, rows_k = batch, sq, sk
+        mask = _attention_mask.mask_of(causal, window, softcap, sq, sk)
+        strides_of = _read
+        like = _like
+    else:
+        rows_q, rows_k = _check_varlen(qa, ka, va, arrays[6], arrays[7], *varlen, configs.bwd_head_dims,
+                                       " by the backward")
+        _checks.like(da, qa, qa.shape)
+        _checks.like(oa, qa, qa.shape)
+        if la.shape != (qa.shape[1], qa.shape[0]):
+            raise ValueError(f"lse: shape {la.shape} does not match (heads, total_q) = {(qa.shape[1], qa.shape[0])}")
+        batch, (sq, h, d), (sk, hkv) = 1, qa.shape, ka.shape[:2]
+        groups = arrays[6].shape[0] - 1
+        mask = _attention_mask.mask_of(causal, window, softcap, rows_q, rows_k)
+
+        def strides_of(b, i, a):   # (packed: batch stride 0)
+            return (0, *_read(b, i, a))
+
+        def like(a, copied):
+            return (0, *_like(a, copied))
     scale = _scale(softmax_scale, d)
-    device = _arrays.same_device(qa, ka, va, da, oa, la)
+    device = _arrays.same_device(*arrays)
     b = Builder(arrays)
-    ds, qs, ks, vs, os_ = (_read(b, i, a) for i, a in enumerate(arrays[:5]))
-    if not _arrays.is_contiguous(la):
-        b.fix(5, DeviceArray.contiguous)
+    ds, qs, ks, vs, os_ = (strides_of(b, i, a) for i, a in enumerate(arrays[:5]))
+    for i in range(5, len(arrays)):
+        if not _arrays.is_contiguous(arrays[i]):
+            b.fix(i, DeviceArray.contiguous)
     copied = {i for i, _ in b.fixes}
     dq = b.alloc(qa.shape, qa.dtype, "contiguous" if 1 in copied else "like", 1)
     dk = b.alloc(ka.shape, qa.dtype, "contiguous" if 2 in copied else "like", 2)
@@ -735,17 +804,23 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
     if batch * h * sq == 0 or sk == 0:
         b.fill(0.0, dq, dk, dv)
         return b.plan(device, first=1)
-    dqs, dks, dvs = _like(qa, 1 in copied), _like(ka, 2 in copied), _like(va, 3 in copied)
+    dqs, dks, dvs = like(qa, 1 in copied), like(ka, 2 in copied), like(va, 3 in copied)
     dsum = b.alloc((batch, h, sq), "float32")
     # deterministic=False: dQ's float32 partial sums (B, Sq, H, D), zeroed by the Dsum kernel,
     # then added to by atomics (or TMA reduce-add).
     dq_accum = None if deterministic else b.alloc((batch, sq, h, d), "float32")
     tail = dict(H=h, Hkv=hkv, Sq=sq, Sk=sk, scale=scale, scale_log2=scale * LOG2E)
+    cap_in, cap_out = _attention_mask.softcap_log2(mask, scale)
+    masked = dict(win_left=mask.left, win_right=mask.right, cap_in=cap_in, cap_out=cap_out,
+                  cu_q=b.slot(6) if varlen else None, cu_k=b.slot(7) if varlen else None,
+                  max_q=rows_q if varlen else 0, max_k=rows_k if varlen else 0,
+                  fault=_arrays.wrap(_faults.record(device), "fault record") if varlen else None)
     strided = {**{f"q_{n}": s for n, s in _strides3(qs).items()}, **{f"k_{n}": s for n, s in _strides3(ks).items()},
                **{f"v_{n}": s for n, s in _strides3(vs).items()}, **{f"d_{n}": s for n, s in _strides3(ds).items()}}
     out_strides = {**{f"dk_{n}": s for n, s in _strides3(dks).items()},
                    **{f"dv_{n}": s for n, s in _strides3(dvs).items()}}
     hopper = (configs.use_sm90_bwd and d in dict(configs.bwd_sm90) and _kernels.compute_capability(device) == (9, 0)
+              and varlen is None and mask.kind < 2 and not mask.softcap
               and all(i in copied or _tma_readable(a) for i, a in enumerate(arrays[:4])))
     # The Hopper kernel loads lse * log2(e) and Dsum by TMA, a query tile's [2][rows] at once.
     cfg_sm90 = configs.get("bwd_sm90", d) if hopper else None
@@ -760,7 +835,7 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
         # dK, dV (and dQ's float32 partial sums, by TMA reduce-add) by TMA and wgmma; dQ's
         # conversion or pass as below. (deterministic: no dQ here, the dq_map is unused)
         cfg = cfg_sm90
-        k = _kernels.kernel(cfg.instance(qa.dtype, d, causal, deterministic), device)
+        k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.causal, deterministic), device)
         qbox, kbox = (1, cfg.block_rows, 1, 64), (1, cfg.block_keys, 1, 64)
         dq_map = bytes(128) if deterministic else MapSlot(dq_accum.index, (1, 16, 1, 32))
         b.launch(k, (-(-sk // cfg.block_keys), batch * hkv), q_map=MapSlot(1, qbox), k_map=MapSlot(2, kbox),
@@ -768,15 +843,16 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
                  **out_strides, **tail)
     else:
         cfg = configs.get("bwd", d)
-        k = _kernels.kernel(cfg.instance(qa.dtype, d, causal, deterministic), device)
-        b.launch(k, (-(-sk // cfg.bn), batch * hkv), q=b.slot(1), k=b.slot(2), v=b.slot(3), dout=b.slot(0),
-                 lse=b.slot(5), dsum=dsum, dk=dk, dv=dv, dq_accum=dq_accum, **strided, **out_strides, **tail)
+        k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, deterministic, bool(mask.softcap)), device)
+        b.launch(k, (-(-rows_k // cfg.bn), groups * hkv), q=b.slot(1), k=b.slot(2), v=b.slot(3), dout=b.slot(0),
+                 lse=b.slot(5), dsum=dsum, dk=dk, dv=dv, dq_accum=dq_accum, **strided, **out_strides, **tail,
+                 **masked)
     if deterministic:
         qcfg = configs.get("dq", d)
-        k = _kernels.kernel(qcfg.instance(qa.dtype, d, causal), device)
-        b.launch(k, (-(-sq // (16 * qcfg.warps)), batch * h), q=b.slot(1), k=b.slot(2), v=b.slot(3),
+        k = _kernels.kernel(qcfg.instance(qa.dtype, d, mask.kind, bool(mask.softcap)), device)
+        b.launch(k, (-(-rows_q // (16 * qcfg.warps)), groups * h), q=b.slot(1), k=b.slot(2), v=b.slot(3),
                  dout=b.slot(0), lse=b.slot(5), dsum=dsum, dq=dq, **strided,
-                 **{f"dq_{n}": s for n, s in _strides3(dqs).items()}, **tail)
+                 **{f"dq_{n}": s for n, s in _strides3(dqs).items()}, **tail, **masked)
     else:
         k = _kernels.kernel(configs.convert(qa.dtype, d), device)
         n8 = batch * sq * h * d // 8
@@ -1095,7 +1171,7 @@ def _transpose12(t):
 
 FAMILY = Family(
     name="attention",
-    api=(attention, attention_backward, attention_varlen),
+    api=(attention, attention_backward, attention_varlen, attention_varlen_backward),
     references={"attention": reference_attention, "attention_backward": reference_attention_backward,
                 "attention_varlen": reference_attention_varlen,
                 "attention_varlen_backward": reference_attention_varlen_backward},

@@ -3,6 +3,7 @@ the float64 reference and torch's scaled_dot_product_attention (GPU)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 
 import numpy as np
@@ -530,19 +531,21 @@ def test_reference_backward_matches_torch_autograd(causal):
         np.testing.assert_allclose(got, t.grad.numpy(), rtol=1e-10, atol=1e-12)
 
 
-def _gradient_scales(do, q, k, v, causal, softmax_scale):
+def _gradient_scales(do, q, k, v, causal, softmax_scale, window=(-1, -1), softcap=0.0):
     """rms of dq, dk, dv computed with every cancelling sum replaced by a sum of magnitudes:
     the scale that a float32/bf16 evaluation's rounding errors are proportional to (dS =
     P (dP - rowsum(P dP)) cancels to zero for a query that sees one key)."""
+    mask_module = importlib.import_module("cukern._attention_mask")
     q, k, v, do = (np.asarray(a, np.float64) for a in (q, k, v, do))
     B, Sq, H, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     scale = 1.0 / np.sqrt(D) if softmax_scale is None else softmax_scale
     rep = H // Hkv
     kh, vh = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
-    s = np.einsum("bqhd,bkhd->bhqk", q, kh) * scale
-    if causal:
-        s = np.where((np.arange(Sk)[None, :] <= np.arange(Sq)[:, None] + (Sk - Sq))[None, None], s, -np.inf)
+    mask = mask_module.mask_of(causal, window, softcap, Sq, Sk)
+    s = mask_module.capped(np.einsum("bqhd,bkhd->bhqk", q, kh) * scale, mask)
+    if mask.any:
+        s = np.where(mask_module.visible(mask, Sq, Sk)[None, None], s, -np.inf)
     m = np.max(s, axis=-1, keepdims=True)
     p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
     p = p / np.maximum(p.sum(axis=-1, keepdims=True), 1e-300)

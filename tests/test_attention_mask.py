@@ -442,3 +442,113 @@ def test_the_varlen_forward_plan(host_arrays_as_device, monkeypatch):
         cukern.attention_varlen(q, k, v, cu_q, cu_k, 0, 25)
     with pytest.raises(ValueError, match="cu_seqlens_q: dtype int64"):
         cukern.attention_varlen(q, k, v, cu_q.astype(np.int64), cu_k, 20, 25)
+
+
+def test_the_backward_plans(host_arrays_as_device, monkeypatch):
+    """The backward with a window and the softcap: Dsum, then attention_bwd_dkdv (MASK 2,
+    SOFTCAP) over key tiles, and dQ's conversion (or attention_bwd_dq, deterministic), each
+    packed against its kernel's signature; packed documents: the offsets and a grid over the
+    longest document; the Hopper kernels keep the masks they have."""
+    import dataclasses
+
+    import cukern
+    from cukern import _faults, _kernels
+
+    from conftest import DryRun
+
+    monkeypatch.setattr(_faults, "record", lambda device: np.zeros(3, np.int64))
+    q, kv = np.ones((2, 200, 4, 128), np.float16), np.ones((2, 300, 2, 128), np.float16)
+    lse = np.ones((2, 4, 200), np.float32)
+    with pytest.raises(DryRun) as info:
+        cukern.attention_backward(q, q, kv, kv, q, lse, causal=True, window=(30, 0), softcap=2.0)
+    launches = [s for s in info.value.plan.steps if isinstance(s, tuple) and s[0] == "launch"]
+    assert [s[1].name.split("<")[0] for s in launches] == ["attention_bwd_dot", "attention_bwd_dkdv",
+                                                          "attention_bwd_dq_convert"]
+    _, inst, grid, _, args, _ = launches[1]
+    assert ", 2, true, true, " in inst.name and (args["win_left"], args["win_right"]) == (30, 0) and grid == (3, 4)
+    with pytest.raises(DryRun) as info:
+        cukern.attention_backward(q, q, kv, kv, q, lse, window=(30, 2), deterministic=True)
+    launches = [s for s in info.value.plan.steps if isinstance(s, tuple) and s[0] == "launch"]
+    assert launches[-1][1].name.startswith("attention_bwd_dq<") and ", 2, false, " in launches[-1][1].name
+    # (packed documents)
+    qp, kp, vp = _packed(30, 40, 4, 2, 128)
+    cu_q, cu_k = np.array([0, 10, 30], np.int32), np.array([0, 25, 40], np.int32)
+    with pytest.raises(DryRun) as info:
+        cukern.attention_varlen_backward(qp, qp, kp, vp, qp, np.ones((4, 30), np.float32), cu_q, cu_k, 20, 25,
+                                         causal=True, deterministic=True)
+    launches = [s for s in info.value.plan.steps if isinstance(s, tuple) and s[0] == "launch"]
+    dot, dkdv, dq = launches
+    assert dot[4]["B"] == 1 and dot[4]["Sq"] == 30 and dot[4]["d_sb"] == 0
+    assert dkdv[2] == (1, 4) and dq[2] == (1, 8)   # (25 keys in a 128-key tile; 20 queries in 64)
+    for step in (dkdv, dq):
+        names = list(step[4])
+        assert {names[i]: index for i, index, _ in step[5] if names[i].startswith("cu_")} == {"cu_q": 6, "cu_k": 7}
+        assert step[4]["max_q"] == 20 and step[4]["max_k"] == 25 and step[4]["Sq"] == 30 and step[4]["Sk"] == 40
+    with pytest.raises(ValueError, match=r"lse: shape \(30, 4\) does not match \(heads, total_q\) = \(4, 30\)"):
+        cukern.attention_varlen_backward(qp, qp, kp, vp, qp, np.ones((30, 4), np.float32), cu_q, cu_k, 20, 25)
+    # (Hopper: the causal mask on its own kernel; a window or the softcap on attention_bwd_dkdv)
+    attn = importlib.import_module("cukern.attention")
+    monkeypatch.setattr(_kernels, "compute_capability", lambda device: (9, 0))
+    hopper_on = dataclasses.replace(attn.CONFIGS, use_sm90_bwd=True)
+    for kw, name in ((dict(), "attention_bwd_sm90<"), (dict(window=(5, 0)), "attention_bwd_dkdv<"),
+                     (dict(softcap=3.0), "attention_bwd_dkdv<")):
+        with pytest.raises(DryRun) as info:
+            attn._attention_backward(q, q, kv, kv, q, lse, True, None, False, hopper_on, kw.get("window", (-1, -1)),
+                                     kw.get("softcap", 0.0))
+        assert [s[1].name for s in info.value.plan.steps if isinstance(s, tuple)][1].startswith(name), kw
+
+
+@gpu
+@settings(max_examples=100, deadline=None)
+@given(c=mask_cases(), deterministic=st.booleans())
+def test_the_backward_with_windows_and_softcap_matches_the_reference(c, deterministic):
+    """dq, dk, dv with every mask and the softcap, both dQ paths; poisoned outputs; errors
+    measured against the gradients' own scale (test_attention's)."""
+    import cukern
+    from arrays import assert_close, poison_allocator, random_host, to_device
+    from test_attention import _gradient_scales
+
+    rng = np.random.default_rng(c["seed"])
+    dt, fw = c["dtype"], c["framework"]
+    q = random_host(rng, (c["b"], c["sq"], c["h"], c["d"]), dt, scale=2.0)
+    k = random_host(rng, (c["b"], c["sk"], c["hkv"], c["d"]), dt, scale=2.0)
+    v = random_host(rng, (c["b"], c["sk"], c["hkv"], c["d"]), dt)
+    do = random_host(rng, q.shape, dt)
+    kw = dict(causal=c["causal"], softmax_scale=c["scale"], window=c["window"], softcap=c["softcap"])
+    qd, kd, vd, dod = (to_device(a, fw) for a in (q, k, v, do))
+    out, lse = cukern.attention(qd, kd, vd, return_lse=True, **kw)
+    poison_allocator(fw, [q.nbytes, k.nbytes, k.nbytes])
+    grads = cukern.attention_backward(dod, qd, kd, vd, out, lse, deterministic=deterministic, **kw)
+    expect = ref.attention_backward(do, q, k, v, **kw)
+    scales = _gradient_scales(do, q, k, v, c["causal"], c["scale"], c["window"], c["softcap"])
+    for name, got, e, sc in zip(("dq", "dk", "dv"), grads, expect, scales):
+        assert_close(got, e, dt, name, tol=2 * _tol(dt, c["softcap"]), scale=sc)
+
+
+@gpu
+@settings(max_examples=80, deadline=None)
+@given(c=varlen_cases(), deterministic=st.booleans())
+def test_the_varlen_backward_matches_the_reference(c, deterministic):
+    """Packed documents' gradients: nothing crosses documents; keys of a document without
+    queries get zero gradients; poisoned outputs."""
+    import cukern
+    from arrays import assert_close, poison_allocator, random_host, to_device
+
+    rng = np.random.default_rng(c["seed"])
+    q, k, v, cu_q, cu_k, max_q, max_k = _packed_inputs(c, rng)
+    do = random_host(rng, q.shape, c["dtype"])
+    fw = c["framework"]
+    kw = dict(causal=c["causal"], window=c["window"], softcap=c["softcap"])
+    cq, ck = _ints_to_device(cu_q, fw), _ints_to_device(cu_k, fw)
+    qd, kd, vd, dod = (to_device(a, fw) for a in (q, k, v, do))
+    out, lse = cukern.attention_varlen(qd, kd, vd, cq, ck, max_q, max_k, return_lse=True, **kw)
+    poison_allocator(fw, [q.nbytes, k.nbytes, k.nbytes])
+    grads = cukern.attention_varlen_backward(dod, qd, kd, vd, out, lse, cq, ck, max_q, max_k,
+                                             deterministic=deterministic, **kw)
+    expect = ref.attention_varlen_backward(do, q, k, v, None, None, cu_q, cu_k, max_q, max_k, **kw)
+    for name, got, e in zip(("dq", "dk", "dv"), grads, expect):
+        if e.size:
+            # (scale: the gradients of a document's few-key rows cancel, as test_attention's scales say)
+            assert_close(got, e, c["dtype"], name, tol=2 * _tol(c["dtype"], c["softcap"]),
+                         scale=float(np.sqrt(np.mean(e * e))) + 0.1)
+    cukern.check_errors()

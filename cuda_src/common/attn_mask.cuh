@@ -30,6 +30,13 @@ struct KeyMask {
     __device__ __forceinline__ int stop_key(int row0, int rows, int sk) const {
         return MASK == MASK_NONE ? sk : min(sk, row0 + rows + hi);
     }
+    // Queries [first, stop) that see some key of keys n0 .. n0 + n - 1 (the backward's walk).
+    __device__ __forceinline__ int first_query(int n0) const {
+        return MASK == MASK_NONE ? 0 : max(0, n0 - hi);
+    }
+    __device__ __forceinline__ int stop_query(int n0, int n, int sq) const {
+        return MASK == MASK_LOCAL ? min(sq, n0 + n - lo) : sq;
+    }
     // Whether a tile of keys [n0, n0 + n) needs per-element masking for rows row0 .. row0 + rows - 1.
     __device__ __forceinline__ bool edge(int n0, int n, int row0, int rows, int sk) const {
         return n0 + n > sk || (MASK != MASK_NONE && n0 + n - 1 > row0 + hi) ||
