@@ -783,23 +783,39 @@ def _sdpa_bshd(q, k, v, causal, scale):
 def torch_stand_ins() -> dict:
     from torch_helpers import recompute
 
-    return {"attention": (lambda q, k, v, c, s: (_sdpa_bshd(q, k, v, c, s),
-                                                 q.new_zeros(q.shape[0], q.shape[2], q.shape[1])),
-                          lambda do, q, k, v, o, lse, c, s, det: tuple(recompute(
-                              lambda q, k, v: _sdpa_bshd(q, k, v, c, s), (q, k, v), do)))}
+    # (the wiring calls use no window and no softcap; packed, one document of all the tokens)
+    def packed(q, k, v, c, s):
+        return _sdpa_bshd(q[None], k[None], v[None], c, s)[0]
+
+    return {"attention": (lambda q, k, v, c, s, wl, wr, cap, det: (_sdpa_bshd(q, k, v, c, s),
+                                                                   q.new_zeros(q.shape[0], q.shape[2], q.shape[1])),
+                          lambda do, q, k, v, o, lse, c, s, wl, wr, cap, det: tuple(recompute(
+                              lambda q, k, v: _sdpa_bshd(q, k, v, c, s), (q, k, v), do))),
+            "attention_varlen": (lambda q, k, v, cq, ck, mq, mk, c, s, wl, wr, cap, det: (
+                                     packed(q, k, v, c, s), q.new_zeros(q.shape[1], q.shape[0])),
+                                 lambda do, q, k, v, o, lse, cq, ck, mq, mk, c, s, wl, wr, cap, det: tuple(recompute(
+                                     lambda q, k, v: packed(q, k, v, c, s), (q, k, v), do)))}
 
 
 def torch_wiring_calls(which: str, g) -> list:
     q, k, v = (torch.randn(2, 6, 2, 8, generator=g).requires_grad_(which != "w") for _ in range(3))
-    return [("attention", (q, k, v, True, 0.3), lambda: _sdpa_bshd(q, k, v, True, 0.3), (q, k, v))]
+    qp, kp, vp = (torch.randn(6, 2, 8, generator=g).requires_grad_(which != "w") for _ in range(3))
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    return [("attention", (q, k, v, True, 0.3, -1, -1, 0.0, -1), lambda: _sdpa_bshd(q, k, v, True, 0.3), (q, k, v)),
+            ("attention_varlen", (qp, kp, vp, cu, cu, 6, 6, True, 0.3, -1, -1, 0.0, -1),
+             lambda: _sdpa_bshd(qp[None], kp[None], vp[None], True, 0.3)[0], (qp, kp, vp))]
 
 
 def opcheck_samples() -> list:
     from torch_helpers import leaf
 
     bf = torch.bfloat16
+    cu = torch.tensor([0, 17, 17, 40], dtype=torch.int32, device="cuda")
     return [(torch.ops.cukern.attention.default, (leaf((2, 40, 4, 64), bf, 0), leaf((2, 40, 2, 64), bf, 1),
-                                                  leaf((2, 40, 2, 64), bf, 2), True, 0.125))]
+                                                  leaf((2, 40, 2, 64), bf, 2), True, 0.125, 16, -1, 5.0, -1)),
+            (torch.ops.cukern.attention_varlen.default, (leaf((40, 4, 64), bf, 0), leaf((40, 2, 64), bf, 1),
+                                                         leaf((40, 2, 64), bf, 2), cu, cu, 23, 23, True, 0.125, -1,
+                                                         -1, 0.0, -1))]
 
 
 def torch_kernel_cases() -> dict:

@@ -552,3 +552,78 @@ def test_the_varlen_backward_matches_the_reference(c, deterministic):
             assert_close(got, e, c["dtype"], name, tol=2 * _tol(c["dtype"], c["softcap"]),
                          scale=float(np.sqrt(np.mean(e * e))) + 0.1)
     cukern.check_errors()
+
+
+# ---- cukern.torch: flash-attn's functions ------------------------------------------------------------
+
+FLASH_ATTN_FUNC = ["q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes",
+                   "deterministic", "return_attn_probs"]
+FLASH_ATTN_VARLEN_FUNC = ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p",
+                          "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "deterministic",
+                          "return_attn_probs", "block_table"]
+
+
+@needs_torch
+def test_flash_attn_functions_have_flash_attns_signatures():
+    """flash-attn 2.6's parameter names, order and defaults, so that a call written for
+    flash-attn runs unchanged; what cukern lacks (dropout, ALiBi, a paged KV cache) is refused by
+    name before anything runs."""
+    import inspect
+
+    import cukern.torch as ct
+
+    for fn, names in ((ct.flash_attn_func, FLASH_ATTN_FUNC), (ct.flash_attn_varlen_func, FLASH_ATTN_VARLEN_FUNC)):
+        params = inspect.signature(fn).parameters
+        assert list(params) == names
+        defaults = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
+        assert defaults["dropout_p"] == 0.0 and defaults["softmax_scale"] is None and defaults["causal"] is False
+        assert defaults["window_size"] == (-1, -1) and defaults["softcap"] == 0.0 and defaults["alibi_slopes"] is None
+        assert defaults["deterministic"] is False and defaults["return_attn_probs"] is False
+    q = torch.zeros(1, 4, 2, 8)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    for call, pattern in ((lambda: ct.flash_attn_func(q, q, q, dropout_p=0.1), "dropout_p: cukern's attention has no"),
+                          (lambda: ct.flash_attn_func(q, q, q, alibi_slopes=q), "alibi_slopes: "),
+                          (lambda: ct.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4, block_table=cu),
+                           "block_table: cukern's attention has no paged KV cache")):
+        with pytest.raises(ValueError, match=pattern):
+            call()
+
+
+@gpu
+@needs_torch
+@pytest.mark.parametrize("compiled", [False, True])
+def test_flash_attn_func_forward_and_gradients(compiled):
+    """flash_attn_func (window, softcap, GQA, return_attn_probs, deterministic) and
+    flash_attn_varlen_func under autograd, eager and torch.compile, against the references."""
+    import cukern.torch as ct
+    from arrays import assert_close
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(2, 150, 4, 64, device="cuda", generator=g).to(torch.bfloat16).requires_grad_(True)
+    k, v = (torch.randn(2, 170, 2, 64, device="cuda", generator=g).to(torch.bfloat16).requires_grad_(True)
+            for _ in range(2))
+    do = torch.randn(2, 150, 4, 64, device="cuda", generator=g).to(torch.bfloat16)
+    fa = torch.compile(ct.flash_attn_func, fullgraph=True) if compiled else ct.flash_attn_func
+    kw = dict(causal=True, window_size=(40, 0), softcap=20.0)
+    out, lse, probs = fa(q, k, v, return_attn_probs=True, deterministic=True, **kw)
+    assert probs is None and tuple(lse.shape) == (2, 4, 150)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    host = [t.detach().float().cpu().numpy() for t in (q, k, v, do)]
+    rkw = dict(causal=True, window=(40, 0), softcap=20.0)
+    assert_close(out, ref.attention(*host[:3], **rkw), "bfloat16", "out", tol=_tol("bfloat16", 20.0), scale=0.25)
+    for name, got, e in zip("qkv", grads, ref.attention_backward(host[3], *host[:3], **rkw)):
+        assert_close(got, e, "bfloat16", f"d{name}", tol=2 * _tol("bfloat16", 20.0),
+                     scale=float(np.sqrt(np.mean(e * e))))
+    # packed documents
+    cu = torch.tensor([0, 60, 61, 150], dtype=torch.int32, device="cuda")
+    qp, kp, vp = (t[0, :150].detach().clone().requires_grad_(True) for t in (q, k, v))
+    fv = torch.compile(ct.flash_attn_varlen_func, fullgraph=True) if compiled else ct.flash_attn_varlen_func
+    outp = fv(qp, kp, vp, cu, cu, 89, 89, causal=True)
+    gp = torch.autograd.grad(outp, (qp, kp, vp), do[0])
+    hp = [t.detach().float().cpu().numpy() for t in (qp, kp, vp, do[0])]
+    cuh = cu.cpu().numpy()
+    assert_close(outp, ref.attention_varlen(*hp[:3], cuh, cuh, 89, 89, causal=True), "bfloat16", "out",
+                 tol=TOL["bfloat16"], scale=0.25)
+    expect = ref.attention_varlen_backward(hp[3], *hp[:3], None, None, cuh, cuh, 89, 89, causal=True)
+    for name, got, e in zip("qkv", gp, expect):
+        assert_close(got, e, "bfloat16", f"d{name}", tol=2 * TOL["bfloat16"], scale=float(np.sqrt(np.mean(e * e))))
