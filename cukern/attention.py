@@ -1063,7 +1063,150 @@ def bench_cases(quick: bool) -> list:
                                      functools.partial(_fwd_bwd, causal=causal),
                                      functools.partial(_torch_fwd_bwd, causal=causal, backend=backend),
                                      flops=int(3.5 * flops)))
+    return cases + mask_bench_cases(quick)
+
+
+# Issue 15's cases (masks, packed documents), each at the shape of the case it is measured against:
+# documents of random lengths summing to 32768 tokens (16 of them, H32 d128, causal) against
+# FlashAttention-2's varlen kernel; the same tokens as 16 documents of 2048 against the dense
+# causal kernel on (16, 2048) (the same work: the packed path's own cost); a window of 1024 at
+# S8192 against the full causal case of that shape; the softcap (Gemma 2's 50) against the
+# same causal case without it.
+MASK_WORKLOAD = {"full": dict(docs=16, tokens=32768, heads=32, d=128, long=(4, 32, 8192), window=1024,
+                              dense=(32, 16, 2048)),
+                 "quick": dict(docs=8, tokens=8192, heads=16, d=128, long=(1, 16, 4096), window=512,
+                               dense=(4, 16, 2048))}
+
+
+def _doc_lengths(docs: int, tokens: int, seed: int = 0) -> list[int]:
+    """``docs`` random lengths, multiples of 8 and at least 64, that sum to ``tokens`` (the same
+    every run)."""
+    rng = np.random.default_rng(seed)
+    while True:
+        cuts = np.sort(rng.choice(np.arange(1, tokens // 8), size=docs - 1, replace=False)) * 8
+        lengths = np.diff(np.concatenate([[0], cuts, [tokens]]))
+        if lengths.min() >= 64:
+            return [int(x) for x in lengths]
+
+
+def _packed_inputs(lengths, H, D, dtype, seed, *, grad=False) -> dict:
+    import torch
+
+    gen = _bench.generator(seed)
+    total = sum(lengths)
+    t = {n: _bench.randn((total, H, D), dtype, gen) for n in ("q", "k", "v")}
+    t["cu"] = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device="cuda")
+    t["max"] = max(lengths)
+    if grad:
+        t["do"] = _bench.randn((total, H, D), dtype, gen)
+    return t
+
+
+def _varlen_fwd(t):
+    return attention_varlen(t["q"], t["k"], t["v"], t["cu"], t["cu"], t["max"], t["max"], causal=True)
+
+
+def _varlen_fwd_bwd(t):
+    out, lse = attention_varlen(t["q"], t["k"], t["v"], t["cu"], t["cu"], t["max"], t["max"], causal=True,
+                                return_lse=True)
+    return (out, *attention_varlen_backward(t["do"], t["q"], t["k"], t["v"], out, lse, t["cu"], t["cu"], t["max"],
+                                            t["max"], causal=True))
+
+
+def _fa2_varlen(t, window=None, backward=False):
+    """PyTorch's FlashAttention-2 (aten::_flash_attention_forward / _backward) on packed
+    documents, causal, with a window if given; (B, S, H, D) inputs as B documents of S."""
+    import torch
+
+    dense = "cu" not in t
+    names = ("q", "k", "v", "do") if backward else ("q", "k", "v")
+    if dense:
+        B, S = t["q"].shape[:2]
+        flat = {n: t[n].reshape(B * S, *t[n].shape[2:]) for n in names}
+        cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=t["q"].device)
+        mq = S
+    else:
+        flat, cu, mq = {n: t[n] for n in names}, t["cu"], t["max"]
+    wl, wr = window if window is not None else (None, None)
+    q, k, v = flat["q"], flat["k"], flat["v"]
+    out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu, cu, mq, mq, 0.0, True, False, window_size_left=wl, window_size_right=wr)
+    res = (out,)
+    if backward:
+        res += tuple(torch.ops.aten._flash_attention_backward(
+            flat["do"], q, k, v, out, lse, cu, cu, mq, mq, 0.0, True, rng, unused, window_size_left=wl,
+            window_size_right=wr))
+    if dense:
+        res = tuple(x.view(B, S, *x.shape[1:]) for x in res)
+    return res if backward else res[0]
+
+
+def _window_fwd_bwd(t, window):
+    out, lse = attention(t["q"], t["k"], t["v"], causal=True, return_lse=True, window=window)
+    return (out, *attention_backward(t["do"], t["q"], t["k"], t["v"], out, lse, causal=True, window=window))
+
+
+def _softcap_fwd_bwd(t, softcap):
+    out, lse = attention(t["q"], t["k"], t["v"], causal=True, return_lse=True, softcap=softcap)
+    return (out, *attention_backward(t["do"], t["q"], t["k"], t["v"], out, lse, causal=True, softcap=softcap))
+
+
+def _window_flops(B, H, S, D, window) -> int:
+    """4·D FLOPs a (query, key) pair each query sees: causal with ``window`` keys before it."""
+    pairs = sum(min(i, window) + 1 for i in range(S))
+    return 4 * B * H * pairs * D
+
+
+def mask_bench_cases(quick: bool) -> list:
+    """The masks' and packed documents' cases (MASK_WORKLOAD), FLOPs counted over the
+    (query, key) pairs each computes; forward+backward at 3.5x the forward, as bench_cases."""
+    w = MASK_WORKLOAD["quick" if quick else "full"]
+    dt, H, D = WORKLOAD["dtype"], w["heads"], w["d"]
+    cases = []
+    lengths = _doc_lengths(w["docs"], w["tokens"])
+    flops = sum(4 * H * L * L * D // 2 for L in lengths)
+    nbytes = _bench.elements_bytes((4 * w["tokens"], H, D), dt)
+    make = functools.partial(_packed_inputs, lengths, H, D, dt)
+    shape = (w["docs"], H, w["tokens"] // w["docs"], D)
+    cases.append(_bench.Case("attention varlen causal d128 fwd vs flash", "attention", shape, dt, nbytes, make,
+                             _varlen_fwd, _fa2_varlen, flops=flops))
+    cases.append(_bench.Case("attention varlen causal d128 fwd+bwd vs flash", "attention", shape, dt, 2 * nbytes,
+                             functools.partial(make, grad=True), _varlen_fwd_bwd,
+                             functools.partial(_fa2_varlen, backward=True), flops=int(3.5 * flops)))
+    even = [w["tokens"] // w["docs"]] * w["docs"]
+    S = even[0]
+    flops_even = w["docs"] * 4 * H * S * S * D // 2
+    cases.append(_bench.Case("attention varlen equal causal d128 fwd+bwd vs dense", "attention", shape, dt,
+                             2 * nbytes, functools.partial(_packed_inputs, even, H, D, dt, grad=True),
+                             _varlen_fwd_bwd, functools.partial(_as_dense_fwd_bwd, batch=w["docs"]),
+                             flops=int(3.5 * flops_even)))
+    B, HL, SL = w["long"]
+    window = (w["window"], 0)
+    wflops = _window_flops(B, HL, SL, D, w["window"])
+    for label, fn, peer, f in (
+            ("fwd", lambda t: attention(t["q"], t["k"], t["v"], causal=True, window=window),
+             functools.partial(_fa2_varlen, window=window), wflops),
+            ("fwd+bwd", functools.partial(_window_fwd_bwd, window=window),
+             functools.partial(_fa2_varlen, window=window, backward=True), int(3.5 * wflops))):
+        cases.append(_bench.Case(f"attention causal window long d128 {label} vs flash", "attention",
+                                 (B, HL, SL, D), dt, _bench.elements_bytes((8 * B, SL, HL, D), dt),
+                                 functools.partial(_inputs, B, HL, SL, D, dt, grad=label != "fwd"), fn, peer, flops=f))
+    B, HD, SD = w["dense"]
+    cflops = 4 * B * HD * SD * SD * D // 2
+    cases.append(_bench.Case("attention causal softcap50 d128 fwd+bwd vs no softcap", "attention", (B, HD, SD, D), dt,
+                             _bench.elements_bytes((8 * B, SD, HD, D), dt),
+                             functools.partial(_inputs, B, HD, SD, D, dt, grad=True),
+                             functools.partial(_softcap_fwd_bwd, softcap=50.0),
+                             functools.partial(_softcap_fwd_bwd, softcap=0.0), flops=int(3.5 * cflops)))
     return cases
+
+
+def _as_dense_fwd_bwd(t, batch):
+    """The packed inputs of equal documents seen as (batch, S, H, D): the dense causal kernel."""
+    q, k, v, do = (t[n].view(batch, -1, *t[n].shape[1:]) for n in ("q", "k", "v", "do"))
+    out, lse = attention(q, k, v, causal=True, return_lse=True)
+    grads = attention_backward(do, q, k, v, out, lse, causal=True)
+    return tuple(x.reshape(-1, *x.shape[2:]) for x in (out, *grads))
 
 
 def _sdpa_forward_on(F, t, causal):
