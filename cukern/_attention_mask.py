@@ -69,8 +69,8 @@ def _window(window) -> tuple[int, int]:
 def _softcap(softcap) -> float:
     c = _checks.eps(softcap, "softcap")
     if c:
-        # (the kernels compute s / c and c * tanh in float32: c must be a normal float32)
-        c = _checks.positive_float32(c, "softcap")
+        # (the kernels take c log2(e) as a float32: a normal float32 there too)
+        c = _checks.positive_float32(c, "softcap", log2e=True)
     return c
 
 
@@ -124,4 +124,5 @@ def softcap_log2(mask: Mask, scale: float) -> tuple[float, float]:
     the factor out of it in the log2 domain (c * log2(e)); (0, 0) without it."""
     if not mask.softcap:
         return 0.0, 0.0
+    _checks.positive_float32(scale / mask.softcap, "softcap (softmax_scale / softcap)")
     return scale / mask.softcap, mask.softcap * math.log2(math.e)

@@ -21,7 +21,8 @@ KINDS = {
        "found on CUDA device {device} by a cross-entropy kernel since the last check (the row was ignored)",
     3: "cu_seqlens_q / cu_seqlens_k: document {value} of {bound} has offsets that are not from 0 to the token "
        "count in order, or is longer than max_seqlen; found on CUDA device {device} by an attention kernel since "
-       "the last check (that document's rows were not written)",
+       "the last check (that document was not computed, and documents whose offsets overlap it may be wrong: "
+       "the outputs of that call are not valid)",
 }
 
 

@@ -617,8 +617,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         return_lse: also return the log-sum-exp (H, total_q) float32.
 
     Offsets are read on the device: bad ones (decreasing, not from 0 to the total, a document
-    longer than its max_seqlen) leave that document's rows unwritten and are reported by
-    ``cukern.check_errors()``, as an out-of-range embedding index is.
+    longer than its max_seqlen) leave that document uncomputed (and documents that overlap it
+    may be wrong) and are reported by ``cukern.check_errors()``, as an out-of-range embedding
+    index is: the call's outputs are then not valid.
 
     Returns:
         ``out`` (total_q, H, D) of q's dtype; with ``return_lse`` ``(out, lse)``.
@@ -735,6 +736,9 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
             window, softcap: as given to the forward.
         out, lse: the forward's output and log-sum-exp (H, total_q) (``return_lse=True``).
         deterministic: as for ``attention_backward``.
+
+    Bad offsets are reported by ``cukern.check_errors()`` as for the forward; the gradients of
+    such a call are not valid (a bad document's are not written).
 
     Returns:
         dq (total_q, H, D), dk and dv (total_k, Hkv, D) of q's dtype.
@@ -880,6 +884,7 @@ def _ref_scores(q, k, scale, mask: Mask):
     the log-sum-exp (+inf for those rows) and the scaled scores before the softcap."""
     batch, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
+    _attention_mask.softcap_log2(mask, scale)   # (its range checked as the kernels' fronts check it)
     kh = np.repeat(k, h // hkv, axis=2)  # (B, Sk, H, D): query head h reads kv head h // rep
     s = np.einsum("bqhd,bkhd->bhqk", q, kh) * scale
     sc = _attention_mask.capped(s, mask)
