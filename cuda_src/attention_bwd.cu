@@ -201,12 +201,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
     // document's first tokens q0, k0. Kept in shared memory and read where used: registers
     // across the step loop are what this kernel has least of.
     __shared__ int span[5];   // bq, q0, k0, sq, sk
-    if (threadIdx.x == 0) {
-        DocSpan doc{0, Sq, 0, Sk};
-        if (cu_q) doc = doc_span(cu_q, cu_k, b, gridDim.y / Hkv, Sq, Sk, max_q, max_k, fault);
-        span[0] = cu_q ? 0 : b, span[1] = doc.q0, span[2] = doc.k0, span[3] = doc.sq, span[4] = doc.sk;
-    }
-    __syncthreads();
+    block_span(span, b, gridDim.y / Hkv, cu_q, cu_k, Sq, Sk, max_q, max_k, fault);
     if (n0 >= span[4]) return;   // (packed: the grid covers the longest document)
     // (the mask from the span where used, as the span)
     auto mask = [&]() { return KeyMask<MASK>(win_left, win_right, span[4] - span[3]); };
@@ -483,12 +478,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dq(
     // This (batch, head)'s tokens: batch bq from token 0, or (packed) batch 0 from a document's
     // first tokens q0, k0; in shared memory and read where used, as attention_bwd_dkdv's.
     __shared__ int span[5];   // bq, q0, k0, sq, sk
-    if (threadIdx.x == 0) {
-        DocSpan doc{0, Sq, 0, Sk};
-        if (cu_q) doc = doc_span(cu_q, cu_k, b, gridDim.y / H, Sq, Sk, max_q, max_k, fault);
-        span[0] = cu_q ? 0 : b, span[1] = doc.q0, span[2] = doc.k0, span[3] = doc.sq, span[4] = doc.sk;
-    }
-    __syncthreads();
+    block_span(span, b, gridDim.y / H, cu_q, cu_k, Sq, Sk, max_q, max_k, fault);
     if (m0 >= span[3]) return;   // (packed: the grid covers the longest document)
     auto mask = [&]() { return KeyMask<MASK>(win_left, win_right, span[4] - span[3]); };
     auto kv_load = [&](int buf, int nb) {   // key tile nb into buffer buf

@@ -31,20 +31,28 @@ def test_mask_of_normalizes_the_window():
     assert not M.Mask().any and M.Mask(-1, 0).any and M.Mask(4, -1).any
 
 
+def _raw_visible(sq, sk, causal, window) -> np.ndarray:
+    """flash-attn's documented bounds applied as written, with no normalization: query i sees
+    keys i + sk - sq - left .. i + sk - sq + right (-1 unbounded), causal adds j <= i + sk - sq."""
+    pos, j = np.arange(sq)[:, None] + sk - sq, np.arange(sk)[None, :]
+    keep = np.ones((sq, sk), dtype=bool)
+    left, right = window
+    if causal:
+        keep &= j <= pos
+    if right >= 0:
+        keep &= j <= pos + right
+    if left >= 0:
+        keep &= j >= pos - left
+    return keep
+
+
 @settings(max_examples=300, deadline=None)
 @given(sq=st.integers(1, 12), sk=st.integers(1, 12), left=st.integers(-1, 14), right=st.integers(-1, 14),
        causal=st.booleans())
 def test_mask_of_keeps_the_visible_keys(sq, sk, left, right, causal):
     """Normalizing never changes which keys a query sees: the documented bounds, applied raw."""
-    pos, j = np.arange(sq)[:, None] + sk - sq, np.arange(sk)[None, :]
-    raw = np.ones((sq, sk), dtype=bool)
-    if causal:
-        raw &= j <= pos
-    if right >= 0:
-        raw &= j <= pos + right
-    if left >= 0:
-        raw &= j >= pos - left
-    np.testing.assert_array_equal(M.visible(M.mask_of(causal, (left, right), 0.0, sq, sk), sq, sk), raw)
+    np.testing.assert_array_equal(M.visible(M.mask_of(causal, (left, right), 0.0, sq, sk), sq, sk),
+                                  _raw_visible(sq, sk, causal, (left, right)))
 
 
 @settings(max_examples=300, deadline=None)
@@ -71,17 +79,7 @@ def _torch_attention(q, k, v, scale, causal, window, softcap):
     s = torch.einsum("bqhd,bkhd->bhqk", qt, kt.repeat_interleave(rep, 2)) * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)
-    sq, sk = q.shape[1], k.shape[1]
-    pos, j = torch.arange(sq)[:, None] + sk - sq, torch.arange(sk)[None, :]
-    keep = torch.ones(sq, sk, dtype=torch.bool)
-    left, right = window
-    if causal:
-        keep &= j <= pos
-    if right >= 0:
-        keep &= j <= pos + right
-    if left >= 0:
-        keep &= j >= pos - left
-    s = s.masked_fill(~keep, -float("inf"))
+    s = s.masked_fill(~torch.from_numpy(_raw_visible(q.shape[1], k.shape[1], causal, window)), -float("inf"))
     lse = torch.logsumexp(s, -1)
     p = torch.softmax(s, -1).nan_to_num(0.0)   # (rows that see no key: zeros)
     out = torch.einsum("bhqk,bkhd->bqhd", p, vt.repeat_interleave(rep, 2))

@@ -76,5 +76,18 @@ __device__ __forceinline__ DocSpan doc_span(const int* cu_q, const int* cu_k, in
     return {q0, q1 - q0, k0, k1 - k0};
 }
 
+// A block's tokens for the backward kernels: span = {batch (0 when packed), first query token,
+// first key token, queries, keys}, written by thread 0 and published by a block barrier (the
+// kernels read it from shared memory where they use it: they have no registers to keep it in).
+__device__ __forceinline__ void block_span(int (&span)[5], int b, int docs, const int* cu_q, const int* cu_k,
+                                           int Sq, int Sk, int max_q, int max_k, long long* fault) {
+    if (threadIdx.x == 0) {
+        DocSpan doc{0, Sq, 0, Sk};
+        if (cu_q) doc = doc_span(cu_q, cu_k, b, docs, Sq, Sk, max_q, max_k, fault);
+        span[0] = cu_q ? 0 : b, span[1] = doc.q0, span[2] = doc.k0, span[3] = doc.sq, span[4] = doc.sk;
+    }
+    __syncthreads();
+}
+
 }  // namespace attention
 }  // namespace cuk
