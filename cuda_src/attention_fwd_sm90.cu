@@ -19,6 +19,7 @@
 #include "common/reduce.cuh"
 #include "common/hopper.cuh"
 #include "common/attn_tile.cuh"
+#include "common/attn_mask.cuh"
 #include "common/trace.cuh"
 // (CUK_TRACE: phases of warpgroups 0 and 1 of each block, slots 6 wg + i, i = 0 entry, 1 Q landed,
 // 2 the first S done, 3 its softmax done, 4 the last P V done, 5 O written)
@@ -44,13 +45,13 @@
 //             written by a TMA store (o_map; unused otherwise), the buffer released once it is
 //             read, after the next work tile's first S is issued. Where a K tile is shorter than
 //             the block's rows, O has a buffer of its own instead (OWN_O).
-template <typename T, int D, int BN, int STAGES, int CONSUMERS, bool CAUSAL, bool PRODUCER, bool PINGPONG, bool OVERLAP, bool PERSISTENT, int BLOCKS, int SMEM>
+template <typename T, int D, int BN, int STAGES, int CONSUMERS, bool CAUSAL, bool SOFTCAP, bool PRODUCER, bool PINGPONG, bool OVERLAP, bool PERSISTENT, int BLOCKS, int SMEM>
 __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) attention_fwd_sm90(
     const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
     const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap o_map, T* __restrict__ out,
     float* __restrict__ lse,
     long long o_sb, long long o_ss, long long o_sh, int H, int Hkv, int Sq, int Sk, float scale_log2, int tiles,
-    int* __restrict__ tile_counter, int section_pairs)
+    int* __restrict__ tile_counter, int section_pairs, float cap_in, float cap_out)
 {
     constexpr int BM = 64 * CONSUMERS, DB = D / 64;         // query rows a block; 64-column boxes
     constexpr int THREADS = CONSUMERS * 128;                // the computing threads
@@ -219,8 +220,14 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
         if (PINGPONG && ends_turn) named_barrier_arrive(2 - wg, 256);
     };
 
-    // Keys past the end and, causal, past the diagonal masked (only tiles that have any).
+    // SOFTCAP: the scores become c tanh(s scale / c) in the log2 domain (cap_in = scale / c,
+    // cap_out = c log2(e)) before the mask. Keys past the end and, causal, past the diagonal
+    // masked (only tiles that have any).
     auto mask = [&](int nb, float (&s)[BN / 2]) {
+        if constexpr (SOFTCAP) {
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i) s[i] = attention::tanh_approx(s[i] * cap_in) * cap_out;
+        }
         const int n0 = nb * BN;
         if (n0 + BN > Sk || (CAUSAL && n0 + BN - 1 > m0 + diag)) {
 #pragma unroll
@@ -242,15 +249,15 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
             butterfly<1, 2>(Max{}, mx);   // over the row's quad
-            const float new_max = fmaxf(row_max[r], mx * scale_log2);
+            const float new_max = fmaxf(row_max[r], mx * (SOFTCAP ? 1.f : scale_log2));
             const float m_use = new_max == neg_inf() ? 0.f : new_max;
             alpha[r] = fast_exp2(row_max[r] - m_use);
             row_max[r] = new_max;
             float sum = 0.f;
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j) {
-                s[4 * j + 2 * r] = fast_exp2(fmaf(s[4 * j + 2 * r], scale_log2, -m_use));
-                s[4 * j + 2 * r + 1] = fast_exp2(fmaf(s[4 * j + 2 * r + 1], scale_log2, -m_use));
+                s[4 * j + 2 * r] = fast_exp2(fmaf(s[4 * j + 2 * r], SOFTCAP ? 1.f : scale_log2, -m_use));
+                s[4 * j + 2 * r + 1] = fast_exp2(fmaf(s[4 * j + 2 * r + 1], SOFTCAP ? 1.f : scale_log2, -m_use));
                 sum += s[4 * j + 2 * r] + s[4 * j + 2 * r + 1];
             }
             row_sum[r] = row_sum[r] * alpha[r] + sum;
