@@ -126,7 +126,8 @@ class Sm90FwdConfig:
         columns a box), and 1 KB to align them (16-bit elements)."""
         return ((2 if self.own_o_buffer else 1) * self.block_rows + 2 * self.stages * self.bn) * d * 2 + 1024
 
-    def instance(self, dtype: str, d: int, causal: bool, softcap: bool = False) -> Instance:
+    def instance(self, dtype: str, d: int, mask: int, softcap: bool = False) -> Instance:
+        """``mask``: Mask.kind (a bool: causal or not)."""
         if self.warpgroups == 3 and d > 128:
             raise ValueError(f"warpgroups=3 takes head dims up to 128, not {d}: the O accumulators of "
                              "64 rows x d do not fit a thread's share of the registers "
@@ -148,7 +149,7 @@ class Sm90FwdConfig:
                              f"stages={self.stages}{', O in a buffer of its own' if self.own_o_buffer else ''}); "
                              f"a block on sm_90 may have {SM90_MAX_SMEM}")
         return Instance(SM90_SOURCE, f"attention_fwd_sm90<{_ctype(dtype)}, {d}, {self.bn}, {self.stages}, "
-                        f"{self.warpgroups}, {_b(causal)}, {_b(softcap)}, {_b(self.producer)}, {_b(self.pingpong)}, "
+                        f"{self.warpgroups}, {int(mask)}, {_b(softcap)}, {_b(self.producer)}, {_b(self.pingpong)}, "
                         f"{_b(self.overlap)}, {_b(self.persistent)}, {self.blocks_per_sm}, {smem}>",
                         self.threads, smem, "sm_90a")
 
@@ -316,10 +317,10 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
     """Every kernel instance the fronts can launch, forward and backward (compile check)."""
     out = [cfg.instance(dt, d, m, cap) for dt in DTYPES for d, cfg in configs.fwd for m in (0, 1, 2)
            for cap in (False, True)]
-    out += [cfg.instance(dt, d, c, cap) for dt in DTYPES for d, cfg in configs.fwd_sm90 for c in (False, True)
+    out += [cfg.instance(dt, d, m, cap) for dt in DTYPES for d, cfg in configs.fwd_sm90 for m in (0, 1, 2)
             for cap in (False, True)]
-    out += [cfg.instance(dt, d, c, cap) for dt in DTYPES for d, cfg in configs.fwd_sm90_full
-            for c in ((False, True) if d in dict(configs.fwd_sm90_long) else (False,)) for cap in (False, True)]
+    out += [cfg.instance(dt, d, m, cap) for dt in DTYPES for d, cfg in configs.fwd_sm90_full
+            for m in ((0, 1, 2) if d in dict(configs.fwd_sm90_long) else (0,)) for cap in (False, True)]
     out += [cfg.instance(dt, d, c, det) for dt in DTYPES for d, cfg in configs.bwd_sm90 for c in (False, True)
             for det in (False, True)]
     for dt in DTYPES:
@@ -551,13 +552,13 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs, w
         if sk == 0:  # no keys: zeros, lse = +inf
             b.fill(0.0, out)
             b.fill(float("inf"), lse)
-        elif (configs.use_sm90 and d in dict(configs.fwd_sm90) and mask.kind < 2
-              and _kernels.compute_capability(device) == (9, 0)
+        elif (configs.use_sm90 and d in dict(configs.fwd_sm90) and _kernels.compute_capability(device) == (9, 0)
               and all(i in {j for j, _ in b.fixes} or _tma_readable(a) for i, a in enumerate(arrays))):
             # TMA reads the inputs in place where cp.async can (16-byte rows and strides: _read)
+            # (a window takes the causal config; its work tiles are handed out as the unmasked ones)
             causal = mask.causal
-            cfg = configs.sm90_forward(d, causal, sk)
-            k = _kernels.kernel(cfg.instance(qa.dtype, d, causal, bool(mask.softcap)), device)
+            cfg = configs.sm90_forward(d, mask.kind > 0, sk)
+            k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, bool(mask.softcap)), device)
             cap_in, cap_out = _attention_mask.softcap_log2(mask, scale)
             os_ = _like(qa, q_copied)
             m_tiles = -(-sq // cfg.block_rows)
@@ -573,7 +574,8 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs, w
                      o_map=MapSlot(out.index, (1, 64, 1, 64)) if cfg.persistent else bytes(128), out=out, lse=lse,
                      **{f"o_{n}": s for n, s in _strides3(os_).items()},
                      H=h, Hkv=hkv, Sq=sq, Sk=sk, scale_log2=scale * LOG2E, tiles=m_tiles * batch * h,
-                     tile_counter=counter, section_pairs=section_pairs, cap_in=cap_in, cap_out=cap_out)
+                     tile_counter=counter, section_pairs=section_pairs, cap_in=cap_in, cap_out=cap_out,
+                     win_left=mask.left, win_right=mask.right)
         else:
             _launch_forward_sm80(b, configs, qa, (qs, ks, vs), _like(qa, q_copied), out, lse, mask, scale,
                                  grid_rows=sq, batches=batch, sq=sq, sk=sk, hkv=hkv, device=device)

@@ -152,7 +152,7 @@ def test_the_sm90_forward_takes_tensor_maps_of_the_inputs(host_arrays_as_device,
     (step,) = launches(128, (9, 0))
     _, inst, grid, _, _, slots = step
     # (causal d128: persistent, 2 x 4 x 2 work tiles for fewer SMs than that; O written by TMA too)
-    assert inst.name.startswith("attention_fwd_sm90<cuk::half, 128, 128, 3, 2, true, false, true, true, true, true, ")
+    assert inst.name.startswith("attention_fwd_sm90<cuk::half, 128, 128, 3, 2, 1, false, true, true, true, true, ")
     assert inst.arch == "sm_90a" and inst.threads == 384 and grid == (min(16, _kernels.sm_count(0)), 1)
     maps = [(m.index, m.box) for _, m, _ in slots if isinstance(m, _kernels.MapSlot)]
     assert maps == [(0, (1, 128, 1, 64)), (1, (1, 128, 1, 64)), (2, (1, 128, 1, 64)), (3, (1, 64, 1, 64))]
@@ -189,9 +189,9 @@ def test_the_sm90_forward_config_by_head_dim_and_mask():
     persistent = attn.Sm90FwdConfig(128, 3, producer=True, overlap=True, persistent=True)
     assert ", true, 1, 230400>" in persistent.instance("bfloat16", 128, False).name
     causal_name = dataclasses.replace(persistent, pingpong=True).instance("bfloat16", 128, True).name
-    assert ", true, false, true, true, true, true, 1, 230400>" in causal_name
+    assert ", 2, 1, false, true, true, true, true, 1, 230400>" in causal_name
     capped = dataclasses.replace(persistent, pingpong=True).instance("bfloat16", 128, True, softcap=True)
-    assert ", true, true, true, true, true, true, 1, 230400>" in capped.name
+    assert ", 2, 1, true, true, true, true, true, 1, 230400>" in capped.name
     for cfg, causal in ((dataclasses.replace(persistent, producer=False), True),
                         (dataclasses.replace(persistent, overlap=False), False)):
         with pytest.raises(ValueError, match="persistent takes a producer and the overlap"):

@@ -385,7 +385,7 @@ def _launch(info):
 def test_the_forward_passes_the_window_and_softcap(host_arrays_as_device, monkeypatch):
     """The window and the softcap pick attention_fwd's MASK / SOFTCAP instance and reach its
     arguments (checked against the kernel's declared signature); Hopper's forward is kept for
-    masks it has (none, causal; the softcap too)."""
+    masks it has (none, causal, windows; the softcap too)."""
     import cukern
     from cukern import _kernels
 
@@ -411,16 +411,20 @@ def test_the_forward_passes_the_window_and_softcap(host_arrays_as_device, monkey
     hopper_on = dataclasses.replace(attn.CONFIGS, use_sm90=True)
     monkeypatch.setattr(_kernels, "compute_capability", lambda device: (9, 0))
     for kw, hopper in ((dict(causal=True), True), (dict(window=(-1, 0)), True), (dict(softcap=1.0), True),
-                       (dict(window=(8, -1)), False)):
+                       (dict(window=(8, -1)), True)):
         with pytest.raises(DryRun) as info:
             attn._attention(q, kv, kv, kw.get("causal", False), None, False, hopper_on, kw.get("window", (-1, -1)),
                             kw.get("softcap", 0.0))
         _, inst, _, _, args, _ = _launch(info)
         assert inst.name.startswith("attention_fwd_sm90<" if hopper else "attention_fwd<"), kw
-        if hopper:   # (softcap: the template flag after the causal one, and its factors)
-            template = inst.name[inst.name.index("<") + 1:-1].split(", ")   # (T, D, BN, STAGES, CONSUMERS, CAUSAL,
-            assert template[6] == ("true" if "softcap" in kw else "false")   # SOFTCAP, ...)
-            assert args["cap_out"] == (pytest.approx(np.log2(np.e)) if "softcap" in kw else 0.0)
+        # (T, D, BN, STAGES, CONSUMERS, MASK, SOFTCAP, ...: the mask kind, the softcap flag and factors)
+        template = inst.name[inst.name.index("<") + 1:-1].split(", ")
+        assert template[5] == str(2 if "window" in kw and kw["window"][0] >= 0 else 1 if kw != dict(softcap=1.0)
+                                  else 0)
+        assert template[6] == ("true" if "softcap" in kw else "false")
+        assert args["cap_out"] == (pytest.approx(np.log2(np.e)) if "softcap" in kw else 0.0)
+        assert (args["win_left"], args["win_right"]) == ((8, -1) if kw == dict(window=(8, -1)) else (-1, 0) if
+                                                         template[5] == "1" else (-1, -1))
 
 
 def test_the_varlen_forward_plan(host_arrays_as_device, monkeypatch):
