@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
             n_blocks = last_key < 0 ? 0 : min(n_blocks, last_key / BN + 1);
         } else if (LOCAL) {
             const int stop = window.stop_key(m0, BM, Sk), first = min(window.first_key(m0), stop);
-            kb0 = first / BN;
+            kb0 = max(0, first) / BN;
             n_blocks = stop > first ? (stop + BN - 1) / BN - kb0 : 0;
         }
     };

@@ -425,6 +425,13 @@ def test_the_forward_passes_the_window_and_softcap(host_arrays_as_device, monkey
         assert args["cap_out"] == (pytest.approx(np.log2(np.e)) if "softcap" in kw else 0.0)
         assert (args["win_left"], args["win_right"]) == ((8, -1) if kw == dict(window=(8, -1)) else (-1, 0) if
                                                          template[5] == "1" else (-1, -1))
+    # (d128's persistent config with a window: static work tiles, no counter and no fill step)
+    q128, kv128 = np.ones((2, 200, 4, 128), np.float16), np.ones((2, 300, 2, 128), np.float16)
+    with pytest.raises(DryRun) as info:
+        attn._attention(q128, kv128, kv128, True, None, False, hopper_on, (64, 0), 0.0)
+    _, inst, grid, _, args, _ = _launch(info)
+    assert inst.name.startswith("attention_fwd_sm90<cuk::half, 128, 128, 3, 2, 2, false, ") and grid == (16, 1)
+    assert args["tile_counter"] == 0 and len(info.value.plan.steps) == 1
 
 
 def test_the_varlen_forward_plan(host_arrays_as_device, monkeypatch):
