@@ -726,8 +726,8 @@ def _attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, determin
         plan = _plan_backward(arrays, bool(causal), softmax_scale, bool(deterministic), configs, window, softcap)
         if plain:
             _BWD.put(key, plan)
-    bufs = plan(arrays)
-    return bufs[len(arrays)].obj, bufs[len(arrays) + 1].obj, bufs[len(arrays) + 2].obj
+    bufs = plan(arrays)   # (the given arrays, then dq, dk, dv)
+    return bufs[6].obj, bufs[7].obj, bufs[8].obj
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -759,8 +759,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                               (max_seqlen_q, max_seqlen_k))
         if plain:
             _BWD_VARLEN.put(key, plan)
-    bufs = plan(arrays)
-    return bufs[len(arrays)].obj, bufs[len(arrays) + 1].obj, bufs[len(arrays) + 2].obj
+    bufs = plan(arrays)   # (the given arrays with the offsets, then dq, dk, dv)
+    return bufs[8].obj, bufs[9].obj, bufs[10].obj
 
 
 _BWD_VARLEN = PlanCache()

@@ -515,6 +515,34 @@ def test_the_backward_plans(host_arrays_as_device, monkeypatch):
         assert [s[1].name for s in info.value.plan.steps if isinstance(s, tuple)][1].startswith(name), kw
 
 
+def test_the_backward_fronts_return_their_allocated_gradients(host_arrays_as_device, monkeypatch):
+    """The fronts pick dq, dk, dv out of the plan's buffer list (the given arrays, the offsets of
+    packed documents, then the allocations): run with a fake plan that allocates and launches
+    nothing, each gradient is its own allocation of its input's shape."""
+    import cukern
+    from cukern import _arrays, _faults, _plans
+
+    def fake_run(self, arrays):
+        for i, (slot, fix) in enumerate(self.fixes):
+            arrays[slot] = fix(arrays[slot])
+        for n, alloc in enumerate(self.allocs):
+            arrays.append(_arrays.wrap(np.full(alloc.shape, n, np.float32), f"alloc {n}"))
+        return arrays
+
+    monkeypatch.setattr(_plans.Plan, "__call__", fake_run)
+    monkeypatch.setattr(_faults, "record", lambda device: np.zeros(3, np.int64))
+    q, kv = np.ones((2, 20, 4, 64), np.float16), np.ones((2, 30, 2, 64), np.float16)
+    dq, dk, dv = cukern.attention_backward(q, q, kv, kv, q, np.ones((2, 4, 20), np.float32), causal=True)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, kv.shape, kv.shape)
+    assert (dq.flat[0], dk.flat[0], dv.flat[0]) == (0, 1, 2)
+    qp, kp, vp = _packed(30, 40, 4, 2, 64)
+    cu_q, cu_k = np.array([0, 10, 30], np.int32), np.array([0, 25, 40], np.int32)
+    dq, dk, dv = cukern.attention_varlen_backward(qp, qp, kp, vp, qp, np.ones((4, 30), np.float32), cu_q, cu_k,
+                                                  20, 25)
+    assert (dq.shape, dk.shape, dv.shape) == (qp.shape, kp.shape, vp.shape)
+    assert (dq.flat[0], dk.flat[0], dv.flat[0]) == (0, 1, 2)
+
+
 @gpu
 @settings(max_examples=100, deadline=None)
 @given(c=mask_cases(), deterministic=st.booleans())
