@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -1312,8 +1313,10 @@ TORCH_OPS = (
                 softcap=cap),
             backward_fake=_bwd_fake,
             backward_args=lambda saved, state, grads, T: (grads[0], *saved, *state[:-1], _det(state, T)),
-            grads_to=(0, 1, 2)),
+            grads_to=(0, 1, 2), visible=2),
 )
+# flash_attn_func(return_attn_probs=True): the same op with the lse visible (not differentiated)
+TORCH_OPS += (dataclasses.replace(TORCH_OPS[0], name="attention_lse", visible=2, inference=None, native=False),)
 
 
 def _torch_api(T, ops) -> dict:
@@ -1321,7 +1324,7 @@ def _torch_api(T, ops) -> dict:
     (its signatures, (batch, seqlen, heads, head_dim) and packed (tokens, heads, head_dim)
     layouts, the lse it returns with ``return_attn_probs``), so that a flash-attn user switches
     by changing one import. Autograd and torch.compile through the custom ops."""
-    dense, packed = ops["attention"], ops["attention_varlen"]
+    dense, with_lse, packed = ops["attention"], ops["attention_lse"], ops["attention_varlen"]
 
     def _unsupported(dropout_p, alibi_slopes, block_table=None):
         if dropout_p:
@@ -1344,8 +1347,10 @@ def _torch_api(T, ops) -> dict:
         _unsupported(dropout_p, alibi_slopes)
         s, wl, wr, cap = _flags(q, softmax_scale, window_size, softcap)
         args = (q, k, v, bool(causal), s, wl, wr, cap, int(bool(deterministic)))
-        out, lse = dense.compiled(*args) if T.compiling() else dense(*args)
-        return (out, lse, None) if return_attn_probs else out
+        if not return_attn_probs:
+            return dense.compiled(*args) if T.compiling() else dense(*args)
+        out, lse = with_lse.compiled(*args) if T.compiling() else with_lse(*args)
+        return out, lse, None
 
     def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,

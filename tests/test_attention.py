@@ -3,7 +3,6 @@ the float64 reference and torch's scaled_dot_product_attention (GPU)."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 
 import numpy as np
@@ -15,6 +14,7 @@ from cukern import reference as ref
 from conftest import DryRun
 
 from arrays import assert_close, poison_allocator, random_host, to_device, to_host, torch
+from attention_grads import gradient_scales
 
 gpu = pytest.mark.gpu
 needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
@@ -533,32 +533,6 @@ def test_reference_backward_matches_torch_autograd(causal):
         np.testing.assert_allclose(got, t.grad.numpy(), rtol=1e-10, atol=1e-12)
 
 
-def _gradient_scales(do, q, k, v, causal, softmax_scale, window=(-1, -1), softcap=0.0):
-    """rms of dq, dk, dv computed with every cancelling sum replaced by a sum of magnitudes:
-    the scale that a float32/bf16 evaluation's rounding errors are proportional to (dS =
-    P (dP - rowsum(P dP)) cancels to zero for a query that sees one key)."""
-    mask_module = importlib.import_module("cukern._attention_mask")
-    q, k, v, do = (np.asarray(a, np.float64) for a in (q, k, v, do))
-    B, Sq, H, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
-    scale = 1.0 / np.sqrt(D) if softmax_scale is None else softmax_scale
-    rep = H // Hkv
-    kh, vh = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
-    mask = mask_module.mask_of(causal, window, softcap, Sq, Sk)
-    s = mask_module.capped(np.einsum("bqhd,bkhd->bhqk", q, kh) * scale, mask)
-    if mask.any:
-        s = np.where(mask_module.visible(mask, Sq, Sk)[None, None], s, -np.inf)
-    m = np.max(s, axis=-1, keepdims=True)
-    p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
-    p = p / np.maximum(p.sum(axis=-1, keepdims=True), 1e-300)
-    dp = np.einsum("bqhd,bkhd->bhqk", np.abs(do), np.abs(vh))
-    ds = p * (dp + (p * dp).sum(axis=-1, keepdims=True))
-    dq = np.einsum("bhqk,bkhd->bqhd", ds, np.abs(kh)) * scale
-    dk = np.einsum("bhqk,bqhd->bkhd", ds, np.abs(q)) * scale
-    dv = np.einsum("bhqk,bqhd->bkhd", p, np.abs(do))
-    return [float(np.sqrt(np.mean(a * a))) if a.size else 0.0 for a in (dq, dk, dv)]
-
-
 def _run_backward_case(c):
     rng = np.random.default_rng(c["seed"])
     dt, fw = c["dtype"], c["framework"]
@@ -572,7 +546,7 @@ def _run_backward_case(c):
     grads = cukern.attention_backward(dod, qd, kd, vd, out, lse, causal=c["causal"], softmax_scale=c["scale"],
                                       deterministic=c["deterministic"])
     expect = ref.attention_backward(do, q, k, v, causal=c["causal"], softmax_scale=c["scale"])
-    scales = _gradient_scales(do, q, k, v, c["causal"], c["scale"])
+    scales = gradient_scales(do, q, k, v, c["causal"], c["scale"])
     for name, got, e, shape, sc in zip(("dq", "dk", "dv"), grads, expect, (q.shape, k.shape, v.shape), scales):
         assert type(got) is type(qd) and tuple(got.shape) == shape
         assert_close(got, e, dt, name, tol=2 * TOL[dt], scale=sc)
@@ -658,7 +632,7 @@ def test_attention_backward_against_torch_autograd(d, causal, deterministic):
     o = torch.nn.functional.scaled_dot_product_attention(
         qt.transpose(1, 2), kt.transpose(1, 2), vt.transpose(1, 2), is_causal=causal, enable_gqa=True)
     o.transpose(1, 2).backward(do.float())
-    scales = _gradient_scales(*(to_host(a) for a in (do, q, k, v)), causal, None)
+    scales = gradient_scales(*(to_host(a) for a in (do, q, k, v)), causal, None)
     for name, got, t, sc in zip(("dq", "dk", "dv"), (dq, dk, dv), (qt, kt, vt), scales):
         assert_close(got, to_host(t.grad), "bfloat16", name, tol=2 * TOL["bfloat16"], scale=sc)
 
@@ -789,10 +763,11 @@ def torch_stand_ins() -> dict:
     def packed(q, k, v, c, s):
         return _sdpa_bshd(q[None], k[None], v[None], c, s)[0]
 
-    return {"attention": (lambda q, k, v, c, s, wl, wr, cap, det: (_sdpa_bshd(q, k, v, c, s),
-                                                                   q.new_zeros(q.shape[0], q.shape[2], q.shape[1])),
-                          lambda do, q, k, v, o, lse, c, s, wl, wr, cap, det: tuple(recompute(
-                              lambda q, k, v: _sdpa_bshd(q, k, v, c, s), (q, k, v), do))),
+    dense = (lambda q, k, v, c, s, wl, wr, cap, det: (_sdpa_bshd(q, k, v, c, s),
+                                                     q.new_zeros(q.shape[0], q.shape[2], q.shape[1])),
+             lambda do, q, k, v, o, lse, c, s, wl, wr, cap, det: tuple(recompute(
+                 lambda q, k, v: _sdpa_bshd(q, k, v, c, s), (q, k, v), do)))
+    return {"attention": dense, "attention_lse": dense,
             "attention_varlen": (lambda q, k, v, cq, ck, mq, mk, c, s, wl, wr, cap, det: (
                                      packed(q, k, v, c, s), q.new_zeros(q.shape[1], q.shape[0])),
                                  lambda do, q, k, v, o, lse, cq, ck, mq, mk, c, s, wl, wr, cap, det: tuple(recompute(
@@ -804,6 +779,8 @@ def torch_wiring_calls(which: str, g) -> list:
     qp, kp, vp = (torch.randn(6, 2, 8, generator=g).requires_grad_(which != "w") for _ in range(3))
     cu = torch.tensor([0, 6], dtype=torch.int32)
     return [("attention", (q, k, v, True, 0.3, -1, -1, 0.0, -1), lambda: _sdpa_bshd(q, k, v, True, 0.3), (q, k, v)),
+            ("attention_lse", (q, k, v, True, 0.3, -1, -1, 0.0, -1), lambda: _sdpa_bshd(q, k, v, True, 0.3),
+             (q, k, v)),
             ("attention_varlen", (qp, kp, vp, cu, cu, 6, 6, True, 0.3, -1, -1, 0.0, -1),
              lambda: _sdpa_bshd(qp[None], kp[None], vp[None], True, 0.3)[0], (qp, kp, vp))]
 
@@ -815,6 +792,8 @@ def opcheck_samples() -> list:
     cu = torch.tensor([0, 17, 17, 40], dtype=torch.int32, device="cuda")
     return [(torch.ops.cukern.attention.default, (leaf((2, 40, 4, 64), bf, 0), leaf((2, 40, 2, 64), bf, 1),
                                                   leaf((2, 40, 2, 64), bf, 2), True, 0.125, 16, -1, 5.0, -1)),
+            (torch.ops.cukern.attention_lse.default, (leaf((2, 40, 4, 64), bf, 0), leaf((2, 40, 2, 64), bf, 1),
+                                                      leaf((2, 40, 2, 64), bf, 2), False, 0.125, -1, -1, 0.0, 1)),
             (torch.ops.cukern.attention_varlen.default, (leaf((40, 4, 64), bf, 0), leaf((40, 2, 64), bf, 1),
                                                          leaf((40, 2, 64), bf, 2), cu, cu, 23, 23, True, 0.125, -1,
                                                          -1, 0.0, -1))]

@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 from cukern import reference as ref
 
 from arrays import torch
+from attention_grads import gradient_scales
 
 M = importlib.import_module("cukern._attention_mask")
 needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
@@ -523,7 +524,7 @@ def test_the_backward_fronts_return_their_allocated_gradients(host_arrays_as_dev
     from cukern import _arrays, _faults, _plans
 
     def fake_run(self, arrays):
-        for i, (slot, fix) in enumerate(self.fixes):
+        for slot, fix in self.fixes:
             arrays[slot] = fix(arrays[slot])
         for n, alloc in enumerate(self.allocs):
             arrays.append(_arrays.wrap(np.full(alloc.shape, n, np.float32), f"alloc {n}"))
@@ -551,7 +552,6 @@ def test_the_backward_with_windows_and_softcap_matches_the_reference(c, determin
     measured against the gradients' own scale (test_attention's)."""
     import cukern
     from arrays import assert_close, poison_allocator, random_host, to_device
-    from test_attention import _gradient_scales
 
     rng = np.random.default_rng(c["seed"])
     dt, fw = c["dtype"], c["framework"]
@@ -565,7 +565,7 @@ def test_the_backward_with_windows_and_softcap_matches_the_reference(c, determin
     poison_allocator(fw, [q.nbytes, k.nbytes, k.nbytes])
     grads = cukern.attention_backward(dod, qd, kd, vd, out, lse, deterministic=deterministic, **kw)
     expect = ref.attention_backward(do, q, k, v, **kw)
-    scales = _gradient_scales(do, q, k, v, c["causal"], c["scale"], c["window"], c["softcap"])
+    scales = gradient_scales(do, q, k, v, c["causal"], c["scale"], c["window"], c["softcap"])
     for name, got, e, sc in zip(("dq", "dk", "dv"), grads, expect, scales):
         assert_close(got, e, dt, name, tol=2 * _tol(dt, c["softcap"]), scale=sc)
 
@@ -685,7 +685,6 @@ def test_window_edge_cases_forward_and_both_backwards(sq, sk, h, hkv, window, ca
     """Shapes chosen for the tile walks' edges; the two dQ paths agree with the reference."""
     import cukern
     from arrays import assert_close, random_host, to_device
-    from test_attention import _gradient_scales
 
     rng = np.random.default_rng(sq + sk)
     q = random_host(rng, (2, sq, h, 64), "float16", scale=2.0)
@@ -697,7 +696,7 @@ def test_window_edge_cases_forward_and_both_backwards(sq, sk, h, hkv, window, ca
     e_out, e_lse = ref.attention(q, k, v, return_lse=True, **kw)
     _check_out_lse(out, lse, e_out, e_lse, "float16", TOL["float16"])
     expect = ref.attention_backward(do, q, k, v, **kw)
-    scales = _gradient_scales(do, q, k, v, causal, None, window)
+    scales = gradient_scales(do, q, k, v, causal, None, window)
     for det in (False, True):
         grads = cukern.attention_backward(dod, qd, kd, vd, out, lse, deterministic=det, **kw)
         for name, got, e, sc in zip(("dq", "dk", "dv"), grads, expect, scales):
