@@ -653,7 +653,8 @@ def test_flash_attn_func_forward_and_gradients(compiled):
     out, lse, probs = fa(q, k, v, return_attn_probs=True, deterministic=True, **kw)
     assert probs is None and tuple(lse.shape) == (2, 4, 150)
     grads = torch.autograd.grad(out, (q, k, v), do)
-    host = [t.detach().float().cpu().numpy() for t in (q, k, v, do)]
+    # (the references take half precision: bfloat16's values are float16's exactly at this range)
+    host = [t.detach().float().cpu().numpy().astype(np.float16) for t in (q, k, v, do)]
     rkw = dict(causal=True, window=(40, 0), softcap=20.0)
     assert_close(out, ref.attention(*host[:3], **rkw), "bfloat16", "out", tol=_tol("bfloat16", 20.0), scale=0.25)
     for name, got, e in zip("qkv", grads, ref.attention_backward(host[3], *host[:3], **rkw)):
@@ -665,7 +666,7 @@ def test_flash_attn_func_forward_and_gradients(compiled):
     fv = torch.compile(ct.flash_attn_varlen_func, fullgraph=True) if compiled else ct.flash_attn_varlen_func
     outp = fv(qp, kp, vp, cu, cu, 89, 89, causal=True)
     gp = torch.autograd.grad(outp, (qp, kp, vp), do[0])
-    hp = [t.detach().float().cpu().numpy() for t in (qp, kp, vp, do[0])]
+    hp = [t.detach().float().cpu().numpy().astype(np.float16) for t in (qp, kp, vp, do[0])]
     cuh = cu.cpu().numpy()
     assert_close(outp, ref.attention_varlen(*hp[:3], cuh, cuh, 89, 89, causal=True), "bfloat16", "out",
                  tol=TOL["bfloat16"], scale=0.25)
