@@ -205,10 +205,12 @@ class Sm90BwdConfig:
         rows = self.stages * 2 * self.block_rows * 4
         return (2 * self.block_keys + 2 * self.stages * self.block_rows) * d * 2 + ds + dq + rows + 1024
 
-    def instance(self, dtype: str, d: int, causal: bool, deterministic: bool) -> Instance:
+    def instance(self, dtype: str, d: int, mask: int, deterministic: bool, softcap: bool = False) -> Instance:
+        """``mask``: Mask.kind (a bool: causal or not)."""
         smem = self.smem(d, deterministic)
+        producer = self.threads(deterministic) == 384
         return Instance(SM90_BWD_SOURCE, f"attention_bwd_sm90<{_ctype(dtype)}, {d}, {self.block_rows}, {self.stages}, "
-                        f"{_b(causal)}, {_b(not deterministic)}, {_b(self.threads(deterministic) == 384)}, {smem}>",
+                        f"{int(mask)}, {_b(softcap)}, {_b(not deterministic)}, {_b(producer)}, {smem}>",
                         self.threads(deterministic), smem, "sm_90a")
 
 
@@ -262,6 +264,9 @@ class Configs:
     # tiles as measured fastest on an H200 (d64: 128 rows 288 TFLOP/s against 64 rows 235).
     bwd_sm90: tuple[tuple[int, Sm90BwdConfig], ...] = ((64, Sm90BwdConfig(128, producer=True)),
                                                        (128, Sm90BwdConfig(64, producer=True)))
+    # ... with the softcap (its P^T and dS^T pass holds more: 128-row tiles at d64 spill)
+    bwd_sm90_softcap: tuple[tuple[int, Sm90BwdConfig], ...] = ((64, Sm90BwdConfig(64, producer=True)),
+                                                               (128, Sm90BwdConfig(64, producer=True)))
     use_sm90_bwd: bool = True
 
     @property
@@ -322,8 +327,10 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
             for cap in (False, True)]
     out += [cfg.instance(dt, d, m, cap) for dt in DTYPES for d, cfg in configs.fwd_sm90_full
             for m in ((0, 1, 2) if d in dict(configs.fwd_sm90_long) else (0,)) for cap in (False, True)]
-    out += [cfg.instance(dt, d, c, det) for dt in DTYPES for d, cfg in configs.bwd_sm90 for c in (False, True)
+    out += [cfg.instance(dt, d, m, det) for dt in DTYPES for d, cfg in configs.bwd_sm90 for m in (0, 1, 2)
             for det in (False, True)]
+    out += [cfg.instance(dt, d, m, det, True) for dt in DTYPES for d, cfg in configs.bwd_sm90_softcap
+            for m in (0, 2) for det in (False, True)]
     for dt in DTYPES:
         for d, cfg in configs.bwd:
             out.append(configs.dot(dt, d))
@@ -829,10 +836,10 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
     out_strides = {**{f"dk_{n}": s for n, s in _strides3(dks).items()},
                    **{f"dv_{n}": s for n, s in _strides3(dvs).items()}}
     hopper = (configs.use_sm90_bwd and d in dict(configs.bwd_sm90) and _kernels.compute_capability(device) == (9, 0)
-              and varlen is None and mask.kind < 2 and not mask.softcap
+              and varlen is None
               and all(i in copied or _tma_readable(a) for i, a in enumerate(arrays[:4])))
     # The Hopper kernel loads lse * log2(e) and Dsum by TMA, a query tile's [2][rows] at once.
-    cfg_sm90 = configs.get("bwd_sm90", d) if hopper else None
+    cfg_sm90 = configs.get("bwd_sm90_softcap" if mask.softcap else "bwd_sm90", d) if hopper else None
     tile = cfg_sm90.block_rows if hopper else 0
     rows = b.alloc((batch, h, -(-sq // tile), 2, tile), "float32") if hopper else None
     threads = configs.dot_threads
@@ -844,12 +851,14 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
         # dK, dV (and dQ's float32 partial sums, by TMA reduce-add) by TMA and wgmma; dQ's
         # conversion or pass as below. (deterministic: no dQ here, the dq_map is unused)
         cfg = cfg_sm90
-        k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.causal, deterministic), device)
+        # (the softcap's causal mask as the window (-1, 0), the same keys: its MASK 1 instance spills)
+        kind = 2 if mask.softcap and mask.kind == 1 else mask.kind
+        k = _kernels.kernel(cfg.instance(qa.dtype, d, kind, deterministic, bool(mask.softcap)), device)
         qbox, kbox = (1, cfg.block_rows, 1, 64), (1, cfg.block_keys, 1, 64)
         dq_map = bytes(128) if deterministic else MapSlot(dq_accum.index, (1, 16, 1, 32))
         b.launch(k, (-(-sk // cfg.block_keys), batch * hkv), q_map=MapSlot(1, qbox), k_map=MapSlot(2, kbox),
                  v_map=MapSlot(3, kbox), do_map=MapSlot(0, qbox), dq_map=dq_map, rows=rows, dk=dk, dv=dv,
-                 **out_strides, **tail)
+                 **out_strides, **tail, win_left=mask.left, win_right=mask.right, cap_in=cap_in, cap_out=cap_out)
     else:
         cfg = configs.get("bwd", d)
         k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, deterministic, bool(mask.softcap)), device)

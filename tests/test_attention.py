@@ -263,7 +263,7 @@ def test_the_sm90_backward_takes_tensor_maps_of_the_inputs(host_arrays_as_device
                                                         "attention_bwd_dq_convert"]
     _, inst, grid, _, _, slots = steps[1]
     cfg = attn.CONFIGS.get("bwd_sm90", 128)
-    assert inst.name.startswith(f"attention_bwd_sm90<cuk::half, 128, 64, {cfg.stages}, true, true, ")
+    assert inst.name.startswith(f"attention_bwd_sm90<cuk::half, 128, 64, {cfg.stages}, 1, false, true, ")
     assert inst.arch == "sm_90a" and inst.threads == cfg.threads(False) and grid == (3, 4)
     maps = [(m.index, m.box) for _, m, _ in slots if isinstance(m, _kernels.MapSlot)]
     assert maps[:4] == [(1, (1, 64, 1, 64)), (2, (1, 128, 1, 64)), (3, (1, 128, 1, 64)), (0, (1, 64, 1, 64))]
@@ -275,7 +275,7 @@ def test_the_sm90_backward_takes_tensor_maps_of_the_inputs(host_arrays_as_device
     steps = launches(64, (9, 0), deterministic=True)
     assert [s[1].name.split("<")[0] for s in steps] == ["attention_bwd_dot", "attention_bwd_sm90", "attention_bwd_dq"]
     cfg = attn.CONFIGS.get("bwd_sm90", 64)
-    assert steps[1][1].name.startswith(f"attention_bwd_sm90<cuk::half, 64, {cfg.block_rows}, {cfg.stages}, true, "
+    assert steps[1][1].name.startswith(f"attention_bwd_sm90<cuk::half, 64, {cfg.block_rows}, {cfg.stages}, 1, false, "
                                        "false, false, ")   # (no producer warpgroup when deterministic)
     assert steps[1][1].threads == 256
     assert launches(128, (8, 0))[1][1].name.startswith("attention_bwd_dkdv<")          # A100

@@ -466,7 +466,7 @@ def test_the_backward_plans(host_arrays_as_device, monkeypatch):
     """The backward with a window and the softcap: Dsum, then attention_bwd_dkdv (MASK 2,
     SOFTCAP) over key tiles, and dQ's conversion (or attention_bwd_dq, deterministic), each
     packed against its kernel's signature; packed documents: the offsets and a grid over the
-    longest document; the Hopper kernels keep the masks they have."""
+    longest document; on Hopper, attention_bwd_sm90 takes the masks and the softcap."""
     import dataclasses
 
     import cukern
@@ -508,8 +508,9 @@ def test_the_backward_plans(host_arrays_as_device, monkeypatch):
     attn = importlib.import_module("cukern.attention")
     monkeypatch.setattr(_kernels, "compute_capability", lambda device: (9, 0))
     hopper_on = dataclasses.replace(attn.CONFIGS, use_sm90_bwd=True)
-    for kw, name in ((dict(), "attention_bwd_sm90<"), (dict(window=(5, 0)), "attention_bwd_dkdv<"),
-                     (dict(softcap=3.0), "attention_bwd_dkdv<")):
+    for kw, name in ((dict(), "attention_bwd_sm90<cuk::half, 128, 64, 2, 1, false, "),
+                     (dict(window=(5, 0)), "attention_bwd_sm90<cuk::half, 128, 64, 2, 2, false, "),
+                     (dict(softcap=3.0), "attention_bwd_sm90<cuk::half, 128, 64, 2, 2, true, ")):
         with pytest.raises(DryRun) as info:
             attn._attention_backward(q, q, kv, kv, q, lse, True, None, False, hopper_on, kw.get("window", (-1, -1)),
                                      kw.get("softcap", 0.0))
@@ -550,6 +551,34 @@ def test_the_backward_fronts_return_their_allocated_gradients(host_arrays_as_dev
 def test_the_backward_with_windows_and_softcap_matches_the_reference(c, deterministic):
     """dq, dk, dv with every mask and the softcap, both dQ paths; poisoned outputs; errors
     measured against the gradients' own scale (test_attention's)."""
+    _backward_case(c, deterministic)
+
+
+@gpu
+@settings(max_examples=60, deadline=None)
+@given(c=mask_cases(), sq=st.sampled_from([64, 129, 300]), sk=st.sampled_from([127, 129, 300, 513]),
+       d=st.sampled_from([64, 128]), rows=st.sampled_from([64, 128]), producer=st.booleans(),
+       deterministic=st.booleans())
+def test_the_sm90_backward_with_windows_and_softcap(c, sq, sk, d, rows, producer, deterministic):
+    """The Hopper backward's walk over the query tiles a window leaves (several key blocks of
+    128, query tiles of 64 and 128 rows, with and without the producer warpgroup) and its softcap."""
+    import dataclasses
+
+    from cukern import _kernels
+
+    if _kernels.compute_capability(0) != (9, 0):
+        pytest.skip("the Hopper path needs an sm_90 GPU")
+    attn = importlib.import_module("cukern.attention")
+    c.update(sq=sq, sk=sk, d=d)
+    cfg = attn.Sm90BwdConfig(rows if d == 64 else 64, producer=producer)
+    with pytest.MonkeyPatch.context() as mp:
+        configs = dataclasses.replace(attn.CONFIGS, bwd_sm90=((d, cfg),), bwd_sm90_softcap=((d, cfg),),
+                                      use_sm90_bwd=True)
+        mp.setattr(attn, "CONFIGS", configs)
+        _backward_case(c, deterministic)
+
+
+def _backward_case(c, deterministic):
     import cukern
     from arrays import assert_close, poison_allocator, random_host, to_device
 
