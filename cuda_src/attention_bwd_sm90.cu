@@ -21,10 +21,12 @@
 // that both warpgroups' dS^T stores complete), so the two warpgroups are never held in step by a
 // block barrier and drift: one's softmax overlaps the other's products.
 // dK is scaled at the end; dq_accum is scaled by attention_bwd_dq_convert.
-// MASK (common/attn_mask.cuh): a block walks only the query tiles that see one of its keys
-// (causal: from the diagonal; a window: between its two edges). SOFTCAP (t = tanh(s scale / c)):
-// P^T = exp2(c log2(e) t - lse_log2) and dS^T = P^T (dP^T - Dsum) (1 - t^2), both from the
-// same pass once dP^T is in (t is not kept: no registers for it).
+// MASK (common/attn_mask.cuh): 0 none, 1 causal, 2 a window, whose block walks only the query
+// tiles between its keys' window edges. SOFTCAP (t = tanh(s scale / c); the host takes a causal
+// mask as the window (-1, 0) with it): P^T = exp2(c log2(e) t - lse_log2) and dS^T = P^T (dP^T -
+// Dsum) (1 - t^2) in one pass once dP^T is in (t is not kept: no registers for it).
+// The unmasked and causal instances' code is written out as it was before the masks: ptxas lays
+// out KeyMask's form of the same tests differently there, measured 7% slower at d128 causal.
 #include "common/dtype.cuh"
 #include "common/reduce.cuh"
 #include "common/hopper.cuh"
@@ -51,6 +53,7 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     int H, int Hkv, int Sq, int Sk, float scale, float scale_log2, int win_left, int win_right, float cap_in,
     float cap_out)
 {
+    constexpr bool CAUSAL = MASK == 1;
     constexpr int BN = 128, DB = D / 64;            // DB: 64-column boxes of a row
     constexpr int Q_BOX = BM * 128, KV_BOX = BN * 128;          // bytes of one box (rows x 128 bytes)
     constexpr int Q_BYTES = DB * Q_BOX, KV_BYTES = DB * KV_BOX;
@@ -84,12 +87,12 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     const int g = lane / 4, t = lane % 4;
     const int n0 = blockIdx.x * BN;
     const int key0 = n0 + wg * 64 + warp * 16 + g;   // this thread's keys: key0 and key0 + 8
-    const attention::KeyMask<MASK> km(win_left, win_right, Sk - Sq);
-    // Query tiles that see a key of this block (query i sees keys i + lo .. i + hi); steps walk
-    // (head, query tile) pairs, head-major.
     const int diag = Sk - Sq;
-    const int m_first = km.first_query(n0) / BM;
-    const int per_head = max(0, (km.stop_query(n0, BN, Sq) + BM - 1) / BM - m_first);
+    // Query tiles that see a key of this block (causal: query i sees key j iff j <= i + diag; a
+    // window: i + lo .. i + hi); steps walk (head, query tile) pairs, head-major.
+    const attention::KeyMask<MASK> km(win_left, win_right, diag);
+    const int m_first = MASK == 2 ? km.first_query(n0) / BM : CAUSAL ? max(0, n0 - diag) / BM : 0;
+    const int per_head = max(0, ((MASK == 2 ? km.stop_query(n0, BN, Sq) : Sq) + BM - 1) / BM - m_first);
     const int steps = per_head * rep;
     CUK_STAMP(0);
 
@@ -219,13 +222,10 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
         CUK_STEP_STAMP(3);
 
         // P^T = exp2(S^T scale_log2 - lse_log2) (this thread's query columns 8j + 2t, +1), 0 for
-        // queries past Sq and keys the mask hides (past Sk, past the diagonal, outside the window).
-        // SOFTCAP: dP^T first, then P^T and dS^T in one pass.
-        // (causal: km's tests written out, as before it: ptxas gave km's own form 76 bytes of
-        // spills at d64)
-        const bool edge = MASK == 1 ? (m0 + BM > Sq || n0 + BN > Sk || (n0 + BN - 1 > m0 + diag))
-                                    : (m0 + BM > Sq || km.edge(n0, BN, m0, BM, Sk));
+        // queries past Sq, keys past Sk and, causal, keys past the diagonal
         if constexpr (SOFTCAP) {
+            // (after dP^T: P^T and dS^T in one pass, 1 - t^2 never held)
+            const bool edge = m0 + BM > Sq || km.edge(n0, BN, m0, BM, Sk);
             wgmma_wait<0>();
             wgmma_hold(dp);
 #pragma unroll
@@ -238,13 +238,14 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
                     float p = fast_exp2(fmaf(th, cap_out, -(e & 1 ? l.y : l.x)));
                     if (edge) {
                         const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
-                        if (q >= Sq || (MASK == 1 ? (key >= Sk || key > q + diag) : km.hidden(q, key, Sk))) p = 0.f;
+                        if (q >= Sq || km.hidden(q, key, Sk)) p = 0.f;
                     }
                     s[4 * j + e] = p;
                     dp[4 * j + e] = p * (dp[4 * j + e] - (e & 1 ? d.y : d.x)) * (1.f - th * th);
                 }
             }
-        } else {
+        } else if constexpr (MASK == 2) {
+            const bool edge = m0 + BM > Sq || km.edge(n0, BN, m0, BM, Sk);
 #pragma unroll
             for (int j = 0; j < BM / 8; ++j) {
                 const float2 l = *reinterpret_cast<const float2*>(lrow + 8 * j + 2 * t);
@@ -253,7 +254,23 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
                     float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -(e & 1 ? l.y : l.x)));
                     if (edge) {
                         const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
-                        if (q >= Sq || (MASK == 1 ? (key >= Sk || key > q + diag) : km.hidden(q, key, Sk))) p = 0.f;
+                        if (q >= Sq || km.hidden(q, key, Sk)) p = 0.f;
+                    }
+                    s[4 * j + e] = p;
+                }
+            }
+        } else {
+            // (no mask or causal: the window's loop written out, see the top)
+            const bool edge = m0 + BM > Sq || n0 + BN > Sk || (CAUSAL && n0 + BN - 1 > m0 + diag);
+#pragma unroll
+            for (int j = 0; j < BM / 8; ++j) {
+                const float2 l = *reinterpret_cast<const float2*>(lrow + 8 * j + 2 * t);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -(e & 1 ? l.y : l.x)));
+                    if (edge) {
+                        const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
+                        if (q >= Sq || key >= Sk || (CAUSAL && key > q + diag)) p = 0.f;
                     }
                     s[4 * j + e] = p;
                 }
