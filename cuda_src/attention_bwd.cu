@@ -15,12 +15,17 @@
 //       run.
 // Layouts as the forward: q, dq, out, dout (B, Sq, H, D); k, v, dk, dv (B, Sk, Hkv, D), each
 // with element strides for batch, sequence and head and unit stride over D; lse and Dsum
-// (B, H, Sq) float32 (lse natural-log, +inf for a query that sees no key).
+// (B, H, Sq) float32 (lse natural-log, +inf for a query that sees no key). Masks, the softcap
+// and packed documents as the forward (attention_fwd.cu, common/attn_mask.cuh): packed, the
+// kernels see one batch of Sq (Sk) tokens, cu_q / cu_k give a document's, and attention_bwd_dot
+// and attention_bwd_dq_convert run on the packed tokens as they are (B = 1). With the softcap
+// (t = tanh(s scale / c)) dS is P (dP - Dsum) (1 - t^2).
 #include "common/dtype.cuh"
 #include "common/vec.cuh"
 #include "common/mma.cuh"
 #include "common/reduce.cuh"
 #include "common/attn_tile.cuh"
+#include "common/attn_mask.cuh"
 
 // L = LANES lanes a row (b, h, i), rows numbered i fastest (so that Dsum, lse and `rows` are
 // read and written in runs), each lane one or more 16-byte vectors of the row's dO and O (a
@@ -139,8 +144,8 @@ struct DqTiles {
 //   dQ_partial = dS K   (BM x D): WM_Q warps over queries x WARPS / WM_Q over D, added
 //     into dq_accum (B, Sq, H, D) float32 with atomics (DQ_ATOMIC; else attention_bwd_dq).
 // SMEM: the dynamic shared memory of the launch, in bytes (= BwdTiles<T, D, BM, BN>::smem_bytes).
-template <typename T, int D, int BM, int BN, int WARPS, int WM_S, int WN_KV, int WM_Q, bool CAUSAL, bool DQ_ATOMIC,
-          int SMEM>
+template <typename T, int D, int BM, int BN, int WARPS, int WM_S, int WN_KV, int WM_Q, int MASK, bool SOFTCAP,
+          bool DQ_ATOMIC, int SMEM>
 __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
@@ -151,7 +156,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
     long long d_sb, long long d_ss, long long d_sh,
     long long dk_sb, long long dk_ss, long long dk_sh,
     long long dv_sb, long long dv_ss, long long dv_sh,
-    int H, int Hkv, int Sq, int Sk, float scale, float scale_log2)
+    int H, int Hkv, int Sq, int Sk, float scale, float scale_log2, int win_left, int win_right, float cap_in,
+    float cap_out, const int* __restrict__ cu_q, const int* __restrict__ cu_k, int max_q, int max_k,
+    long long* __restrict__ fault)
 {
     using namespace cuk;
     using namespace cuk::attention;
@@ -190,7 +197,14 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const int n0 = n_block * BN;
-    const int diag = Sk - Sq;
+    // This (batch, kv head)'s tokens: batch bq from token 0, or (packed) batch 0 from a
+    // document's first tokens q0, k0. Kept in shared memory and read where used: registers
+    // across the step loop are what this kernel has least of.
+    __shared__ int span[5];   // bq, q0, k0, sq, sk
+    block_span(span, b, gridDim.y / Hkv, cu_q, cu_k, Sq, Sk, max_q, max_k, fault);
+    if (n0 >= span[4]) return;   // (packed: the grid covers the longest document)
+    // (the mask from the span where used, as the span)
+    auto mask = [&]() { return KeyMask<MASK>(win_left, win_right, span[4] - span[3]); };
     const unsigned int offA = a_offset(lane, ROW_BYTES), offB = b_offset(lane, ROW_BYTES);
     const unsigned int offPA = a_offset(lane, PROW_BYTES), offPB = b_offset(lane, PROW_BYTES);
     const unsigned int sKa = smem_addr(sK), sVa = smem_addr(sV), sQa = smem_addr(sQ), sdOa = smem_addr(sdO);
@@ -199,27 +213,32 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
     const int wk_n = (warp % WN_KV) * KN, wk_d = (warp / WN_KV) * KD;    // dK/dV tile origin
     const int wq_m = (warp % WM_Q) * QM, wq_d = (warp / WM_Q) * QD;      // dQ tile origin
 
-    // Query tiles that see a key of this tile: causal, query i sees key j iff j <= i + diag.
-    const int m_first = CAUSAL ? max(0, (n0 - diag) / BM) : 0;
-    const int m_tiles = (Sq + BM - 1) / BM;
-    const int per_head = max(0, m_tiles - m_first);
+    // The query tiles whose rows see a key of this tile (the rows up to q_stop).
+    const int q_first = mask().first_query(n0), q_stop = mask().stop_query(n0, BN, span[3]);
+    const int m_first = q_first / BM;
+    const int per_head = q_first < q_stop ? (q_stop + BM - 1) / BM - m_first : 0;
     const int steps = per_head * rep;
 
-    load_tile<T, BN, D, ROW, THREADS>(sK, k + b * k_sb + hk * k_sh, k_ss, n0, Sk);
-    load_tile<T, BN, D, ROW, THREADS>(sV, v + b * v_sb + hk * v_sh, v_ss, n0, Sk);
+    load_tile<T, BN, D, ROW, THREADS>(sK, k + span[0] * k_sb + static_cast<long long>(span[2]) * k_ss + hk * k_sh, k_ss,
+                                      n0, span[4]);
+    load_tile<T, BN, D, ROW, THREADS>(sV, v + span[0] * v_sb + static_cast<long long>(span[2]) * v_ss + hk * v_sh, v_ss,
+                                      n0, span[4]);
     // Steps walk (head, query tile) pairs, head-major; kept as counters (no divisions).
-    auto issue = [&](int h, int m0, int buf) {   // Q, dO, lse and Dsum of a step (zeros past Sq)
-        load_tile<T, BM, D, ROW, THREADS>(sQ + buf * BM * ROW, q + b * q_sb + h * q_sh, q_ss, m0, Sq);
-        load_tile<T, BM, D, ROW, THREADS>(sdO + buf * BM * ROW, dout + b * d_sb + h * d_sh, d_ss, m0, Sq);
-        const long long rowbase = (static_cast<long long>(b) * H + h) * Sq;
+    auto issue = [&](int h, int m0, int buf) {   // Q, dO, lse and Dsum of a step (zeros past sq)
+        const int bq = span[0], q0 = span[1], sq = span[3];
+        load_tile<T, BM, D, ROW, THREADS>(sQ + buf * BM * ROW, q + bq * q_sb + static_cast<long long>(q0) * q_ss + h * q_sh,
+                                          q_ss, m0, sq);
+        load_tile<T, BM, D, ROW, THREADS>(sdO + buf * BM * ROW,
+                                          dout + bq * d_sb + static_cast<long long>(q0) * d_ss + h * d_sh, d_ss, m0, sq);
+        const long long rowbase = (static_cast<long long>(bq) * H + h) * Sq + q0;
         for (int i = threadIdx.x; i < BM; i += THREADS) {
-            const bool ok = m0 + i < Sq;
+            const bool ok = m0 + i < sq;
             cp_async_4(sL + buf * BM + i, ok ? lse + rowbase + m0 + i : lse, ok);
             cp_async_4(sD + buf * BM + i, ok ? dsum + rowbase + m0 + i : dsum, ok);
         }
     };
     auto advance = [&](int& h, int& m0) {
-        if (m0 + BM >= Sq) { ++h; m0 = m_first * BM; } else { m0 += BM; }
+        if (m0 + BM >= q_stop) { ++h; m0 = m_first * BM; } else { m0 += BM; }
     };
     int h = hk * rep, m0 = m_first * BM;   // this step's head and first query
     if (steps > 0) issue(h, m0, 0);
@@ -278,11 +297,14 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
             }
         }
 
-        // P = exp(S*scale - lse), dS = P * (dP - Dsum); masked entries (queries past Sq, keys
-        // past Sk or, causal, past the diagonal) are 0. Stored as [query][key] pairs.
+        // P = exp(S*scale - lse), dS = P * (dP - Dsum) (the softcap: P = exp(c tanh(S*scale / c)
+        // - lse), dS times 1 - tanh^2); masked entries (queries past sq, keys past sk or
+        // outside the mask) are 0. Stored as [query][key] pairs.
         const float* lrow = sL + buf * BM;
         const float* drow = sD + buf * BM;
-        const bool edge = m0 + BM > Sq || n0 + BN > Sk || (CAUSAL && n0 + BN - 1 > m0 + diag);
+        const int sq = span[3], sk = span[4];
+        const KeyMask<MASK> mk = mask();
+        const bool edge = m0 + BM > sq || mk.edge(n0, BN, m0, BM, sk);
 #pragma unroll
         for (int mt = 0; mt < MS; ++mt) {
 #pragma unroll
@@ -294,13 +316,20 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
                     float pv[2];
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
-                        float p = fast_exp2(fmaf(s[mt][j][2 * r + c], scale_log2, -l2));
+                        float p, th = 0.f;
+                        if constexpr (SOFTCAP) {
+                            th = tanh_approx(s[mt][j][2 * r + c] * cap_in);
+                            p = fast_exp2(fmaf(th, cap_out, -l2));
+                        } else {
+                            p = fast_exp2(fmaf(s[mt][j][2 * r + c], scale_log2, -l2));
+                        }
                         if (edge) {
                             const int key = n0 + ws_n + j * 8 + 2 * t + c;
-                            if (m0 + qi >= Sq || key >= Sk || (CAUSAL && key > m0 + qi + diag)) p = 0.f;
+                            if (m0 + qi >= sq || mk.hidden(m0 + qi, key, sk)) p = 0.f;
                         }
                         pv[c] = p;
                         dp[mt][j][2 * r + c] = p * (dp[mt][j][2 * r + c] - dsm);
+                        if constexpr (SOFTCAP) dp[mt][j][2 * r + c] *= 1.f - th * th;
                     }
                     const int at = swz<PROW>(qi, ws_n + j * 8 + 2 * t);
                     *reinterpret_cast<unsigned int*>(sP + at) = pack_pair(pv[0], pv[1], T{});
@@ -346,8 +375,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
 #pragma unroll
                     for (int r = 0; r < 2; ++r) {
                         const int row = m0 + wq_m + mt * 16 + g + r * 8;
-                        if (row < Sq) {
-                            float* dst = dq_accum + ((static_cast<long long>(b) * Sq + row) * H + h) * D + wq_d + dc + 2 * t;
+                        if (row < span[3]) {
+                            float* dst = dq_accum + ((static_cast<long long>(span[0]) * Sq + span[1] + row) * H + h) * D + wq_d + dc + 2 * t;
 #pragma unroll
                             for (int i = 0; i < QDC / 8; ++i) red_add2(dst + i * 8, acc[mt][i][2 * r], acc[mt][i][2 * r + 1]);
                         }
@@ -387,14 +416,15 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
     cp_async_wait<0>();   // (no copy may be in flight at exit, e.g. with no query tile)
 
     // Write this warp's dK, dV tile (zeros for keys no query sees).
-    T* dkg = dk + b * dk_sb + hk * dk_sh;
-    T* dvg = dv + b * dv_sb + hk * dv_sh;
+    const int bq = span[0], k0 = span[2], sk = span[4];
+    T* dkg = dk + bq * dk_sb + static_cast<long long>(k0) * dk_ss + hk * dk_sh;
+    T* dvg = dv + bq * dv_sb + static_cast<long long>(k0) * dv_ss + hk * dv_sh;
 #pragma unroll
     for (int mt = 0; mt < KM; ++mt) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int key = n0 + wk_n + mt * 16 + g + r * 8;
-            if (key < Sk) {
+            if (key < sk) {
 #pragma unroll
                 for (int i = 0; i < KD / 8; ++i) {
                     const int col = wk_d + i * 8 + 2 * t;
@@ -410,7 +440,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
 
 // dQ. Block (query tile m_block, b * H + h); WARPS warps of 16 queries: BM = 16 * WARPS.
 // SMEM: the dynamic shared memory of the launch, in bytes (= DqTiles<T, D, WARPS, BN>::smem_bytes).
-template <typename T, int D, int WARPS, int BN, bool CAUSAL, int SMEM>
+template <typename T, int D, int WARPS, int BN, int MASK, bool SOFTCAP, int SMEM>
 __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dq(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
@@ -420,7 +450,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dq(
     long long v_sb, long long v_ss, long long v_sh,
     long long d_sb, long long d_ss, long long d_sh,
     long long dq_sb, long long dq_ss, long long dq_sh,
-    int H, int Hkv, int Sq, int Sk, float scale, float scale_log2)
+    int H, int Hkv, int Sq, int Sk, float scale, float scale_log2, int win_left, int win_right, float cap_in,
+    float cap_out, const int* __restrict__ cu_q, const int* __restrict__ cu_k, int max_q, int max_k,
+    long long* __restrict__ fault)
 {
     using namespace cuk;
     using namespace cuk::attention;
@@ -439,29 +471,37 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dq(
     T* sK = base + Tiles::k_at;
     T* sV = base + Tiles::v_at;
 
-    const int m_block = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int m_block = MASK != MASK_NONE ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     const int b = blockIdx.y / H, h = blockIdx.y % H;
     const int hk = h / (H / Hkv);
-    const T* kg = k + b * k_sb + hk * k_sh;
-    const T* vg = v + b * v_sb + hk * v_sh;
+    const int m0 = m_block * BM;
+    // This (batch, head)'s tokens: batch bq from token 0, or (packed) batch 0 from a document's
+    // first tokens q0, k0; in shared memory and read where used, as attention_bwd_dkdv's.
+    __shared__ int span[5];   // bq, q0, k0, sq, sk
+    block_span(span, b, gridDim.y / H, cu_q, cu_k, Sq, Sk, max_q, max_k, fault);
+    if (m0 >= span[3]) return;   // (packed: the grid covers the longest document)
+    auto mask = [&]() { return KeyMask<MASK>(win_left, win_right, span[4] - span[3]); };
+    auto kv_load = [&](int buf, int nb) {   // key tile nb into buffer buf
+        const long long at = span[0] * k_sb + static_cast<long long>(span[2]) * k_ss + hk * k_sh;
+        const long long vat = span[0] * v_sb + static_cast<long long>(span[2]) * v_ss + hk * v_sh;
+        load_tile<T, BN, D, ROW, THREADS>(sK + buf * BN * ROW, k + at, k_ss, nb * BN, span[4]);
+        load_tile<T, BN, D, ROW, THREADS>(sV + buf * BN * ROW, v + vat, v_ss, nb * BN, span[4]);
+    };
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
-    const int m0 = m_block * BM;
-    const int diag = Sk - Sq;
     const unsigned int offA = a_offset(lane, ROW_BYTES), offB = b_offset(lane, ROW_BYTES);
     const unsigned int sQa = smem_addr(sQ), sdOa = smem_addr(sdO), sKa = smem_addr(sK), sVa = smem_addr(sV);
 
-    int n_blocks = (Sk + BN - 1) / BN;
-    if (CAUSAL) {
-        const int last_key = min(Sk - 1, m0 + BM - 1 + diag);
-        n_blocks = last_key < 0 ? 0 : min(n_blocks, last_key / BN + 1);
+    // The key tiles nb_first .. n_blocks - 1 hold every key a row of the block sees.
+    const int stop = mask().stop_key(m0, BM, span[4]), first = min(mask().first_key(m0), stop);
+    const int nb_first = first / BN, n_blocks = stop > first ? (stop + BN - 1) / BN : nb_first;
+    {
+        const int bq = span[0], q0 = span[1], sq = span[3];
+        load_tile<T, BM, D, ROW, THREADS>(sQ, q + bq * q_sb + static_cast<long long>(q0) * q_ss + h * q_sh, q_ss, m0, sq);
+        load_tile<T, BM, D, ROW, THREADS>(sdO, dout + bq * d_sb + static_cast<long long>(q0) * d_ss + h * d_sh, d_ss, m0,
+                                          sq);
     }
-    load_tile<T, BM, D, ROW, THREADS>(sQ, q + b * q_sb + h * q_sh, q_ss, m0, Sq);
-    load_tile<T, BM, D, ROW, THREADS>(sdO, dout + b * d_sb + h * d_sh, d_ss, m0, Sq);
-    if (n_blocks > 0) {
-        load_tile<T, BN, D, ROW, THREADS>(sK, kg, k_ss, 0, Sk);
-        load_tile<T, BN, D, ROW, THREADS>(sV, vg, v_ss, 0, Sk);
-    }
+    if (n_blocks > nb_first) kv_load(0, nb_first);
     cp_async_commit();
 
     // This thread's two rows: lse (log2 units) and Dsum.
@@ -469,21 +509,18 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dq(
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = m0 + warp * 16 + g + r * 8;
-        const long long idx = (static_cast<long long>(b) * H + h) * Sq + row;
-        lrow[r] = row < Sq ? lse[idx] * LOG2E : 0.f;
-        drow[r] = row < Sq ? dsum[idx] : 0.f;
+        const long long idx = (static_cast<long long>(span[0]) * H + h) * Sq + span[1] + row;
+        lrow[r] = row < span[3] ? lse[idx] * LOG2E : 0.f;
+        drow[r] = row < span[3] ? dsum[idx] : 0.f;
     }
 
     float dqacc[DT][4];
 #pragma unroll
     for (int i = 0; i < DT; ++i) dqacc[i][0] = dqacc[i][1] = dqacc[i][2] = dqacc[i][3] = 0.f;
 
-    for (int nb = 0; nb < n_blocks; ++nb) {
-        const int buf = nb & 1;
-        if (nb + 1 < n_blocks) {
-            load_tile<T, BN, D, ROW, THREADS>(sK + (buf ^ 1) * BN * ROW, kg, k_ss, (nb + 1) * BN, Sk);
-            load_tile<T, BN, D, ROW, THREADS>(sV + (buf ^ 1) * BN * ROW, vg, v_ss, (nb + 1) * BN, Sk);
-        }
+    for (int nb = nb_first; nb < n_blocks; ++nb) {
+        const int buf = (nb - nb_first) & 1;
+        if (nb + 1 < n_blocks) kv_load(buf ^ 1, nb + 1);
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
@@ -512,8 +549,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dq(
             }
         }
 
-        // dS = P * (dP - Dsum), P = exp(S*scale - lse), masked.
-        const int n0 = nb * BN;
+        // dS = P * (dP - Dsum), P = exp(S*scale - lse) (the softcap: as attention_bwd_dkdv), masked.
+        const int n0 = nb * BN, sq = span[3], sk = span[4];
+        const KeyMask<MASK> mk = mask();
+        const bool edge = m0 + BM > sq || mk.edge(n0, BN, m0, BM, sk);
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
 #pragma unroll
@@ -521,9 +560,16 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dq(
                 const int r = e >> 1;
                 const int key = n0 + j * 8 + 2 * t + (e & 1);
                 const int row = m0 + warp * 16 + g + r * 8;
-                float p = fast_exp2(fmaf(s[j][e], scale_log2, -lrow[r]));
-                if (key >= Sk || row >= Sq || (CAUSAL && key > row + diag)) p = 0.f;
+                float p, th = 0.f;
+                if constexpr (SOFTCAP) {
+                    th = tanh_approx(s[j][e] * cap_in);
+                    p = fast_exp2(fmaf(th, cap_out, -lrow[r]));
+                } else {
+                    p = fast_exp2(fmaf(s[j][e], scale_log2, -lrow[r]));
+                }
+                if (edge && (row >= sq || mk.hidden(row, key, sk))) p = 0.f;
                 s[j][e] = p * (dp[j][e] - drow[r]);
+                if constexpr (SOFTCAP) s[j][e] *= 1.f - th * th;
             }
         }
 
@@ -545,11 +591,12 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dq(
     }
     cp_async_wait<0>();   // (no copy may be in flight at exit, e.g. with no key tile)
 
-    T* dqg = dq + b * dq_sb + h * dq_sh;
+    T* dqg = dq + span[0] * dq_sb + static_cast<long long>(span[1]) * dq_ss + h * dq_sh;
+    const int sq = span[3];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = m0 + warp * 16 + g + r * 8;
-        if (row < Sq) {
+        if (row < sq) {
 #pragma unroll
             for (int i = 0; i < DT; ++i)
                 *reinterpret_cast<unsigned int*>(dqg + static_cast<long long>(row) * dq_ss + i * 8 + 2 * t) =

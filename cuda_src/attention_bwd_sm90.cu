@@ -21,10 +21,17 @@
 // that both warpgroups' dS^T stores complete), so the two warpgroups are never held in step by a
 // block barrier and drift: one's softmax overlaps the other's products.
 // dK is scaled at the end; dq_accum is scaled by attention_bwd_dq_convert.
+// MASK (common/attn_mask.cuh): 0 none, 1 causal, 2 a window, whose block walks only the query
+// tiles between its keys' window edges. SOFTCAP (t = tanh(s scale / c); the host takes a causal
+// mask as the window (-1, 0) with it): P^T = exp2(c log2(e) t - lse_log2) and dS^T = P^T (dP^T -
+// Dsum) (1 - t^2) in one pass once dP^T is in (t is not kept: no registers for it).
+// The unmasked and causal instances' code is written out as it was before the masks: ptxas lays
+// out KeyMask's form of the same tests differently there, measured 7% slower at d128 causal.
 #include "common/dtype.cuh"
 #include "common/reduce.cuh"
 #include "common/hopper.cuh"
 #include "common/attn_tile.cuh"
+#include "common/attn_mask.cuh"
 // (CUK_TRACE: warpgroup wg's stamps of the block and of its middle step, slots 10 wg + i: i = 0
 // entry, then in step steps / 2: 1 start, 2 Q and dO landed, 3 S^T done, 4 dV issued, 5 dS^T
 // stored, 6 dV done, 7 dK and dQ done, 8 step end; 9 dK written)
@@ -35,7 +42,7 @@
 
 // SMEM: the launch's dynamic shared memory: K, V, the Q and dO rings, two dS^T buffers and the
 // dQ staging boxes (DQ_ATOMIC), the lse_log2 and Dsum ring, 1 KB of alignment slack.
-template <typename T, int D, int BM, int STAGES, bool CAUSAL, bool DQ_ATOMIC, bool PRODUCER, int SMEM>
+template <typename T, int D, int BM, int STAGES, int MASK, bool SOFTCAP, bool DQ_ATOMIC, bool PRODUCER, int SMEM>
 __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
     const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
@@ -43,8 +50,10 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     const float* __restrict__ rows,   // (B, H, ceil(Sq / BM), 2, BM): lse * log2(e) and Dsum a query tile
     T* __restrict__ dk, T* __restrict__ dv,
     long long dk_sb, long long dk_ss, long long dk_sh, long long dv_sb, long long dv_ss, long long dv_sh,
-    int H, int Hkv, int Sq, int Sk, float scale, float scale_log2)
+    int H, int Hkv, int Sq, int Sk, float scale, float scale_log2, int win_left, int win_right, float cap_in,
+    float cap_out)
 {
+    constexpr bool CAUSAL = MASK == 1;
     constexpr int BN = 128, DB = D / 64;            // DB: 64-column boxes of a row
     constexpr int Q_BOX = BM * 128, KV_BOX = BN * 128;          // bytes of one box (rows x 128 bytes)
     constexpr int Q_BYTES = DB * Q_BOX, KV_BYTES = DB * KV_BOX;
@@ -79,10 +88,11 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     const int n0 = blockIdx.x * BN;
     const int key0 = n0 + wg * 64 + warp * 16 + g;   // this thread's keys: key0 and key0 + 8
     const int diag = Sk - Sq;
-    // Query tiles that see a key of this block (causal: query i sees key j iff j <= i + diag);
-    // steps walk (head, query tile) pairs, head-major.
-    const int m_first = CAUSAL ? max(0, n0 - diag) / BM : 0;
-    const int per_head = max(0, (Sq + BM - 1) / BM - m_first);
+    // Query tiles that see a key of this block (causal: query i sees key j iff j <= i + diag; a
+    // window: i + lo .. i + hi); steps walk (head, query tile) pairs, head-major.
+    const attention::KeyMask<MASK> km(win_left, win_right, diag);
+    const int m_first = MASK == 2 ? km.first_query(n0) / BM : CAUSAL ? max(0, n0 - diag) / BM : 0;
+    const int per_head = max(0, ((MASK == 2 ? km.stop_query(n0, BN, Sq) : Sq) + BM - 1) / BM - m_first);
     const int steps = per_head * rep;
     CUK_STAMP(0);
 
@@ -213,18 +223,57 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
 
         // P^T = exp2(S^T scale_log2 - lse_log2) (this thread's query columns 8j + 2t, +1), 0 for
         // queries past Sq, keys past Sk and, causal, keys past the diagonal
-        const bool edge = m0 + BM > Sq || n0 + BN > Sk || (CAUSAL && n0 + BN - 1 > m0 + diag);
+        if constexpr (SOFTCAP) {
+            // (after dP^T: P^T and dS^T in one pass, 1 - t^2 never held)
+            const bool edge = m0 + BM > Sq || km.edge(n0, BN, m0, BM, Sk);
+            wgmma_wait<0>();
+            wgmma_hold(dp);
 #pragma unroll
-        for (int j = 0; j < BM / 8; ++j) {
-            const float2 l = *reinterpret_cast<const float2*>(lrow + 8 * j + 2 * t);
+            for (int j = 0; j < BM / 8; ++j) {
+                const float2 l = *reinterpret_cast<const float2*>(lrow + 8 * j + 2 * t);
+                const float2 d = *reinterpret_cast<const float2*>(drow + 8 * j + 2 * t);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -(e & 1 ? l.y : l.x)));
-                if (edge) {
-                    const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
-                    if (q >= Sq || key >= Sk || (CAUSAL && key > q + diag)) p = 0.f;
+                for (int e = 0; e < 4; ++e) {
+                    const float th = attention::tanh_approx(s[4 * j + e] * cap_in);
+                    float p = fast_exp2(fmaf(th, cap_out, -(e & 1 ? l.y : l.x)));
+                    if (edge) {
+                        const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
+                        if (q >= Sq || km.hidden(q, key, Sk)) p = 0.f;
+                    }
+                    s[4 * j + e] = p;
+                    dp[4 * j + e] = p * (dp[4 * j + e] - (e & 1 ? d.y : d.x)) * (1.f - th * th);
                 }
-                s[4 * j + e] = p;
+            }
+        } else if constexpr (MASK == 2) {
+            const bool edge = m0 + BM > Sq || km.edge(n0, BN, m0, BM, Sk);
+#pragma unroll
+            for (int j = 0; j < BM / 8; ++j) {
+                const float2 l = *reinterpret_cast<const float2*>(lrow + 8 * j + 2 * t);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -(e & 1 ? l.y : l.x)));
+                    if (edge) {
+                        const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
+                        if (q >= Sq || km.hidden(q, key, Sk)) p = 0.f;
+                    }
+                    s[4 * j + e] = p;
+                }
+            }
+        } else {
+            // (no mask or causal: the window's loop written out, see the top)
+            const bool edge = m0 + BM > Sq || n0 + BN > Sk || (CAUSAL && n0 + BN - 1 > m0 + diag);
+#pragma unroll
+            for (int j = 0; j < BM / 8; ++j) {
+                const float2 l = *reinterpret_cast<const float2*>(lrow + 8 * j + 2 * t);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -(e & 1 ? l.y : l.x)));
+                    if (edge) {
+                        const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
+                        if (q >= Sq || key >= Sk || (CAUSAL && key > q + diag)) p = 0.f;
+                    }
+                    s[4 * j + e] = p;
+                }
             }
         }
         // dV += P^T dO: P^T's A fragments from the accumulators (k16 step kk: query columns 16kk..)
@@ -233,13 +282,15 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
         wgmma_rs_mn<T, D>(dv_acc, pa, dob, Q_BOX);
         CUK_STEP_STAMP(4);
 
-        wgmma_wait<1>();   // dP^T is in (dV may still run)
-        wgmma_hold(dp);
+        if constexpr (!SOFTCAP) {
+            wgmma_wait<1>();   // dP^T is in (dV may still run)
+            wgmma_hold(dp);
 #pragma unroll
-        for (int j = 0; j < BM / 8; ++j) {
-            const float2 d = *reinterpret_cast<const float2*>(drow + 8 * j + 2 * t);
+            for (int j = 0; j < BM / 8; ++j) {
+                const float2 d = *reinterpret_cast<const float2*>(drow + 8 * j + 2 * t);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - (e & 1 ? d.y : d.x));
+                for (int e = 0; e < 4; ++e) dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - (e & 1 ? d.y : d.x));
+            }
         }
         unsigned int dsa[BM / 16][4];
         accumulators_to_a<T>(dp, dsa);

@@ -8,17 +8,20 @@
 // when QREG (else it re-reads them from shared memory at each key tile), and walks the
 // key/value tiles of BN keys that the block stages in shared memory.
 // Grouped-query attention: query head h reads key/value head h / (H / Hkv), no copies.
-// Causal masking is aligned to the bottom right (query i sees keys j <= i + Sk - Sq, as
-// FlashAttention >= 2.1); a row that sees no key gets zeros and lse = +inf.
+// Masks are aligned to the bottom right (common/attn_mask.cuh: causal, query i sees keys
+// j <= i + Sk - Sq, as FlashAttention >= 2.1; sliding windows): key tiles outside a block's
+// rows' range are skipped; a row that sees no key gets zeros and lse = +inf. SOFTCAP: the
+// scaled scores s become c tanh(s / c) (cap_in = scale / c, cap_out = c log2(e)).
 //
 // Layout: q (B, Sq, H, D), k and v (B, Sk, Hkv, D), out (B, Sq, H, D), each with element
 // strides for batch, sequence and head and a unit stride over D; lse (B, H, Sq) float32.
-// Sequence offsets and per-(batch, head) bounds are the only places that know the layout,
-// so variable-length batches (cu_seqlens) and sliding windows change the prologue only.
+// Packed documents (cu_q non-null): q (total Sq, H, D) and k, v (total Sk, Hkv, D) with batch
+// strides unused, blockIdx.y / H the document, its tokens from cu_q / cu_k; lse (H, total Sq).
 #include "common/dtype.cuh"
 #include "common/mma.cuh"
 #include "common/reduce.cuh"
 #include "common/attn_tile.cuh"
+#include "common/attn_mask.cuh"
 
 namespace cuk {
 namespace attention {
@@ -42,7 +45,7 @@ struct FwdTiles {
 }  // namespace cuk
 
 // SMEM: the dynamic shared memory of the launch, in bytes (= FwdTiles<...>::smem_bytes).
-template <typename T, int D, int WARPS, int MT, int BN, int BNC, bool QREG, bool CAUSAL, int SMEM>
+template <typename T, int D, int WARPS, int MT, int BN, int BNC, bool QREG, int MASK, bool SOFTCAP, int SMEM>
 __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     T* __restrict__ out, float* __restrict__ lse,
@@ -50,7 +53,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
     long long k_sb, long long k_ss, long long k_sh,
     long long v_sb, long long v_ss, long long v_sh,
     long long o_sb, long long o_ss, long long o_sh,
-    int H, int Hkv, int Sq, int Sk, float scale_log2)
+    int H, int Hkv, int Sq, int Sk, float scale_log2, int win_left, int win_right, float cap_in, float cap_out,
+    const int* __restrict__ cu_q, const int* __restrict__ cu_k, int max_q, int max_k, long long* __restrict__ fault)
 {
     using namespace cuk;
     using namespace cuk::attention;
@@ -73,16 +77,30 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
     T* sV = base + Tiles::v_at;
 
     // Causal blocks have different amounts of work: the longest (last) are started first.
-    const int m_block = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int m_block = MASK != MASK_NONE ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     const int b = blockIdx.y / H, h = blockIdx.y % H;
     const int hk = h / (H / Hkv);
+    const int m0 = m_block * BM;
+    // This (batch, head)'s rows: a batch's, or (packed) a document's tokens. (The epilogue
+    // reads the document's offset again: nothing more stays live across the key loop.)
+    int sq = Sq, sk = Sk;
     const T* qg = q + b * q_sb + h * q_sh;
     const T* kg = k + b * k_sb + hk * k_sh;
     const T* vg = v + b * v_sb + hk * v_sh;
+    if (cu_q) {
+        const DocSpan doc = doc_span(cu_q, cu_k, b, gridDim.y / H, Sq, Sk, max_q, max_k, fault);
+        if (m0 >= doc.sq) return;   // (the grid covers the longest document)
+        sq = doc.sq, sk = doc.sk;
+        qg = q + doc.q0 * q_ss + h * q_sh;   // (packed: no batch strides)
+        kg = k + doc.k0 * k_ss + hk * k_sh;
+        vg = v + doc.k0 * v_ss + hk * v_sh;
+    }
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
-    const int m0 = m_block * BM;
-    const int diag = Sk - Sq;   // query i sees keys j <= i + diag (causal)
+    const int diag = sk - sq;   // query i stands at key i + diag
+    const KeyMask<MASK> mask(win_left, win_right, diag);
+    // (with the softcap the scores arrive in the log2 domain already)
+    const float sl2 = SOFTCAP ? 1.f : scale_log2;
     // Row of m-tile mt of this warp (the block's rows are m-tile-major: all warps' tile 0 first).
     auto tile_row = [&](int mt) { return mt * WARPS * 16 + warp * 16; };
     // ldmatrix addresses. A lane's row within an 8-row group is lane % 8, so its swizzle key
@@ -92,16 +110,14 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
     const unsigned int sKa = smem_addr(sK), sVa = smem_addr(sV);
     const unsigned int qw = smem_addr(sQ) + warp * 16 * ROW_BYTES + q_off;   // this warp's Q rows
 
-    int n_blocks = (Sk + BN - 1) / BN;
-    if (CAUSAL) {
-        const int last_key = min(Sk - 1, m0 + BM - 1 + diag);
-        n_blocks = last_key < 0 ? 0 : min(n_blocks, last_key / BN + 1);
-    }
+    // The key tiles nb_first .. n_blocks - 1 hold every key a row of the block sees.
+    const int stop = mask.stop_key(m0, BM, sk), first = min(mask.first_key(m0), stop);
+    const int nb_first = first / BN, n_blocks = stop > first ? (stop + BN - 1) / BN : nb_first;
 
-    load_tile<T, BM, D, ROW, THREADS>(sQ, qg, q_ss, m0, Sq);
-    if (n_blocks > 0) {
-        load_tile<T, BN, D, ROW, THREADS>(sK, kg, k_ss, 0, Sk);
-        load_tile<T, BN, D, ROW, THREADS>(sV, vg, v_ss, 0, Sk);
+    load_tile<T, BM, D, ROW, THREADS>(sQ, qg, q_ss, m0, sq);
+    if (n_blocks > nb_first) {
+        load_tile<T, BN, D, ROW, THREADS>(sK, kg, k_ss, nb_first * BN, sk);
+        load_tile<T, BN, D, ROW, THREADS>(sV, vg, v_ss, nb_first * BN, sk);
     }
     cp_async_commit();
 
@@ -118,16 +134,16 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
     }
     unsigned int qf[QREG ? MT : 1][QREG ? D / 16 : 1][4];
 
-    for (int nb = 0; nb < n_blocks; ++nb) {
-        const int buf = nb & 1;
+    for (int nb = nb_first; nb < n_blocks; ++nb) {
+        const int buf = (nb - nb_first) & 1;
         if (nb + 1 < n_blocks) {
-            load_tile<T, BN, D, ROW, THREADS>(sK + (buf ^ 1) * BN * ROW, kg, k_ss, (nb + 1) * BN, Sk);
-            load_tile<T, BN, D, ROW, THREADS>(sV + (buf ^ 1) * BN * ROW, vg, v_ss, (nb + 1) * BN, Sk);
+            load_tile<T, BN, D, ROW, THREADS>(sK + (buf ^ 1) * BN * ROW, kg, k_ss, (nb + 1) * BN, sk);
+            load_tile<T, BN, D, ROW, THREADS>(sV + (buf ^ 1) * BN * ROW, vg, v_ss, (nb + 1) * BN, sk);
         }
         cp_async_commit();
         cp_async_wait<1>();  // all but the group just issued: Q and this block's K, V
         __syncthreads();
-        if (QREG && nb == 0) {
+        if (QREG && nb == nb_first) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -168,10 +184,17 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
                 }
             }
 
-            // Mask keys past the end and, causal, past the diagonal (only tiles that have any).
+            if constexpr (SOFTCAP) {   // c tanh(s scale / c), in the log2 domain
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int j = 0; j < NT; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) s[mt][j][e] = tanh_approx(s[mt][j][e] * cap_in) * cap_out;
+            }
+            // Mask keys past the end and outside the rows' range (only tiles that have any).
             const int n0 = nb * BN + sub * BNC;
-            const bool edge = n0 + BNC > Sk || (CAUSAL && n0 + BNC - 1 > m0 + diag);
-            if (edge) {
+            if (mask.edge(n0, BNC, m0, BM, sk)) {
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -180,7 +203,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
                         for (int e = 0; e < 4; ++e) {
                             const int key = n0 + j * 8 + 2 * t + (e & 1);
                             const int row = m0 + tile_row(mt) + g + (e >> 1) * 8;
-                            if (key >= Sk || (CAUSAL && key > row + diag)) s[mt][j][e] = neg_inf();
+                            if (mask.hidden(row, key, sk)) s[mt][j][e] = neg_inf();
                         }
             }
 
@@ -194,15 +217,15 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
 #pragma unroll
                     for (int j = 0; j < NT; ++j) mx = fmaxf(mx, fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
                     butterfly<1, 2>(Max{}, mx);   // over the row's quad
-                    const float new_max = fmaxf(row_max[mt][r], mx * scale_log2);   // (scale > 0)
+                    const float new_max = fmaxf(row_max[mt][r], mx * sl2);   // (scale > 0)
                     const float m_use = new_max == neg_inf() ? 0.f : new_max;      // a row with no key yet
                     const float alpha = fast_exp2(row_max[mt][r] - m_use);
                     row_max[mt][r] = new_max;
                     float sum = 0.f;
 #pragma unroll
                     for (int j = 0; j < NT; ++j) {
-                        s[mt][j][2 * r] = fast_exp2(fmaf(s[mt][j][2 * r], scale_log2, -m_use));
-                        s[mt][j][2 * r + 1] = fast_exp2(fmaf(s[mt][j][2 * r + 1], scale_log2, -m_use));
+                        s[mt][j][2 * r] = fast_exp2(fmaf(s[mt][j][2 * r], sl2, -m_use));
+                        s[mt][j][2 * r + 1] = fast_exp2(fmaf(s[mt][j][2 * r + 1], sl2, -m_use));
                         sum += s[mt][j][2 * r] + s[mt][j][2 * r + 1];
                     }
                     row_sum[mt][r] = row_sum[mt][r] * alpha + sum;   // this thread's columns; the quad adds up at the end
@@ -244,7 +267,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
     cp_async_wait<0>();   // (no copy may be in flight at exit, e.g. with no key tile)
 
     // Normalize, write O and the log-sum-exp.
-    T* og = out + b * o_sb + h * o_sh;
+    const int q0 = cu_q ? cu_q[b] : 0;   // (a faulty document returned before its loads)
+    T* og = out + (cu_q ? q0 * o_ss : b * o_sb) + h * o_sh;
+    const long long lse_at = cu_q ? static_cast<long long>(h) * Sq + q0 : (static_cast<long long>(b) * H + h) * Sq;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -253,14 +278,14 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
             butterfly<1, 2>(Sum{}, sum);   // over the row's quad, offset 1 first
             const float inv = sum > 0.f ? 1.f / sum : 0.f;
             const int row = m0 + tile_row(mt) + g + r * 8;
-            if (row < Sq) {
+            if (row < sq) {
                 T* orow = og + static_cast<long long>(row) * o_ss;
 #pragma unroll
                 for (int i = 0; i < DT; ++i)
                     *reinterpret_cast<unsigned int*>(orow + i * 8 + 2 * t) =
                         pack_pair(o[mt][i][2 * r] * inv, o[mt][i][2 * r + 1] * inv, T{});
                 if (lse && t == 0)
-                    lse[(static_cast<long long>(b) * H + h) * Sq + row] =
+                    lse[lse_at + row] =
                         sum > 0.f ? (row_max[mt][r] + log2f(sum)) * 0.6931471805599453f : __int_as_float(0x7f800000);
             }
         }

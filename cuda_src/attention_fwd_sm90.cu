@@ -19,12 +19,14 @@
 #include "common/reduce.cuh"
 #include "common/hopper.cuh"
 #include "common/attn_tile.cuh"
+#include "common/attn_mask.cuh"
 #include "common/trace.cuh"
 // (CUK_TRACE: phases of warpgroups 0 and 1 of each block, slots 6 wg + i, i = 0 entry, 1 Q landed,
 // 2 the first S done, 3 its softmax done, 4 the last P V done, 5 O written)
 #define CUK_STAMP(i) CUK_TRACE_STAMP(threadIdx.x % 128 == 0 && wg < 2, 6 * wg + (i), wg == 0 && (i) == 0)
 
 // SMEM: the launch's dynamic shared memory: Q, STAGES K and V tiles, 1 KB of alignment slack.
+// MASK: 0 none, 1 causal, 2 a window (win_left, win_right; its key tiles only, from kb0).
 // Scheduling options (docs/notes-attention.md has what each measured):
 //   PRODUCER  a third warpgroup, one thread of which issues every TMA load (K/V refills wait
 //             for releases there, not in warpgroup 0's path); 384 threads, the producer down to
@@ -44,13 +46,13 @@
 //             written by a TMA store (o_map; unused otherwise), the buffer released once it is
 //             read, after the next work tile's first S is issued. Where a K tile is shorter than
 //             the block's rows, O has a buffer of its own instead (OWN_O).
-template <typename T, int D, int BN, int STAGES, int CONSUMERS, bool CAUSAL, bool PRODUCER, bool PINGPONG, bool OVERLAP, bool PERSISTENT, int BLOCKS, int SMEM>
+template <typename T, int D, int BN, int STAGES, int CONSUMERS, int MASK, bool SOFTCAP, bool PRODUCER, bool PINGPONG, bool OVERLAP, bool PERSISTENT, int BLOCKS, int SMEM>
 __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) attention_fwd_sm90(
     const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
     const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap o_map, T* __restrict__ out,
     float* __restrict__ lse,
     long long o_sb, long long o_ss, long long o_sh, int H, int Hkv, int Sq, int Sk, float scale_log2, int tiles,
-    int* __restrict__ tile_counter, int section_pairs)
+    int* __restrict__ tile_counter, int section_pairs, float cap_in, float cap_out, int win_left, int win_right)
 {
     constexpr int BM = 64 * CONSUMERS, DB = D / 64;         // query rows a block; 64-column boxes
     constexpr int THREADS = CONSUMERS * 128;                // the computing threads
@@ -68,6 +70,8 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
     // The consumers' registers (setmaxnreg): what the producer's give-back allows. Two blocks an SM
     // launch at 80 a thread; the producer's 24 let the consumers have 104.
     constexpr int CONSUMER_REGS = BLOCKS == 2 ? 104 : CONSUMERS == 3 ? 160 : PERSISTENT ? 224 : 240;
+    // MASK (common/attn_mask.cuh): 0 none, 1 causal, 2 a window (LOCAL: its key tiles only).
+    constexpr bool CAUSAL = MASK == cuk::attention::MASK_CAUSAL, LOCAL = MASK == cuk::attention::MASK_LOCAL;
     // Causal work tiles cost different amounts: handed out by an atomic counter, longest first.
     constexpr bool DYNAMIC = PERSISTENT && CAUSAL;
 #if CUK_SM90A
@@ -86,12 +90,14 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
     const int g = lane / 4, t = lane % 4;
     CUK_STAMP(0);
     const int diag = Sk - Sq, m_tiles = (Sq + BM - 1) / BM;
+    const cuk::attention::KeyMask<MASK> window(win_left, win_right, diag);   // (LOCAL)
     // A work tile's (query tile, batch, head) and its count of key tiles. Tiles are numbered
     // (PERSISTENT: walked by each block; otherwise one a block, blockIdx.y major) without a mask
     // the query tile fastest; causal in sections of `section_pairs` (batch, head) pairs whose K
     // and V fit L2, the last (longest) query tile first within a section, then the pair: blocks
     // have different amounts of work and the longest start first.
-    int m_block, b, h, hk, m0, n_blocks;
+    // (LOCAL: the work tile's key tiles are kb0 .. kb0 + n_blocks - 1; nb counts from kb0)
+    int m_block, b, h, hk, m0, n_blocks, kb0 = 0;
     const int pairs_total = tiles / m_tiles;
     auto enter = [&](int tile) {
         int bh;
@@ -113,6 +119,10 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
         if (CAUSAL) {
             const int last_key = min(Sk - 1, m0 + BM - 1 + diag);
             n_blocks = last_key < 0 ? 0 : min(n_blocks, last_key / BN + 1);
+        } else if (LOCAL) {
+            const int stop = window.stop_key(m0, BM, Sk), first = min(window.first_key(m0), stop);
+            kb0 = max(0, first) / BN;
+            n_blocks = stop > first ? (stop + BN - 1) / BN - kb0 : 0;
         }
     };
     const int first_tile = PERSISTENT ? blockIdx.x : blockIdx.y * gridDim.x + blockIdx.x;
@@ -136,8 +146,8 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
         mbarrier_arrive_expect_tx(&bar_kv[buf], 2 * KV_BYTES);
 #pragma unroll
         for (int db = 0; db < DB; ++db) {
-            tma_load_4d(k_s + buf * KV_BYTES + db * KV_BOX, &k_map, db * 64, hk, nb * BN, b, &bar_kv[buf]);
-            tma_load_4d(v_s + buf * KV_BYTES + db * KV_BOX, &v_map, db * 64, hk, nb * BN, b, &bar_kv[buf]);
+            tma_load_4d(k_s + buf * KV_BYTES + db * KV_BOX, &k_map, db * 64, hk, (kb0 + nb) * BN, b, &bar_kv[buf]);
+            tma_load_4d(v_s + buf * KV_BYTES + db * KV_BOX, &v_map, db * 64, hk, (kb0 + nb) * BN, b, &bar_kv[buf]);
         }
     };
     auto load_kv = [&](int nb) { load_kv_at(nb, nb); };
@@ -219,17 +229,24 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
         if (PINGPONG && ends_turn) named_barrier_arrive(2 - wg, 256);
     };
 
-    // Keys past the end and, causal, past the diagonal masked (only tiles that have any).
+    // SOFTCAP: the scores become c tanh(s scale / c) in the log2 domain (cap_in = scale / c,
+    // cap_out = c log2(e)) before the mask. Keys past the end and, causal, past the diagonal
+    // masked (only tiles that have any).
     auto mask = [&](int nb, float (&s)[BN / 2]) {
-        const int n0 = nb * BN;
-        if (n0 + BN > Sk || (CAUSAL && n0 + BN - 1 > m0 + diag)) {
+        if constexpr (SOFTCAP) {
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i) s[i] = attention::tanh_approx(s[i] * cap_in) * cap_out;
+        }
+        const int n0 = (kb0 + nb) * BN;
+        if (LOCAL ? window.edge(n0, BN, m0, BM, Sk) : n0 + BN > Sk || (CAUSAL && n0 + BN - 1 > m0 + diag)) {
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int key = n0 + 8 * j + 2 * t + (e & 1);
                     const int row = row0 + (e >> 1) * 8;
-                    if (key >= Sk || (CAUSAL && key > row + diag)) s[4 * j + e] = neg_inf();
+                    if (LOCAL ? window.hidden(row, key, Sk) : key >= Sk || (CAUSAL && key > row + diag))
+                        s[4 * j + e] = neg_inf();
                 }
         }
     };
@@ -242,15 +259,15 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
             butterfly<1, 2>(Max{}, mx);   // over the row's quad
-            const float new_max = fmaxf(row_max[r], mx * scale_log2);
+            const float new_max = fmaxf(row_max[r], mx * (SOFTCAP ? 1.f : scale_log2));
             const float m_use = new_max == neg_inf() ? 0.f : new_max;
             alpha[r] = fast_exp2(row_max[r] - m_use);
             row_max[r] = new_max;
             float sum = 0.f;
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j) {
-                s[4 * j + 2 * r] = fast_exp2(fmaf(s[4 * j + 2 * r], scale_log2, -m_use));
-                s[4 * j + 2 * r + 1] = fast_exp2(fmaf(s[4 * j + 2 * r + 1], scale_log2, -m_use));
+                s[4 * j + 2 * r] = fast_exp2(fmaf(s[4 * j + 2 * r], SOFTCAP ? 1.f : scale_log2, -m_use));
+                s[4 * j + 2 * r + 1] = fast_exp2(fmaf(s[4 * j + 2 * r + 1], SOFTCAP ? 1.f : scale_log2, -m_use));
                 sum += s[4 * j + 2 * r] + s[4 * j + 2 * r + 1];
             }
             row_sum[r] = row_sum[r] * alpha[r] + sum;
@@ -277,18 +294,20 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
     // (Tiles 0 .. STAGES - 2 were issued by ring_loads; without PRODUCER thread 0 adds the last.)
     if (!PRODUCER && threadIdx.x == 0 && STAGES - 1 < n_blocks) load_kv(STAGES - 1);
     if constexpr (!OVERLAP) {
-        // Causal: the key tiles this warpgroup's rows see (the block's last tiles may be past
-        // the diagonal of its upper rows where BN < BM).
+        // Causal or a window: the key tiles this warpgroup's rows see (the block's last tiles
+        // may be past the diagonal of its upper rows where BN < BM).
         int n_mine = n_blocks;
         if (CAUSAL) {
             const int last_key = min(Sk - 1, m0 + wg * 64 + 63 + diag);
             n_mine = last_key < 0 ? 0 : min(n_blocks, last_key / BN + 1);
+        } else if (LOCAL) {
+            n_mine = max(0, min(n_blocks, (window.stop_key(m0 + wg * 64, 64, Sk) + BN - 1) / BN - kb0));
         }
         for (int nb = 0; nb < n_blocks; ++nb) {
             // No block barrier: the two warpgroups drift apart by up to a tile, so that one's
             // softmax can run beside the other's products.
             if (nb > 0) refill(nb - 1);
-            if (CAUSAL && nb >= n_mine) {
+            if ((CAUSAL || LOCAL) && nb >= n_mine) {
                 // Nothing to compute: the turn is taken (PINGPONG) and the buffer released once
                 // its tile landed (its previous tile's release, which the load waited on, done).
                 const int buf = (it0 + nb) % STAGES;

@@ -124,6 +124,10 @@ class DeviceArray:
         """View of a contiguous array with another shape."""
         return wrap(self.obj.reshape(shape), self.name)
 
+    def batched(self) -> "DeviceArray":
+        """A view with a leading axis of 1 (packed documents read as one batch)."""
+        return wrap(self.obj[None], self.name)
+
     def permute(self, axes) -> "DeviceArray":
         obj = self.obj.permute(*axes) if self.kind == "torch" else self.obj.transpose(axes)
         return wrap(obj, self.name)

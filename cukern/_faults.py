@@ -19,6 +19,10 @@ KINDS = {
        "CUDA device {device} by an embedding kernel since the last check",
     2: "target: class {value} is out of range for {bound} classes (valid: 0 to {last}, or ignore_index); "
        "found on CUDA device {device} by a cross-entropy kernel since the last check (the row was ignored)",
+    3: "cu_seqlens_q / cu_seqlens_k: document {value} of {bound} has offsets that are not from 0 to the token "
+       "count in order, or is longer than max_seqlen; found on CUDA device {device} by an attention kernel since "
+       "the last check (that document was not computed, and documents whose offsets overlap it may be wrong: "
+       "the outputs of that call are not valid)",
 }
 
 

@@ -18,12 +18,14 @@ from __future__ import annotations
 import functools
 import math
 import os
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
-from . import _arrays, _bench, _checks, _kernels
+from . import _arrays, _attention_mask, _bench, _checks, _faults, _kernels
 from ._arrays import DeviceArray
+from ._attention_mask import Mask
 from ._family import DropIn, Family, TorchOp
 from ._kernels import Instance, MapSlot
 from ._plans import Builder, Plan, PlanCache
@@ -72,10 +74,12 @@ class FwdConfig:
         """Q, two K and two V tiles, and 1 KB to align the tiles."""
         return (self.block_rows + 4 * self.bn) * row_elems(d) * itemsize + 1024
 
-    def instance(self, dtype: str, d: int, causal: bool) -> Instance:
+    def instance(self, dtype: str, d: int, mask: int, softcap: bool = False) -> Instance:
+        """``mask``: Mask.kind (a bool: causal or not)."""
         smem = self.smem(d, _arrays.DTYPES[dtype][1])
         return Instance(SOURCE, f"attention_fwd<{_ctype(dtype)}, {d}, {self.warps}, {self.mt}, {self.bn}, "
-                                f"{self.bnc}, {_b(self.qreg)}, {_b(causal)}, {smem}>", 32 * self.warps, smem)
+                                f"{self.bnc}, {_b(self.qreg)}, {int(mask)}, {_b(softcap)}, {smem}>", 32 * self.warps,
+                        smem)
 
 
 SM90_MAX_SMEM = 227 * 1024   # (a block's opt-in shared memory on H100 and H200)
@@ -123,7 +127,8 @@ class Sm90FwdConfig:
         columns a box), and 1 KB to align them (16-bit elements)."""
         return ((2 if self.own_o_buffer else 1) * self.block_rows + 2 * self.stages * self.bn) * d * 2 + 1024
 
-    def instance(self, dtype: str, d: int, causal: bool) -> Instance:
+    def instance(self, dtype: str, d: int, mask: int, softcap: bool = False) -> Instance:
+        """``mask``: Mask.kind (a bool: causal or not)."""
         if self.warpgroups == 3 and d > 128:
             raise ValueError(f"warpgroups=3 takes head dims up to 128, not {d}: the O accumulators of "
                              "64 rows x d do not fit a thread's share of the registers "
@@ -145,7 +150,7 @@ class Sm90FwdConfig:
                              f"stages={self.stages}{', O in a buffer of its own' if self.own_o_buffer else ''}); "
                              f"a block on sm_90 may have {SM90_MAX_SMEM}")
         return Instance(SM90_SOURCE, f"attention_fwd_sm90<{_ctype(dtype)}, {d}, {self.bn}, {self.stages}, "
-                        f"{self.warpgroups}, {_b(causal)}, {_b(self.producer)}, {_b(self.pingpong)}, "
+                        f"{self.warpgroups}, {int(mask)}, {_b(softcap)}, {_b(self.producer)}, {_b(self.pingpong)}, "
                         f"{_b(self.overlap)}, {_b(self.persistent)}, {self.blocks_per_sm}, {smem}>",
                         self.threads, smem, "sm_90a")
 
@@ -168,11 +173,12 @@ class BwdConfig:
         return ((2 * self.bn + 4 * self.bm) * row_elems(d) * itemsize + 2 * self.bm * row_elems(self.bn) * itemsize
                 + 4 * self.bm * 4 + 1024)
 
-    def instance(self, dtype: str, d: int, causal: bool, deterministic: bool) -> Instance:
+    def instance(self, dtype: str, d: int, mask: int, deterministic: bool, softcap: bool = False) -> Instance:
+        """``mask``: Mask.kind (a bool: causal or not)."""
         smem = self.smem(d, _arrays.DTYPES[dtype][1])
         return Instance(BWD_SOURCE, f"attention_bwd_dkdv<{_ctype(dtype)}, {d}, {self.bm}, {self.bn}, {self.warps}, "
-                                    f"{self.wm_s}, {self.wn_kv}, {self.wm_q}, {_b(causal)}, {_b(not deterministic)}, "
-                                    f"{smem}>", 32 * self.warps, smem)
+                                    f"{self.wm_s}, {self.wn_kv}, {self.wm_q}, {int(mask)}, {_b(softcap)}, "
+                                    f"{_b(not deterministic)}, {smem}>", 32 * self.warps, smem)
 
 
 @dataclass(frozen=True)
@@ -199,10 +205,12 @@ class Sm90BwdConfig:
         rows = self.stages * 2 * self.block_rows * 4
         return (2 * self.block_keys + 2 * self.stages * self.block_rows) * d * 2 + ds + dq + rows + 1024
 
-    def instance(self, dtype: str, d: int, causal: bool, deterministic: bool) -> Instance:
+    def instance(self, dtype: str, d: int, mask: int, deterministic: bool, softcap: bool = False) -> Instance:
+        """``mask``: Mask.kind (a bool: causal or not)."""
         smem = self.smem(d, deterministic)
+        producer = self.threads(deterministic) == 384
         return Instance(SM90_BWD_SOURCE, f"attention_bwd_sm90<{_ctype(dtype)}, {d}, {self.block_rows}, {self.stages}, "
-                        f"{_b(causal)}, {_b(not deterministic)}, {_b(self.threads(deterministic) == 384)}, {smem}>",
+                        f"{int(mask)}, {_b(softcap)}, {_b(not deterministic)}, {_b(producer)}, {smem}>",
                         self.threads(deterministic), smem, "sm_90a")
 
 
@@ -215,10 +223,11 @@ class DqConfig:
     def smem(self, d: int, itemsize: int) -> int:
         return (2 * 16 * self.warps + 4 * self.bn) * row_elems(d) * itemsize
 
-    def instance(self, dtype: str, d: int, causal: bool) -> Instance:
+    def instance(self, dtype: str, d: int, mask: int, softcap: bool = False) -> Instance:
+        """``mask``: Mask.kind (a bool: causal or not)."""
         smem = self.smem(d, _arrays.DTYPES[dtype][1])
-        return Instance(BWD_SOURCE, f"attention_bwd_dq<{_ctype(dtype)}, {d}, {self.warps}, {self.bn}, {_b(causal)}, "
-                                    f"{smem}>", 32 * self.warps, smem)
+        return Instance(BWD_SOURCE, f"attention_bwd_dq<{_ctype(dtype)}, {d}, {self.warps}, {self.bn}, {int(mask)}, "
+                                    f"{_b(softcap)}, {smem}>", 32 * self.warps, smem)
 
 
 @dataclass(frozen=True, eq=False)   # (hashed by identity: plans are keyed by it, on every call)
@@ -255,6 +264,9 @@ class Configs:
     # tiles as measured fastest on an H200 (d64: 128 rows 288 TFLOP/s against 64 rows 235).
     bwd_sm90: tuple[tuple[int, Sm90BwdConfig], ...] = ((64, Sm90BwdConfig(128, producer=True)),
                                                        (128, Sm90BwdConfig(64, producer=True)))
+    # ... with the softcap (its P^T and dS^T pass holds more: 128-row tiles at d64 spill)
+    bwd_sm90_softcap: tuple[tuple[int, Sm90BwdConfig], ...] = ((64, Sm90BwdConfig(64, producer=True)),
+                                                               (128, Sm90BwdConfig(64, producer=True)))
     use_sm90_bwd: bool = True
 
     @property
@@ -309,19 +321,24 @@ BWD_HEAD_DIMS = CONFIGS.bwd_head_dims
 
 def instances(configs: Configs = CONFIGS) -> list[Instance]:
     """Every kernel instance the fronts can launch, forward and backward (compile check)."""
-    out = [cfg.instance(dt, d, c) for dt in DTYPES for d, cfg in configs.fwd for c in (False, True)]
-    out += [cfg.instance(dt, d, c) for dt in DTYPES for d, cfg in configs.fwd_sm90 for c in (False, True)]
-    out += [cfg.instance(dt, d, c) for dt in DTYPES for d, cfg in configs.fwd_sm90_full
-            for c in ((False, True) if d in dict(configs.fwd_sm90_long) else (False,))]
-    out += [cfg.instance(dt, d, c, det) for dt in DTYPES for d, cfg in configs.bwd_sm90 for c in (False, True)
+    out = [cfg.instance(dt, d, m, cap) for dt in DTYPES for d, cfg in configs.fwd for m in (0, 1, 2)
+           for cap in (False, True)]
+    out += [cfg.instance(dt, d, m, cap) for dt in DTYPES for d, cfg in configs.fwd_sm90 for m in (0, 1, 2)
+            for cap in (False, True)]
+    out += [cfg.instance(dt, d, m, cap) for dt in DTYPES for d, cfg in configs.fwd_sm90_full
+            for m in ((0, 1, 2) if d in dict(configs.fwd_sm90_long) else (0,)) for cap in (False, True)]
+    out += [cfg.instance(dt, d, m, det) for dt in DTYPES for d, cfg in configs.bwd_sm90 for m in (0, 1, 2)
             for det in (False, True)]
+    out += [cfg.instance(dt, d, m, det, True) for dt in DTYPES for d, cfg in configs.bwd_sm90_softcap
+            for m in (0, 2) for det in (False, True)]
     for dt in DTYPES:
         for d, cfg in configs.bwd:
             out.append(configs.dot(dt, d))
             out.append(configs.convert(dt, d))
-            for c in (False, True):
-                out += [cfg.instance(dt, d, c, det) for det in (False, True)]
-                out.append(configs.get("dq", d).instance(dt, d, c))
+            for m in (0, 1, 2):
+                for cap in (False, True):
+                    out += [cfg.instance(dt, d, m, det, cap) for det in (False, True)]
+                    out.append(configs.get("dq", d).instance(dt, d, m, cap))
     return out
 
 
@@ -372,6 +389,56 @@ def _check_lse(la: DeviceArray, qa: DeviceArray) -> None:
         raise ValueError(f"lse: shape {la.shape} does not match (batch, heads, seqlen_q) = {(b, h, sq)}")
 
 
+def _check_varlen(qa, ka, va, cu_q: DeviceArray, cu_k: DeviceArray, max_seqlen_q, max_seqlen_k, head_dims,
+                  which: str) -> tuple[int, int]:
+    """Packed documents: q (total_q, H, D), k and v (total_k, Hkv, D), cu_seqlens_q/k (B + 1)
+    int32 offsets of each document's first token. The max lengths as ints."""
+    for a in (qa, ka, va):
+        if a.dtype == "float32":
+            _check_rank(a)
+        if a.ndim != 3:
+            raise ValueError(f"{a.name}: expected (total_tokens, heads, head_dim) for packed documents, "
+                             f"got shape {a.shape}")
+    if va.shape != ka.shape:
+        raise ValueError(f"v: shape {va.shape} does not match k's {ka.shape}")
+    for cu in (cu_q, cu_k):
+        if cu.dtype != "int32":
+            raise ValueError(f"{cu.name}: dtype {cu.dtype}; expected int32 offsets (flash-attn's cu_seqlens)")
+        if cu.ndim != 1 or cu.shape[0] < 2:
+            raise ValueError(f"{cu.name}: expected (batch + 1,) offsets with batch >= 1, got shape {cu.shape}")
+    if cu_k.shape != cu_q.shape:
+        raise ValueError(f"cu_seqlens_k: {cu_k.shape[0] - 1} documents, cu_seqlens_q {cu_q.shape[0] - 1}")
+    max_q, max_k = _checks.index(max_seqlen_q, "max_seqlen_q"), _checks.index(max_seqlen_k, "max_seqlen_k")
+    for name, m, a in (("max_seqlen_q", max_q, qa), ("max_seqlen_k", max_k, ka)):
+        if m < 0:
+            raise ValueError(f"{name}: must be >= 0, got {m}")
+        if m == 0 and a.shape[0] > 0:
+            raise ValueError(f"{name}: 0, but {a.name} holds {a.shape[0]} tokens")
+    # (the dense checks, on the packed arrays seen as one batch)
+    _check_qkv(*(a.batched() for a in (qa, ka, va)), head_dims, which)
+    if (cu_q.shape[0] - 1) * qa.shape[1] > 65535:
+        raise ValueError(f"cu_seqlens_q: documents * heads = {(cu_q.shape[0] - 1) * qa.shape[1]} exceeds 65535 "
+                         "(one grid axis); split the batch")
+    return max_q, max_k
+
+
+def _check_cu_values(cu: np.ndarray, name: str, total: int, max_seqlen: int) -> None:
+    """The offsets' values (the references check them here; the kernels on the device, as a
+    fault that ``cukern.check_errors()`` raises): from 0 to the token count, none decreasing,
+    no document longer than max_seqlen."""
+    if cu[0] != 0:
+        raise ValueError(f"{name}: must start at 0, got {int(cu[0])}")
+    steps = np.diff(cu.astype(np.int64))
+    if (steps < 0).any():
+        i = int(np.argmax(steps < 0))
+        raise ValueError(f"{name}: offsets must not decrease, got {int(cu[i])} then {int(cu[i + 1])} at {i}")
+    if cu[-1] != total:
+        raise ValueError(f"{name}: the last offset {int(cu[-1])} must be the token count {total}")
+    if steps.size and steps.max() > max_seqlen:
+        i = int(np.argmax(steps))
+        raise ValueError(f"{name}: document {i} has {int(steps[i])} tokens, more than max_seqlen {max_seqlen}")
+
+
 def _scale(softmax_scale, d: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(d)
@@ -383,7 +450,7 @@ def _scale(softmax_scale, d: int) -> float:
 def _misaligned(a: DeviceArray) -> bool:
     """cp.async moves 16-byte chunks: rows must start 16-byte aligned. Such a view is read from
     a fresh copy (a contiguous view at a misaligned address stays misaligned under contiguous())."""
-    return (a.shape[-1] > 1 and a.strides[-1] != 1) or a.ptr % 16 != 0 or any(s % 8 for s in a.strides[:3])
+    return (a.shape[-1] > 1 and a.strides[-1] != 1) or a.ptr % 16 != 0 or any(s % 8 for s in a.strides[:-1])
 
 
 def _tma_readable(a: DeviceArray) -> bool:
@@ -428,8 +495,8 @@ def _qkv(q, k, v) -> list:
             _arrays.as_device_array(v, "v", _arrays.FLOATS)]
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
-    """softmax(q k^T * softmax_scale [+ causal mask]) v, fused (FlashAttention-2 style).
+def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, window=(-1, -1), softcap=0.0):
+    """softmax(q k^T * softmax_scale [+ mask]) v, fused (FlashAttention-2 style).
 
     Args:
         q: (B, Sq, H, D) float16 or bfloat16 (CuPy array or torch CUDA tensor), unit stride
@@ -441,33 +508,48 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
         softmax_scale: positive; defaults to 1 / sqrt(D).
         return_lse: also return the log-sum-exp (B, H, Sq) float32 (natural log; +inf for a
             query that sees no key).
+        window: ``(left, right)``, flash-attn's ``window_size``: query i sees keys j with
+            i + Sk - Sq - left <= j <= i + Sk - Sq + right; -1 leaves a side unbounded
+            (causal sets right to 0). Key tiles outside a block's window are skipped.
+        softcap: c > 0 replaces each scaled score s by c * tanh(s / c) (Gemma 2); 0: none.
 
     Returns:
         ``out`` (B, Sq, H, D) of q's dtype, laid out like q (its stride order) when q is
         dense, else contiguous; with ``return_lse`` ``(out, lse)``.
     """
-    return _attention(q, k, v, causal, softmax_scale, return_lse, CONFIGS)
+    return _attention(q, k, v, causal, softmax_scale, return_lse, CONFIGS, window, softcap)
 
 
-def _attention(q, k, v, causal, softmax_scale, return_lse, configs: Configs):
+def _mask_key(window, softcap):
+    """The plan-cache key of a call's window and softcap, or None where they are not plain
+    values (the plan is then built for the call and not kept)."""
+    w = tuple(window) if isinstance(window, (tuple, list)) else window
+    plain = (w is None or (isinstance(w, tuple) and all(type(x) is int for x in w))) and type(softcap) in (float, int)
+    return (w, softcap) if plain else None
+
+
+def _attention(q, k, v, causal, softmax_scale, return_lse, configs: Configs, window=(-1, -1), softcap=0.0):
     arrays = _qkv(q, k, v)
-    plain = softmax_scale is None or type(softmax_scale) in (float, int)
-    key = (bool(causal), softmax_scale, bool(return_lse), configs, *(a.key for a in arrays))
+    mkey = _mask_key(window, softcap)
+    plain = (softmax_scale is None or type(softmax_scale) in (float, int)) and mkey is not None
+    key = (bool(causal), softmax_scale, bool(return_lse), configs, mkey, *(a.key for a in arrays))
     plan = _FWD.get(key) if plain else None
     if plan is None:
-        plan = _plan_forward(arrays, bool(causal), softmax_scale, bool(return_lse), configs)
+        plan = _plan_forward(arrays, bool(causal), softmax_scale, bool(return_lse), configs, window, softcap)
         if plain:
             _FWD.put(key, plan)
     bufs = plan(arrays)
     return (bufs[3].obj, bufs[4].obj) if return_lse else bufs[3].obj
 
 
-def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs) -> Plan:
+def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs, window=(-1, -1),
+                  softcap=0.0) -> Plan:
     qa, ka, va = arrays
     _check_qkv(qa, ka, va, configs.head_dims, "")
     batch, sq, h, d = qa.shape
     sk, hkv = ka.shape[1], ka.shape[2]
     scale = _scale(softmax_scale, d)
+    mask = _attention_mask.mask_of(causal, window, softcap, sq, sk)
     device = _arrays.same_device(qa, ka, va)
     b = Builder(arrays)
     qs, ks, vs = (_read(b, i, a) for i, a in enumerate(arrays))
@@ -481,8 +563,11 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs) -
         elif (configs.use_sm90 and d in dict(configs.fwd_sm90) and _kernels.compute_capability(device) == (9, 0)
               and all(i in {j for j, _ in b.fixes} or _tma_readable(a) for i, a in enumerate(arrays))):
             # TMA reads the inputs in place where cp.async can (16-byte rows and strides: _read)
-            cfg = configs.sm90_forward(d, causal, sk)
-            k = _kernels.kernel(cfg.instance(qa.dtype, d, causal), device)
+            # (a window takes the causal config; its work tiles are handed out as the unmasked ones)
+            causal = mask.causal
+            cfg = configs.sm90_forward(d, mask.kind > 0, sk)
+            k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, bool(mask.softcap)), device)
+            cap_in, cap_out = _attention_mask.softcap_log2(mask, scale)
             os_ = _like(qa, q_copied)
             m_tiles = -(-sq // cfg.block_rows)
             grid = (min(m_tiles * batch * h, _kernels.sm_count(device)), 1) if cfg.persistent else (m_tiles, batch * h)
@@ -497,17 +582,111 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs) -
                      o_map=MapSlot(out.index, (1, 64, 1, 64)) if cfg.persistent else bytes(128), out=out, lse=lse,
                      **{f"o_{n}": s for n, s in _strides3(os_).items()},
                      H=h, Hkv=hkv, Sq=sq, Sk=sk, scale_log2=scale * LOG2E, tiles=m_tiles * batch * h,
-                     tile_counter=counter, section_pairs=section_pairs)
+                     tile_counter=counter, section_pairs=section_pairs, cap_in=cap_in, cap_out=cap_out,
+                     win_left=mask.left, win_right=mask.right)
         else:
-            cfg = configs.get("fwd", d)
-            k = _kernels.kernel(cfg.instance(qa.dtype, d, causal), device)
-            os_ = _like(qa, q_copied)
-            b.launch(k, (-(-sq // cfg.block_rows), batch * h), q=b.slot(0), k=b.slot(1), v=b.slot(2), out=out,
-                     lse=lse, **{f"q_{n}": s for n, s in _strides3(qs).items()},
-                     **{f"k_{n}": s for n, s in _strides3(ks).items()},
-                     **{f"v_{n}": s for n, s in _strides3(vs).items()},
-                     **{f"o_{n}": s for n, s in _strides3(os_).items()},
-                     H=h, Hkv=hkv, Sq=sq, Sk=sk, scale_log2=scale * LOG2E)
+            _launch_forward_sm80(b, configs, qa, (qs, ks, vs), _like(qa, q_copied), out, lse, mask, scale,
+                                 grid_rows=sq, batches=batch, sq=sq, sk=sk, hkv=hkv, device=device)
+    return b.plan(device)
+
+
+def _launch_forward_sm80(b: Builder, configs: Configs, qa: DeviceArray, strides, os_, out, lse, mask: Mask,
+                         scale: float, *, grid_rows: int, batches: int, sq: int, sk: int, hkv: int, device: int,
+                         varlen: tuple | None = None) -> None:
+    """attention_fwd over ``batches`` (batch, head) groups of ``grid_rows`` query rows (packed:
+    ``varlen`` = (cu_q slot, cu_k slot, max_q, max_k), and sq, sk the token totals)."""
+    d, h = qa.shape[-1], qa.shape[-2]
+    cfg = configs.get("fwd", d)
+    k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, bool(mask.softcap)), device)
+    cap_in, cap_out = _attention_mask.softcap_log2(mask, scale)
+    cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
+    fault = _arrays.wrap(_faults.record(device), "fault record") if varlen is not None else None
+    b.launch(k, (-(-grid_rows // cfg.block_rows), batches * h), q=b.slot(0), k=b.slot(1), v=b.slot(2), out=out,
+             lse=lse, **{f"{x}_{n}": s for x, st in zip("qkvo", (*strides, os_)) for n, s in _strides3(st).items()},
+             H=h, Hkv=hkv, Sq=sq, Sk=sk, scale_log2=scale * LOG2E, win_left=mask.left, win_right=mask.right,
+             cap_in=cap_in, cap_out=cap_out, cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k, fault=fault)
+
+
+# ---- packed documents (varlen) ----------------------------------------------------------------
+
+_FWD_VARLEN = PlanCache()
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                     softmax_scale=None, return_lse=False, window=(-1, -1), softcap=0.0):
+    """``attention`` over documents packed into one sequence with no padding (flash-attn's
+    ``flash_attn_varlen_func``): each document attends to its own tokens only.
+
+    Args:
+        q: (total_q, H, D) float16 or bfloat16, the documents' queries one after another.
+        k, v: (total_k, Hkv, D) of q's dtype.
+        cu_seqlens_q, cu_seqlens_k: (B + 1,) int32 offsets of each document's first token,
+            from 0 to total_q (total_k), none decreasing (a document may be empty).
+        max_seqlen_q, max_seqlen_k: ints at least the longest document's length (the grid
+            covers that many rows).
+        causal, softmax_scale, window, softcap: as for ``attention``, each document's mask
+            aligned to its own bottom right.
+        return_lse: also return the log-sum-exp (H, total_q) float32.
+
+    Offsets are read on the device: bad ones (decreasing, not from 0 to the total, a document
+    longer than its max_seqlen) leave that document uncomputed (and documents that overlap it
+    may be wrong) and are reported by ``cukern.check_errors()``, as an out-of-range embedding
+    index is: the call's outputs are then not valid.
+
+    Returns:
+        ``out`` (total_q, H, D) of q's dtype; with ``return_lse`` ``(out, lse)``.
+    """
+    return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                             return_lse, window, softcap, CONFIGS)
+
+
+def _varlen_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k) -> list:
+    return [*_qkv(q, k, v), _arrays.as_device_array(cu_seqlens_q, "cu_seqlens_q", ("int32",)),
+            _arrays.as_device_array(cu_seqlens_k, "cu_seqlens_k", ("int32",))]
+
+
+def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                      return_lse, window, softcap, configs: Configs):
+    arrays = _varlen_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    mkey = _mask_key(window, softcap)
+    plain = ((softmax_scale is None or type(softmax_scale) in (float, int)) and mkey is not None
+             and type(max_seqlen_q) is int and type(max_seqlen_k) is int)
+    key = (bool(causal), softmax_scale, bool(return_lse), configs, mkey, max_seqlen_q, max_seqlen_k,
+           *(a.key for a in arrays))
+    plan = _FWD_VARLEN.get(key) if plain else None
+    if plan is None:
+        plan = _plan_forward_varlen(arrays, max_seqlen_q, max_seqlen_k, bool(causal), softmax_scale,
+                                    bool(return_lse), window, softcap, configs)
+        if plain:
+            _FWD_VARLEN.put(key, plan)
+    bufs = plan(arrays)
+    return (bufs[5].obj, bufs[6].obj) if return_lse else bufs[5].obj
+
+
+def _plan_forward_varlen(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_scale, return_lse, window, softcap,
+                         configs: Configs) -> Plan:
+    qa, ka, va, cq, ck = arrays
+    max_q, max_k = _check_varlen(qa, ka, va, cq, ck, max_seqlen_q, max_seqlen_k, configs.head_dims, "")
+    total_q, h, d = qa.shape
+    total_k, hkv = ka.shape[0], ka.shape[1]
+    docs = cq.shape[0] - 1
+    scale = _scale(softmax_scale, d)
+    # (the window's sides normalized against the longest documents: exact for every shorter one)
+    mask = _attention_mask.mask_of(causal, window, softcap, max_q, max_k)
+    device = _arrays.same_device(*arrays)
+    b = Builder(arrays)
+    qs, ks, vs = ((0, *_read(b, i, a)) for i, a in enumerate(arrays[:3]))   # (no batch stride)
+    for i in (3, 4):
+        if not _arrays.is_contiguous(arrays[i]):
+            b.fix(i, DeviceArray.contiguous)
+    q_copied = any(i == 0 for i, _ in b.fixes)
+    out = b.alloc(qa.shape, qa.dtype, "contiguous" if q_copied else "like", 0)
+    lse = b.alloc((h, total_q), "float32") if return_lse else None
+    if total_q * h and max_q:
+        os_ = (0, *_like(qa, q_copied))
+        _launch_forward_sm80(b, configs, qa, (qs, ks, vs), os_, out, lse, mask, scale, grid_rows=max_q,
+                             batches=docs, sq=total_q, sk=total_k, hkv=hkv, device=device,
+                             varlen=(b.slot(3), b.slot(4), max_q, max_k))
     return b.plan(device)
 
 
@@ -516,12 +695,13 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs) -
 _BWD = PlanCache()
 
 
-def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, deterministic=False):
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, deterministic=False,
+                       window=(-1, -1), softcap=0.0):
     """Gradients of ``attention``: ``(dq, dk, dv)``.
 
     Args:
         dout: (B, Sq, H, D) gradient of ``out``, q's dtype, any batch/sequence/head strides.
-        q, k, v, causal, softmax_scale: as given to the forward.
+        q, k, v, causal, softmax_scale, window, softcap: as given to the forward.
         out, lse: the forward's output and log-sum-exp (``return_lse=True``).
         deterministic: False (default, as FlashAttention): dQ is summed over key tiles with
             float32 atomics (5 matrix products a tile pair; the last bits of dq may differ run
@@ -534,37 +714,105 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         that share each K/V head — of q's dtype, each laid out like its input (q, k, v) when
         that input is dense, else contiguous.
     """
-    return _attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, CONFIGS)
+    return _attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, CONFIGS, window,
+                               softcap)
 
 
-def _attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, configs: Configs):
-    arrays = [_arrays.as_device_array(dout, "dout", _arrays.FLOATS), *_qkv(q, k, v),
-              _arrays.as_device_array(out, "out", _arrays.FLOATS), _arrays.as_device_array(lse, "lse", ("float32",))]
-    plain = softmax_scale is None or type(softmax_scale) in (float, int)
-    key = (bool(causal), softmax_scale, bool(deterministic), configs, *(a.key for a in arrays))
+def _bwd_arrays(dout, q, k, v, out, lse) -> list:
+    return [_arrays.as_device_array(dout, "dout", _arrays.FLOATS), *_qkv(q, k, v),
+            _arrays.as_device_array(out, "out", _arrays.FLOATS), _arrays.as_device_array(lse, "lse", ("float32",))]
+
+
+def _attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, configs: Configs,
+                        window=(-1, -1), softcap=0.0):
+    arrays = _bwd_arrays(dout, q, k, v, out, lse)
+    mkey = _mask_key(window, softcap)
+    plain = (softmax_scale is None or type(softmax_scale) in (float, int)) and mkey is not None
+    key = (bool(causal), softmax_scale, bool(deterministic), configs, mkey, *(a.key for a in arrays))
     plan = _BWD.get(key) if plain else None
     if plan is None:
-        plan = _plan_backward(arrays, bool(causal), softmax_scale, bool(deterministic), configs)
+        plan = _plan_backward(arrays, bool(causal), softmax_scale, bool(deterministic), configs, window, softcap)
         if plain:
             _BWD.put(key, plan)
-    bufs = plan(arrays)
+    bufs = plan(arrays)   # (the given arrays, then dq, dk, dv)
     return bufs[6].obj, bufs[7].obj, bufs[8].obj
 
 
-def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Configs) -> Plan:
-    da, qa, ka, va, oa, la = arrays
-    _check_qkv(qa, ka, va, configs.bwd_head_dims, " by the backward")
-    _check_like_q(da, qa)
-    _check_like_q(oa, qa)
-    _check_lse(la, qa)
-    batch, sq, h, d = qa.shape
-    sk, hkv = ka.shape[1], ka.shape[2]
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                              causal=False, softmax_scale=None, deterministic=False, window=(-1, -1), softcap=0.0):
+    """Gradients of ``attention_varlen``: ``(dq, dk, dv)`` of the packed documents.
+
+    Args:
+        dout: (total_q, H, D) gradient of ``out``.
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+            window, softcap: as given to the forward.
+        out, lse: the forward's output and log-sum-exp (H, total_q) (``return_lse=True``).
+        deterministic: as for ``attention_backward``.
+
+    Bad offsets are reported by ``cukern.check_errors()`` as for the forward; the gradients of
+    such a call are not valid (a bad document's are not written).
+
+    Returns:
+        dq (total_q, H, D), dk and dv (total_k, Hkv, D) of q's dtype.
+    """
+    arrays = [*_bwd_arrays(dout, q, k, v, out, lse), *_varlen_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k)[3:]]
+    mkey = _mask_key(window, softcap)
+    plain = ((softmax_scale is None or type(softmax_scale) in (float, int)) and mkey is not None
+             and type(max_seqlen_q) is int and type(max_seqlen_k) is int)
+    key = (bool(causal), softmax_scale, bool(deterministic), CONFIGS, mkey, max_seqlen_q, max_seqlen_k,
+           *(a.key for a in arrays))
+    plan = _BWD_VARLEN.get(key) if plain else None
+    if plan is None:
+        plan = _plan_backward(arrays, bool(causal), softmax_scale, bool(deterministic), CONFIGS, window, softcap,
+                              (max_seqlen_q, max_seqlen_k))
+        if plain:
+            _BWD_VARLEN.put(key, plan)
+    bufs = plan(arrays)   # (the given arrays with the offsets, then dq, dk, dv)
+    return bufs[8].obj, bufs[9].obj, bufs[10].obj
+
+
+_BWD_VARLEN = PlanCache()
+
+
+def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Configs, window=(-1, -1), softcap=0.0,
+                   varlen: tuple | None = None) -> Plan:
+    """The backward's plan; ``varlen`` = (max_seqlen_q, max_seqlen_k) for packed documents,
+    whose offsets are arrays 6 and 7 (the kernels then see one batch of all the tokens)."""
+    da, qa, ka, va, oa, la = arrays[:6]
+    if varlen is None:
+        _check_qkv(qa, ka, va, configs.bwd_head_dims, " by the backward")
+        _check_like_q(da, qa)
+        _check_like_q(oa, qa)
+        _check_lse(la, qa)
+        batch, sq, h, d = qa.shape
+        sk, hkv = ka.shape[1], ka.shape[2]
+        groups, rows_q, rows_k = batch, sq, sk
+        mask = _attention_mask.mask_of(causal, window, softcap, sq, sk)
+        strides_of = _read
+        like = _like
+    else:
+        rows_q, rows_k = _check_varlen(qa, ka, va, arrays[6], arrays[7], *varlen, configs.bwd_head_dims,
+                                       " by the backward")
+        _checks.like(da, qa, qa.shape)
+        _checks.like(oa, qa, qa.shape)
+        if la.shape != (qa.shape[1], qa.shape[0]):
+            raise ValueError(f"lse: shape {la.shape} does not match (heads, total_q) = {(qa.shape[1], qa.shape[0])}")
+        batch, (sq, h, d), (sk, hkv) = 1, qa.shape, ka.shape[:2]
+        groups = arrays[6].shape[0] - 1
+        mask = _attention_mask.mask_of(causal, window, softcap, rows_q, rows_k)
+
+        def strides_of(b, i, a):   # (packed: batch stride 0)
+            return (0, *_read(b, i, a))
+
+        def like(a, copied):
+            return (0, *_like(a, copied))
     scale = _scale(softmax_scale, d)
-    device = _arrays.same_device(qa, ka, va, da, oa, la)
+    device = _arrays.same_device(*arrays)
     b = Builder(arrays)
-    ds, qs, ks, vs, os_ = (_read(b, i, a) for i, a in enumerate(arrays[:5]))
-    if not _arrays.is_contiguous(la):
-        b.fix(5, DeviceArray.contiguous)
+    ds, qs, ks, vs, os_ = (strides_of(b, i, a) for i, a in enumerate(arrays[:5]))
+    for i in range(5, len(arrays)):
+        if not _arrays.is_contiguous(arrays[i]):
+            b.fix(i, DeviceArray.contiguous)
     copied = {i for i, _ in b.fixes}
     dq = b.alloc(qa.shape, qa.dtype, "contiguous" if 1 in copied else "like", 1)
     dk = b.alloc(ka.shape, qa.dtype, "contiguous" if 2 in copied else "like", 2)
@@ -572,20 +820,26 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
     if batch * h * sq == 0 or sk == 0:
         b.fill(0.0, dq, dk, dv)
         return b.plan(device, first=1)
-    dqs, dks, dvs = _like(qa, 1 in copied), _like(ka, 2 in copied), _like(va, 3 in copied)
+    dqs, dks, dvs = like(qa, 1 in copied), like(ka, 2 in copied), like(va, 3 in copied)
     dsum = b.alloc((batch, h, sq), "float32")
     # deterministic=False: dQ's float32 partial sums (B, Sq, H, D), zeroed by the Dsum kernel,
     # then added to by atomics (or TMA reduce-add).
     dq_accum = None if deterministic else b.alloc((batch, sq, h, d), "float32")
     tail = dict(H=h, Hkv=hkv, Sq=sq, Sk=sk, scale=scale, scale_log2=scale * LOG2E)
+    cap_in, cap_out = _attention_mask.softcap_log2(mask, scale)
+    masked = dict(win_left=mask.left, win_right=mask.right, cap_in=cap_in, cap_out=cap_out,
+                  cu_q=b.slot(6) if varlen else None, cu_k=b.slot(7) if varlen else None,
+                  max_q=rows_q if varlen else 0, max_k=rows_k if varlen else 0,
+                  fault=_arrays.wrap(_faults.record(device), "fault record") if varlen else None)
     strided = {**{f"q_{n}": s for n, s in _strides3(qs).items()}, **{f"k_{n}": s for n, s in _strides3(ks).items()},
                **{f"v_{n}": s for n, s in _strides3(vs).items()}, **{f"d_{n}": s for n, s in _strides3(ds).items()}}
     out_strides = {**{f"dk_{n}": s for n, s in _strides3(dks).items()},
                    **{f"dv_{n}": s for n, s in _strides3(dvs).items()}}
     hopper = (configs.use_sm90_bwd and d in dict(configs.bwd_sm90) and _kernels.compute_capability(device) == (9, 0)
+              and varlen is None
               and all(i in copied or _tma_readable(a) for i, a in enumerate(arrays[:4])))
     # The Hopper kernel loads lse * log2(e) and Dsum by TMA, a query tile's [2][rows] at once.
-    cfg_sm90 = configs.get("bwd_sm90", d) if hopper else None
+    cfg_sm90 = configs.get("bwd_sm90_softcap" if mask.softcap else "bwd_sm90", d) if hopper else None
     tile = cfg_sm90.block_rows if hopper else 0
     rows = b.alloc((batch, h, -(-sq // tile), 2, tile), "float32") if hopper else None
     threads = configs.dot_threads
@@ -597,23 +851,26 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
         # dK, dV (and dQ's float32 partial sums, by TMA reduce-add) by TMA and wgmma; dQ's
         # conversion or pass as below. (deterministic: no dQ here, the dq_map is unused)
         cfg = cfg_sm90
-        k = _kernels.kernel(cfg.instance(qa.dtype, d, causal, deterministic), device)
+        # (the softcap's causal mask as the window (-1, 0), the same keys: its MASK 1 instance spills)
+        kind = 2 if mask.softcap and mask.kind == 1 else mask.kind
+        k = _kernels.kernel(cfg.instance(qa.dtype, d, kind, deterministic, bool(mask.softcap)), device)
         qbox, kbox = (1, cfg.block_rows, 1, 64), (1, cfg.block_keys, 1, 64)
         dq_map = bytes(128) if deterministic else MapSlot(dq_accum.index, (1, 16, 1, 32))
         b.launch(k, (-(-sk // cfg.block_keys), batch * hkv), q_map=MapSlot(1, qbox), k_map=MapSlot(2, kbox),
                  v_map=MapSlot(3, kbox), do_map=MapSlot(0, qbox), dq_map=dq_map, rows=rows, dk=dk, dv=dv,
-                 **out_strides, **tail)
+                 **out_strides, **tail, win_left=mask.left, win_right=mask.right, cap_in=cap_in, cap_out=cap_out)
     else:
         cfg = configs.get("bwd", d)
-        k = _kernels.kernel(cfg.instance(qa.dtype, d, causal, deterministic), device)
-        b.launch(k, (-(-sk // cfg.bn), batch * hkv), q=b.slot(1), k=b.slot(2), v=b.slot(3), dout=b.slot(0),
-                 lse=b.slot(5), dsum=dsum, dk=dk, dv=dv, dq_accum=dq_accum, **strided, **out_strides, **tail)
+        k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, deterministic, bool(mask.softcap)), device)
+        b.launch(k, (-(-rows_k // cfg.bn), groups * hkv), q=b.slot(1), k=b.slot(2), v=b.slot(3), dout=b.slot(0),
+                 lse=b.slot(5), dsum=dsum, dk=dk, dv=dv, dq_accum=dq_accum, **strided, **out_strides, **tail,
+                 **masked)
     if deterministic:
         qcfg = configs.get("dq", d)
-        k = _kernels.kernel(qcfg.instance(qa.dtype, d, causal), device)
-        b.launch(k, (-(-sq // (16 * qcfg.warps)), batch * h), q=b.slot(1), k=b.slot(2), v=b.slot(3),
+        k = _kernels.kernel(qcfg.instance(qa.dtype, d, mask.kind, bool(mask.softcap)), device)
+        b.launch(k, (-(-rows_q // (16 * qcfg.warps)), groups * h), q=b.slot(1), k=b.slot(2), v=b.slot(3),
                  dout=b.slot(0), lse=b.slot(5), dsum=dsum, dq=dq, **strided,
-                 **{f"dq_{n}": s for n, s in _strides3(dqs).items()}, **tail)
+                 **{f"dq_{n}": s for n, s in _strides3(dqs).items()}, **tail, **masked)
     else:
         k = _kernels.kernel(configs.convert(qa.dtype, d), device)
         n8 = batch * sq * h * d // 8
@@ -636,42 +893,64 @@ def _host_qkv(q, k, v, head_dims=None):
     return qa, ka, va
 
 
-def _ref_scores(q, k, scale, causal):
-    """(p, kh): softmax probabilities (B, H, Sq, Sk) with rows that see no key all zero, and
-    the keys repeated per query head."""
+def _ref_scores(q, k, scale, mask: Mask):
+    """(p, lse, s): softmax probabilities (B, H, Sq, Sk) with rows that see no key all zero,
+    the log-sum-exp (+inf for those rows) and the scaled scores before the softcap."""
     batch, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
+    _attention_mask.softcap_log2(mask, scale)   # (its range checked as the kernels' fronts check it)
     kh = np.repeat(k, h // hkv, axis=2)  # (B, Sk, H, D): query head h reads kv head h // rep
     s = np.einsum("bqhd,bkhd->bhqk", q, kh) * scale
-    if causal:
-        keep = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
-        s = np.where(keep[None, None], s, -np.inf)
+    sc = _attention_mask.capped(s, mask)
+    if mask.any:
+        sc = np.where(_attention_mask.visible(mask, sq, sk)[None, None], sc, -np.inf)
     with np.errstate(invalid="ignore", divide="ignore"):
-        m = s.max(axis=-1, keepdims=True) if sk else np.full(s.shape[:-1] + (1,), -np.inf)
+        m = sc.max(axis=-1, keepdims=True) if sk else np.full(sc.shape[:-1] + (1,), -np.inf)
         m_safe = np.where(np.isfinite(m), m, 0.0)
-        p = np.exp(s - m_safe)
+        p = np.exp(sc - m_safe)
         l_ = p.sum(axis=-1, keepdims=True)
         p = np.where(l_ > 0, p / np.where(l_ > 0, l_, 1.0), 0.0)
         lse = np.where(l_[..., 0] > 0, np.log(np.where(l_[..., 0] > 0, l_[..., 0], 1.0)) + m_safe[..., 0], np.inf)
-    return p, lse
+    return p, lse, s
 
 
-def reference_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
-    """``attention`` in float64: out (B, Sq, H, D) [, lse (B, H, Sq)]; causal masking aligned
-    to the bottom right; a query that sees no key gives zeros and lse = +inf (as the kernel)."""
+def _ref_forward(qf, kf, vf, scale, mask: Mask):
+    p, lse, _ = _ref_scores(qf, kf, scale, mask)
+    vh = np.repeat(vf, qf.shape[2] // kf.shape[2], axis=2)
+    return np.einsum("bhqk,bkhd->bqhd", p, vh), lse
+
+
+def _ref_backward(dof, qf, kf, vf, scale, mask: Mask):
+    batch, sq, h, d = qf.shape
+    sk, hkv = kf.shape[1], kf.shape[2]
+    rep = h // hkv
+    p, _, s = _ref_scores(qf, kf, scale, mask)
+    kh, vh = np.repeat(kf, rep, axis=2), np.repeat(vf, rep, axis=2)
+    dvh = np.einsum("bhqk,bqhd->bkhd", p, dof)
+    dp = np.einsum("bqhd,bkhd->bhqk", dof, vh)
+    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True)) * _attention_mask.softcap_grad(s, mask)
+    dq = np.einsum("bhqk,bkhd->bqhd", ds, kh) * scale
+    dkh = np.einsum("bhqk,bqhd->bkhd", ds, qf) * scale
+    return dq, dkh.reshape(batch, sk, hkv, rep, d).sum(axis=3), dvh.reshape(batch, sk, hkv, rep, d).sum(axis=3)
+
+
+def reference_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, window=(-1, -1),
+                        softcap=0.0):
+    """``attention`` in float64: out (B, Sq, H, D) [, lse (B, H, Sq)]; the mask aligned to the
+    bottom right; a query that sees no key gives zeros and lse = +inf (as the kernel)."""
     qa, ka, va = _host_qkv(q, k, v)
+    mask = _attention_mask.mask_of(causal, window, softcap, qa.shape[1], ka.shape[1])
     qf, kf, vf = (a.obj.astype(np.float64) for a in (qa, ka, va))
-    p, lse = _ref_scores(qf, kf, _scale(softmax_scale, qa.shape[-1]), causal)
-    vh = np.repeat(vf, qa.shape[2] // ka.shape[2], axis=2)
-    out = np.einsum("bhqk,bkhd->bqhd", p, vh)
+    out, lse = _ref_forward(qf, kf, vf, _scale(softmax_scale, qa.shape[-1]), mask)
     return (out, lse) if return_lse else out
 
 
 def reference_attention_backward(dout, q, k, v, out=None, lse=None, *, causal=False, softmax_scale=None,
-                                 deterministic=False):
+                                 deterministic=False, window=(-1, -1), softcap=0.0):
     """``attention_backward`` in float64: (dq, dk, dv), dk and dv summed over the query heads
     sharing a K/V head. ``out`` and ``lse`` are recomputed (given ones are shape-checked)."""
     qa, ka, va = _host_qkv(q, k, v)
+    mask = _attention_mask.mask_of(causal, window, softcap, qa.shape[1], ka.shape[1])
     da = _arrays.as_host_array(dout, "dout")
     _check_like_q(da, qa)
     if out is not None:
@@ -679,18 +958,59 @@ def reference_attention_backward(dout, q, k, v, out=None, lse=None, *, causal=Fa
     if lse is not None:
         _check_lse(_arrays.as_host_array(lse, "lse", ("float32",)), qa)
     qf, kf, vf, dof = (a.obj.astype(np.float64) for a in (qa, ka, va, da))
-    batch, sq, h, d = qf.shape
-    sk, hkv = kf.shape[1], kf.shape[2]
-    rep = h // hkv
-    scale = _scale(softmax_scale, d)
-    p, _ = _ref_scores(qf, kf, scale, causal)
-    kh, vh = np.repeat(kf, rep, axis=2), np.repeat(vf, rep, axis=2)
-    dvh = np.einsum("bhqk,bqhd->bkhd", p, dof)
-    dp = np.einsum("bqhd,bkhd->bhqk", dof, vh)
-    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
-    dq = np.einsum("bhqk,bkhd->bqhd", ds, kh) * scale
-    dkh = np.einsum("bhqk,bqhd->bkhd", ds, qf) * scale
-    return dq, dkh.reshape(batch, sk, hkv, rep, d).sum(axis=3), dvh.reshape(batch, sk, hkv, rep, d).sum(axis=3)
+    return _ref_backward(dof, qf, kf, vf, _scale(softmax_scale, qa.shape[-1]), mask)
+
+
+def _host_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    qa, ka, va = (_arrays.as_host_array(a, n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
+    cq, ck = (_arrays.as_host_array(a, n, ("int32",)) for a, n in ((cu_seqlens_q, "cu_seqlens_q"),
+                                                                  (cu_seqlens_k, "cu_seqlens_k")))
+    max_q, max_k = _check_varlen(qa, ka, va, cq, ck, max_seqlen_q, max_seqlen_k, None, "")
+    _check_cu_values(cq.obj, "cu_seqlens_q", qa.shape[0], max_q)
+    _check_cu_values(ck.obj, "cu_seqlens_k", ka.shape[0], max_k)
+    return qa, ka, va, cq.obj, ck.obj
+
+
+def reference_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                               softmax_scale=None, return_lse=False, window=(-1, -1), softcap=0.0):
+    """``attention_varlen`` in float64: out (total_q, H, D) [, lse (H, total_q)]; each document
+    attends to its own keys only, the mask aligned to the bottom right of each document."""
+    qa, ka, va, cq, ck = _host_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    scale = _scale(softmax_scale, qa.shape[-1])
+    out = np.zeros(qa.shape)
+    lse = np.full((qa.shape[1], qa.shape[0]), np.inf)
+    for i in range(len(cq) - 1):
+        (q0, q1), (k0, k1) = cq[i:i + 2], ck[i:i + 2]
+        mask = _attention_mask.mask_of(causal, window, softcap, int(q1 - q0), int(k1 - k0))
+        qf, kf, vf = (a.obj[None, r0:r1].astype(np.float64) for a, r0, r1 in ((qa, q0, q1), (ka, k0, k1), (va, k0, k1)))
+        out[q0:q1], lse[:, q0:q1] = (x[0] for x in _ref_forward(qf, kf, vf, scale, mask))
+    return (out, lse) if return_lse else out
+
+
+def reference_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                        max_seqlen_k, *, causal=False, softmax_scale=None, deterministic=False,
+                                        window=(-1, -1), softcap=0.0):
+    """``attention_varlen_backward`` in float64: (dq, dk, dv) of the packed documents. ``out``
+    and ``lse`` are recomputed (given ones are shape-checked)."""
+    qa, ka, va, cq, ck = _host_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    da = _arrays.as_host_array(dout, "dout")
+    _checks.like(da, qa, qa.shape)
+    if out is not None:
+        _checks.like(_arrays.as_host_array(out, "out"), qa, qa.shape)
+    if lse is not None:
+        la = _arrays.as_host_array(lse, "lse", ("float32",))
+        if la.shape != (qa.shape[1], qa.shape[0]):
+            raise ValueError(f"lse: shape {la.shape} does not match (heads, total_q) = {(qa.shape[1], qa.shape[0])}")
+    scale = _scale(softmax_scale, qa.shape[-1])
+    grads = [np.zeros(qa.shape), np.zeros(ka.shape), np.zeros(ka.shape)]
+    for i in range(len(cq) - 1):
+        (q0, q1), (k0, k1) = cq[i:i + 2], ck[i:i + 2]
+        mask = _attention_mask.mask_of(causal, window, softcap, int(q1 - q0), int(k1 - k0))
+        dof, qf = (a.obj[None, q0:q1].astype(np.float64) for a in (da, qa))
+        kf, vf = (a.obj[None, k0:k1].astype(np.float64) for a in (ka, va))
+        for g, x, (r0, r1) in zip(grads, _ref_backward(dof, qf, kf, vf, scale, mask), ((q0, q1), (k0, k1), (k0, k1))):
+            g[r0:r1] = x[0]
+    return tuple(grads)
 
 
 # ---- benchmark cases ----------------------------------------------------------------------------
@@ -762,7 +1082,150 @@ def bench_cases(quick: bool) -> list:
                                      functools.partial(_fwd_bwd, causal=causal),
                                      functools.partial(_torch_fwd_bwd, causal=causal, backend=backend),
                                      flops=int(3.5 * flops)))
+    return cases + mask_bench_cases(quick)
+
+
+# Issue 15's cases (masks, packed documents), each at the shape of the case it is measured against:
+# documents of random lengths summing to 32768 tokens (16 of them, H32 d128, causal) against
+# FlashAttention-2's varlen kernel; the same tokens as 16 documents of 2048 against the dense
+# causal kernel on (16, 2048) (the same work: the packed path's own cost); a window of 1024 at
+# S8192 against the full causal case of that shape; the softcap (Gemma 2's 50) against the
+# same causal case without it.
+MASK_WORKLOAD = {"full": dict(docs=16, tokens=32768, heads=32, d=128, long=(4, 32, 8192), window=1024,
+                              dense=(32, 16, 2048)),
+                 "quick": dict(docs=8, tokens=8192, heads=16, d=128, long=(1, 16, 4096), window=512,
+                               dense=(4, 16, 2048))}
+
+
+def _doc_lengths(docs: int, tokens: int, seed: int = 0) -> list[int]:
+    """``docs`` random lengths, multiples of 8 and at least 64, that sum to ``tokens`` (the same
+    every run)."""
+    rng = np.random.default_rng(seed)
+    while True:
+        cuts = np.sort(rng.choice(np.arange(1, tokens // 8), size=docs - 1, replace=False)) * 8
+        lengths = np.diff(np.concatenate([[0], cuts, [tokens]]))
+        if lengths.min() >= 64:
+            return [int(x) for x in lengths]
+
+
+def _packed_inputs(lengths, H, D, dtype, seed, *, grad=False) -> dict:
+    import torch
+
+    gen = _bench.generator(seed)
+    total = sum(lengths)
+    t = {n: _bench.randn((total, H, D), dtype, gen) for n in ("q", "k", "v")}
+    t["cu"] = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device="cuda")
+    t["max"] = max(lengths)
+    if grad:
+        t["do"] = _bench.randn((total, H, D), dtype, gen)
+    return t
+
+
+def _varlen_fwd(t):
+    return attention_varlen(t["q"], t["k"], t["v"], t["cu"], t["cu"], t["max"], t["max"], causal=True)
+
+
+def _varlen_fwd_bwd(t):
+    out, lse = attention_varlen(t["q"], t["k"], t["v"], t["cu"], t["cu"], t["max"], t["max"], causal=True,
+                                return_lse=True)
+    return (out, *attention_varlen_backward(t["do"], t["q"], t["k"], t["v"], out, lse, t["cu"], t["cu"], t["max"],
+                                            t["max"], causal=True))
+
+
+def _fa2_varlen(t, window=None, backward=False):
+    """PyTorch's FlashAttention-2 (aten::_flash_attention_forward / _backward) on packed
+    documents, causal, with a window if given; (B, S, H, D) inputs as B documents of S."""
+    import torch
+
+    dense = "cu" not in t
+    names = ("q", "k", "v", "do") if backward else ("q", "k", "v")
+    if dense:
+        B, S = t["q"].shape[:2]
+        flat = {n: t[n].reshape(B * S, *t[n].shape[2:]) for n in names}
+        cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=t["q"].device)
+        mq = S
+    else:
+        flat, cu, mq = {n: t[n] for n in names}, t["cu"], t["max"]
+    wl, wr = window if window is not None else (None, None)
+    q, k, v = flat["q"], flat["k"], flat["v"]
+    out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu, cu, mq, mq, 0.0, True, False, window_size_left=wl, window_size_right=wr)
+    res = (out,)
+    if backward:
+        res += tuple(torch.ops.aten._flash_attention_backward(
+            flat["do"], q, k, v, out, lse, cu, cu, mq, mq, 0.0, True, rng, unused, window_size_left=wl,
+            window_size_right=wr))
+    if dense:
+        res = tuple(x.view(B, S, *x.shape[1:]) for x in res)
+    return res if backward else res[0]
+
+
+def _window_fwd_bwd(t, window):
+    out, lse = attention(t["q"], t["k"], t["v"], causal=True, return_lse=True, window=window)
+    return (out, *attention_backward(t["do"], t["q"], t["k"], t["v"], out, lse, causal=True, window=window))
+
+
+def _softcap_fwd_bwd(t, softcap):
+    out, lse = attention(t["q"], t["k"], t["v"], causal=True, return_lse=True, softcap=softcap)
+    return (out, *attention_backward(t["do"], t["q"], t["k"], t["v"], out, lse, causal=True, softcap=softcap))
+
+
+def _window_flops(B, H, S, D, window) -> int:
+    """4·D FLOPs a (query, key) pair each query sees: causal with ``window`` keys before it."""
+    pairs = sum(min(i, window) + 1 for i in range(S))
+    return 4 * B * H * pairs * D
+
+
+def mask_bench_cases(quick: bool) -> list:
+    """The masks' and packed documents' cases (MASK_WORKLOAD), FLOPs counted over the
+    (query, key) pairs each computes; forward+backward at 3.5x the forward, as bench_cases."""
+    w = MASK_WORKLOAD["quick" if quick else "full"]
+    dt, H, D = WORKLOAD["dtype"], w["heads"], w["d"]
+    cases = []
+    lengths = _doc_lengths(w["docs"], w["tokens"])
+    flops = sum(4 * H * L * L * D // 2 for L in lengths)
+    nbytes = _bench.elements_bytes((4 * w["tokens"], H, D), dt)
+    make = functools.partial(_packed_inputs, lengths, H, D, dt)
+    shape = (w["docs"], H, w["tokens"] // w["docs"], D)
+    cases.append(_bench.Case("attention varlen causal d128 fwd vs flash", "attention", shape, dt, nbytes, make,
+                             _varlen_fwd, _fa2_varlen, flops=flops))
+    cases.append(_bench.Case("attention varlen causal d128 fwd+bwd vs flash", "attention", shape, dt, 2 * nbytes,
+                             functools.partial(make, grad=True), _varlen_fwd_bwd,
+                             functools.partial(_fa2_varlen, backward=True), flops=int(3.5 * flops)))
+    even = [w["tokens"] // w["docs"]] * w["docs"]
+    S = even[0]
+    flops_even = w["docs"] * 4 * H * S * S * D // 2
+    cases.append(_bench.Case("attention varlen equal causal d128 fwd+bwd vs dense", "attention", shape, dt,
+                             2 * nbytes, functools.partial(_packed_inputs, even, H, D, dt, grad=True),
+                             _varlen_fwd_bwd, functools.partial(_as_dense_fwd_bwd, batch=w["docs"]),
+                             flops=int(3.5 * flops_even)))
+    B, HL, SL = w["long"]
+    window = (w["window"], 0)
+    wflops = _window_flops(B, HL, SL, D, w["window"])
+    for label, fn, peer, f in (
+            ("fwd", lambda t: attention(t["q"], t["k"], t["v"], causal=True, window=window),
+             functools.partial(_fa2_varlen, window=window), wflops),
+            ("fwd+bwd", functools.partial(_window_fwd_bwd, window=window),
+             functools.partial(_fa2_varlen, window=window, backward=True), int(3.5 * wflops))):
+        cases.append(_bench.Case(f"attention causal window long d128 {label} vs flash", "attention",
+                                 (B, HL, SL, D), dt, _bench.elements_bytes((8 * B, SL, HL, D), dt),
+                                 functools.partial(_inputs, B, HL, SL, D, dt, grad=label != "fwd"), fn, peer, flops=f))
+    B, HD, SD = w["dense"]
+    cflops = 4 * B * HD * SD * SD * D // 2
+    cases.append(_bench.Case("attention causal softcap50 d128 fwd+bwd vs no softcap", "attention", (B, HD, SD, D), dt,
+                             _bench.elements_bytes((8 * B, SD, HD, D), dt),
+                             functools.partial(_inputs, B, HD, SD, D, dt, grad=True),
+                             functools.partial(_softcap_fwd_bwd, softcap=50.0),
+                             functools.partial(_softcap_fwd_bwd, softcap=0.0), flops=int(3.5 * cflops)))
     return cases
+
+
+def _as_dense_fwd_bwd(t, batch):
+    """The packed inputs of equal documents seen as (batch, S, H, D): the dense causal kernel."""
+    q, k, v, do = (t[n].view(batch, -1, *t[n].shape[1:]) for n in ("q", "k", "v", "do"))
+    out, lse = attention(q, k, v, causal=True, return_lse=True)
+    grads = attention_backward(do, q, k, v, out, lse, causal=True)
+    return tuple(x.reshape(-1, *x.shape[2:]) for x in (out, *grads))
 
 
 def _sdpa_forward_on(F, t, causal):
@@ -802,31 +1265,116 @@ def _empty_like(t):
     return torch.empty_strided(t.shape, _arrays.like_strides(t.shape, t.stride()), dtype=t.dtype, device=t.device)
 
 
-def _fake(q, k, v, causal, scale):
+def _fake(q, k, v, causal, scale, window_left, window_right, softcap, deterministic):
     import torch
 
     b, sq, h, _ = q.shape
     return _empty_like(q), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
-def _bwd_fake(dout, q, k, v, out, lse, causal, scale, deterministic):
+def _bwd_fake(dout, q, k, v, out, lse, *args):
     return _empty_like(q), _empty_like(k), _empty_like(v)
 
 
+def _varlen_fake(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right, softcap, deterministic):
+    import torch
+
+    return _empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+# (window and softcap as flash-attn passes them: two ints, -1 unbounded, and a float, 0 none;
+# deterministic -1 follows torch.use_deterministic_algorithms, 0 or 1 is flash-attn's argument)
+_MASK_SCHEMA = "int window_left, int window_right, float softcap"
+
+
+def _det(state, T) -> bool:
+    return T.deterministic() if state[-1] < 0 else bool(state[-1])
+
 TORCH_OPS = (
-    TorchOp("attention", "(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)",
-            forward=lambda q, k, v, c, s: attention(q, k, v, causal=c, softmax_scale=s, return_lse=True),
-            inference=lambda q, k, v, c, s: attention(q, k, v, causal=c, softmax_scale=s),
+    TorchOp("attention", f"(Tensor q, Tensor k, Tensor v, bool causal, float scale, {_MASK_SCHEMA}, "
+                         "int deterministic) -> (Tensor, Tensor)",
+            forward=lambda q, k, v, c, s, wl, wr, cap, _: attention(q, k, v, causal=c, softmax_scale=s,
+                                                                    return_lse=True, window=(wl, wr), softcap=cap),
+            inference=lambda q, k, v, c, s, wl, wr, cap, _: attention(q, k, v, causal=c, softmax_scale=s,
+                                                                      window=(wl, wr), softcap=cap),
             fake=_fake,
             save=lambda inputs, outputs: ((*inputs[:3], *outputs), inputs[3:]),
             backward_schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
-                            "float scale, bool deterministic) -> (Tensor, Tensor, Tensor)",
-            backward=lambda do, q, k, v, o, lse, c, s, det: attention_backward(
-                do, q, k, v, o, lse, causal=c, softmax_scale=s, deterministic=det),
+                            f"float scale, {_MASK_SCHEMA}, bool deterministic) -> (Tensor, Tensor, Tensor)",
+            backward=lambda do, q, k, v, o, lse, c, s, wl, wr, cap, det: attention_backward(
+                do, q, k, v, o, lse, causal=c, softmax_scale=s, deterministic=det, window=(wl, wr), softcap=cap),
             backward_fake=_bwd_fake,
-            backward_args=lambda saved, state, grads, T: (grads[0], *saved, *state, T.deterministic()),
+            backward_args=lambda saved, state, grads, T: (grads[0], *saved, *state[:-1], _det(state, T)),
             grads_to=(0, 1, 2), native=True),
+    TorchOp("attention_varlen", "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+                                f"int max_seqlen_q, int max_seqlen_k, bool causal, float scale, {_MASK_SCHEMA}, "
+                                "int deterministic) -> (Tensor, Tensor)",
+            forward=lambda q, k, v, cq, ck, mq, mk, c, s, wl, wr, cap, _: attention_varlen(
+                q, k, v, cq, ck, mq, mk, causal=c, softmax_scale=s, return_lse=True, window=(wl, wr), softcap=cap),
+            fake=_varlen_fake,
+            # (saved: q, k, v, out, lse and the offsets; state: the lengths and the mask)
+            save=lambda inputs, outputs: ((*inputs[:3], *outputs, *inputs[3:5]), inputs[5:]),
+            backward_schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, "
+                            "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool causal, float scale, "
+                            f"{_MASK_SCHEMA}, bool deterministic) -> (Tensor, Tensor, Tensor)",
+            backward=lambda do, q, k, v, o, lse, cq, ck, mq, mk, c, s, wl, wr, cap, det: attention_varlen_backward(
+                do, q, k, v, o, lse, cq, ck, mq, mk, causal=c, softmax_scale=s, deterministic=det, window=(wl, wr),
+                softcap=cap),
+            backward_fake=_bwd_fake,
+            backward_args=lambda saved, state, grads, T: (grads[0], *saved, *state[:-1], _det(state, T)),
+            grads_to=(0, 1, 2), visible=2),
 )
+# flash_attn_func(return_attn_probs=True): the same op with the lse visible (not differentiated)
+TORCH_OPS += (dataclasses.replace(TORCH_OPS[0], name="attention_lse", visible=2, inference=None, native=False),)
+
+
+def _torch_api(T, ops) -> dict:
+    """``cukern.torch.flash_attn_func`` and ``flash_attn_varlen_func``: flash-attn's functions
+    (its signatures, (batch, seqlen, heads, head_dim) and packed (tokens, heads, head_dim)
+    layouts, the lse it returns with ``return_attn_probs``), so that a flash-attn user switches
+    by changing one import. Autograd and torch.compile through the custom ops."""
+    dense, with_lse, packed = ops["attention"], ops["attention_lse"], ops["attention_varlen"]
+
+    def _unsupported(dropout_p, alibi_slopes, block_table=None):
+        if dropout_p:
+            raise ValueError(f"dropout_p: cukern's attention has no dropout, got {dropout_p}")
+        if alibi_slopes is not None:
+            raise ValueError("alibi_slopes: cukern's attention has no ALiBi bias")
+        if block_table is not None:
+            raise ValueError("block_table: cukern's attention has no paged KV cache")
+
+    def _flags(q, softmax_scale, window_size, softcap):
+        wl, wr = window_size if window_size is not None else (-1, -1)
+        s = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+        return s, int(wl), int(wr), float(softcap or 0.0)
+
+    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                        alibi_slopes=None, deterministic=False, return_attn_probs=False):
+        """flash-attn's ``flash_attn_func``: q (B, Sq, H, D), k and v (B, Sk, Hkv, D), float16 or
+        bfloat16; the out (B, Sq, H, D); with ``return_attn_probs`` (out, lse (B, H, Sq), None).
+        ``deterministic``: dq summed in a fixed order (as attention_backward's)."""
+        _unsupported(dropout_p, alibi_slopes)
+        s, wl, wr, cap = _flags(q, softmax_scale, window_size, softcap)
+        args = (q, k, v, bool(causal), s, wl, wr, cap, int(bool(deterministic)))
+        if not return_attn_probs:
+            return dense.compiled(*args) if T.compiling() else dense(*args)
+        out, lse = with_lse.compiled(*args) if T.compiling() else with_lse(*args)
+        return out, lse, None
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                               deterministic=False, return_attn_probs=False, block_table=None):
+        """flash-attn's ``flash_attn_varlen_func``: documents packed with no padding, q
+        (total_q, H, D), k and v (total_k, Hkv, D), cu_seqlens (B + 1,) int32; the out
+        (total_q, H, D); with ``return_attn_probs`` (out, lse (H, total_q), None)."""
+        _unsupported(dropout_p, alibi_slopes, block_table)
+        s, wl, wr, cap = _flags(q, softmax_scale, window_size, softcap)
+        args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), s, wl, wr,
+                cap, int(bool(deterministic)))
+        out, lse = packed.compiled(*args) if T.compiling() else packed(*args)
+        return (out, lse, None) if return_attn_probs else out
+
+    return {"flash_attn_func": flash_attn_func, "flash_attn_varlen_func": flash_attn_varlen_func}
 
 
 def _route(T, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -861,7 +1409,8 @@ def _route(T, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         return T.SMALL
     s = 1.0 / math.sqrt(d) if scale is None else float(scale)
     # (B, H, S, D) read through its transpose; the output comes back in SDPA's layout: no copies.
-    return "attention", (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bool(is_causal), s), _transpose12
+    return ("attention", (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bool(is_causal), s, -1, -1, 0.0,
+                          -1), _transpose12)
 
 
 def _transpose12(t):
@@ -870,12 +1419,15 @@ def _transpose12(t):
 
 FAMILY = Family(
     name="attention",
-    api=(attention, attention_backward),
-    references={"attention": reference_attention, "attention_backward": reference_attention_backward},
+    api=(attention, attention_backward, attention_varlen, attention_varlen_backward),
+    references={"attention": reference_attention, "attention_backward": reference_attention_backward,
+                "attention_varlen": reference_attention_varlen,
+                "attention_varlen_backward": reference_attention_varlen_backward},
     instances=instances,
     bench=bench_cases,
     torch_bench=torch_bench_cases,
     torch_ops=TORCH_OPS,
+    torch_api=_torch_api,
     # Under torch.compile PyTorch runs SDPA on cuDNN's Hopper kernels, faster than these
     # FlashAttention-2-class kernels (docs/torch.md): compiled graphs keep PyTorch's.
     # min_size in B*H*Sq*Sk*D (a quarter of the forward's FLOPs).

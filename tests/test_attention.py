@@ -14,6 +14,7 @@ from cukern import reference as ref
 from conftest import DryRun
 
 from arrays import assert_close, poison_allocator, random_host, to_device, to_host, torch
+from attention_grads import gradient_scales
 
 gpu = pytest.mark.gpu
 needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
@@ -151,7 +152,7 @@ def test_the_sm90_forward_takes_tensor_maps_of_the_inputs(host_arrays_as_device,
     (step,) = launches(128, (9, 0))
     _, inst, grid, _, _, slots = step
     # (causal d128: persistent, 2 x 4 x 2 work tiles for fewer SMs than that; O written by TMA too)
-    assert inst.name.startswith("attention_fwd_sm90<cuk::half, 128, 128, 3, 2, true, true, true, true, true, ")
+    assert inst.name.startswith("attention_fwd_sm90<cuk::half, 128, 128, 3, 2, 1, false, true, true, true, true, ")
     assert inst.arch == "sm_90a" and inst.threads == 384 and grid == (min(16, _kernels.sm_count(0)), 1)
     maps = [(m.index, m.box) for _, m, _ in slots if isinstance(m, _kernels.MapSlot)]
     assert maps == [(0, (1, 128, 1, 64)), (1, (1, 128, 1, 64)), (2, (1, 128, 1, 64)), (3, (1, 64, 1, 64))]
@@ -188,7 +189,9 @@ def test_the_sm90_forward_config_by_head_dim_and_mask():
     persistent = attn.Sm90FwdConfig(128, 3, producer=True, overlap=True, persistent=True)
     assert ", true, 1, 230400>" in persistent.instance("bfloat16", 128, False).name
     causal_name = dataclasses.replace(persistent, pingpong=True).instance("bfloat16", 128, True).name
-    assert ", true, true, true, true, true, 1, 230400>" in causal_name
+    assert ", 2, 1, false, true, true, true, true, 1, 230400>" in causal_name
+    capped = dataclasses.replace(persistent, pingpong=True).instance("bfloat16", 128, True, softcap=True)
+    assert ", 2, 1, true, true, true, true, true, 1, 230400>" in capped.name
     for cfg, causal in ((dataclasses.replace(persistent, producer=False), True),
                         (dataclasses.replace(persistent, overlap=False), False)):
         with pytest.raises(ValueError, match="persistent takes a producer and the overlap"):
@@ -260,7 +263,7 @@ def test_the_sm90_backward_takes_tensor_maps_of_the_inputs(host_arrays_as_device
                                                         "attention_bwd_dq_convert"]
     _, inst, grid, _, _, slots = steps[1]
     cfg = attn.CONFIGS.get("bwd_sm90", 128)
-    assert inst.name.startswith(f"attention_bwd_sm90<cuk::half, 128, 64, {cfg.stages}, true, true, ")
+    assert inst.name.startswith(f"attention_bwd_sm90<cuk::half, 128, 64, {cfg.stages}, 1, false, true, ")
     assert inst.arch == "sm_90a" and inst.threads == cfg.threads(False) and grid == (3, 4)
     maps = [(m.index, m.box) for _, m, _ in slots if isinstance(m, _kernels.MapSlot)]
     assert maps[:4] == [(1, (1, 64, 1, 64)), (2, (1, 128, 1, 64)), (3, (1, 128, 1, 64)), (0, (1, 64, 1, 64))]
@@ -272,7 +275,7 @@ def test_the_sm90_backward_takes_tensor_maps_of_the_inputs(host_arrays_as_device
     steps = launches(64, (9, 0), deterministic=True)
     assert [s[1].name.split("<")[0] for s in steps] == ["attention_bwd_dot", "attention_bwd_sm90", "attention_bwd_dq"]
     cfg = attn.CONFIGS.get("bwd_sm90", 64)
-    assert steps[1][1].name.startswith(f"attention_bwd_sm90<cuk::half, 64, {cfg.block_rows}, {cfg.stages}, true, "
+    assert steps[1][1].name.startswith(f"attention_bwd_sm90<cuk::half, 64, {cfg.block_rows}, {cfg.stages}, 1, false, "
                                        "false, false, ")   # (no producer warpgroup when deterministic)
     assert steps[1][1].threads == 256
     assert launches(128, (8, 0))[1][1].name.startswith("attention_bwd_dkdv<")          # A100
@@ -530,30 +533,6 @@ def test_reference_backward_matches_torch_autograd(causal):
         np.testing.assert_allclose(got, t.grad.numpy(), rtol=1e-10, atol=1e-12)
 
 
-def _gradient_scales(do, q, k, v, causal, softmax_scale):
-    """rms of dq, dk, dv computed with every cancelling sum replaced by a sum of magnitudes:
-    the scale that a float32/bf16 evaluation's rounding errors are proportional to (dS =
-    P (dP - rowsum(P dP)) cancels to zero for a query that sees one key)."""
-    q, k, v, do = (np.asarray(a, np.float64) for a in (q, k, v, do))
-    B, Sq, H, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
-    scale = 1.0 / np.sqrt(D) if softmax_scale is None else softmax_scale
-    rep = H // Hkv
-    kh, vh = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
-    s = np.einsum("bqhd,bkhd->bhqk", q, kh) * scale
-    if causal:
-        s = np.where((np.arange(Sk)[None, :] <= np.arange(Sq)[:, None] + (Sk - Sq))[None, None], s, -np.inf)
-    m = np.max(s, axis=-1, keepdims=True)
-    p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
-    p = p / np.maximum(p.sum(axis=-1, keepdims=True), 1e-300)
-    dp = np.einsum("bqhd,bkhd->bhqk", np.abs(do), np.abs(vh))
-    ds = p * (dp + (p * dp).sum(axis=-1, keepdims=True))
-    dq = np.einsum("bhqk,bkhd->bqhd", ds, np.abs(kh)) * scale
-    dk = np.einsum("bhqk,bqhd->bkhd", ds, np.abs(q)) * scale
-    dv = np.einsum("bhqk,bqhd->bkhd", p, np.abs(do))
-    return [float(np.sqrt(np.mean(a * a))) if a.size else 0.0 for a in (dq, dk, dv)]
-
-
 def _run_backward_case(c):
     rng = np.random.default_rng(c["seed"])
     dt, fw = c["dtype"], c["framework"]
@@ -567,7 +546,7 @@ def _run_backward_case(c):
     grads = cukern.attention_backward(dod, qd, kd, vd, out, lse, causal=c["causal"], softmax_scale=c["scale"],
                                       deterministic=c["deterministic"])
     expect = ref.attention_backward(do, q, k, v, causal=c["causal"], softmax_scale=c["scale"])
-    scales = _gradient_scales(do, q, k, v, c["causal"], c["scale"])
+    scales = gradient_scales(do, q, k, v, c["causal"], c["scale"])
     for name, got, e, shape, sc in zip(("dq", "dk", "dv"), grads, expect, (q.shape, k.shape, v.shape), scales):
         assert type(got) is type(qd) and tuple(got.shape) == shape
         assert_close(got, e, dt, name, tol=2 * TOL[dt], scale=sc)
@@ -653,7 +632,7 @@ def test_attention_backward_against_torch_autograd(d, causal, deterministic):
     o = torch.nn.functional.scaled_dot_product_attention(
         qt.transpose(1, 2), kt.transpose(1, 2), vt.transpose(1, 2), is_causal=causal, enable_gqa=True)
     o.transpose(1, 2).backward(do.float())
-    scales = _gradient_scales(*(to_host(a) for a in (do, q, k, v)), causal, None)
+    scales = gradient_scales(*(to_host(a) for a in (do, q, k, v)), causal, None)
     for name, got, t, sc in zip(("dq", "dk", "dv"), (dq, dk, dv), (qt, kt, vt), scales):
         assert_close(got, to_host(t.grad), "bfloat16", name, tol=2 * TOL["bfloat16"], scale=sc)
 
@@ -780,23 +759,44 @@ def _sdpa_bshd(q, k, v, causal, scale):
 def torch_stand_ins() -> dict:
     from torch_helpers import recompute
 
-    return {"attention": (lambda q, k, v, c, s: (_sdpa_bshd(q, k, v, c, s),
-                                                 q.new_zeros(q.shape[0], q.shape[2], q.shape[1])),
-                          lambda do, q, k, v, o, lse, c, s, det: tuple(recompute(
-                              lambda q, k, v: _sdpa_bshd(q, k, v, c, s), (q, k, v), do)))}
+    # (the wiring calls use no window and no softcap; packed, one document of all the tokens)
+    def packed(q, k, v, c, s):
+        return _sdpa_bshd(q[None], k[None], v[None], c, s)[0]
+
+    dense = (lambda q, k, v, c, s, wl, wr, cap, det: (_sdpa_bshd(q, k, v, c, s),
+                                                     q.new_zeros(q.shape[0], q.shape[2], q.shape[1])),
+             lambda do, q, k, v, o, lse, c, s, wl, wr, cap, det: tuple(recompute(
+                 lambda q, k, v: _sdpa_bshd(q, k, v, c, s), (q, k, v), do)))
+    return {"attention": dense, "attention_lse": dense,
+            "attention_varlen": (lambda q, k, v, cq, ck, mq, mk, c, s, wl, wr, cap, det: (
+                                     packed(q, k, v, c, s), q.new_zeros(q.shape[1], q.shape[0])),
+                                 lambda do, q, k, v, o, lse, cq, ck, mq, mk, c, s, wl, wr, cap, det: tuple(recompute(
+                                     lambda q, k, v: packed(q, k, v, c, s), (q, k, v), do)))}
 
 
 def torch_wiring_calls(which: str, g) -> list:
     q, k, v = (torch.randn(2, 6, 2, 8, generator=g).requires_grad_(which != "w") for _ in range(3))
-    return [("attention", (q, k, v, True, 0.3), lambda: _sdpa_bshd(q, k, v, True, 0.3), (q, k, v))]
+    qp, kp, vp = (torch.randn(6, 2, 8, generator=g).requires_grad_(which != "w") for _ in range(3))
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    return [("attention", (q, k, v, True, 0.3, -1, -1, 0.0, -1), lambda: _sdpa_bshd(q, k, v, True, 0.3), (q, k, v)),
+            ("attention_lse", (q, k, v, True, 0.3, -1, -1, 0.0, -1), lambda: _sdpa_bshd(q, k, v, True, 0.3),
+             (q, k, v)),
+            ("attention_varlen", (qp, kp, vp, cu, cu, 6, 6, True, 0.3, -1, -1, 0.0, -1),
+             lambda: _sdpa_bshd(qp[None], kp[None], vp[None], True, 0.3)[0], (qp, kp, vp))]
 
 
 def opcheck_samples() -> list:
     from torch_helpers import leaf
 
     bf = torch.bfloat16
+    cu = torch.tensor([0, 17, 17, 40], dtype=torch.int32, device="cuda")
     return [(torch.ops.cukern.attention.default, (leaf((2, 40, 4, 64), bf, 0), leaf((2, 40, 2, 64), bf, 1),
-                                                  leaf((2, 40, 2, 64), bf, 2), True, 0.125))]
+                                                  leaf((2, 40, 2, 64), bf, 2), True, 0.125, 16, -1, 5.0, -1)),
+            (torch.ops.cukern.attention_lse.default, (leaf((2, 40, 4, 64), bf, 0), leaf((2, 40, 2, 64), bf, 1),
+                                                      leaf((2, 40, 2, 64), bf, 2), False, 0.125, -1, -1, 0.0, 1)),
+            (torch.ops.cukern.attention_varlen.default, (leaf((40, 4, 64), bf, 0), leaf((40, 2, 64), bf, 1),
+                                                         leaf((40, 2, 64), bf, 2), cu, cu, 23, 23, True, 0.125, -1,
+                                                         -1, 0.0, -1))]
 
 
 def torch_kernel_cases() -> dict:
