@@ -640,17 +640,22 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                              return_lse, window, softcap, CONFIGS)
 
 
-def _varlen_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k) -> list:
-    return [*_qkv(q, k, v), _arrays.as_device_array(cu_seqlens_q, "cu_seqlens_q", ("int32",)),
+def _offsets(cu_seqlens_q, cu_seqlens_k) -> list:
+    return [_arrays.as_device_array(cu_seqlens_q, "cu_seqlens_q", ("int32",)),
             _arrays.as_device_array(cu_seqlens_k, "cu_seqlens_k", ("int32",))]
+
+
+def _varlen_cacheable(softmax_scale, mkey, max_seqlen_q, max_seqlen_k) -> bool:
+    """Whether a packed call's plan may be kept by its arguments (plain numbers, a known mask)."""
+    return ((softmax_scale is None or type(softmax_scale) in (float, int)) and mkey is not None
+            and type(max_seqlen_q) is int and type(max_seqlen_k) is int)
 
 
 def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                       return_lse, window, softcap, configs: Configs):
-    arrays = _varlen_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    arrays = [*_qkv(q, k, v), *_offsets(cu_seqlens_q, cu_seqlens_k)]
     mkey = _mask_key(window, softcap)
-    plain = ((softmax_scale is None or type(softmax_scale) in (float, int)) and mkey is not None
-             and type(max_seqlen_q) is int and type(max_seqlen_k) is int)
+    plain = _varlen_cacheable(softmax_scale, mkey, max_seqlen_q, max_seqlen_k)
     key = (bool(causal), softmax_scale, bool(return_lse), configs, mkey, max_seqlen_q, max_seqlen_k,
            *(a.key for a in arrays))
     plan = _FWD_VARLEN.get(key) if plain else None
@@ -755,10 +760,9 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     Returns:
         dq (total_q, H, D), dk and dv (total_k, Hkv, D) of q's dtype.
     """
-    arrays = [*_bwd_arrays(dout, q, k, v, out, lse), *_varlen_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k)[3:]]
+    arrays = [*_bwd_arrays(dout, q, k, v, out, lse), *_offsets(cu_seqlens_q, cu_seqlens_k)]
     mkey = _mask_key(window, softcap)
-    plain = ((softmax_scale is None or type(softmax_scale) in (float, int)) and mkey is not None
-             and type(max_seqlen_q) is int and type(max_seqlen_k) is int)
+    plain = _varlen_cacheable(softmax_scale, mkey, max_seqlen_q, max_seqlen_k)
     key = (bool(causal), softmax_scale, bool(deterministic), CONFIGS, mkey, max_seqlen_q, max_seqlen_k,
            *(a.key for a in arrays))
     plan = _BWD_VARLEN.get(key) if plain else None
