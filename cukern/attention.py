@@ -127,8 +127,10 @@ class Sm90FwdConfig:
         columns a box), and 1 KB to align them (16-bit elements)."""
         return ((2 if self.own_o_buffer else 1) * self.block_rows + 2 * self.stages * self.bn) * d * 2 + 1024
 
-    def instance(self, dtype: str, d: int, mask: int, softcap: bool = False) -> Instance:
-        """``mask``: Mask.kind (a bool: causal or not)."""
+    def instance(self, dtype: str, d: int, mask: int, softcap: bool = False, varlen: bool = False) -> Instance:
+        """``mask``: Mask.kind (a bool: causal or not); ``varlen``: packed documents (not persistent)."""
+        if varlen and self.persistent:
+            raise ValueError("varlen: packed documents take a config that is not persistent")
         if self.warpgroups == 3 and d > 128:
             raise ValueError(f"warpgroups=3 takes head dims up to 128, not {d}: the O accumulators of "
                              "64 rows x d do not fit a thread's share of the registers "
@@ -151,7 +153,7 @@ class Sm90FwdConfig:
                              f"a block on sm_90 may have {SM90_MAX_SMEM}")
         return Instance(SM90_SOURCE, f"attention_fwd_sm90<{_ctype(dtype)}, {d}, {self.bn}, {self.stages}, "
                         f"{self.warpgroups}, {int(mask)}, {_b(softcap)}, {_b(self.producer)}, {_b(self.pingpong)}, "
-                        f"{_b(self.overlap)}, {_b(self.persistent)}, {self.blocks_per_sm}, {smem}>",
+                        f"{_b(self.overlap)}, {_b(self.persistent)}, {self.blocks_per_sm}, {smem}, {_b(varlen)}>",
                         self.threads, smem, "sm_90a")
 
 
@@ -256,6 +258,10 @@ class Configs:
     # on (d64: three warpgroups of rows, 128-key tiles; 469-470 against 426-452 TFLOP/s at 8192
     # keys, and at 6144 either way, 411-429 against 409-427, on an H100).
     fwd_sm90_long: tuple[tuple[int, int], ...] = ((64, 8192),)
+    # ... and for packed documents (one block a work tile: not persistent; every mask)
+    fwd_sm90_varlen: tuple[tuple[int, Sm90FwdConfig], ...] = (
+        (64, Sm90FwdConfig(64, 3, producer=True, pingpong=True, blocks_per_sm=2)),
+        (128, Sm90FwdConfig(128, 3, producer=True, pingpong=True, overlap=True)))
     use_sm90: bool = True
     # Causal Hopper forward tiles run the longest first within sections of (batch, head) pairs
     # whose K and V (16-bit) take this much: they stay in L2 (50 MB on H100) while read.
@@ -327,6 +333,8 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
             for cap in (False, True)]
     out += [cfg.instance(dt, d, m, cap) for dt in DTYPES for d, cfg in configs.fwd_sm90_full
             for m in ((0, 1, 2) if d in dict(configs.fwd_sm90_long) else (0,)) for cap in (False, True)]
+    out += [cfg.instance(dt, d, m, cap, varlen=True) for dt in DTYPES for d, cfg in configs.fwd_sm90_varlen
+            for m in (0, 1, 2) for cap in (False, True)]
     out += [cfg.instance(dt, d, m, det) for dt in DTYPES for d, cfg in configs.bwd_sm90 for m in (0, 1, 2)
             for det in (False, True)]
     out += [cfg.instance(dt, d, m, det, True) for dt in DTYPES for d, cfg in configs.bwd_sm90_softcap
@@ -583,7 +591,7 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs, w
                      **{f"o_{n}": s for n, s in _strides3(os_).items()},
                      H=h, Hkv=hkv, Sq=sq, Sk=sk, scale_log2=scale * LOG2E, tiles=m_tiles * batch * h,
                      tile_counter=counter, section_pairs=section_pairs, cap_in=cap_in, cap_out=cap_out,
-                     win_left=mask.left, win_right=mask.right)
+                     win_left=mask.left, win_right=mask.right, cu_q=None, cu_k=None, max_q=0, max_k=0, fault=None)
         else:
             _launch_forward_sm80(b, configs, qa, (qs, ks, vs), _like(qa, q_copied), out, lse, mask, scale,
                                  grid_rows=sq, batches=batch, sq=sq, sk=sk, hkv=hkv, device=device)
@@ -689,9 +697,26 @@ def _plan_forward_varlen(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_sca
     lse = b.alloc((h, total_q), "float32") if return_lse else None
     if total_q * h and max_q:
         os_ = (0, *_like(qa, q_copied))
-        _launch_forward_sm80(b, configs, qa, (qs, ks, vs), os_, out, lse, mask, scale, grid_rows=max_q,
-                             batches=docs, sq=total_q, sk=total_k, hkv=hkv, device=device,
-                             varlen=(b.slot(3), b.slot(4), max_q, max_k))
+        if (configs.use_sm90 and d in dict(configs.fwd_sm90_varlen) and total_k
+                and _kernels.compute_capability(device) == (9, 0)
+                and all(i in {j for j, _ in b.fixes} or _tma_readable(a) for i, a in enumerate(arrays[:3]))):
+            # attention_fwd_sm90 over (query tiles of the longest document, documents x heads);
+            # the packed arrays read by TMA as one batch (a box of one more axis than they have)
+            cfg = configs.get("fwd_sm90_varlen", d)
+            k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, bool(mask.softcap), varlen=True), device)
+            cap_in, cap_out = _attention_mask.softcap_log2(mask, scale)
+            m_tiles = -(-max_q // cfg.block_rows)
+            b.launch(k, (m_tiles, docs * h), q_map=MapSlot(0, (1, cfg.block_rows, 1, 64)),
+                     k_map=MapSlot(1, (1, cfg.bn, 1, 64)), v_map=MapSlot(2, (1, cfg.bn, 1, 64)), o_map=bytes(128),
+                     out=out, lse=lse, **{f"o_{n}": s for n, s in _strides3(os_).items()},
+                     H=h, Hkv=hkv, Sq=total_q, Sk=total_k, scale_log2=scale * LOG2E, tiles=m_tiles * docs * h,
+                     tile_counter=None, section_pairs=1, cap_in=cap_in, cap_out=cap_out, win_left=mask.left,
+                     win_right=mask.right, cu_q=b.slot(3), cu_k=b.slot(4), max_q=max_q, max_k=max_k,
+                     fault=_arrays.wrap(_faults.record(device), "fault record"))
+        else:
+            _launch_forward_sm80(b, configs, qa, (qs, ks, vs), os_, out, lse, mask, scale, grid_rows=max_q,
+                                 batches=docs, sq=total_q, sk=total_k, hkv=hkv, device=device,
+                                 varlen=(b.slot(3), b.slot(4), max_q, max_k))
     return b.plan(device)
 
 

@@ -439,10 +439,11 @@ def test_the_varlen_forward_plan(host_arrays_as_device, monkeypatch):
     """Packed documents: one launch over (max_seqlen_q row tiles, documents x heads), batch
     strides 0, Sq / Sk the token totals, the offsets and the fault record passed; lse (H, total_q)."""
     import cukern
-    from cukern import _faults
+    from cukern import _faults, _kernels
 
     from conftest import DryRun
 
+    attn = importlib.import_module("cukern.attention")
     monkeypatch.setattr(_faults, "record", lambda device: np.zeros(3, np.int64))
     q, k, v = _packed(30, 40, 4, 2, 128)
     cu_q, cu_k = np.array([0, 10, 30], np.int32), np.array([0, 25, 40], np.int32)
@@ -456,6 +457,25 @@ def test_the_varlen_forward_plan(host_arrays_as_device, monkeypatch):
     assert {names[i]: index for i, index, _ in slots if names[i].startswith("cu_")} == {"cu_q": 3, "cu_k": 4}
     assert args["fault"] != 0   # (the device's fault record)
     assert [a.shape for a in info.value.plan.allocs] == [(30, 4, 128), (4, 30)]
+    # (Hopper: attention_fwd_sm90's VARLEN instance over the same grid, TMA boxes of one more
+    # axis than the packed arrays, the offsets and the fault record)
+    monkeypatch.setattr(_kernels, "compute_capability", lambda device: (9, 0))
+    attn._FWD_VARLEN.clear()   # (plans are kept by call signature, not by device)
+    for kw, kind in ((dict(causal=True), 1), (dict(window=(7, 0), softcap=2.0), 2)):
+        with pytest.raises(DryRun) as info:
+            cukern.attention_varlen(q, k, v, cu_q, cu_k, 20, 25, return_lse=True, **kw)
+        _, inst, grid, _, args, slots = _launch(info)
+        cfg = attn.CONFIGS.get("fwd_sm90_varlen", 128)
+        assert inst.name == cfg.instance("float16", 128, kind, "softcap" in kw, varlen=True).name
+        assert inst.name.endswith(", true>") and grid == (1, 8)
+        assert (args["Sq"], args["Sk"], args["max_q"], args["max_k"], args["tiles"]) == (30, 40, 20, 25, 8)
+        assert args["o_sb"] == 0 and args["o_ss"] == 4 * 128 and args["fault"] != 0
+        maps = {list(args)[i]: (m.index, m.box) for i, m, _ in slots if isinstance(m, _kernels.MapSlot)}
+        assert maps == {"q_map": (0, (1, cfg.block_rows, 1, 64)), "k_map": (1, (1, cfg.bn, 1, 64)),
+                        "v_map": (2, (1, cfg.bn, 1, 64))}
+        names = list(args)
+        assert {names[i]: index for i, index, _ in slots if names[i].startswith("cu_")} == {"cu_q": 3, "cu_k": 4}
+    monkeypatch.setattr(_kernels, "compute_capability", lambda device: (8, 0))
     with pytest.raises(ValueError, match="max_seqlen_q: 0, but q holds 30 tokens"):
         cukern.attention_varlen(q, k, v, cu_q, cu_k, 0, 25)
     with pytest.raises(ValueError, match="cu_seqlens_q: dtype int64"):
