@@ -207,13 +207,19 @@ class Sm90BwdConfig:
         rows = self.stages * 2 * self.block_rows * 4
         return (2 * self.block_keys + 2 * self.stages * self.block_rows) * d * 2 + ds + dq + rows + 1024
 
-    def instance(self, dtype: str, d: int, mask: int, deterministic: bool, softcap: bool = False) -> Instance:
-        """``mask``: Mask.kind (a bool: causal or not)."""
+    def instance(self, dtype: str, d: int, mask: int, deterministic: bool, softcap: bool = False,
+                 varlen: bool = False) -> Instance:
+        """``mask``: Mask.kind (a bool: causal or not); ``varlen``: packed documents."""
         smem = self.smem(d, deterministic)
         producer = self.threads(deterministic) == 384
         return Instance(SM90_BWD_SOURCE, f"attention_bwd_sm90<{_ctype(dtype)}, {d}, {self.block_rows}, {self.stages}, "
-                        f"{int(mask)}, {_b(softcap)}, {_b(not deterministic)}, {_b(producer)}, {smem}>",
-                        self.threads(deterministic), smem, "sm_90a")
+                        f"{int(mask)}, {_b(softcap)}, {_b(not deterministic)}, {_b(producer)}, {smem}, "
+                        f"{_b(varlen)}>", self.threads(deterministic), smem, "sm_90a")
+
+    def rows_instance(self) -> Instance:
+        """attention_bwd_rows_varlen: lse and Dsum as this config's query tiles of packed documents."""
+        return Instance(SM90_BWD_SOURCE, f"attention_bwd_rows_varlen<{self.block_rows}>", self.block_rows, 0,
+                        "sm_90a")
 
 
 @dataclass(frozen=True)
@@ -273,6 +279,11 @@ class Configs:
     # ... with the softcap (its P^T and dS^T pass holds more: 128-row tiles at d64 spill)
     bwd_sm90_softcap: tuple[tuple[int, Sm90BwdConfig], ...] = ((64, Sm90BwdConfig(64, producer=True)),
                                                                (128, Sm90BwdConfig(64, producer=True)))
+    # ... for packed documents (their span costs registers: 64-row query tiles at d64 too), and
+    # the head dims whose packed documents take it with the softcap (d128 spilled: sm_80 kernels)
+    bwd_sm90_varlen: tuple[tuple[int, Sm90BwdConfig], ...] = ((64, Sm90BwdConfig(64, producer=True)),
+                                                              (128, Sm90BwdConfig(64, producer=True)))
+    bwd_sm90_varlen_softcap: tuple[int, ...] = (64,)
     use_sm90_bwd: bool = True
 
     @property
@@ -339,6 +350,10 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
             for det in (False, True)]
     out += [cfg.instance(dt, d, m, det, True) for dt in DTYPES for d, cfg in configs.bwd_sm90_softcap
             for m in (0, 2) for det in (False, True)]
+    out += [cfg.instance(dt, d, m, det, cap, varlen=True) for dt in DTYPES for d, cfg in configs.bwd_sm90_varlen
+            for cap in ((False, True) if d in configs.bwd_sm90_varlen_softcap else (False,))
+            for m in ((0, 2) if cap else (0, 1, 2)) for det in (False, True)]
+    out += list({cfg.rows_instance().name: cfg.rows_instance() for _, cfg in configs.bwd_sm90_varlen}.values())
     for dt in DTYPES:
         for d, cfg in configs.bwd:
             out.append(configs.dot(dt, d))
@@ -865,29 +880,39 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
     out_strides = {**{f"dk_{n}": s for n, s in _strides3(dks).items()},
                    **{f"dv_{n}": s for n, s in _strides3(dvs).items()}}
     hopper = (configs.use_sm90_bwd and d in dict(configs.bwd_sm90) and _kernels.compute_capability(device) == (9, 0)
-              and varlen is None
+              and (varlen is None or (d in dict(configs.bwd_sm90_varlen)
+                                      and (not mask.softcap or d in configs.bwd_sm90_varlen_softcap)))
               and all(i in copied or _tma_readable(a) for i, a in enumerate(arrays[:4])))
     # The Hopper kernel loads lse * log2(e) and Dsum by TMA, a query tile's [2][rows] at once.
-    cfg_sm90 = configs.get("bwd_sm90_softcap" if mask.softcap else "bwd_sm90", d) if hopper else None
+    which = "bwd_sm90_varlen" if varlen else "bwd_sm90_softcap" if mask.softcap else "bwd_sm90"
+    cfg_sm90 = configs.get(which, d) if hopper else None
     tile = cfg_sm90.block_rows if hopper else 0
-    rows = b.alloc((batch, h, -(-sq // tile), 2, tile), "float32") if hopper else None
+    # (packed documents: each document's tiles apart, document d's from q0 / tile + d)
+    rows = None if not hopper else b.alloc(
+        (batch, h, -(-sq // tile) + (groups if varlen else 0), 2, tile), "float32")
     threads = configs.dot_threads
     k = _kernels.kernel(configs.dot(qa.dtype, d), device)
     b.launch(k, min(-(-(batch * sq * h * _dot_lanes(d)) // threads), 65535), dout=b.slot(0), out=b.slot(4),
              **{f"d_{n}": s for n, s in _strides3(ds).items()}, **{f"o_{n}": s for n, s in _strides3(os_).items()},
-             dsum=dsum, lse=b.slot(5), rows=rows, tile=tile, dq_accum=dq_accum, B=batch, Sq=sq, H=h)
+             dsum=dsum, lse=b.slot(5), rows=None if varlen else rows, tile=tile, dq_accum=dq_accum, B=batch, Sq=sq,
+             H=h)
+    if hopper and varlen:
+        b.launch(_kernels.kernel(cfg_sm90.rows_instance(), device), (-(-rows_q // tile), groups * h), lse=b.slot(5),
+                 dsum=dsum, rows=rows, cu_q=b.slot(6), H=h, total_q=sq)
     if hopper:
         # dK, dV (and dQ's float32 partial sums, by TMA reduce-add) by TMA and wgmma; dQ's
         # conversion or pass as below. (deterministic: no dQ here, the dq_map is unused)
         cfg = cfg_sm90
         # (the softcap's causal mask as the window (-1, 0), the same keys: its MASK 1 instance spills)
         kind = 2 if mask.softcap and mask.kind == 1 else mask.kind
-        k = _kernels.kernel(cfg.instance(qa.dtype, d, kind, deterministic, bool(mask.softcap)), device)
+        k = _kernels.kernel(cfg.instance(qa.dtype, d, kind, deterministic, bool(mask.softcap), varlen is not None),
+                            device)
         qbox, kbox = (1, cfg.block_rows, 1, 64), (1, cfg.block_keys, 1, 64)
         dq_map = bytes(128) if deterministic else MapSlot(dq_accum.index, (1, 16, 1, 32))
-        b.launch(k, (-(-sk // cfg.block_keys), batch * hkv), q_map=MapSlot(1, qbox), k_map=MapSlot(2, kbox),
+        b.launch(k, (-(-rows_k // cfg.block_keys), groups * hkv), q_map=MapSlot(1, qbox), k_map=MapSlot(2, kbox),
                  v_map=MapSlot(3, kbox), do_map=MapSlot(0, qbox), dq_map=dq_map, rows=rows, dk=dk, dv=dv,
-                 **out_strides, **tail, win_left=mask.left, win_right=mask.right, cap_in=cap_in, cap_out=cap_out)
+                 **out_strides, **tail, win_left=mask.left, win_right=mask.right, cap_in=cap_in, cap_out=cap_out,
+                 **{n: masked[n] for n in ("cu_q", "cu_k", "max_q", "max_k", "fault")})
     else:
         cfg = configs.get("bwd", d)
         k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, deterministic, bool(mask.softcap)), device)
