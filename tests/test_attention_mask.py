@@ -351,6 +351,48 @@ def test_the_varlen_forward_matches_the_reference(c):
 
 
 @gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(), dict(window=(100, 3)), dict(causal=True, softcap=5.0)])
+def test_long_documents_forward_and_backward(d, kw):
+    """Documents of several query tiles and key blocks (the Hopper kernels' tiles of 64-128 rows
+    and 128 keys), at odd offsets, with GQA: the forward and both dQ paths per document against
+    the reference."""
+    import cukern
+    from arrays import assert_close, poison_allocator, random_host, to_device
+    from attention_grads import gradient_scales
+
+    docs = [(300, 300), (0, 5), (129, 257), (1, 1), (513, 200), (70, 0)]
+    c = dict(docs=docs, h=4, hkv=2, d=d, dtype="bfloat16", slack=3)
+    rng = np.random.default_rng(d)
+    q, k, v, cu_q, cu_k, max_q, max_k = _packed_inputs(c, rng)
+    do = random_host(rng, q.shape, "bfloat16")
+    qd, kd, vd, dod = (to_device(a, "torch") for a in (q, k, v, do))
+    cq, ck = _ints_to_device(cu_q, "torch"), _ints_to_device(cu_k, "torch")
+    poison_allocator("torch", [q.nbytes, q.shape[0] * 4 * 4])
+    out, lse = cukern.attention_varlen(qd, kd, vd, cq, ck, max_q, max_k, return_lse=True, **kw)
+    e_out, e_lse = ref.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, return_lse=True, **kw)
+    tol = _tol("bfloat16", kw.get("softcap", 0.0))
+    _check_out_lse(out, lse, e_out, e_lse, "bfloat16", tol)
+    expect = ref.attention_varlen_backward(do, q, k, v, None, None, cu_q, cu_k, max_q, max_k, **kw)
+    for det in (False, True):
+        grads = cukern.attention_varlen_backward(dod, qd, kd, vd, out, lse, cq, ck, max_q, max_k, deterministic=det,
+                                                 **kw)
+        for (q0, q1), (k0, k1) in zip(zip(cu_q[:-1], cu_q[1:]), zip(cu_k[:-1], cu_k[1:])):
+            if q1 == q0 or k1 == k0:
+                continue
+            part = [a[None, q0:q1] for a in (do, q)] + [a[None, k0:k1] for a in (k, v)]
+            scales = gradient_scales(*part, kw.get("causal", False), None, kw.get("window", (-1, -1)),
+                                     kw.get("softcap", 0.0))
+            for name, got, e, sc, (a, z) in zip(("dq", "dk", "dv"), grads, expect, scales,
+                                                ((q0, q1), (k0, k1), (k0, k1))):
+                assert_close(got[a:z], e[a:z], "bfloat16", f"{name} of document {q0}:{q1} (deterministic={det})",
+                             tol=2 * tol, scale=sc)
+        # keys of a document without queries: zero gradients
+        assert float(grads[1][cu_k[1]:cu_k[2]].abs().max()) == 0.0
+    cukern.check_errors()
+
+
+@gpu
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("cu_q, max_q, doc", [
     ([0, 6, 4, 10], 6, 1),    # decreasing
