@@ -49,6 +49,7 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
     const __grid_constant__ CUtensorMap dq_map,   // dq_accum (B, Sq, H, D) float32, boxes 16 x 32 (unused unless DQ_ATOMIC)
     const float* __restrict__ rows,   // (B, H, ceil(Sq / BM), 2, BM): lse * log2(e) and Dsum a query tile
+                                      // (VARLEN: (1, H, ceil(Sq / BM) + documents, 2, BM), see the end)
     T* __restrict__ dk, T* __restrict__ dv,
     long long dk_sb, long long dk_ss, long long dk_sh, long long dv_sb, long long dv_ss, long long dv_sh,
     int H, int Hkv, int Sq, int Sk, float scale, float scale_log2, int win_left, int win_right, float cap_in,
