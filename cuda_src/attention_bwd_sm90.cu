@@ -163,6 +163,13 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) dv_acc[i] = dk_acc[i] = 0.f;
     mbarrier_wait(&bar_kv, 0);
+    if constexpr (VARLEN) {
+        // K and V rows past the document (the next one's) zeroed before any product reads them:
+        // the hidden entries' P and dS are 0, but 0 x Inf is NaN (likewise Q and dO a step)
+        if (SK_ - n0 < BN) {
+            zero_tile_rows(k_s, v_s, DB, KV_BOX, max(SK_ - n0, 0), BN, 12 + wg);
+        }
+    }
     // This warpgroup's 64 key rows of K and V (k16 steps and 64-column boxes advance from here)
     const unsigned long long k_desc = wgmma_desc_sw128(k_s + wg * 64 * 128), v_desc = wgmma_desc_sw128(v_s + wg * 64 * 128);
 
@@ -226,6 +233,12 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
         const float* const lrow = rows_s + buf * 2 * BM;
         const float* const drow = lrow + BM;
         mbarrier_wait(&bar_q[buf], (it / STAGES) & 1);
+        if constexpr (VARLEN) {
+            if (SQ_ - m0 < BM) {
+                zero_tile_rows(const_cast<unsigned char*>(qb), const_cast<unsigned char*>(dob), DB, Q_BOX,
+                               max(SQ_ - m0, 0), BM, 12 + wg);
+            }
+        }
         CUK_STEP_STAMP(2);
 
         // S^T = K Q^T, then dP^T = V dO^T behind it (this warpgroup's 64 keys x BM queries)
@@ -268,7 +281,9 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
                         if (q >= SQ_ || km.hidden(q, key, SK_)) p = 0.f;
                     }
                     s[4 * j + e] = p;
-                    dp[4 * j + e] = p * (dp[4 * j + e] - (e & 1 ? d.y : d.x)) * (1.f - th * th);
+                    // (VARLEN: exactly 0 where P is, as in the pass without the softcap)
+                    dp[4 * j + e] = VARLEN && p == 0.f ? 0.f
+                                                        : p * (dp[4 * j + e] - (e & 1 ? d.y : d.x)) * (1.f - th * th);
                 }
             }
         } else if constexpr (MASK == 2) {
@@ -316,7 +331,10 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
             for (int j = 0; j < BM / 8; ++j) {
                 const float2 d = *reinterpret_cast<const float2*>(drow + 8 * j + 2 * t);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - (e & 1 ? d.y : d.x));
+                for (int e = 0; e < 4; ++e)   // (VARLEN: exactly 0 where P is, whatever dP^T holds there: rows
+                    // past the document, whose dQ is added into the next one's rows, must add zeros)
+                    dp[4 * j + e] = VARLEN && s[4 * j + e] == 0.f ? 0.f
+                                                                  : s[4 * j + e] * (dp[4 * j + e] - (e & 1 ? d.y : d.x));
             }
         }
         unsigned int dsa[BM / 16][4];

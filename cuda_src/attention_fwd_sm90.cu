@@ -248,6 +248,15 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
     // cap_out = c log2(e)) before the mask. Keys past the end and, causal, past the diagonal
     // masked (only tiles that have any).
     auto mask = [&](int nb, float (&s)[BN / 2]) {
+        if constexpr (VARLEN) {
+            // The tile's V rows past the document are the next document's: zeroed before P V reads
+            // them (P is 0 there, but 0 x Inf is NaN: a document's results never depend on another's)
+            const int valid = sk - (kb0 + nb) * BN;
+            if (valid < BN) {
+                unsigned char* const v_tile = v_s + ((it0 + nb) % STAGES) * KV_BYTES;
+                zero_tile_rows(v_tile, v_tile, DB, KV_BOX, max(valid, 0), BN, 12 + wg);   // (V alone: a = b)
+            }
+        }
         if constexpr (SOFTCAP) {
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) s[i] = attention::tanh_approx(s[i] * cap_in) * cap_out;
