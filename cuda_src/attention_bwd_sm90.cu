@@ -93,18 +93,12 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     // VARLEN (packed documents): the block's document is blockIdx.y / Hkv, its queries rows q0 ..
     // q0 + sq - 1 and its keys rows k0 .. k0 + sk - 1 of the one batch, its mask aligned to its
     // own end; a document with bad offsets is recorded as a fault and computes nothing.
-    const attention::DocSpan span = VARLEN ? attention::doc_span(cu_q, cu_k, doc, gridDim.y / Hkv, Sq, Sk, max_q,
-                                                                 max_k, fault)
-                                           : attention::DocSpan{0, Sq, 0, Sk};
+    const attention::DocSpan span =
+        VARLEN ? attention::doc_span_uniform(cu_q, cu_k, doc, gridDim.y / Hkv, Sq, Sk, max_q, max_k, fault)
+               : attention::DocSpan{0, Sq, 0, Sk};
     const int sq = span.sq, sk = span.sk;
     if (VARLEN && n0 >= sk) return;   // (past the document's keys: the whole block, before any barrier)
     const int diag = sk - sq;
-    // (VARLEN: the consumers read the span where they use it, from shared memory: kept in
-    // registers through the loop it spilled up to 272 bytes)
-    __shared__ int span_s[5];   // q0, sq, k0, sk, diag
-    if (VARLEN && threadIdx.x == 0) {
-        span_s[0] = span.q0, span_s[1] = sq, span_s[2] = span.k0, span_s[3] = sk, span_s[4] = diag;
-    }
     // Query tiles that see a key of this block (causal: query i sees key j iff j <= i + diag; a
     // window: i + lo .. i + hi); steps walk (head, query tile) pairs, head-major.
     const attention::KeyMask<MASK> km(win_left, win_right, diag);
@@ -153,11 +147,6 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
         }
     }
     if (!ring_loads<PRODUCER, STAGES>(steps, bar_free, load_q)) return;   // (the producer is done)
-#define Q0_ (VARLEN ? span_s[0] : 0)
-#define SQ_ (VARLEN ? span_s[1] : sq)
-#define K0_ (VARLEN ? span_s[2] : 0)
-#define SK_ (VARLEN ? span_s[3] : sk)
-#define DIAG_ (VARLEN ? span_s[4] : diag)
 
     float dv_acc[D / 2], dk_acc[D / 2];   // this warpgroup's 64 keys x D (the accumulator layout)
 #pragma unroll
@@ -166,8 +155,8 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     if constexpr (VARLEN) {
         // K and V rows past the document (the next one's) zeroed before any product reads them:
         // the hidden entries' P and dS are 0, but 0 x Inf is NaN (likewise Q and dO a step)
-        if (SK_ - n0 < BN) {
-            zero_tile_rows(k_s, v_s, DB, KV_BOX, max(SK_ - n0, 0), BN, 12 + wg);
+        if (sk - n0 < BN) {
+            zero_tile_rows(k_s, v_s, DB, KV_BOX, max(sk - n0, 0), BN, 12 + wg);
         }
     }
     // This warpgroup's 64 key rows of K and V (k16 steps and 64-column boxes advance from here)
@@ -193,8 +182,9 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     // Each warp stages its 16 rows x 64 columns as two boxes of 16 rows x 32 floats (128-byte
     // swizzle: chunk c of row r at c ^ (r % 8), conflict-free stores), then lane 0 issues one TMA
     // reduce-add a box (rows past Sq are skipped by TMA; VARLEN: rows past the document add
-    // zeros, their dS being 0, into the next document's). The step before's reduce has long read
-    // the boxes; lane 0 waits for that before they are written again.
+    // zeros into the next document's: 0 staged there, since dS = 0 times this document's K is
+    // NaN where K holds Inf). The step before's reduce has long read the boxes; lane 0 waits for
+    // that before they are written again.
     auto dq_store = [&](int h, int m0, const float (&dq)[32]) {
         unsigned char* const stage = dq_s + (wg * 4 + warp) * 2 * 2048;
         if (lane == 0) tma_store_wait_read<0>();
@@ -206,13 +196,31 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
                 *reinterpret_cast<float2*>(stage + (j / 4) * 2048 + (g + 8 * r) * 128 +
                                            (((2 * (j % 4) + t / 2) ^ g) << 4) + 8 * (t & 1)) =
                     make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
+        if constexpr (VARLEN) {
+            // (the rows past the document zeroed once staged, dq's registers dead by then: a
+            // test in the stores above spilled d128's producer instance)
+            // (the warp index broadcast: known warp-uniform, the branch stays uniform; a branch
+            // ptxas takes for divergent moved the step loop's counters and wgmma descriptors out of
+            // the uniform registers, 30% slower)
+            const int rows_in = sq - (m0 + qhalf * 64 + __shfl_sync(0xffffffffu, warp, 0) * 16);
+            if (rows_in < 16) {
+                __syncwarp();
+#pragma unroll
+                for (int c = 0; c < 8; ++c) {   // (16-byte chunk i: box i / 128, row (i / 8) % 16)
+                    const int i = 32 * c + lane;
+                    if ((i / 8) % 16 >= rows_in)
+                        *reinterpret_cast<float4*>(stage + (i / 128) * 2048 + ((i / 8) % 16) * 128 + (i % 8) * 16) =
+                            make_float4(0.f, 0.f, 0.f, 0.f);
+                }
+            }
+        }
         fence_proxy_async();
         __syncwarp();
         if (lane == 0) {
 #pragma unroll
             for (int box = 0; box < 2; ++box)
                 tma_reduce_add_4d(&dq_map, stage + box * 2048, dhalf * 64 + 32 * box, h,
-                                  Q0_ + m0 + qhalf * 64 + warp * 16, b);
+                                  span.q0 + m0 + qhalf * 64 + warp * 16, b);
             tma_store_commit();
         }
     };
@@ -234,9 +242,9 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
         const float* const drow = lrow + BM;
         mbarrier_wait(&bar_q[buf], (it / STAGES) & 1);
         if constexpr (VARLEN) {
-            if (SQ_ - m0 < BM) {
+            if (sq - m0 < BM) {
                 zero_tile_rows(const_cast<unsigned char*>(qb), const_cast<unsigned char*>(dob), DB, Q_BOX,
-                               max(SQ_ - m0, 0), BM, 12 + wg);
+                               max(sq - m0, 0), BM, 12 + wg);
             }
         }
         CUK_STEP_STAMP(2);
@@ -262,10 +270,10 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
         CUK_STEP_STAMP(3);
 
         // P^T = exp2(S^T scale_log2 - lse_log2) (this thread's query columns 8j + 2t, +1), 0 for
-        // queries past SQ_, keys past SK_ and, causal, keys past the diagonal
+        // queries past sq, keys past sk and, causal, keys past the diagonal
         if constexpr (SOFTCAP) {
             // (after dP^T: P^T and dS^T in one pass, 1 - t^2 never held)
-            const bool edge = m0 + BM > SQ_ || km.edge(n0, BN, m0, BM, SK_);
+            const bool edge = m0 + BM > sq || km.edge(n0, BN, m0, BM, sk);
             wgmma_wait<0>();
             wgmma_hold(dp);
 #pragma unroll
@@ -278,7 +286,7 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
                     float p = fast_exp2(fmaf(th, cap_out, -(e & 1 ? l.y : l.x)));
                     if (edge) {
                         const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
-                        if (q >= SQ_ || km.hidden(q, key, SK_)) p = 0.f;
+                        if (q >= sq || km.hidden(q, key, sk)) p = 0.f;
                     }
                     s[4 * j + e] = p;
                     // (VARLEN: exactly 0 where P is, as in the pass without the softcap)
@@ -287,7 +295,7 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
                 }
             }
         } else if constexpr (MASK == 2) {
-            const bool edge = m0 + BM > SQ_ || km.edge(n0, BN, m0, BM, SK_);
+            const bool edge = m0 + BM > sq || km.edge(n0, BN, m0, BM, sk);
 #pragma unroll
             for (int j = 0; j < BM / 8; ++j) {
                 const float2 l = *reinterpret_cast<const float2*>(lrow + 8 * j + 2 * t);
@@ -296,14 +304,14 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
                     float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -(e & 1 ? l.y : l.x)));
                     if (edge) {
                         const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
-                        if (q >= SQ_ || km.hidden(q, key, SK_)) p = 0.f;
+                        if (q >= sq || km.hidden(q, key, sk)) p = 0.f;
                     }
                     s[4 * j + e] = p;
                 }
             }
         } else {
             // (no mask or causal: the window's loop written out, see the top)
-            const bool edge = m0 + BM > SQ_ || n0 + BN > SK_ || (CAUSAL && n0 + BN - 1 > m0 + DIAG_);
+            const bool edge = m0 + BM > sq || n0 + BN > sk || (CAUSAL && n0 + BN - 1 > m0 + diag);
 #pragma unroll
             for (int j = 0; j < BM / 8; ++j) {
                 const float2 l = *reinterpret_cast<const float2*>(lrow + 8 * j + 2 * t);
@@ -312,7 +320,7 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
                     float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -(e & 1 ? l.y : l.x)));
                     if (edge) {
                         const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
-                        if (q >= SQ_ || key >= SK_ || (CAUSAL && key > q + DIAG_)) p = 0.f;
+                        if (q >= sq || key >= sk || (CAUSAL && key > q + diag)) p = 0.f;
                     }
                     s[4 * j + e] = p;
                 }
@@ -406,21 +414,16 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     // are read by both warpgroups' dQ products (SPLIT_N), so dK waits for both to be done.
     const int wg_key0 = n0 + wg * 64;
     store_tile_staged<T, D, KV_BOX>(dv_acc, 1.f, 1.f, v_s + wg * 64 * 128,
-                                    dv + b * dv_sb + static_cast<long long>(K0_ + wg_key0) * dv_ss + hk * dv_sh, dv_ss,
-                                    SK_ - wg_key0, 8 + wg);
+                                    dv + b * dv_sb + static_cast<long long>(span.k0 + wg_key0) * dv_ss + hk * dv_sh, dv_ss,
+                                    sk - wg_key0, 8 + wg);
     named_barrier_sync(10, 256);
     store_tile_staged<T, D, KV_BOX>(dk_acc, scale, scale, k_s + wg * 64 * 128,
-                                    dk + b * dk_sb + static_cast<long long>(K0_ + wg_key0) * dk_ss + hk * dk_sh, dk_ss,
-                                    SK_ - wg_key0, 8 + wg);
+                                    dk + b * dk_sb + static_cast<long long>(span.k0 + wg_key0) * dk_ss + hk * dk_sh, dk_ss,
+                                    sk - wg_key0, 8 + wg);
     CUK_STAMP(9);
 #elif defined(__CUDA_ARCH__)
     __trap();   // (built without sm_90a's features: fail loudly, never return an unwritten output)
 #endif
-#undef Q0_
-#undef SQ_
-#undef K0_
-#undef SK_
-#undef DIAG_
 }
 
 // VARLEN (attention_bwd_sm90 over packed documents): lse * log2(e) and Dsum of each document's

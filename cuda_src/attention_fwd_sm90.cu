@@ -94,9 +94,9 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
     // VARLEN (packed documents): the block's document is blockIdx.y / H, its queries rows q0 ..
     // q0 + sq - 1 and its keys rows k0 .. k0 + sk - 1 of the one batch, its mask aligned to its
     // own end; a document with bad offsets is recorded as a fault and computes nothing.
-    const attention::DocSpan span = VARLEN ? attention::doc_span(cu_q, cu_k, blockIdx.y / H, gridDim.y / H, Sq, Sk,
-                                                                 max_q, max_k, fault)
-                                           : attention::DocSpan{0, Sq, 0, Sk};
+    const attention::DocSpan span =
+        VARLEN ? attention::doc_span_uniform(cu_q, cu_k, blockIdx.y / H, gridDim.y / H, Sq, Sk, max_q, max_k, fault)
+               : attention::DocSpan{0, Sq, 0, Sk};
     const int sq = span.sq, sk = span.sk;
     const int diag = sk - sq, m_tiles = ((VARLEN ? max_q : sq) + BM - 1) / BM;   // (VARLEN: the grid's)
     const cuk::attention::KeyMask<MASK> window(win_left, win_right, diag);   // (LOCAL)

@@ -279,11 +279,7 @@ class Configs:
     # ... with the softcap (its P^T and dS^T pass holds more: 128-row tiles at d64 spill)
     bwd_sm90_softcap: tuple[tuple[int, Sm90BwdConfig], ...] = ((64, Sm90BwdConfig(64, producer=True)),
                                                                (128, Sm90BwdConfig(64, producer=True)))
-    # ... for packed documents (their span costs registers: 64-row query tiles at d64 too), and
-    # the head dims whose packed documents take it with the softcap (d128 spilled: sm_80 kernels)
-    bwd_sm90_varlen: tuple[tuple[int, Sm90BwdConfig], ...] = ((64, Sm90BwdConfig(64, producer=True)),
-                                                              (128, Sm90BwdConfig(64, producer=True)))
-    bwd_sm90_varlen_softcap: tuple[int, ...] = (64,)
+    # (packed documents take the same configs: their span is kept in uniform registers)
     use_sm90_bwd: bool = True
 
     @property
@@ -350,10 +346,12 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
             for det in (False, True)]
     out += [cfg.instance(dt, d, m, det, True) for dt in DTYPES for d, cfg in configs.bwd_sm90_softcap
             for m in (0, 2) for det in (False, True)]
-    out += [cfg.instance(dt, d, m, det, cap, varlen=True) for dt in DTYPES for d, cfg in configs.bwd_sm90_varlen
-            for cap in ((False, True) if d in configs.bwd_sm90_varlen_softcap else (False,))
-            for m in ((0, 2) if cap else (0, 1, 2)) for det in (False, True)]
-    out += list({cfg.rows_instance().name: cfg.rows_instance() for _, cfg in configs.bwd_sm90_varlen}.values())
+    out += [cfg.instance(dt, d, m, det, varlen=True) for dt in DTYPES for d, cfg in configs.bwd_sm90
+            for m in (0, 1, 2) for det in (False, True)]
+    out += [cfg.instance(dt, d, m, det, True, varlen=True) for dt in DTYPES for d, cfg in configs.bwd_sm90_softcap
+            for m in (0, 2) for det in (False, True)]
+    out += list({cfg.rows_instance().name: cfg.rows_instance()
+                 for _, cfg in configs.bwd_sm90 + configs.bwd_sm90_softcap}.values())
     for dt in DTYPES:
         for d, cfg in configs.bwd:
             out.append(configs.dot(dt, d))
@@ -880,11 +878,9 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
     out_strides = {**{f"dk_{n}": s for n, s in _strides3(dks).items()},
                    **{f"dv_{n}": s for n, s in _strides3(dvs).items()}}
     hopper = (configs.use_sm90_bwd and d in dict(configs.bwd_sm90) and _kernels.compute_capability(device) == (9, 0)
-              and (varlen is None or (d in dict(configs.bwd_sm90_varlen)
-                                      and (not mask.softcap or d in configs.bwd_sm90_varlen_softcap)))
               and all(i in copied or _tma_readable(a) for i, a in enumerate(arrays[:4])))
     # The Hopper kernel loads lse * log2(e) and Dsum by TMA, a query tile's [2][rows] at once.
-    which = "bwd_sm90_varlen" if varlen else "bwd_sm90_softcap" if mask.softcap else "bwd_sm90"
+    which = "bwd_sm90_softcap" if mask.softcap else "bwd_sm90"
     cfg_sm90 = configs.get(which, d) if hopper else None
     tile = cfg_sm90.block_rows if hopper else 0
     # (packed documents: each document's tiles apart, document d's from q0 / tile + d)

@@ -599,8 +599,8 @@ def test_the_backward_plans(host_arrays_as_device, monkeypatch):
                                      kw.get("softcap", 0.0))
         assert [s[1].name for s in info.value.plan.steps if isinstance(s, tuple)][1].startswith(name), kw
     # (Hopper, packed documents: lse and Dsum as each document's query tiles, then the VARLEN
-    # instance over (key blocks of the longest document, documents x kv heads); d128's softcap
-    # with packed documents on attention_bwd_dkdv)
+    # instance over (key blocks of the longest document, documents x kv heads), the dense
+    # configs; with the softcap too)
     monkeypatch.setattr(attn, "CONFIGS", hopper_on)
     attn._BWD_VARLEN.clear()
     with pytest.raises(DryRun) as info:
@@ -610,7 +610,7 @@ def test_the_backward_plans(host_arrays_as_device, monkeypatch):
     assert [s[1].name.split("<")[0] for s in launches] == ["attention_bwd_dot", "attention_bwd_rows_varlen",
                                                           "attention_bwd_sm90", "attention_bwd_dq_convert"]
     dot, rows, bwd, _ = launches
-    cfg = hopper_on.get("bwd_sm90_varlen", 128)
+    cfg = hopper_on.get("bwd_sm90", 128)
     assert dot[4]["rows"] == 0 and rows[2] == (1, 8) and bwd[2] == (1, 4)
     assert bwd[1].name == cfg.instance("float16", 128, 1, False, varlen=True).name
     names = list(rows[4])
@@ -622,7 +622,9 @@ def test_the_backward_plans(host_arrays_as_device, monkeypatch):
     with pytest.raises(DryRun) as info:
         cukern.attention_varlen_backward(qp, qp, kp, vp, qp, np.ones((4, 30), np.float32), cu_q, cu_k, 20, 25,
                                          softcap=5.0)
-    assert [s[1].name for s in info.value.plan.steps if isinstance(s, tuple)][1].startswith("attention_bwd_dkdv<")
+    launches = [s for s in info.value.plan.steps if isinstance(s, tuple) and s[0] == "launch"]
+    cfg = hopper_on.get("bwd_sm90_softcap", 128)
+    assert launches[2][1].name == cfg.instance("float16", 128, 0, False, True, varlen=True).name
 
 
 def test_the_backward_fronts_return_their_allocated_gradients(host_arrays_as_device, monkeypatch):

@@ -237,9 +237,9 @@ __device__ __forceinline__ void fence_proxy_async() {
 // (box_bytes apart), set to zero by the 128 threads of a warpgroup and made visible to its own
 // next wgmma (fenced for the async proxy, then its barrier `bar`). A whole row of a
 // 128-byte-swizzled box is one row of bytes, so the swizzle does not matter. Several warpgroups
-// may zero the same rows: they write the same zeros, each before its own reads. (Not inlined:
-// inlined into attention_bwd_sm90's step loop it cost 8 bytes of spills; it runs on edge tiles alone.)
-__device__ __noinline__ void zero_tile_rows(unsigned char* a, unsigned char* b, int boxes, int box_bytes, int first,
+// may zero the same rows: they write the same zeros, each before its own reads. (Inlined: as a
+// call, its ABI spilled attention_bwd_sm90's 255-register deterministic instances 4-8 bytes.)
+__device__ __forceinline__ void zero_tile_rows(unsigned char* a, unsigned char* b, int boxes, int box_bytes, int first,
                                                int rows, int bar) {
     const int tid = threadIdx.x % 128, n = (rows - first) * 8;   // 16-byte chunks a box
 #pragma unroll 1
