@@ -42,16 +42,19 @@
 
 // SMEM: the launch's dynamic shared memory: K, V, the Q and dO rings, two dS^T buffers and the
 // dQ staging boxes (DQ_ATOMIC), the lse_log2 and Dsum ring, 1 KB of alignment slack.
-template <typename T, int D, int BM, int STAGES, int MASK, bool SOFTCAP, bool DQ_ATOMIC, bool PRODUCER, int SMEM>
+template <typename T, int D, int BM, int STAGES, int MASK, bool SOFTCAP, bool DQ_ATOMIC, bool PRODUCER, int SMEM,
+          bool VARLEN>
 __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
     const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
     const __grid_constant__ CUtensorMap dq_map,   // dq_accum (B, Sq, H, D) float32, boxes 16 x 32 (unused unless DQ_ATOMIC)
     const float* __restrict__ rows,   // (B, H, ceil(Sq / BM), 2, BM): lse * log2(e) and Dsum a query tile
+                                      // (VARLEN: (1, H, ceil(Sq / BM) + documents, 2, BM), see the end)
     T* __restrict__ dk, T* __restrict__ dv,
     long long dk_sb, long long dk_ss, long long dk_sh, long long dv_sb, long long dv_ss, long long dv_sh,
     int H, int Hkv, int Sq, int Sk, float scale, float scale_log2, int win_left, int win_right, float cap_in,
-    float cap_out)
+    float cap_out, const int* __restrict__ cu_q, const int* __restrict__ cu_k, int max_q, int max_k,
+    long long* __restrict__ fault)
 {
     constexpr bool CAUSAL = MASK == 1;
     constexpr int BN = 128, DB = D / 64;            // DB: 64-column boxes of a row
@@ -81,18 +84,26 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     float* const rows_s = reinterpret_cast<float*>(dq_s + DQ_STAGE);   // [STAGES][lse_log2, Dsum][BM]
     __shared__ unsigned long long bar_kv, bar_q[STAGES], bar_free[STAGES], ds_full[2], ds_free[2];
 
-    const int b = blockIdx.y / Hkv, hk = blockIdx.y % Hkv;
+    const int doc = blockIdx.y / Hkv, b = VARLEN ? 0 : doc, hk = blockIdx.y % Hkv;
     const int rep = H / Hkv;
     const int wg = warpgroup_index(), warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const int n0 = blockIdx.x * BN;
     const int key0 = n0 + wg * 64 + warp * 16 + g;   // this thread's keys: key0 and key0 + 8
-    const int diag = Sk - Sq;
+    // VARLEN (packed documents): the block's document is blockIdx.y / Hkv, its queries rows q0 ..
+    // q0 + sq - 1 and its keys rows k0 .. k0 + sk - 1 of the one batch, its mask aligned to its
+    // own end; a document with bad offsets is recorded as a fault and computes nothing.
+    const attention::DocSpan span =
+        VARLEN ? attention::doc_span_uniform(cu_q, cu_k, doc, gridDim.y / Hkv, Sq, Sk, max_q, max_k, fault)
+               : attention::DocSpan{0, Sq, 0, Sk};
+    const int sq = span.sq, sk = span.sk;
+    if (VARLEN && n0 >= sk) return;   // (past the document's keys: the whole block, before any barrier)
+    const int diag = sk - sq;
     // Query tiles that see a key of this block (causal: query i sees key j iff j <= i + diag; a
     // window: i + lo .. i + hi); steps walk (head, query tile) pairs, head-major.
     const attention::KeyMask<MASK> km(win_left, win_right, diag);
     const int m_first = MASK == 2 ? km.first_query(n0) / BM : CAUSAL ? max(0, n0 - diag) / BM : 0;
-    const int per_head = max(0, ((MASK == 2 ? km.stop_query(n0, BN, Sq) : Sq) + BM - 1) / BM - m_first);
+    const int per_head = max(0, ((MASK == 2 ? km.stop_query(n0, BN, sq) : sq) + BM - 1) / BM - m_first);
     const int steps = per_head * rep;
     CUK_STAMP(0);
 
@@ -110,17 +121,20 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
         mbarrier_init_fence();
     }
     __syncthreads();
-    const int tiles = (Sq + BM - 1) / BM;
+    // `rows`' query tiles a head (VARLEN: document d's tile m at q0 / BM + d + m, see
+    // attention_bwd_rows_varlen)
+    const int tiles = VARLEN ? (Sq + BM - 1) / BM + gridDim.y / Hkv : (sq + BM - 1) / BM;
+    const int tile0 = VARLEN ? span.q0 / BM + doc : 0;
     auto load_q = [&](int it) {   // (thread 0) Q, dO, lse_log2 and Dsum of step it into buffer it % STAGES
         const int buf = it % STAGES;
         const int h = hk * rep + it / per_head, m = m_first + it % per_head, m0 = m * BM;
         mbarrier_arrive_expect_tx(&bar_q[buf], 2 * Q_BYTES + 2 * BM * 4);
-        bulk_load(rows_s + buf * 2 * BM, rows + ((static_cast<long long>(b) * H + h) * tiles + m) * 2 * BM,
+        bulk_load(rows_s + buf * 2 * BM, rows + ((static_cast<long long>(b) * H + h) * tiles + tile0 + m) * 2 * BM,
                   2 * BM * 4, &bar_q[buf]);
 #pragma unroll
         for (int db = 0; db < DB; ++db) {
-            tma_load_4d(q_s + buf * Q_BYTES + db * Q_BOX, &q_map, db * 64, h, m0, b, &bar_q[buf]);
-            tma_load_4d(do_s + buf * Q_BYTES + db * Q_BOX, &do_map, db * 64, h, m0, b, &bar_q[buf]);
+            tma_load_4d(q_s + buf * Q_BYTES + db * Q_BOX, &q_map, db * 64, h, span.q0 + m0, b, &bar_q[buf]);
+            tma_load_4d(do_s + buf * Q_BYTES + db * Q_BOX, &do_map, db * 64, h, span.q0 + m0, b, &bar_q[buf]);
         }
     };
     const int loader = PRODUCER ? 256 : 0;
@@ -128,8 +142,8 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
         mbarrier_arrive_expect_tx(&bar_kv, 2 * KV_BYTES);
 #pragma unroll
         for (int db = 0; db < DB; ++db) {
-            tma_load_4d(k_s + db * KV_BOX, &k_map, db * 64, hk, n0, b, &bar_kv);
-            tma_load_4d(v_s + db * KV_BOX, &v_map, db * 64, hk, n0, b, &bar_kv);
+            tma_load_4d(k_s + db * KV_BOX, &k_map, db * 64, hk, span.k0 + n0, b, &bar_kv);
+            tma_load_4d(v_s + db * KV_BOX, &v_map, db * 64, hk, span.k0 + n0, b, &bar_kv);
         }
     }
     if (!ring_loads<PRODUCER, STAGES>(steps, bar_free, load_q)) return;   // (the producer is done)
@@ -138,6 +152,13 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) dv_acc[i] = dk_acc[i] = 0.f;
     mbarrier_wait(&bar_kv, 0);
+    if constexpr (VARLEN) {
+        // K and V rows past the document (the next one's) zeroed before any product reads them:
+        // the hidden entries' P and dS are 0, but 0 x Inf is NaN (likewise Q and dO a step)
+        if (sk - n0 < BN) {
+            zero_tile_rows(k_s, v_s, DB, KV_BOX, max(sk - n0, 0), BN, 12 + wg);
+        }
+    }
     // This warpgroup's 64 key rows of K and V (k16 steps and 64-column boxes advance from here)
     const unsigned long long k_desc = wgmma_desc_sw128(k_s + wg * 64 * 128), v_desc = wgmma_desc_sw128(v_s + wg * 64 * 128);
 
@@ -160,8 +181,10 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     // (+8), columns 64 dhalf + 8j + 2t (+1).
     // Each warp stages its 16 rows x 64 columns as two boxes of 16 rows x 32 floats (128-byte
     // swizzle: chunk c of row r at c ^ (r % 8), conflict-free stores), then lane 0 issues one TMA
-    // reduce-add a box (rows past Sq are skipped by TMA). The step before's reduce has long read
-    // the boxes; lane 0 waits for that before they are written again.
+    // reduce-add a box (rows past Sq are skipped by TMA; VARLEN: rows past the document add
+    // zeros into the next document's: 0 staged there, since dS = 0 times this document's K is
+    // NaN where K holds Inf). The step before's reduce has long read the boxes; lane 0 waits for
+    // that before they are written again.
     auto dq_store = [&](int h, int m0, const float (&dq)[32]) {
         unsigned char* const stage = dq_s + (wg * 4 + warp) * 2 * 2048;
         if (lane == 0) tma_store_wait_read<0>();
@@ -173,12 +196,31 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
                 *reinterpret_cast<float2*>(stage + (j / 4) * 2048 + (g + 8 * r) * 128 +
                                            (((2 * (j % 4) + t / 2) ^ g) << 4) + 8 * (t & 1)) =
                     make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
+        if constexpr (VARLEN) {
+            // (the rows past the document zeroed once staged, dq's registers dead by then: a
+            // test in the stores above spilled d128's producer instance)
+            // (the warp index broadcast: known warp-uniform, the branch stays uniform; a branch
+            // ptxas takes for divergent moved the step loop's counters and wgmma descriptors out of
+            // the uniform registers, 30% slower)
+            const int rows_in = sq - (m0 + qhalf * 64 + __shfl_sync(0xffffffffu, warp, 0) * 16);
+            if (rows_in < 16) {
+                __syncwarp();
+#pragma unroll
+                for (int c = 0; c < 8; ++c) {   // (16-byte chunk i: box i / 128, row (i / 8) % 16)
+                    const int i = 32 * c + lane;
+                    if ((i / 8) % 16 >= rows_in)
+                        *reinterpret_cast<float4*>(stage + (i / 128) * 2048 + ((i / 8) % 16) * 128 + (i % 8) * 16) =
+                            make_float4(0.f, 0.f, 0.f, 0.f);
+                }
+            }
+        }
         fence_proxy_async();
         __syncwarp();
         if (lane == 0) {
 #pragma unroll
             for (int box = 0; box < 2; ++box)
-                tma_reduce_add_4d(&dq_map, stage + box * 2048, dhalf * 64 + 32 * box, h, m0 + qhalf * 64 + warp * 16, b);
+                tma_reduce_add_4d(&dq_map, stage + box * 2048, dhalf * 64 + 32 * box, h,
+                                  span.q0 + m0 + qhalf * 64 + warp * 16, b);
             tma_store_commit();
         }
     };
@@ -199,6 +241,12 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
         const float* const lrow = rows_s + buf * 2 * BM;
         const float* const drow = lrow + BM;
         mbarrier_wait(&bar_q[buf], (it / STAGES) & 1);
+        if constexpr (VARLEN) {
+            if (sq - m0 < BM) {
+                zero_tile_rows(const_cast<unsigned char*>(qb), const_cast<unsigned char*>(dob), DB, Q_BOX,
+                               max(sq - m0, 0), BM, 12 + wg);
+            }
+        }
         CUK_STEP_STAMP(2);
 
         // S^T = K Q^T, then dP^T = V dO^T behind it (this warpgroup's 64 keys x BM queries)
@@ -222,10 +270,10 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
         CUK_STEP_STAMP(3);
 
         // P^T = exp2(S^T scale_log2 - lse_log2) (this thread's query columns 8j + 2t, +1), 0 for
-        // queries past Sq, keys past Sk and, causal, keys past the diagonal
+        // queries past sq, keys past sk and, causal, keys past the diagonal
         if constexpr (SOFTCAP) {
             // (after dP^T: P^T and dS^T in one pass, 1 - t^2 never held)
-            const bool edge = m0 + BM > Sq || km.edge(n0, BN, m0, BM, Sk);
+            const bool edge = m0 + BM > sq || km.edge(n0, BN, m0, BM, sk);
             wgmma_wait<0>();
             wgmma_hold(dp);
 #pragma unroll
@@ -238,14 +286,16 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
                     float p = fast_exp2(fmaf(th, cap_out, -(e & 1 ? l.y : l.x)));
                     if (edge) {
                         const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
-                        if (q >= Sq || km.hidden(q, key, Sk)) p = 0.f;
+                        if (q >= sq || km.hidden(q, key, sk)) p = 0.f;
                     }
                     s[4 * j + e] = p;
-                    dp[4 * j + e] = p * (dp[4 * j + e] - (e & 1 ? d.y : d.x)) * (1.f - th * th);
+                    // (VARLEN: exactly 0 where P is, as in the pass without the softcap)
+                    dp[4 * j + e] = VARLEN && p == 0.f ? 0.f
+                                                        : p * (dp[4 * j + e] - (e & 1 ? d.y : d.x)) * (1.f - th * th);
                 }
             }
         } else if constexpr (MASK == 2) {
-            const bool edge = m0 + BM > Sq || km.edge(n0, BN, m0, BM, Sk);
+            const bool edge = m0 + BM > sq || km.edge(n0, BN, m0, BM, sk);
 #pragma unroll
             for (int j = 0; j < BM / 8; ++j) {
                 const float2 l = *reinterpret_cast<const float2*>(lrow + 8 * j + 2 * t);
@@ -254,14 +304,14 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
                     float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -(e & 1 ? l.y : l.x)));
                     if (edge) {
                         const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
-                        if (q >= Sq || km.hidden(q, key, Sk)) p = 0.f;
+                        if (q >= sq || km.hidden(q, key, sk)) p = 0.f;
                     }
                     s[4 * j + e] = p;
                 }
             }
         } else {
             // (no mask or causal: the window's loop written out, see the top)
-            const bool edge = m0 + BM > Sq || n0 + BN > Sk || (CAUSAL && n0 + BN - 1 > m0 + diag);
+            const bool edge = m0 + BM > sq || n0 + BN > sk || (CAUSAL && n0 + BN - 1 > m0 + diag);
 #pragma unroll
             for (int j = 0; j < BM / 8; ++j) {
                 const float2 l = *reinterpret_cast<const float2*>(lrow + 8 * j + 2 * t);
@@ -270,7 +320,7 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
                     float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -(e & 1 ? l.y : l.x)));
                     if (edge) {
                         const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
-                        if (q >= Sq || key >= Sk || (CAUSAL && key > q + diag)) p = 0.f;
+                        if (q >= sq || key >= sk || (CAUSAL && key > q + diag)) p = 0.f;
                     }
                     s[4 * j + e] = p;
                 }
@@ -289,7 +339,10 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
             for (int j = 0; j < BM / 8; ++j) {
                 const float2 d = *reinterpret_cast<const float2*>(drow + 8 * j + 2 * t);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - (e & 1 ? d.y : d.x));
+                for (int e = 0; e < 4; ++e)   // (VARLEN: exactly 0 where P is, whatever dP^T holds there: rows
+                    // past the document, whose dQ is added into the next one's rows, must add zeros)
+                    dp[4 * j + e] = VARLEN && s[4 * j + e] == 0.f ? 0.f
+                                                                  : s[4 * j + e] * (dp[4 * j + e] - (e & 1 ? d.y : d.x));
             }
         }
         unsigned int dsa[BM / 16][4];
@@ -361,14 +414,34 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     // are read by both warpgroups' dQ products (SPLIT_N), so dK waits for both to be done.
     const int wg_key0 = n0 + wg * 64;
     store_tile_staged<T, D, KV_BOX>(dv_acc, 1.f, 1.f, v_s + wg * 64 * 128,
-                                    dv + b * dv_sb + static_cast<long long>(wg_key0) * dv_ss + hk * dv_sh, dv_ss,
-                                    Sk - wg_key0, 8 + wg);
+                                    dv + b * dv_sb + static_cast<long long>(span.k0 + wg_key0) * dv_ss + hk * dv_sh, dv_ss,
+                                    sk - wg_key0, 8 + wg);
     named_barrier_sync(10, 256);
     store_tile_staged<T, D, KV_BOX>(dk_acc, scale, scale, k_s + wg * 64 * 128,
-                                    dk + b * dk_sb + static_cast<long long>(wg_key0) * dk_ss + hk * dk_sh, dk_ss,
-                                    Sk - wg_key0, 8 + wg);
+                                    dk + b * dk_sb + static_cast<long long>(span.k0 + wg_key0) * dk_ss + hk * dk_sh, dk_ss,
+                                    sk - wg_key0, 8 + wg);
     CUK_STAMP(9);
 #elif defined(__CUDA_ARCH__)
     __trap();   // (built without sm_90a's features: fail loudly, never return an unwritten output)
 #endif
+}
+
+// VARLEN (attention_bwd_sm90 over packed documents): lse * log2(e) and Dsum of each document's
+// query tiles, laid out as that kernel loads them: document d's tile m of head h is tile
+// q0 / BM + d + m of (H, ceil(total_q / BM) + documents, 2, BM) (a document's tiles never reach
+// the next one's), zeros past the document's end. A block a (tile, document x head); documents
+// with bad offsets are skipped (attention_bwd_sm90 records them).
+template <int BM>
+__global__ void __launch_bounds__(BM) attention_bwd_rows_varlen(
+    const float* __restrict__ lse, const float* __restrict__ dsum, float* __restrict__ rows,
+    const int* __restrict__ cu_q, int H, int total_q)
+{
+    const int doc = blockIdx.y / H, h = blockIdx.y % H, docs = gridDim.y / H;
+    const int q0 = cu_q[doc], q1 = cu_q[doc + 1], m0 = blockIdx.x * BM;
+    if (q0 < 0 || q1 < q0 || q1 > total_q || m0 >= q1 - q0) return;
+    const int tiles = (total_q + BM - 1) / BM + docs, i = m0 + threadIdx.x;
+    float* const at = rows + (static_cast<long long>(h) * tiles + q0 / BM + doc + blockIdx.x) * 2 * BM + threadIdx.x;
+    const long long src = static_cast<long long>(h) * total_q + q0 + i;
+    at[0] = i < q1 - q0 ? lse[src] * 1.4426950408889634f : 0.f;
+    at[BM] = i < q1 - q0 ? dsum[src] : 0.f;
 }

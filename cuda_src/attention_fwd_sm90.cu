@@ -46,13 +46,14 @@
 //             written by a TMA store (o_map; unused otherwise), the buffer released once it is
 //             read, after the next work tile's first S is issued. Where a K tile is shorter than
 //             the block's rows, O has a buffer of its own instead (OWN_O).
-template <typename T, int D, int BN, int STAGES, int CONSUMERS, int MASK, bool SOFTCAP, bool PRODUCER, bool PINGPONG, bool OVERLAP, bool PERSISTENT, int BLOCKS, int SMEM>
+template <typename T, int D, int BN, int STAGES, int CONSUMERS, int MASK, bool SOFTCAP, bool PRODUCER, bool PINGPONG, bool OVERLAP, bool PERSISTENT, int BLOCKS, int SMEM, bool VARLEN>
 __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) attention_fwd_sm90(
     const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
     const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap o_map, T* __restrict__ out,
     float* __restrict__ lse,
     long long o_sb, long long o_ss, long long o_sh, int H, int Hkv, int Sq, int Sk, float scale_log2, int tiles,
-    int* __restrict__ tile_counter, int section_pairs, float cap_in, float cap_out, int win_left, int win_right)
+    int* __restrict__ tile_counter, int section_pairs, float cap_in, float cap_out, int win_left, int win_right,
+    const int* __restrict__ cu_q, const int* __restrict__ cu_k, int max_q, int max_k, long long* __restrict__ fault)
 {
     constexpr int BM = 64 * CONSUMERS, DB = D / 64;         // query rows a block; 64-column boxes
     constexpr int THREADS = CONSUMERS * 128;                // the computing threads
@@ -67,6 +68,7 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
     static_assert((CONSUMERS == 2 || CONSUMERS == 3) && (!PINGPONG || CONSUMERS == 2), "CONSUMERS");
     static_assert(!PERSISTENT || (PRODUCER && OVERLAP), "PERSISTENT: a producer and the overlap");
     static_assert(BLOCKS == 1 || (BLOCKS == 2 && PRODUCER && CONSUMERS == 2 && !PERSISTENT), "BLOCKS");
+    static_assert(!VARLEN || !PERSISTENT, "VARLEN: one work tile a block");
     // The consumers' registers (setmaxnreg): what the producer's give-back allows. Two blocks an SM
     // launch at 80 a thread; the producer's 24 let the consumers have 104.
     constexpr int CONSUMER_REGS = BLOCKS == 2 ? 104 : CONSUMERS == 3 ? 160 : PERSISTENT ? 224 : 240;
@@ -89,7 +91,14 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
     const int wg = warpgroup_index(), warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     CUK_STAMP(0);
-    const int diag = Sk - Sq, m_tiles = (Sq + BM - 1) / BM;
+    // VARLEN (packed documents): the block's document is blockIdx.y / H, its queries rows q0 ..
+    // q0 + sq - 1 and its keys rows k0 .. k0 + sk - 1 of the one batch, its mask aligned to its
+    // own end; a document with bad offsets is recorded as a fault and computes nothing.
+    const attention::DocSpan span =
+        VARLEN ? attention::doc_span_uniform(cu_q, cu_k, blockIdx.y / H, gridDim.y / H, Sq, Sk, max_q, max_k, fault)
+               : attention::DocSpan{0, Sq, 0, Sk};
+    const int sq = span.sq, sk = span.sk;
+    const int diag = sk - sq, m_tiles = ((VARLEN ? max_q : sq) + BM - 1) / BM;   // (VARLEN: the grid's)
     const cuk::attention::KeyMask<MASK> window(win_left, win_right, diag);   // (LOCAL)
     // A work tile's (query tile, batch, head) and its count of key tiles. Tiles are numbered
     // (PERSISTENT: walked by each block; otherwise one a block, blockIdx.y major) without a mask
@@ -101,7 +110,10 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
     const int pairs_total = tiles / m_tiles;
     auto enter = [&](int tile) {
         int bh;
-        if (!CAUSAL && !PERSISTENT) {   // (the same numbering, from the grid's axes)
+        if (VARLEN) {   // (the grid's axes; causal: the last query tile first)
+            m_block = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+            bh = blockIdx.y;
+        } else if (!CAUSAL && !PERSISTENT) {   // (the same numbering, from the grid's axes)
             m_block = blockIdx.x;
             bh = blockIdx.y;
         } else if (!CAUSAL) {
@@ -114,13 +126,13 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
             bh = section * section_pairs + (r - mi * pairs);
             m_block = m_tiles - 1 - mi;
         }
-        b = bh / H, h = bh % H, hk = h / (H / Hkv), m0 = m_block * BM;
-        n_blocks = (Sk + BN - 1) / BN;
+        b = VARLEN ? 0 : bh / H, h = bh % H, hk = h / (H / Hkv), m0 = m_block * BM;
+        n_blocks = (sk + BN - 1) / BN;
         if (CAUSAL) {
-            const int last_key = min(Sk - 1, m0 + BM - 1 + diag);
+            const int last_key = min(sk - 1, m0 + BM - 1 + diag);
             n_blocks = last_key < 0 ? 0 : min(n_blocks, last_key / BN + 1);
         } else if (LOCAL) {
-            const int stop = window.stop_key(m0, BM, Sk), first = min(window.first_key(m0), stop);
+            const int stop = window.stop_key(m0, BM, sk), first = min(window.first_key(m0), stop);
             kb0 = max(0, first) / BN;
             n_blocks = stop > first ? (stop + BN - 1) / BN - kb0 : 0;
         }
@@ -128,6 +140,7 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
     const int first_tile = PERSISTENT ? blockIdx.x : blockIdx.y * gridDim.x + blockIdx.x;
     const int tile_step = PERSISTENT ? gridDim.x : 1;   // (one tile a block: the loop runs once)
     enter(first_tile);
+    if (VARLEN && m0 >= sq) return;   // (past the document's queries: the whole block, before any barrier)
 
     if (threadIdx.x == 0) {
 #pragma unroll
@@ -146,15 +159,17 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
         mbarrier_arrive_expect_tx(&bar_kv[buf], 2 * KV_BYTES);
 #pragma unroll
         for (int db = 0; db < DB; ++db) {
-            tma_load_4d(k_s + buf * KV_BYTES + db * KV_BOX, &k_map, db * 64, hk, (kb0 + nb) * BN, b, &bar_kv[buf]);
-            tma_load_4d(v_s + buf * KV_BYTES + db * KV_BOX, &v_map, db * 64, hk, (kb0 + nb) * BN, b, &bar_kv[buf]);
+            tma_load_4d(k_s + buf * KV_BYTES + db * KV_BOX, &k_map, db * 64, hk, span.k0 + (kb0 + nb) * BN, b,
+                        &bar_kv[buf]);
+            tma_load_4d(v_s + buf * KV_BYTES + db * KV_BOX, &v_map, db * 64, hk, span.k0 + (kb0 + nb) * BN, b,
+                        &bar_kv[buf]);
         }
     };
     auto load_kv = [&](int nb) { load_kv_at(nb, nb); };
     auto load_q = [&]() {
         mbarrier_arrive_expect_tx(&bar_q, Q_BYTES);
 #pragma unroll
-        for (int db = 0; db < DB; ++db) tma_load_4d(q_s + db * Q_BOX, &q_map, db * 64, h, m0, b, &bar_q);
+        for (int db = 0; db < DB; ++db) tma_load_4d(q_s + db * Q_BOX, &q_map, db * 64, h, span.q0 + m0, b, &bar_q);
     };
     if constexpr (PERSISTENT) {
         // The producer: each work tile's Q (once the last one's is read), then its key tiles
@@ -233,19 +248,28 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
     // cap_out = c log2(e)) before the mask. Keys past the end and, causal, past the diagonal
     // masked (only tiles that have any).
     auto mask = [&](int nb, float (&s)[BN / 2]) {
+        if constexpr (VARLEN) {
+            // The tile's V rows past the document are the next document's: zeroed before P V reads
+            // them (P is 0 there, but 0 x Inf is NaN: a document's results never depend on another's)
+            const int valid = sk - (kb0 + nb) * BN;
+            if (valid < BN) {
+                unsigned char* const v_tile = v_s + ((it0 + nb) % STAGES) * KV_BYTES;
+                zero_tile_rows(v_tile, v_tile, DB, KV_BOX, max(valid, 0), BN, 12 + wg);   // (V alone: a = b)
+            }
+        }
         if constexpr (SOFTCAP) {
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) s[i] = attention::tanh_approx(s[i] * cap_in) * cap_out;
         }
         const int n0 = (kb0 + nb) * BN;
-        if (LOCAL ? window.edge(n0, BN, m0, BM, Sk) : n0 + BN > Sk || (CAUSAL && n0 + BN - 1 > m0 + diag)) {
+        if (LOCAL ? window.edge(n0, BN, m0, BM, sk) : n0 + BN > sk || (CAUSAL && n0 + BN - 1 > m0 + diag)) {
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int key = n0 + 8 * j + 2 * t + (e & 1);
                     const int row = row0 + (e >> 1) * 8;
-                    if (LOCAL ? window.hidden(row, key, Sk) : key >= Sk || (CAUSAL && key > row + diag))
+                    if (LOCAL ? window.hidden(row, key, sk) : key >= sk || (CAUSAL && key > row + diag))
                         s[4 * j + e] = neg_inf();
                 }
         }
@@ -298,10 +322,10 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
         // may be past the diagonal of its upper rows where BN < BM).
         int n_mine = n_blocks;
         if (CAUSAL) {
-            const int last_key = min(Sk - 1, m0 + wg * 64 + 63 + diag);
+            const int last_key = min(sk - 1, m0 + wg * 64 + 63 + diag);
             n_mine = last_key < 0 ? 0 : min(n_blocks, last_key / BN + 1);
         } else if (LOCAL) {
-            n_mine = max(0, min(n_blocks, (window.stop_key(m0 + wg * 64, 64, Sk) + BN - 1) / BN - kb0));
+            n_mine = max(0, min(n_blocks, (window.stop_key(m0 + wg * 64, 64, sk) + BN - 1) / BN - kb0));
         }
         for (int nb = 0; nb < n_blocks; ++nb) {
             // No block barrier: the two warpgroups drift apart by up to a tile, so that one's
@@ -397,8 +421,8 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
         butterfly<1, 2>(Sum{}, sum);
         inv[r] = sum > 0.f ? 1.f / sum : 0.f;
         const int row = row0 + r * 8;
-        if (lse && t == 0 && row < Sq)
-            lse[(static_cast<long long>(b) * H + h) * Sq + row] =
+        if (lse && t == 0 && row < sq)
+            lse[(static_cast<long long>(b) * H + h) * Sq + span.q0 + row] =
                 sum > 0.f ? (row_max[r] + log2f(sum)) * 0.6931471805599453f : __int_as_float(0x7f800000);
     }
     const int wg_row0 = m0 + wg * 64;
@@ -436,7 +460,7 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
         mbarrier_arrive(&bar_q_free);
     } else if constexpr (PERSISTENT) {
         // O staged in this warpgroup's rows of the last key tile's K buffer, once every thread's
-        // last S is done with it (bar_q_free), and stored from there by TMA (rows past Sq
+        // last S is done with it (bar_q_free), and stored from there by TMA (rows past sq
         // skipped). One thread of the warpgroup waits for the store's reads before it releases
         // the buffer (at the next work tile's first S); the others release it now.
         staged = (it0 + n_blocks - 1) % STAGES;
@@ -453,8 +477,8 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
         it0 += n_blocks;
     } else {
         store_tile_staged<T, D, Q_BOX>(o, inv[0], inv[1], q_s + wg * 64 * 128,
-                                       out + b * o_sb + h * o_sh + static_cast<long long>(wg_row0) * o_ss, o_ss,
-                                       Sq - wg_row0, 8 + wg);
+                                       out + b * o_sb + h * o_sh + static_cast<long long>(span.q0 + wg_row0) * o_ss, o_ss,
+                                       sq - wg_row0, 8 + wg);
     }
     CUK_STAMP(5);
     }

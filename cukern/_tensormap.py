@@ -63,16 +63,20 @@ def check_tile_map(name: str, shape: tuple, strides: tuple, itemsize: int, dtype
 
 def encode_args(a: DeviceArray, box: tuple, swizzle: int = 128) -> tuple:
     """(data type, dims, byte strides, box, swizzle, L2 promotion) of ``a``'s map, as
-    ``cuTensorMapEncodeTiled`` takes them (innermost first), checked: all but the address."""
+    ``cuTensorMapEncodeTiled`` takes them (innermost first), checked: all but the address. A
+    ``box`` of one axis more than ``a`` reads ``a`` as if it had a leading axis of one (packed
+    documents as one batch)."""
     box = tuple(int(b) for b in box)
+    shape, elem = tuple(a.shape), list(a.strides)
+    if len(box) == len(shape) + 1:   # (a box of one more axis: ``a`` read with a leading axis of one)
+        shape, elem = (1, *shape), [0, *elem]
     # (an axis of one element is never stepped over: its stride, which may be anything, 0
     # included, is replaced by one the driver takes)
-    elem = list(a.strides)
-    for i in range(a.ndim - 2, -1, -1):
-        if a.shape[i] == 1:
-            elem[i] = elem[i + 1] * a.shape[i + 1]
-    check_tile_map(a.name, a.shape, tuple(elem), a.itemsize, a.dtype, a.ptr, box, swizzle)
-    return (DATA_TYPES[a.dtype], tuple(reversed(a.shape)), tuple(s * a.itemsize for s in reversed(elem[:-1])),
+    for i in range(len(shape) - 2, -1, -1):
+        if shape[i] == 1:
+            elem[i] = elem[i + 1] * shape[i + 1]
+    check_tile_map(a.name, shape, tuple(elem), a.itemsize, a.dtype, a.ptr, box, swizzle)
+    return (DATA_TYPES[a.dtype], tuple(reversed(shape)), tuple(s * a.itemsize for s in reversed(elem[:-1])),
             tuple(reversed(box)), SWIZZLE[swizzle], L2_PROMOTION_128B)
 
 

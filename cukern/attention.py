@@ -127,8 +127,10 @@ class Sm90FwdConfig:
         columns a box), and 1 KB to align them (16-bit elements)."""
         return ((2 if self.own_o_buffer else 1) * self.block_rows + 2 * self.stages * self.bn) * d * 2 + 1024
 
-    def instance(self, dtype: str, d: int, mask: int, softcap: bool = False) -> Instance:
-        """``mask``: Mask.kind (a bool: causal or not)."""
+    def instance(self, dtype: str, d: int, mask: int, softcap: bool = False, varlen: bool = False) -> Instance:
+        """``mask``: Mask.kind (a bool: causal or not); ``varlen``: packed documents (not persistent)."""
+        if varlen and self.persistent:
+            raise ValueError("varlen: packed documents take a config that is not persistent")
         if self.warpgroups == 3 and d > 128:
             raise ValueError(f"warpgroups=3 takes head dims up to 128, not {d}: the O accumulators of "
                              "64 rows x d do not fit a thread's share of the registers "
@@ -151,7 +153,7 @@ class Sm90FwdConfig:
                              f"a block on sm_90 may have {SM90_MAX_SMEM}")
         return Instance(SM90_SOURCE, f"attention_fwd_sm90<{_ctype(dtype)}, {d}, {self.bn}, {self.stages}, "
                         f"{self.warpgroups}, {int(mask)}, {_b(softcap)}, {_b(self.producer)}, {_b(self.pingpong)}, "
-                        f"{_b(self.overlap)}, {_b(self.persistent)}, {self.blocks_per_sm}, {smem}>",
+                        f"{_b(self.overlap)}, {_b(self.persistent)}, {self.blocks_per_sm}, {smem}, {_b(varlen)}>",
                         self.threads, smem, "sm_90a")
 
 
@@ -205,13 +207,19 @@ class Sm90BwdConfig:
         rows = self.stages * 2 * self.block_rows * 4
         return (2 * self.block_keys + 2 * self.stages * self.block_rows) * d * 2 + ds + dq + rows + 1024
 
-    def instance(self, dtype: str, d: int, mask: int, deterministic: bool, softcap: bool = False) -> Instance:
-        """``mask``: Mask.kind (a bool: causal or not)."""
+    def instance(self, dtype: str, d: int, mask: int, deterministic: bool, softcap: bool = False,
+                 varlen: bool = False) -> Instance:
+        """``mask``: Mask.kind (a bool: causal or not); ``varlen``: packed documents."""
         smem = self.smem(d, deterministic)
         producer = self.threads(deterministic) == 384
         return Instance(SM90_BWD_SOURCE, f"attention_bwd_sm90<{_ctype(dtype)}, {d}, {self.block_rows}, {self.stages}, "
-                        f"{int(mask)}, {_b(softcap)}, {_b(not deterministic)}, {_b(producer)}, {smem}>",
-                        self.threads(deterministic), smem, "sm_90a")
+                        f"{int(mask)}, {_b(softcap)}, {_b(not deterministic)}, {_b(producer)}, {smem}, "
+                        f"{_b(varlen)}>", self.threads(deterministic), smem, "sm_90a")
+
+    def rows_instance(self) -> Instance:
+        """attention_bwd_rows_varlen: lse and Dsum as this config's query tiles of packed documents."""
+        return Instance(SM90_BWD_SOURCE, f"attention_bwd_rows_varlen<{self.block_rows}>", self.block_rows, 0,
+                        "sm_90a")
 
 
 @dataclass(frozen=True)
@@ -256,6 +264,10 @@ class Configs:
     # on (d64: three warpgroups of rows, 128-key tiles; 469-470 against 426-452 TFLOP/s at 8192
     # keys, and at 6144 either way, 411-429 against 409-427, on an H100).
     fwd_sm90_long: tuple[tuple[int, int], ...] = ((64, 8192),)
+    # ... and for packed documents (one block a work tile: not persistent; every mask)
+    fwd_sm90_varlen: tuple[tuple[int, Sm90FwdConfig], ...] = (
+        (64, Sm90FwdConfig(64, 3, producer=True, pingpong=True, blocks_per_sm=2)),
+        (128, Sm90FwdConfig(128, 3, producer=True, pingpong=True, overlap=True)))
     use_sm90: bool = True
     # Causal Hopper forward tiles run the longest first within sections of (batch, head) pairs
     # whose K and V (16-bit) take this much: they stay in L2 (50 MB on H100) while read.
@@ -267,6 +279,7 @@ class Configs:
     # ... with the softcap (its P^T and dS^T pass holds more: 128-row tiles at d64 spill)
     bwd_sm90_softcap: tuple[tuple[int, Sm90BwdConfig], ...] = ((64, Sm90BwdConfig(64, producer=True)),
                                                                (128, Sm90BwdConfig(64, producer=True)))
+    # (packed documents take the same configs: their span is kept in uniform registers)
     use_sm90_bwd: bool = True
 
     @property
@@ -327,10 +340,18 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
             for cap in (False, True)]
     out += [cfg.instance(dt, d, m, cap) for dt in DTYPES for d, cfg in configs.fwd_sm90_full
             for m in ((0, 1, 2) if d in dict(configs.fwd_sm90_long) else (0,)) for cap in (False, True)]
+    out += [cfg.instance(dt, d, m, cap, varlen=True) for dt in DTYPES for d, cfg in configs.fwd_sm90_varlen
+            for m in (0, 1, 2) for cap in (False, True)]
     out += [cfg.instance(dt, d, m, det) for dt in DTYPES for d, cfg in configs.bwd_sm90 for m in (0, 1, 2)
             for det in (False, True)]
     out += [cfg.instance(dt, d, m, det, True) for dt in DTYPES for d, cfg in configs.bwd_sm90_softcap
             for m in (0, 2) for det in (False, True)]
+    out += [cfg.instance(dt, d, m, det, varlen=True) for dt in DTYPES for d, cfg in configs.bwd_sm90
+            for m in (0, 1, 2) for det in (False, True)]
+    out += [cfg.instance(dt, d, m, det, True, varlen=True) for dt in DTYPES for d, cfg in configs.bwd_sm90_softcap
+            for m in (0, 2) for det in (False, True)]
+    out += list({cfg.rows_instance().name: cfg.rows_instance()
+                 for _, cfg in configs.bwd_sm90 + configs.bwd_sm90_softcap}.values())
     for dt in DTYPES:
         for d, cfg in configs.bwd:
             out.append(configs.dot(dt, d))
@@ -583,7 +604,7 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs, w
                      **{f"o_{n}": s for n, s in _strides3(os_).items()},
                      H=h, Hkv=hkv, Sq=sq, Sk=sk, scale_log2=scale * LOG2E, tiles=m_tiles * batch * h,
                      tile_counter=counter, section_pairs=section_pairs, cap_in=cap_in, cap_out=cap_out,
-                     win_left=mask.left, win_right=mask.right)
+                     win_left=mask.left, win_right=mask.right, cu_q=None, cu_k=None, max_q=0, max_k=0, fault=None)
         else:
             _launch_forward_sm80(b, configs, qa, (qs, ks, vs), _like(qa, q_copied), out, lse, mask, scale,
                                  grid_rows=sq, batches=batch, sq=sq, sk=sk, hkv=hkv, device=device)
@@ -689,9 +710,26 @@ def _plan_forward_varlen(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_sca
     lse = b.alloc((h, total_q), "float32") if return_lse else None
     if total_q * h and max_q:
         os_ = (0, *_like(qa, q_copied))
-        _launch_forward_sm80(b, configs, qa, (qs, ks, vs), os_, out, lse, mask, scale, grid_rows=max_q,
-                             batches=docs, sq=total_q, sk=total_k, hkv=hkv, device=device,
-                             varlen=(b.slot(3), b.slot(4), max_q, max_k))
+        if (configs.use_sm90 and d in dict(configs.fwd_sm90_varlen) and total_k
+                and _kernels.compute_capability(device) == (9, 0)
+                and all(i in {j for j, _ in b.fixes} or _tma_readable(a) for i, a in enumerate(arrays[:3]))):
+            # attention_fwd_sm90 over (query tiles of the longest document, documents x heads);
+            # the packed arrays read by TMA as one batch (a box of one more axis than they have)
+            cfg = configs.get("fwd_sm90_varlen", d)
+            k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, bool(mask.softcap), varlen=True), device)
+            cap_in, cap_out = _attention_mask.softcap_log2(mask, scale)
+            m_tiles = -(-max_q // cfg.block_rows)
+            b.launch(k, (m_tiles, docs * h), q_map=MapSlot(0, (1, cfg.block_rows, 1, 64)),
+                     k_map=MapSlot(1, (1, cfg.bn, 1, 64)), v_map=MapSlot(2, (1, cfg.bn, 1, 64)), o_map=bytes(128),
+                     out=out, lse=lse, **{f"o_{n}": s for n, s in _strides3(os_).items()},
+                     H=h, Hkv=hkv, Sq=total_q, Sk=total_k, scale_log2=scale * LOG2E, tiles=m_tiles * docs * h,
+                     tile_counter=None, section_pairs=1, cap_in=cap_in, cap_out=cap_out, win_left=mask.left,
+                     win_right=mask.right, cu_q=b.slot(3), cu_k=b.slot(4), max_q=max_q, max_k=max_k,
+                     fault=_arrays.wrap(_faults.record(device), "fault record"))
+        else:
+            _launch_forward_sm80(b, configs, qa, (qs, ks, vs), os_, out, lse, mask, scale, grid_rows=max_q,
+                                 batches=docs, sq=total_q, sk=total_k, hkv=hkv, device=device,
+                                 varlen=(b.slot(3), b.slot(4), max_q, max_k))
     return b.plan(device)
 
 
@@ -840,29 +878,37 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
     out_strides = {**{f"dk_{n}": s for n, s in _strides3(dks).items()},
                    **{f"dv_{n}": s for n, s in _strides3(dvs).items()}}
     hopper = (configs.use_sm90_bwd and d in dict(configs.bwd_sm90) and _kernels.compute_capability(device) == (9, 0)
-              and varlen is None
               and all(i in copied or _tma_readable(a) for i, a in enumerate(arrays[:4])))
     # The Hopper kernel loads lse * log2(e) and Dsum by TMA, a query tile's [2][rows] at once.
-    cfg_sm90 = configs.get("bwd_sm90_softcap" if mask.softcap else "bwd_sm90", d) if hopper else None
+    which = "bwd_sm90_softcap" if mask.softcap else "bwd_sm90"
+    cfg_sm90 = configs.get(which, d) if hopper else None
     tile = cfg_sm90.block_rows if hopper else 0
-    rows = b.alloc((batch, h, -(-sq // tile), 2, tile), "float32") if hopper else None
+    # (packed documents: each document's tiles apart, document d's from q0 / tile + d)
+    rows = None if not hopper else b.alloc(
+        (batch, h, -(-sq // tile) + (groups if varlen else 0), 2, tile), "float32")
     threads = configs.dot_threads
     k = _kernels.kernel(configs.dot(qa.dtype, d), device)
     b.launch(k, min(-(-(batch * sq * h * _dot_lanes(d)) // threads), 65535), dout=b.slot(0), out=b.slot(4),
              **{f"d_{n}": s for n, s in _strides3(ds).items()}, **{f"o_{n}": s for n, s in _strides3(os_).items()},
-             dsum=dsum, lse=b.slot(5), rows=rows, tile=tile, dq_accum=dq_accum, B=batch, Sq=sq, H=h)
+             dsum=dsum, lse=b.slot(5), rows=None if varlen else rows, tile=tile, dq_accum=dq_accum, B=batch, Sq=sq,
+             H=h)
+    if hopper and varlen:
+        b.launch(_kernels.kernel(cfg_sm90.rows_instance(), device), (-(-rows_q // tile), groups * h), lse=b.slot(5),
+                 dsum=dsum, rows=rows, cu_q=b.slot(6), H=h, total_q=sq)
     if hopper:
         # dK, dV (and dQ's float32 partial sums, by TMA reduce-add) by TMA and wgmma; dQ's
         # conversion or pass as below. (deterministic: no dQ here, the dq_map is unused)
         cfg = cfg_sm90
         # (the softcap's causal mask as the window (-1, 0), the same keys: its MASK 1 instance spills)
         kind = 2 if mask.softcap and mask.kind == 1 else mask.kind
-        k = _kernels.kernel(cfg.instance(qa.dtype, d, kind, deterministic, bool(mask.softcap)), device)
+        k = _kernels.kernel(cfg.instance(qa.dtype, d, kind, deterministic, bool(mask.softcap), varlen is not None),
+                            device)
         qbox, kbox = (1, cfg.block_rows, 1, 64), (1, cfg.block_keys, 1, 64)
         dq_map = bytes(128) if deterministic else MapSlot(dq_accum.index, (1, 16, 1, 32))
-        b.launch(k, (-(-sk // cfg.block_keys), batch * hkv), q_map=MapSlot(1, qbox), k_map=MapSlot(2, kbox),
+        b.launch(k, (-(-rows_k // cfg.block_keys), groups * hkv), q_map=MapSlot(1, qbox), k_map=MapSlot(2, kbox),
                  v_map=MapSlot(3, kbox), do_map=MapSlot(0, qbox), dq_map=dq_map, rows=rows, dk=dk, dv=dv,
-                 **out_strides, **tail, win_left=mask.left, win_right=mask.right, cap_in=cap_in, cap_out=cap_out)
+                 **out_strides, **tail, win_left=mask.left, win_right=mask.right, cap_in=cap_in, cap_out=cap_out,
+                 **{n: masked[n] for n in ("cu_q", "cu_k", "max_q", "max_k", "fault")})
     else:
         cfg = configs.get("bwd", d)
         k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, deterministic, bool(mask.softcap)), device)

@@ -187,11 +187,11 @@ def test_the_sm90_forward_config_by_head_dim_and_mask():
     with pytest.raises(ValueError, match="warpgroups=3 takes head dims up to 128, not 256"):
         attn.Sm90FwdConfig(64, warpgroups=3).instance("bfloat16", 256, False)
     persistent = attn.Sm90FwdConfig(128, 3, producer=True, overlap=True, persistent=True)
-    assert ", true, 1, 230400>" in persistent.instance("bfloat16", 128, False).name
+    assert ", true, 1, 230400, false>" in persistent.instance("bfloat16", 128, False).name
     causal_name = dataclasses.replace(persistent, pingpong=True).instance("bfloat16", 128, True).name
-    assert ", 2, 1, false, true, true, true, true, 1, 230400>" in causal_name
+    assert ", 2, 1, false, true, true, true, true, 1, 230400, false>" in causal_name
     capped = dataclasses.replace(persistent, pingpong=True).instance("bfloat16", 128, True, softcap=True)
-    assert ", 2, 1, true, true, true, true, true, 1, 230400>" in capped.name
+    assert ", 2, 1, true, true, true, true, true, 1, 230400, false>" in capped.name
     for cfg, causal in ((dataclasses.replace(persistent, producer=False), True),
                         (dataclasses.replace(persistent, overlap=False), False)):
         with pytest.raises(ValueError, match="persistent takes a producer and the overlap"):
@@ -208,7 +208,8 @@ def test_the_sm90_forward_config_by_head_dim_and_mask():
     assert cfgs.sm90_forward(128, True, 1 << 20) == cfgs.get("fwd_sm90", 128)
     # (two blocks an SM: the d64 causal forward; launch bounds for two, the consumers' registers)
     two = cfgs.sm90_forward(64, True)
-    assert two.blocks_per_sm == 2 and two.producer and ", false, 2, 66560>" in two.instance("bfloat16", 64, True).name
+    assert two.blocks_per_sm == 2 and two.producer
+    assert ", false, 2, 66560, false>" in two.instance("bfloat16", 64, True).name
     for cfg in (dataclasses.replace(two, producer=False), dataclasses.replace(two, warpgroups=3),
                 dataclasses.replace(two, overlap=True, persistent=True), dataclasses.replace(two, blocks_per_sm=3)):
         with pytest.raises(ValueError, match=f"blocks_per_sm={cfg.blocks_per_sm}: 1, or 2 with a producer"):

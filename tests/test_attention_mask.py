@@ -351,6 +351,69 @@ def test_the_varlen_forward_matches_the_reference(c):
 
 
 @gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(), dict(window=(100, 3)), dict(causal=True, softcap=5.0)])
+def test_long_documents_forward_and_backward(d, kw):
+    """Documents of several query tiles and key blocks (the Hopper kernels' tiles of 64-128 rows
+    and 128 keys), at odd offsets, with GQA: the forward and both dQ paths per document against
+    the reference."""
+    import cukern
+    from arrays import poison_allocator, random_host, to_device
+
+    docs = [(300, 300), (0, 5), (129, 257), (1, 1), (513, 200), (70, 0)]
+    c = dict(docs=docs, h=4, hkv=2, d=d, dtype="bfloat16", slack=3)
+    rng = np.random.default_rng(d)
+    q, k, v, cu_q, cu_k, max_q, max_k = _packed_inputs(c, rng)
+    do = random_host(rng, q.shape, "bfloat16")
+    qd, kd, vd, dod = (to_device(a, "torch") for a in (q, k, v, do))
+    cq, ck = _ints_to_device(cu_q, "torch"), _ints_to_device(cu_k, "torch")
+    poison_allocator("torch", [q.nbytes, q.shape[0] * 4 * 4])
+    out, lse = cukern.attention_varlen(qd, kd, vd, cq, ck, max_q, max_k, return_lse=True, **kw)
+    e_out, e_lse = ref.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, return_lse=True, **kw)
+    tol = _tol("bfloat16", kw.get("softcap", 0.0))
+    _check_out_lse(out, lse, e_out, e_lse, "bfloat16", tol)
+    expect = ref.attention_varlen_backward(do, q, k, v, None, None, cu_q, cu_k, max_q, max_k, **kw)
+    for det in (False, True):
+        grads = cukern.attention_varlen_backward(dod, qd, kd, vd, out, lse, cq, ck, max_q, max_k, deterministic=det,
+                                                 **kw)
+        _check_packed_gradients(grads, expect, (do, q, k, v), cu_q, cu_k, kw, "bfloat16", f"deterministic={det}")
+    cukern.check_errors()
+
+
+@gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_document_never_sees_its_neighbours_values(d, causal):
+    """Documents are independent where a tile crosses into the next one (the Hopper kernels read
+    whole tiles): Inf in one document's q, k, v and dout leaves the others' outputs and gradients
+    finite and right, both dQ paths."""
+    import cukern
+    from arrays import assert_close, random_host, to_device, to_host
+
+    docs = [(100, 100), (90, 90), (70, 70)]
+    c = dict(docs=docs, h=2, hkv=1, d=d, dtype="float16", slack=0)
+    rng = np.random.default_rng(d + causal)
+    q, k, v, cu_q, cu_k, max_q, max_k = _packed_inputs(c, rng)
+    do = random_host(rng, q.shape, "float16")
+    for a in (q, k, v, do):
+        a[100:190] = np.inf
+    qd, kd, vd, dod = (to_device(a, "cupy") for a in (q, k, v, do))
+    cq, ck = _ints_to_device(cu_q, "cupy"), _ints_to_device(cu_k, "cupy")
+    out, lse = cukern.attention_varlen(qd, kd, vd, cq, ck, max_q, max_k, causal=causal, return_lse=True)
+    for det in (False, True):
+        grads = cukern.attention_varlen_backward(dod, qd, kd, vd, out, lse, cq, ck, max_q, max_k, causal=causal,
+                                                 deterministic=det)
+        for a, z in ((0, 100), (190, 260)):
+            e_out, e_lse = ref.attention(q[None, a:z], k[None, a:z], v[None, a:z], causal=causal, return_lse=True)
+            _check_out_lse(out[a:z][None], to_host(lse)[None, :, a:z], e_out, e_lse, "float16", TOL["float16"])
+            expect = ref.attention_backward(do[None, a:z], q[None, a:z], k[None, a:z], v[None, a:z], causal=causal)
+            for name, got, e in zip(("dq", "dk", "dv"), grads, expect):
+                assert_close(got[a:z][None], e, "float16", f"{name} of tokens {a}:{z} (deterministic={det})",
+                             tol=2 * TOL["float16"], scale=float(np.sqrt(np.mean(e * e))) + 0.1)
+    cukern.check_errors()
+
+
+@gpu
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("cu_q, max_q, doc", [
     ([0, 6, 4, 10], 6, 1),    # decreasing
@@ -439,10 +502,11 @@ def test_the_varlen_forward_plan(host_arrays_as_device, monkeypatch):
     """Packed documents: one launch over (max_seqlen_q row tiles, documents x heads), batch
     strides 0, Sq / Sk the token totals, the offsets and the fault record passed; lse (H, total_q)."""
     import cukern
-    from cukern import _faults
+    from cukern import _faults, _kernels
 
     from conftest import DryRun
 
+    attn = importlib.import_module("cukern.attention")
     monkeypatch.setattr(_faults, "record", lambda device: np.zeros(3, np.int64))
     q, k, v = _packed(30, 40, 4, 2, 128)
     cu_q, cu_k = np.array([0, 10, 30], np.int32), np.array([0, 25, 40], np.int32)
@@ -456,6 +520,25 @@ def test_the_varlen_forward_plan(host_arrays_as_device, monkeypatch):
     assert {names[i]: index for i, index, _ in slots if names[i].startswith("cu_")} == {"cu_q": 3, "cu_k": 4}
     assert args["fault"] != 0   # (the device's fault record)
     assert [a.shape for a in info.value.plan.allocs] == [(30, 4, 128), (4, 30)]
+    # (Hopper: attention_fwd_sm90's VARLEN instance over the same grid, TMA boxes of one more
+    # axis than the packed arrays, the offsets and the fault record)
+    monkeypatch.setattr(_kernels, "compute_capability", lambda device: (9, 0))
+    attn._FWD_VARLEN.clear()   # (plans are kept by call signature, not by device)
+    for kw, kind in ((dict(causal=True), 1), (dict(window=(7, 0), softcap=2.0), 2)):
+        with pytest.raises(DryRun) as info:
+            cukern.attention_varlen(q, k, v, cu_q, cu_k, 20, 25, return_lse=True, **kw)
+        _, inst, grid, _, args, slots = _launch(info)
+        cfg = attn.CONFIGS.get("fwd_sm90_varlen", 128)
+        assert inst.name == cfg.instance("float16", 128, kind, "softcap" in kw, varlen=True).name
+        assert inst.name.endswith(", true>") and grid == (1, 8)
+        assert (args["Sq"], args["Sk"], args["max_q"], args["max_k"], args["tiles"]) == (30, 40, 20, 25, 8)
+        assert args["o_sb"] == 0 and args["o_ss"] == 4 * 128 and args["fault"] != 0
+        maps = {list(args)[i]: (m.index, m.box) for i, m, _ in slots if isinstance(m, _kernels.MapSlot)}
+        assert maps == {"q_map": (0, (1, cfg.block_rows, 1, 64)), "k_map": (1, (1, cfg.bn, 1, 64)),
+                        "v_map": (2, (1, cfg.bn, 1, 64))}
+        names = list(args)
+        assert {names[i]: index for i, index, _ in slots if names[i].startswith("cu_")} == {"cu_q": 3, "cu_k": 4}
+    monkeypatch.setattr(_kernels, "compute_capability", lambda device: (8, 0))
     with pytest.raises(ValueError, match="max_seqlen_q: 0, but q holds 30 tokens"):
         cukern.attention_varlen(q, k, v, cu_q, cu_k, 0, 25)
     with pytest.raises(ValueError, match="cu_seqlens_q: dtype int64"):
@@ -515,6 +598,33 @@ def test_the_backward_plans(host_arrays_as_device, monkeypatch):
             attn._attention_backward(q, q, kv, kv, q, lse, True, None, False, hopper_on, kw.get("window", (-1, -1)),
                                      kw.get("softcap", 0.0))
         assert [s[1].name for s in info.value.plan.steps if isinstance(s, tuple)][1].startswith(name), kw
+    # (Hopper, packed documents: lse and Dsum as each document's query tiles, then the VARLEN
+    # instance over (key blocks of the longest document, documents x kv heads), the dense
+    # configs; with the softcap too)
+    monkeypatch.setattr(attn, "CONFIGS", hopper_on)
+    attn._BWD_VARLEN.clear()
+    with pytest.raises(DryRun) as info:
+        cukern.attention_varlen_backward(qp, qp, kp, vp, qp, np.ones((4, 30), np.float32), cu_q, cu_k, 20, 25,
+                                         causal=True)
+    launches = [s for s in info.value.plan.steps if isinstance(s, tuple) and s[0] == "launch"]
+    assert [s[1].name.split("<")[0] for s in launches] == ["attention_bwd_dot", "attention_bwd_rows_varlen",
+                                                          "attention_bwd_sm90", "attention_bwd_dq_convert"]
+    dot, rows, bwd, _ = launches
+    cfg = hopper_on.get("bwd_sm90", 128)
+    assert dot[4]["rows"] == 0 and rows[2] == (1, 8) and bwd[2] == (1, 4)
+    assert bwd[1].name == cfg.instance("float16", 128, 1, False, varlen=True).name
+    names = list(rows[4])
+    (at,) = [index for i, index, _ in rows[5] if names[i] == "rows"]
+    rows_alloc = info.value.plan.allocs[at - 8]   # (after the eight inputs)
+    assert rows_alloc.shape == (1, 4, 1 + 2, 2, cfg.block_rows)   # (ceil(30 / 64) tiles + 2 documents)
+    assert (bwd[4]["max_q"], bwd[4]["max_k"], bwd[4]["Sq"], bwd[4]["Sk"]) == (20, 25, 30, 40)
+    attn._BWD_VARLEN.clear()
+    with pytest.raises(DryRun) as info:
+        cukern.attention_varlen_backward(qp, qp, kp, vp, qp, np.ones((4, 30), np.float32), cu_q, cu_k, 20, 25,
+                                         softcap=5.0)
+    launches = [s for s in info.value.plan.steps if isinstance(s, tuple) and s[0] == "launch"]
+    cfg = hopper_on.get("bwd_sm90_softcap", 128)
+    assert launches[2][1].name == cfg.instance("float16", 128, 0, False, True, varlen=True).name
 
 
 def test_the_backward_fronts_return_their_allocated_gradients(host_arrays_as_device, monkeypatch):
@@ -606,7 +716,7 @@ def test_the_varlen_backward_matches_the_reference(c, deterministic):
     """Packed documents' gradients: nothing crosses documents; keys of a document without
     queries get zero gradients; poisoned outputs."""
     import cukern
-    from arrays import assert_close, poison_allocator, random_host, to_device
+    from arrays import poison_allocator, random_host, to_device
 
     rng = np.random.default_rng(c["seed"])
     q, k, v, cu_q, cu_k, max_q, max_k = _packed_inputs(c, rng)
@@ -620,12 +730,28 @@ def test_the_varlen_backward_matches_the_reference(c, deterministic):
     grads = cukern.attention_varlen_backward(dod, qd, kd, vd, out, lse, cq, ck, max_q, max_k,
                                              deterministic=deterministic, **kw)
     expect = ref.attention_varlen_backward(do, q, k, v, None, None, cu_q, cu_k, max_q, max_k, **kw)
-    for name, got, e in zip(("dq", "dk", "dv"), grads, expect):
-        if e.size:
-            # (scale: the gradients of a document's few-key rows cancel, as test_attention's scales say)
-            assert_close(got, e, c["dtype"], name, tol=2 * _tol(c["dtype"], c["softcap"]),
-                         scale=float(np.sqrt(np.mean(e * e))) + 0.1)
+    _check_packed_gradients(grads, expect, (do, q, k, v), cu_q, cu_k, kw, c["dtype"], f"deterministic={deterministic}")
     cukern.check_errors()
+
+
+def _check_packed_gradients(grads, expect, host, cu_q, cu_k, kw, dtype, label):
+    """Each document's dq, dk, dv against the reference, measured against that document's own
+    gradient scales (test_attention's: where a few-key row's terms cancel); a document without
+    queries has zero dk and dv, one without keys zero dq."""
+    from arrays import assert_close, to_host
+
+    do, q, k, v = host
+    got = [to_host(g) for g in grads]
+    tol = 2 * _tol(dtype, kw.get("softcap", 0.0))
+    for (q0, q1), (k0, k1) in zip(zip(cu_q[:-1], cu_q[1:]), zip(cu_k[:-1], cu_k[1:])):
+        if q1 == q0 or k1 == k0:
+            assert not got[0][q0:q1].any() and not got[1][k0:k1].any() and not got[2][k0:k1].any(), \
+                f"gradients of a document without queries or keys must be zero ({label})"
+            continue
+        scales = gradient_scales(do[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
+                                 kw.get("causal", False), None, kw.get("window", (-1, -1)), kw.get("softcap", 0.0))
+        for name, g, e, sc, (a, z) in zip(("dq", "dk", "dv"), got, expect, scales, ((q0, q1), (k0, k1), (k0, k1))):
+            assert_close(g[a:z], e[a:z], dtype, f"{name} of document {q0}:{q1} ({label})", tol=tol, scale=sc)
 
 
 # ---- cukern.torch: flash-attn's functions ------------------------------------------------------------

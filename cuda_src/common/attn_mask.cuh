@@ -75,6 +75,15 @@ __device__ __forceinline__ DocSpan doc_span(const int* cu_q, const int* cu_k, in
     }
     return {q0, q1 - q0, k0, k1 - k0};
 }
+// doc_span, broadcast from lane 0: values loaded from memory are per-thread to ptxas, so loop
+// bounds made from them run as divergent loops (BSSY/BSYNC) with wgmma descriptors moved to uniform
+// registers (R2UR) a use; a full-warp shuffle from a fixed lane is known warp-uniform.
+__device__ __forceinline__ DocSpan doc_span_uniform(const int* cu_q, const int* cu_k, int b, int docs, int total_q,
+                                                    int total_k, int max_q, int max_k, long long* fault) {
+    const DocSpan s = doc_span(cu_q, cu_k, b, docs, total_q, total_k, max_q, max_k, fault);
+    return {__shfl_sync(0xffffffffu, s.q0, 0), __shfl_sync(0xffffffffu, s.sq, 0), __shfl_sync(0xffffffffu, s.k0, 0),
+            __shfl_sync(0xffffffffu, s.sk, 0)};
+}
 
 // A block's tokens for the backward kernels: span = {batch (0 when packed), first query token,
 // first key token, queries, keys}, written by thread 0 and published by a block barrier (the

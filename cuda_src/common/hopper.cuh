@@ -233,6 +233,27 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// Rows first .. rows - 1 of two tiles `a` and `b`, each of `boxes` boxes of `rows` 128-byte rows
+// (box_bytes apart), set to zero by the 128 threads of a warpgroup and made visible to its own
+// next wgmma (fenced for the async proxy, then its barrier `bar`). A whole row of a
+// 128-byte-swizzled box is one row of bytes, so the swizzle does not matter. Several warpgroups
+// may zero the same rows: they write the same zeros, each before its own reads. (Inlined: as a
+// call, its ABI spilled attention_bwd_sm90's 255-register deterministic instances 4-8 bytes.)
+__device__ __forceinline__ void zero_tile_rows(unsigned char* a, unsigned char* b, int boxes, int box_bytes, int first,
+                                               int rows, int bar) {
+    const int tid = threadIdx.x % 128, n = (rows - first) * 8;   // 16-byte chunks a box
+#pragma unroll 1
+    for (int box = 0; box < boxes; ++box)
+#pragma unroll 1
+        for (int i = tid; i < n; i += 128) {
+            const int at = box * box_bytes + first * 128 + 16 * i;
+            *reinterpret_cast<uint4*>(a + at) = make_uint4(0u, 0u, 0u, 0u);
+            *reinterpret_cast<uint4*>(b + at) = make_uint4(0u, 0u, 0u, 0u);
+        }
+    fence_proxy_async();
+    named_barrier_sync(bar, 128);
+}
+
 // ---- wgmma ---------------------------------------------------------------------------------
 // The float32 accumulators of one m64nNk16 product (N/2 a thread, the layout above) into C, a
 // row-major 64 x N array (tests and checks; kernels write their own epilogues).
