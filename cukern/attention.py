@@ -1293,17 +1293,67 @@ def _sdpa_array(t, causal):
     return tuple(a.transpose(1, 2) for a in (out, dq, dk, dv))
 
 
+def _flash_forward_on(F, t, window=None):
+    """A flash-attn user's call, causal: ``cukern.torch``'s flash_attn_varlen_func (packed inputs:
+    ``t`` has "cu") or flash_attn_func; for F = torch.nn.functional, which has neither, PyTorch's
+    own FlashAttention-2 kernel (aten's, under autograd), the kernel flash-attn's package runs."""
+    import torch
+
+    q, k, v = t["leaves"]
+    w = window if window is not None else (-1, -1)
+    if hasattr(F, "flash_attn_varlen_func"):
+        if "cu" in t:
+            return F.flash_attn_varlen_func(q, k, v, t["cu"], t["cu"], t["max"], t["max"], causal=True, window_size=w)
+        return F.flash_attn_func(q, k, v, causal=True, window_size=w)
+    dense = "cu" not in t
+    B, S = q.shape[:2]
+    if dense:
+        q, k, v = (x.reshape(B * S, *x.shape[2:]) for x in (q, k, v))
+    cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q.device) if dense else t["cu"]
+    mq = S if dense else t["max"]
+    wl, wr = window if window is not None else (None, None)
+    out = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, mq, mq, 0.0, True, False, window_size_left=wl,
+                                                  window_size_right=wr)[0]
+    return out.view(B, S, *out.shape[1:]) if dense else out
+
+
+def _with_leaves(make, seed):
+    t = make(seed)
+    t["dy"] = t["do"]
+    t["leaves"] = tuple(t[n].detach().requires_grad_(True) for n in ("q", "k", "v"))
+    return t
+
+
 def torch_bench_cases(quick: bool) -> list:
     """The SDPA drop-in (B, H, S, D) forward + backward against PyTorch's own choice of kernel
-    (cuDNN on Hopper), torch.compile, and the array API on the same tensors."""
+    (cuDNN on Hopper), torch.compile, and the array API on the same tensors; flash-attn's
+    functions on packed documents and a sliding window (MASK_WORKLOAD's) against PyTorch's
+    FlashAttention-2 kernel."""
     B, H, S, D, causal = WORKLOAD["quick" if quick else "full"][1]
     dt = WORKLOAD["dtype"]
     flops = int(3.5 * 4 * B * H * S * S * D // 2)
-    return [_bench.TorchCase(f"sdpa causal d{D} fwd+bwd", "attention", (B, H, S, D), dt,
-                             _bench.elements_bytes((8 * B, S, H, D), dt),
-                             functools.partial(_inputs, B, H, S, D, dt, grad=True, sdpa=True),
-                             functools.partial(_sdpa_forward_on, causal=causal),
-                             functools.partial(_sdpa_array, causal=causal), flops=flops)]
+    cases = [_bench.TorchCase(f"sdpa causal d{D} fwd+bwd", "attention", (B, H, S, D), dt,
+                              _bench.elements_bytes((8 * B, S, H, D), dt),
+                              functools.partial(_inputs, B, H, S, D, dt, grad=True, sdpa=True),
+                              functools.partial(_sdpa_forward_on, causal=causal),
+                              functools.partial(_sdpa_array, causal=causal), flops=flops)]
+    w = MASK_WORKLOAD["quick" if quick else "full"]
+    lengths = _doc_lengths(w["docs"], w["tokens"])
+    H, D = w["heads"], w["d"]
+    cases.append(_bench.TorchCase(
+        f"flash_attn_varlen_func causal d{D} fwd+bwd", "attention", (w["docs"], H, w["tokens"] // w["docs"], D), dt,
+        2 * _bench.elements_bytes((4 * w["tokens"], H, D), dt),
+        functools.partial(_with_leaves, functools.partial(_packed_inputs, lengths, H, D, dt, grad=True)),
+        _flash_forward_on, _varlen_fwd_bwd, flops=int(3.5 * sum(4 * H * L * L * D // 2 for L in lengths))))
+    B, HL, SL = w["long"]
+    window = (w["window"], 0)
+    cases.append(_bench.TorchCase(
+        f"flash_attn_func causal window d{D} fwd+bwd", "attention", (B, HL, SL, D), dt,
+        _bench.elements_bytes((8 * B, SL, HL, D), dt),
+        functools.partial(_inputs, B, HL, SL, D, dt, grad=True),
+        functools.partial(_flash_forward_on, window=window), functools.partial(_window_fwd_bwd, window=window),
+        flops=int(3.5 * _window_flops(B, HL, SL, D, w["window"]))))
+    return cases
 
 
 # ---- PyTorch bindings -------------------------------------------------------------------------
