@@ -1422,7 +1422,10 @@ TORCH_OPS = (
                 softcap=cap),
             backward_fake=_bwd_fake,
             backward_args=lambda saved, state, grads, T: (grads[0], *saved, *state[:-1], _det(state, T)),
-            grads_to=(0, 1, 2), visible=2),
+            # (native: the plan depends on the arguments alone; the offsets are read on the device.
+            # max_seqlen and the number of documents are in the signature, so a workload whose
+            # documents change every batch records each new (count, longest) pair once)
+            grads_to=(0, 1, 2), visible=2, native=True),
 )
 # flash_attn_func(return_attn_probs=True): the same op with the lse visible (not differentiated)
 TORCH_OPS += (dataclasses.replace(TORCH_OPS[0], name="attention_lse", visible=2, inference=None, native=False),)

@@ -7,6 +7,7 @@ actually run natively (the extension's hit count); gradients in another layout, 
 changed in place, threads with no CUDA context, and signatures it must decline."""
 from __future__ import annotations
 
+import itertools
 import shutil
 
 import pytest
@@ -133,7 +134,18 @@ CASES = {
     "sdpa_gqa_d64": lambda dt: ((_leaf((1, 8, 200, 64), _half(dt), 0), _leaf((1, 2, 200, 64), _half(dt), 1),
                                  _leaf((1, 2, 200, 64), _half(dt), 2)),
                                 lambda q, k, v: ct.scaled_dot_product_attention(q, k, v, enable_gqa=True)),
+    # (packed documents, one empty and one of a token, GQA: the offsets are a tensor argument
+    # read on the device, the longest document an int of the signature)
+    "attention_varlen": lambda dt: ((_leaf((258, 4, 64), _half(dt), 0), _leaf((258, 2, 64), _half(dt), 1),
+                                     _leaf((258, 2, 64), _half(dt), 2), _offsets([37, 130, 1, 0, 90]),
+                                     _offsets([37, 130, 1, 0, 90]), 130, 130),
+                                    lambda q, k, v, cq, ck, mq, mk: ct.flash_attn_varlen_func(q, k, v, cq, ck, mq, mk,
+                                                                                              causal=True)),
 }
+
+
+def _offsets(lengths):
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
 
 
 def _half(dt):
@@ -206,7 +218,7 @@ def _equal(a, b):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", list(CASES))
 def test_replayed_calls_give_the_python_paths_bits(case, dtype, monkeypatch):
-    deterministic = case.startswith("sdpa")   # (attention's dq: no atomics, so bits repeat)
+    deterministic = case.startswith(("sdpa", "attention"))   # (attention's dq: no atomics, so bits repeat)
     torch.use_deterministic_algorithms(deterministic)
     try:
         _replays_match(case, dtype, monkeypatch)
