@@ -2,6 +2,7 @@
 references against torch float64 autograd, and argument checking (no GPU)."""
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import numpy as np
@@ -469,7 +470,6 @@ def test_the_forward_passes_the_window_and_softcap(host_arrays_as_device, monkey
     with pytest.raises(DryRun) as info:
         cukern.attention(q, kv, kv, window=(-1, 0))   # (the causal mask, as a window)
     assert ", 1, false, " in _launch(info)[1].name
-    import dataclasses
 
     attn = importlib.import_module("cukern.attention")
     hopper_on = dataclasses.replace(attn.CONFIGS, use_sm90=True)
@@ -523,6 +523,7 @@ def test_the_varlen_forward_plan(host_arrays_as_device, monkeypatch):
     # (Hopper: attention_fwd_sm90's VARLEN instance over the same grid, TMA boxes of one more
     # axis than the packed arrays, the offsets and the fault record)
     monkeypatch.setattr(_kernels, "compute_capability", lambda device: (9, 0))
+    monkeypatch.setattr(attn, "CONFIGS", dataclasses.replace(attn.CONFIGS, use_sm90=True))   # (CUKERN_ATTENTION_SM80)
     attn._FWD_VARLEN.clear()   # (plans are kept by call signature, not by device)
     for kw, kind in ((dict(causal=True), 1), (dict(window=(7, 0), softcap=2.0), 2)):
         with pytest.raises(DryRun) as info:
@@ -550,7 +551,6 @@ def test_the_backward_plans(host_arrays_as_device, monkeypatch):
     SOFTCAP) over key tiles, and dQ's conversion (or attention_bwd_dq, deterministic), each
     packed against its kernel's signature; packed documents: the offsets and a grid over the
     longest document; on Hopper, attention_bwd_sm90 takes the masks and the softcap."""
-    import dataclasses
 
     import cukern
     from cukern import _faults, _kernels
@@ -672,7 +672,6 @@ def test_the_backward_with_windows_and_softcap_matches_the_reference(c, determin
 def test_the_sm90_backward_with_windows_and_softcap(c, sq, sk, d, rows, producer, deterministic):
     """The Hopper backward's walk over the query tiles a window leaves (several key blocks of
     128, query tiles of 64 and 128 rows, with and without the producer warpgroup) and its softcap."""
-    import dataclasses
 
     from cukern import _kernels
 
