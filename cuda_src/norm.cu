@@ -18,7 +18,8 @@
 // ---------------------------------------------------------------------------------------------
 // Forward, row in registers.
 //   x, res: input rows (res may be null) with their row strides (elements);
-//   w, b:   weight and bias (each may be null; b ignored for RMS);
+//   w, b:   weight and bias (each may be null; b ignored for RMS); the weight applied is
+//           w + w_offset (Gemma's RMSNorm (1 + w), zero-centred gamma; 0 otherwise);
 //   y:      output rows, contiguous; h: x + res rounded to T (written when res is given);
 //   mean_out / rstd_out: float32 per row (each may be null).
 // With a residual, the norm is taken of h rounded to T, exactly as an unfused add then norm.
@@ -31,7 +32,7 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_fwd(
     const T* __restrict__ w, const T* __restrict__ b,
     T* __restrict__ y, T* __restrict__ h,
     float* __restrict__ mean_out, float* __restrict__ rstd_out,
-    long long rows, int cols, float eps)
+    long long rows, int cols, float eps, float w_offset)
 {
     using namespace cuk;
     static_assert(THREADS % G == 0 && (G <= 32 || G == THREADS), "bad row group");
@@ -163,7 +164,7 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_fwd(
 #pragma unroll
                         for (int j = 0; j < VEC; ++j) {
                             float v = (to_float(xv[r][i].v[j]) - mean[r]) * rstd[r];
-                            if (w) v *= to_float(wv.v[j]);
+                            if (w) v *= (to_float(wv.v[j]) + w_offset);
                             if (!RMS && b) v += to_float(bv.v[j]);
                             out.v[j] = from_float<T>(v);
                         }
@@ -200,7 +201,7 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_bwd(
     const float* __restrict__ mean, const float* __restrict__ rstd,
     const T* __restrict__ dres, long long dres_stride,
     T* __restrict__ dx, float* __restrict__ dw_part, float* __restrict__ db_part,
-    long long rows, int cols)
+    long long rows, int cols, float w_offset)
 {
     using namespace cuk;
     static_assert(THREADS % G == 0 && (G <= 32 || G == THREADS), "bad row group");
@@ -251,7 +252,7 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_bwd(
                     for (int j = 0; j < VEC; ++j) {
                         const float d = to_float(gv[r][i].v[j]);
                         const float xh = (to_float(xv[r][i].v[j]) - mu[r]) * rs[r];
-                        const float g = w ? d * to_float(wv.v[j]) : d;
+                        const float g = w ? d * (to_float(wv.v[j]) + w_offset) : d;
                         s[2 * r] += g;
                         s[2 * r + 1] += g * xh;
                         dwa[i][j] += d * xh;
@@ -281,7 +282,7 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_bwd(
                         for (int j = 0; j < VEC; ++j) {
                             const float d = to_float(gv[r][i].v[j]);
                             const float xh = (to_float(xv[r][i].v[j]) - mu[r]) * rs[r];
-                            const float g = w ? d * to_float(wv.v[j]) : d;
+                            const float g = w ? d * (to_float(wv.v[j]) + w_offset) : d;
                             float v = fmaf(rs[r], g, RMS ? xh * kc : fmaf(xh, kc, ka));
                             if (dres) v += to_float(rv.v[j]);
                             out.v[j] = from_float<T>(v);
@@ -317,7 +318,7 @@ __global__ void __launch_bounds__(THREADS, 1) norm_fwd_loop(
     const T* __restrict__ w, const T* __restrict__ b,
     T* y, T* h,
     float* __restrict__ mean_out, float* __restrict__ rstd_out,
-    long long rows, int cols, float eps)
+    long long rows, int cols, float eps, float w_offset)
 {
     using namespace cuk;
     using Reduce = GroupReduce<THREADS, 1>;
@@ -369,7 +370,7 @@ __global__ void __launch_bounds__(THREADS, 1) norm_fwd_loop(
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
                 float o = (to_float(v.v[j]) - mean) * rstd;
-                if (w) o *= to_float(wv.v[j]);
+                if (w) o *= (to_float(wv.v[j]) + w_offset);
                 if (!RMS && b) o += to_float(bv.v[j]);
                 out.v[j] = from_float<T>(o);
             }
@@ -394,7 +395,7 @@ __global__ void __launch_bounds__(THREADS, 1) norm_bwd_loop(
     const float* __restrict__ mean, const float* __restrict__ rstd,
     const T* __restrict__ dres, long long dres_stride,
     T* __restrict__ dx, float* __restrict__ dw_part, float* __restrict__ db_part,
-    long long rows, int cols)
+    long long rows, int cols, float w_offset)
 {
     using namespace cuk;
     using Reduce = GroupReduce<THREADS, 2>;
@@ -424,7 +425,7 @@ __global__ void __launch_bounds__(THREADS, 1) norm_bwd_loop(
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
                 const float d = to_float(dv.v[j]);
-                const float g = w ? d * to_float(wv.v[j]) : d;
+                const float g = w ? d * (to_float(wv.v[j]) + w_offset) : d;
                 s[0] += g;
                 s[1] += g * (to_float(xv.v[j]) - mu) * rs;
             }
@@ -442,7 +443,7 @@ __global__ void __launch_bounds__(THREADS, 1) norm_bwd_loop(
             for (int j = 0; j < VEC; ++j) {
                 const float d = to_float(dv.v[j]);
                 const float xh = (to_float(xv.v[j]) - mu) * rs;
-                const float g = w ? d * to_float(wv.v[j]) : d;
+                const float g = w ? d * (to_float(wv.v[j]) + w_offset) : d;
                 float v = rs * (g - a - xh * c);
                 if (dres) v += to_float(rv.v[j]);
                 out.v[j] = from_float<T>(v);
