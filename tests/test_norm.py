@@ -174,7 +174,7 @@ def _run_case(kind, c):
     dy = random_host(rng, shape, dtype)
     dr = random_host(rng, shape, dtype) if c["residual"] else None
     dev = lambda a: None if a is None else to_device(a, fw)  # noqa: E731
-    woff = c["weight_offset"] if w is not None else 0.0
+    woff = c.get("weight_offset", 0.0) if w is not None else 0.0
 
     nbytes = [x.nbytes] * 3 + [x.size // max(cols, 1) * 4] * 2
     poison_allocator(fw, nbytes)
