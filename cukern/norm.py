@@ -54,10 +54,10 @@ class RowConfig:
     def rows_per_block(self) -> int:
         return self.groups * self.r
 
-    def instance(self, kind: str, dtype: str, rms: bool, vec: int) -> Instance:
+    def instance(self, kind: str, dtype: str, rms: bool, vec: int, offset: bool = False) -> Instance:
         ctype = _arrays.DTYPES[dtype][0]
         return Instance(SOURCE, f"norm_{kind}<{ctype}, {str(rms).lower()}, {vec}, {self.nv}, {self.g}, "
-                                f"{self.threads}, {self.r}, {self.minb}>", self.threads)
+                                f"{self.threads}, {self.r}, {self.minb}, {str(offset).lower()}>", self.threads)
 
 
 @dataclass(frozen=True)
@@ -67,10 +67,10 @@ class LoopConfig:
     rows_per_block = 1
     groups = 1
 
-    def instance(self, kind: str, dtype: str, rms: bool, vec: int) -> Instance:
+    def instance(self, kind: str, dtype: str, rms: bool, vec: int, offset: bool = False) -> Instance:
         ctype = _arrays.DTYPES[dtype][0]
-        return Instance(SOURCE, f"norm_{kind}_loop<{ctype}, {str(rms).lower()}, {vec}, {self.threads}>",
-                        self.threads)
+        return Instance(SOURCE, f"norm_{kind}_loop<{ctype}, {str(rms).lower()}, {vec}, {self.threads}, "
+                                f"{str(offset).lower()}>", self.threads)
 
 
 @dataclass(frozen=True, eq=False)   # (hashed by identity: plans are keyed by it, on every call)
@@ -107,7 +107,8 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
         for rms in (False, True):
             for vec in sorted({1, 16 // itemsize}):
                 for kind, table in (("fwd", configs.fwd), ("bwd", configs.bwd)):
-                    out += [c.instance(kind, dtype, rms, vec) for c in (*table, configs.loop)]
+                    out += [c.instance(kind, dtype, rms, vec, offset) for c in (*table, configs.loop)
+                            for offset in (False, True)]
     return out
 
 
@@ -215,7 +216,7 @@ def _plan_forward(rms, arrays, eps, return_stats, configs, offset=0.0) -> Plan:
         vec = _vector_width(xa.itemsize, cols, [(None if copy_x else xa, xs), (None if copy_r else ra, rs),
                                                  (wa, 0), (ba, 0)])
         cfg = configs.pick("fwd", cols, vec)
-        k = _kernels.kernel(cfg.instance("fwd", xa.dtype, rms, vec), device)
+        k = _kernels.kernel(cfg.instance("fwd", xa.dtype, rms, vec, offset != 0), device)
         # A row in registers: one block a row group, not a persistent grid (a finished block's
         # slot starts the next rows' loads at once; 2-8% faster at every width measured). The
         # looped kernel keeps a persistent grid.
@@ -312,7 +313,7 @@ def _plan_backward(rms, arrays, configs, offset=0.0) -> Plan:
     vec = _vector_width(xa.itemsize, cols, [(None if i in copies else a, strides.get(i, 0))
                                             for i, a in ((0, da), (1, xa), (5, dra))] + [(wa, 0)])
     cfg = configs.pick("bwd", cols, vec)
-    k = _kernels.kernel(cfg.instance("bwd", xa.dtype, rms, vec), device)
+    k = _kernels.kernel(cfg.instance("bwd", xa.dtype, rms, vec, offset != 0), device)
     grid = min(-(-rows // cfg.rows_per_block), k.resident_blocks())
     nparts = grid * cfg.groups
     # One float32 scratch block for the partial rows of dweight and dbias (one allocation, one
