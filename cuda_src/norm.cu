@@ -15,23 +15,31 @@
 #include "common/vec.cuh"
 #include "common/reduce.cuh"
 
+// The weight a column applies: w, or w + offset in float32 (OFFSET: an instance of its own, so
+// that the plain norms keep their code: a runtime 0 added cost 1-2% of the backward).
+template <bool OFFSET, typename T>
+__device__ __forceinline__ float weight_value(T w, float offset) {
+    return OFFSET ? cuk::to_float(w) + offset : cuk::to_float(w);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Forward, row in registers.
 //   x, res: input rows (res may be null) with their row strides (elements);
-//   w, b:   weight and bias (each may be null; b ignored for RMS);
+//   w, b:   weight and bias (each may be null; b ignored for RMS); OFFSET: the weight applied
+//           is w + w_offset (Gemma's RMSNorm (1 + w), zero-centred gamma);
 //   y:      output rows, contiguous; h: x + res rounded to T (written when res is given);
 //   mean_out / rstd_out: float32 per row (each may be null).
 // With a residual, the norm is taken of h rounded to T, exactly as an unfused add then norm.
 // Each group handles R rows at a time: all their loads are issued before the first use, and
 // one group reduction serves all R rows (more bytes in flight, fewer barriers per row).
-template <typename T, bool RMS, int VEC, int NV, int G, int THREADS, int R, int MINB>
+template <typename T, bool RMS, int VEC, int NV, int G, int THREADS, int R, int MINB, bool OFFSET>
 __global__ void __launch_bounds__(THREADS, MINB) norm_fwd(
     const T* __restrict__ x, long long x_stride,
     const T* __restrict__ res, long long res_stride,
     const T* __restrict__ w, const T* __restrict__ b,
     T* __restrict__ y, T* __restrict__ h,
     float* __restrict__ mean_out, float* __restrict__ rstd_out,
-    long long rows, int cols, float eps)
+    long long rows, int cols, float eps, float w_offset)
 {
     using namespace cuk;
     static_assert(THREADS % G == 0 && (G <= 32 || G == THREADS), "bad row group");
@@ -163,7 +171,7 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_fwd(
 #pragma unroll
                         for (int j = 0; j < VEC; ++j) {
                             float v = (to_float(xv[r][i].v[j]) - mean[r]) * rstd[r];
-                            if (w) v *= to_float(wv.v[j]);
+                            if (w) v *= weight_value<OFFSET>(wv.v[j], w_offset);
                             if (!RMS && b) v += to_float(bv.v[j]);
                             out.v[j] = from_float<T>(v);
                         }
@@ -192,7 +200,7 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_fwd(
 //   dx: contiguous output;
 //   dw_part, db_part: [gridDim.x * THREADS / G, cols] float32 partial sums (each may be null).
 // As in the forward, a group handles R rows at a time with one reduction for all of them.
-template <typename T, bool RMS, int VEC, int NV, int G, int THREADS, int R, int MINB>
+template <typename T, bool RMS, int VEC, int NV, int G, int THREADS, int R, int MINB, bool OFFSET>
 __global__ void __launch_bounds__(THREADS, MINB) norm_bwd(
     const T* __restrict__ dy, long long dy_stride,
     const T* __restrict__ x, long long x_stride,
@@ -200,7 +208,7 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_bwd(
     const float* __restrict__ mean, const float* __restrict__ rstd,
     const T* __restrict__ dres, long long dres_stride,
     T* __restrict__ dx, float* __restrict__ dw_part, float* __restrict__ db_part,
-    long long rows, int cols)
+    long long rows, int cols, float w_offset)
 {
     using namespace cuk;
     static_assert(THREADS % G == 0 && (G <= 32 || G == THREADS), "bad row group");
@@ -251,7 +259,7 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_bwd(
                     for (int j = 0; j < VEC; ++j) {
                         const float d = to_float(gv[r][i].v[j]);
                         const float xh = (to_float(xv[r][i].v[j]) - mu[r]) * rs[r];
-                        const float g = w ? d * to_float(wv.v[j]) : d;
+                        const float g = w ? d * weight_value<OFFSET>(wv.v[j], w_offset) : d;
                         s[2 * r] += g;
                         s[2 * r + 1] += g * xh;
                         dwa[i][j] += d * xh;
@@ -281,7 +289,7 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_bwd(
                         for (int j = 0; j < VEC; ++j) {
                             const float d = to_float(gv[r][i].v[j]);
                             const float xh = (to_float(xv[r][i].v[j]) - mu[r]) * rs[r];
-                            const float g = w ? d * to_float(wv.v[j]) : d;
+                            const float g = w ? d * weight_value<OFFSET>(wv.v[j], w_offset) : d;
                             float v = fmaf(rs[r], g, RMS ? xh * kc : fmaf(xh, kc, ka));
                             if (dres) v += to_float(rv.v[j]);
                             out.v[j] = from_float<T>(v);
@@ -310,14 +318,14 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_bwd(
 // ---------------------------------------------------------------------------------------------
 // Forward for rows of any width: one block a row, the row streamed in chunks of THREADS*VEC.
 // Same arguments as norm_fwd. With a residual, pass 1 writes h and later passes re-read it.
-template <typename T, bool RMS, int VEC, int THREADS>
+template <typename T, bool RMS, int VEC, int THREADS, bool OFFSET>
 __global__ void __launch_bounds__(THREADS, 1) norm_fwd_loop(
     const T* __restrict__ x, long long x_stride,
     const T* __restrict__ res, long long res_stride,
     const T* __restrict__ w, const T* __restrict__ b,
     T* y, T* h,
     float* __restrict__ mean_out, float* __restrict__ rstd_out,
-    long long rows, int cols, float eps)
+    long long rows, int cols, float eps, float w_offset)
 {
     using namespace cuk;
     using Reduce = GroupReduce<THREADS, 1>;
@@ -369,7 +377,7 @@ __global__ void __launch_bounds__(THREADS, 1) norm_fwd_loop(
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
                 float o = (to_float(v.v[j]) - mean) * rstd;
-                if (w) o *= to_float(wv.v[j]);
+                if (w) o *= weight_value<OFFSET>(wv.v[j], w_offset);
                 if (!RMS && b) o += to_float(bv.v[j]);
                 out.v[j] = from_float<T>(o);
             }
@@ -386,7 +394,7 @@ __global__ void __launch_bounds__(THREADS, 1) norm_fwd_loop(
 // Backward for rows of any width: one block a row; the block's partial weight-gradient row
 // (dw_part[blockIdx.x], db_part[blockIdx.x]) is accumulated in global memory. Each thread
 // always touches the same columns, so the read-modify-writes need no synchronisation.
-template <typename T, bool RMS, int VEC, int THREADS>
+template <typename T, bool RMS, int VEC, int THREADS, bool OFFSET>
 __global__ void __launch_bounds__(THREADS, 1) norm_bwd_loop(
     const T* __restrict__ dy, long long dy_stride,
     const T* __restrict__ x, long long x_stride,
@@ -394,7 +402,7 @@ __global__ void __launch_bounds__(THREADS, 1) norm_bwd_loop(
     const float* __restrict__ mean, const float* __restrict__ rstd,
     const T* __restrict__ dres, long long dres_stride,
     T* __restrict__ dx, float* __restrict__ dw_part, float* __restrict__ db_part,
-    long long rows, int cols)
+    long long rows, int cols, float w_offset)
 {
     using namespace cuk;
     using Reduce = GroupReduce<THREADS, 2>;
@@ -424,7 +432,7 @@ __global__ void __launch_bounds__(THREADS, 1) norm_bwd_loop(
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
                 const float d = to_float(dv.v[j]);
-                const float g = w ? d * to_float(wv.v[j]) : d;
+                const float g = w ? d * weight_value<OFFSET>(wv.v[j], w_offset) : d;
                 s[0] += g;
                 s[1] += g * (to_float(xv.v[j]) - mu) * rs;
             }
@@ -442,7 +450,7 @@ __global__ void __launch_bounds__(THREADS, 1) norm_bwd_loop(
             for (int j = 0; j < VEC; ++j) {
                 const float d = to_float(dv.v[j]);
                 const float xh = (to_float(xv.v[j]) - mu) * rs;
-                const float g = w ? d * to_float(wv.v[j]) : d;
+                const float g = w ? d * weight_value<OFFSET>(wv.v[j], w_offset) : d;
                 float v = rs * (g - a - xh * c);
                 if (dres) v += to_float(rv.v[j]);
                 out.v[j] = from_float<T>(v);

@@ -54,10 +54,10 @@ class RowConfig:
     def rows_per_block(self) -> int:
         return self.groups * self.r
 
-    def instance(self, kind: str, dtype: str, rms: bool, vec: int) -> Instance:
+    def instance(self, kind: str, dtype: str, rms: bool, vec: int, offset: bool = False) -> Instance:
         ctype = _arrays.DTYPES[dtype][0]
         return Instance(SOURCE, f"norm_{kind}<{ctype}, {str(rms).lower()}, {vec}, {self.nv}, {self.g}, "
-                                f"{self.threads}, {self.r}, {self.minb}>", self.threads)
+                                f"{self.threads}, {self.r}, {self.minb}, {str(offset).lower()}>", self.threads)
 
 
 @dataclass(frozen=True)
@@ -67,10 +67,10 @@ class LoopConfig:
     rows_per_block = 1
     groups = 1
 
-    def instance(self, kind: str, dtype: str, rms: bool, vec: int) -> Instance:
+    def instance(self, kind: str, dtype: str, rms: bool, vec: int, offset: bool = False) -> Instance:
         ctype = _arrays.DTYPES[dtype][0]
-        return Instance(SOURCE, f"norm_{kind}_loop<{ctype}, {str(rms).lower()}, {vec}, {self.threads}>",
-                        self.threads)
+        return Instance(SOURCE, f"norm_{kind}_loop<{ctype}, {str(rms).lower()}, {vec}, {self.threads}, "
+                                f"{str(offset).lower()}>", self.threads)
 
 
 @dataclass(frozen=True, eq=False)   # (hashed by identity: plans are keyed by it, on every call)
@@ -107,7 +107,8 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
         for rms in (False, True):
             for vec in sorted({1, 16 // itemsize}):
                 for kind, table in (("fwd", configs.fwd), ("bwd", configs.bwd)):
-                    out += [c.instance(kind, dtype, rms, vec) for c in (*table, configs.loop)]
+                    out += [c.instance(kind, dtype, rms, vec, offset) for c in (*table, configs.loop)
+                            for offset in (False, True)]
     return out
 
 
@@ -170,18 +171,29 @@ def _optional(obj, name: str, dtypes=_arrays.FLOATS):
 _FWD = PlanCache()
 
 
-def _forward(rms: bool, x, weight, bias, eps, residual, return_stats, configs: Configs):
+def _offset(offset, weight) -> float:
+    """The weight's offset: a finite number, and a weight to add it to unless it is 0."""
+    value = _checks._number(offset, "offset")
+    if not math.isfinite(value):
+        raise ValueError(f"offset: must be finite, got {offset}")
+    if value and weight is None:
+        raise ValueError(f"offset: {offset} is added to the weight, but weight is None")
+    return value
+
+
+def _forward(rms: bool, x, weight, bias, eps, residual, return_stats, configs: Configs, offset=0.0):
     xa = _arrays.as_device_array(x, "x")
     arrays = [xa, _optional(weight, "weight"), _optional(bias, "bias"), _optional(residual, "residual")]
-    key = (rms, bool(return_stats), _checks.eps(eps), configs, *(a and a.key for a in arrays))
-    plan = _FWD.get(key) or _FWD.put(key, _plan_forward(rms, arrays, eps, bool(return_stats), configs))
+    off = _offset(offset, weight)
+    key = (rms, bool(return_stats), _checks.eps(eps), off, configs, *(a and a.key for a in arrays))
+    plan = _FWD.get(key) or _FWD.put(key, _plan_forward(rms, arrays, eps, bool(return_stats), configs, off))
     bufs = plan(arrays)
     # bufs: x, weight, bias, residual, then y, h (residual), mean (LayerNorm, stats), rstd (stats)
     out = [b.obj for b in bufs[4:]]
     return out[0] if len(out) == 1 else tuple(out)
 
 
-def _plan_forward(rms, arrays, eps, return_stats, configs) -> Plan:
+def _plan_forward(rms, arrays, eps, return_stats, configs, offset=0.0) -> Plan:
     xa, wa, ba, ra = arrays
     epsf = _check_forward(xa, wa, ba, ra, eps)
     device = _arrays.same_device(xa, wa, ba, ra)
@@ -204,7 +216,7 @@ def _plan_forward(rms, arrays, eps, return_stats, configs) -> Plan:
         vec = _vector_width(xa.itemsize, cols, [(None if copy_x else xa, xs), (None if copy_r else ra, rs),
                                                  (wa, 0), (ba, 0)])
         cfg = configs.pick("fwd", cols, vec)
-        k = _kernels.kernel(cfg.instance("fwd", xa.dtype, rms, vec), device)
+        k = _kernels.kernel(cfg.instance("fwd", xa.dtype, rms, vec, offset != 0), device)
         # A row in registers: one block a row group, not a persistent grid (a finished block's
         # slot starts the next rows' loads at once; 2-8% faster at every width measured). The
         # looped kernel keeps a persistent grid.
@@ -212,20 +224,22 @@ def _plan_forward(rms, arrays, eps, return_stats, configs) -> Plan:
         grid = min(grid, k.resident_blocks()) if isinstance(cfg, LoopConfig) else min(grid, 2**31 - 1)
         b.launch(k, grid,
                  x=b.slot(0), x_stride=xs, res=b.slot(3), res_stride=rs, w=b.slot(1), b=b.slot(2), y=y, h=h,
-                 mean_out=mean, rstd_out=rstd, rows=rows, cols=cols, eps=epsf)
+                 mean_out=mean, rstd_out=rstd, rows=rows, cols=cols, eps=epsf, w_offset=offset)
     elif rows and return_stats:   # zero-width rows: nothing to normalize; y and h are empty
         b.fill(0.0, mean)
         b.fill(float(1.0 / np.sqrt(np.float32(epsf))) if epsf > 0 else float("inf"), rstd)
     return b.plan(device)
 
 
-def layer_norm(x, weight=None, bias=None, eps=1e-5, *, residual=None, return_stats=False):
-    """LayerNorm over the last axis: ``(x - mean) / sqrt(var + eps) * weight + bias``.
+def layer_norm(x, weight=None, bias=None, eps=1e-5, *, residual=None, return_stats=False, offset=0.0):
+    """LayerNorm over the last axis: ``(x - mean) / sqrt(var + eps) * (weight + offset) + bias``.
 
     Args:
         x: (*, D) float32, float16 or bfloat16 (CuPy array or torch CUDA tensor).
         weight, bias: (D,) of x's dtype, or None.
         eps: added to the (biased) variance.
+        offset: added to the weight in float32 (1.0: zero-centred gamma, as TransformerEngine's
+            ``zero_centered_gamma``); needs a weight unless 0.
         residual: optional (*, D) of x's dtype. The kernel then also returns
             ``h = x + residual`` (rounded to the dtype) and normalizes h, in one pass.
         return_stats: also return mean and rstd, float32 of shape x.shape[:-1].
@@ -234,16 +248,18 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, residual=None, return_sta
         ``y``; with ``residual``: ``(y, h)``; with ``return_stats``: ``(y, mean, rstd)`` or
         ``(y, h, mean, rstd)``. Same array type and device as ``x``; contiguous.
     """
-    return _forward(False, x, weight, bias, eps, residual, return_stats, CONFIGS)
+    return _forward(False, x, weight, bias, eps, residual, return_stats, CONFIGS, offset)
 
 
-def rms_norm(x, weight=None, eps=1e-6, *, residual=None, return_stats=False):
-    """RMSNorm over the last axis: ``x / sqrt(mean(x**2) + eps) * weight``.
+def rms_norm(x, weight=None, eps=1e-6, *, residual=None, return_stats=False, offset=0.0):
+    """RMSNorm over the last axis: ``x / sqrt(mean(x**2) + eps) * (weight + offset)``.
 
     Args:
         x: (*, D) float32, float16 or bfloat16 (CuPy array or torch CUDA tensor).
         weight: (D,) of x's dtype, or None.
         eps: added to the mean square.
+        offset: added to the weight in float32 (1.0: Gemma's ``(1 + weight)``); needs a weight
+            unless 0.
         residual: optional (*, D) of x's dtype; see ``layer_norm``.
         return_stats: also return rstd, float32 of shape x.shape[:-1].
 
@@ -251,7 +267,7 @@ def rms_norm(x, weight=None, eps=1e-6, *, residual=None, return_stats=False):
         ``y``; with ``residual``: ``(y, h)``; with ``return_stats``: ``(y, rstd)`` or
         ``(y, h, rstd)``.
     """
-    return _forward(True, x, weight, None, eps, residual, return_stats, CONFIGS)
+    return _forward(True, x, weight, None, eps, residual, return_stats, CONFIGS, offset)
 
 
 # ---- backward -------------------------------------------------------------------------------
@@ -259,18 +275,19 @@ def rms_norm(x, weight=None, eps=1e-6, *, residual=None, return_stats=False):
 _BWD = PlanCache()
 
 
-def _backward(rms: bool, dy, x, weight, mean, rstd, dresidual, configs: Configs):
+def _backward(rms: bool, dy, x, weight, mean, rstd, dresidual, configs: Configs, offset=0.0):
     arrays = [_arrays.as_device_array(dy, "dy"), _arrays.as_device_array(x, "x"), _optional(weight, "weight"),
               None if rms else _arrays.as_device_array(mean, "mean", ("float32",)),
               _arrays.as_device_array(rstd, "rstd", ("float32",)), _optional(dresidual, "dresidual")]
-    key = (rms, configs, *(a and a.key for a in arrays))
-    plan = _BWD.get(key) or _BWD.put(key, _plan_backward(rms, arrays, configs))
+    off = _offset(offset, weight)
+    key = (rms, off, configs, *(a and a.key for a in arrays))
+    plan = _BWD.get(key) or _BWD.put(key, _plan_backward(rms, arrays, configs, off))
     bufs = plan(arrays)
     # bufs: dy, x, weight, mean, rstd, dresidual, then dx, dw, db (or None), scratch
     return bufs[6].obj, bufs[7] and bufs[7].obj, bufs[8] and bufs[8].obj
 
 
-def _plan_backward(rms, arrays, configs) -> Plan:
+def _plan_backward(rms, arrays, configs, offset=0.0) -> Plan:
     da, xa, wa, ma, sa, dra = arrays
     _check_backward(da, xa, wa, ma, sa, dra, rms)
     device = _arrays.same_device(xa, da, wa, ma, sa, dra)
@@ -296,7 +313,7 @@ def _plan_backward(rms, arrays, configs) -> Plan:
     vec = _vector_width(xa.itemsize, cols, [(None if i in copies else a, strides.get(i, 0))
                                             for i, a in ((0, da), (1, xa), (5, dra))] + [(wa, 0)])
     cfg = configs.pick("bwd", cols, vec)
-    k = _kernels.kernel(cfg.instance("bwd", xa.dtype, rms, vec), device)
+    k = _kernels.kernel(cfg.instance("bwd", xa.dtype, rms, vec, offset != 0), device)
     grid = min(-(-rows // cfg.rows_per_block), k.resident_blocks())
     nparts = grid * cfg.groups
     # One float32 scratch block for the partial rows of dweight and dbias (one allocation, one
@@ -307,19 +324,19 @@ def _plan_backward(rms, arrays, configs) -> Plan:
     b.launch(k, grid, dy=b.slot(0), dy_stride=strides[0], x=b.slot(1), x_stride=strides[1], w=b.slot(2),
              mean=b.slot(3), rstd=b.slot(4), dres=b.slot(5), dres_stride=strides.get(5, 0), dx=dx,
              dw_part=part if dw is not None else None, db_part=None if db is None else part + block * (len(outs) - 1),
-             rows=rows, cols=cols)
+             rows=rows, cols=cols, w_offset=offset)
     if outs:
         _partials.sum_rows(b, part, outs, nparts, cols, xa.dtype, device)
     return b.plan(device, first=1)
 
 
-def layer_norm_backward(dy, x, weight, mean, rstd, *, dresidual=None):
+def layer_norm_backward(dy, x, weight, mean, rstd, *, dresidual=None, offset=0.0):
     """Gradients of ``layer_norm``.
 
     Args:
         dy: (*, D) gradient of the output y.
         x: (*, D) the forward's input — ``h`` when the residual add was fused.
-        weight: (D,) or None, as in the forward.
+        weight: (D,) or None, and offset, as in the forward.
         mean, rstd: float32 statistics from ``layer_norm(..., return_stats=True)``.
         dresidual: optional (*, D) gradient flowing into ``h`` from the residual stream;
             it is added to dx (which is then the gradient of both x and residual).
@@ -328,12 +345,12 @@ def layer_norm_backward(dy, x, weight, mean, rstd, *, dresidual=None):
         ``(dx, dweight, dbias)``: dx (*, D); dweight (D,) or None when weight is None;
         dbias (D,). Weight gradients are bitwise deterministic (no atomics).
     """
-    return _backward(False, dy, x, weight, mean, rstd, dresidual, CONFIGS)
+    return _backward(False, dy, x, weight, mean, rstd, dresidual, CONFIGS, offset)
 
 
-def rms_norm_backward(dy, x, weight, rstd, *, dresidual=None):
+def rms_norm_backward(dy, x, weight, rstd, *, dresidual=None, offset=0.0):
     """Gradients of ``rms_norm``: ``(dx, dweight)``; see ``layer_norm_backward``."""
-    dx, dw, _ = _backward(True, dy, x, weight, None, rstd, dresidual, CONFIGS)
+    dx, dw, _ = _backward(True, dy, x, weight, None, rstd, dresidual, CONFIGS, offset)
     return dx, dw
 
 
@@ -355,48 +372,51 @@ def _ref_input(xa, ra):
     return h, h
 
 
-def reference_layer_norm(x, weight=None, bias=None, eps=1e-5, *, residual=None, return_stats=False):
+def reference_layer_norm(x, weight=None, bias=None, eps=1e-5, *, residual=None, return_stats=False, offset=0.0):
     """``layer_norm`` in float64 from the given (rounded) values: the same arguments, checks
     and outputs (float64 arrays)."""
     xa, wa, ba, ra = _host(x, "x"), _host(weight, "weight"), _host(bias, "bias"), _host(residual, "residual")
     e = _check_forward(xa, wa, ba, ra, eps)
+    off = _offset(offset, weight)
     v, h = _ref_input(xa, ra)
     mean = v.mean(axis=-1)
     var = ((v - mean[..., None]) ** 2).mean(axis=-1)
     rstd = 1.0 / np.sqrt(var + e)
     y = (v - mean[..., None]) * rstd[..., None]
     if wa is not None:
-        y = y * _f64(wa)
+        y = y * (_f64(wa) + off)
     if ba is not None:
         y = y + _f64(ba)
     out = [y] + ([h] if h is not None else []) + ([mean, rstd] if return_stats else [])
     return out[0] if len(out) == 1 else tuple(out)
 
 
-def reference_rms_norm(x, weight=None, eps=1e-6, *, residual=None, return_stats=False):
+def reference_rms_norm(x, weight=None, eps=1e-6, *, residual=None, return_stats=False, offset=0.0):
     """``rms_norm`` in float64 (see ``reference_layer_norm``)."""
     xa, wa, ra = _host(x, "x"), _host(weight, "weight"), _host(residual, "residual")
     e = _check_forward(xa, wa, None, ra, eps)
+    off = _offset(offset, weight)
     v, h = _ref_input(xa, ra)
     rstd = 1.0 / np.sqrt((v * v).mean(axis=-1) + e)
     y = v * rstd[..., None]
     if wa is not None:
-        y = y * _f64(wa)
+        y = y * (_f64(wa) + off)
     out = [y] + ([h] if h is not None else []) + ([rstd] if return_stats else [])
     return out[0] if len(out) == 1 else tuple(out)
 
 
-def _ref_backward(rms, dy, x, weight, mean, rstd, dresidual):
+def _ref_backward(rms, dy, x, weight, mean, rstd, dresidual, offset=0.0):
     da, xa, wa = _host(dy, "dy"), _host(x, "x"), _host(weight, "weight")
     ma = None if rms else _host(mean, "mean", ("float32",))
     sa, dra = _host(rstd, "rstd", ("float32",)), _host(dresidual, "dresidual")
     _check_backward(da, xa, wa, ma, sa, dra, rms)
+    off = _offset(offset, weight)
     g, v = _f64(da), _f64(xa)
     d = v.shape[-1]
     rs = _f64(sa).reshape(v.shape[:-1])[..., None]
     mu = 0.0 if rms else _f64(ma).reshape(v.shape[:-1])[..., None]
     xhat = (v - mu) * rs
-    gw = g * _f64(wa) if wa is not None else g
+    gw = g * (_f64(wa) + off) if wa is not None else g
     c = (gw * xhat).sum(axis=-1, keepdims=True) / max(d, 1)
     a = 0.0 if rms else gw.sum(axis=-1, keepdims=True) / max(d, 1)
     dx = rs * (gw - a - xhat * c)
@@ -407,14 +427,14 @@ def _ref_backward(rms, dy, x, weight, mean, rstd, dresidual):
     return dx, dw, g.sum(axis=lead)
 
 
-def reference_layer_norm_backward(dy, x, weight, mean, rstd, *, dresidual=None):
+def reference_layer_norm_backward(dy, x, weight, mean, rstd, *, dresidual=None, offset=0.0):
     """``layer_norm_backward`` in float64: ``(dx, dweight or None, dbias)``."""
-    return _ref_backward(False, dy, x, weight, mean, rstd, dresidual)
+    return _ref_backward(False, dy, x, weight, mean, rstd, dresidual, offset)
 
 
-def reference_rms_norm_backward(dy, x, weight, rstd, *, dresidual=None):
+def reference_rms_norm_backward(dy, x, weight, rstd, *, dresidual=None, offset=0.0):
     """``rms_norm_backward`` in float64: ``(dx, dweight or None)``."""
-    dx, dw, _ = _ref_backward(True, dy, x, weight, None, rstd, dresidual)
+    dx, dw, _ = _ref_backward(True, dy, x, weight, None, rstd, dresidual, offset)
     return dx, dw
 
 

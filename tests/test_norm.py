@@ -79,6 +79,23 @@ def test_reference_matches_torch_cpu_float64():
         tx, (33,), torch.tensor(w), 1e-6).numpy(), rtol=1e-12, atol=1e-12)
 
 
+@needs_torch
+def test_reference_offset_is_gemmas_one_plus_weight():
+    """offset=1: Gemma's RMSNorm, (x / rms) * (1 + w) all in float32 upward, and zero-centred
+    gamma for LayerNorm; its gradients are those of the weight w + offset, dweight unchanged."""
+    rng = np.random.default_rng(3)
+    x, w, b, dy = (rng.standard_normal(s) for s in ((5, 40), 40, 40, (5, 40)))
+    tx, tw = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
+    gemma = tx * torch.rsqrt(tx.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + tw)
+    np.testing.assert_allclose(ref.rms_norm(x, w, 1e-6, offset=1.0), gemma.detach().numpy(), rtol=1e-12, atol=1e-12)
+    dx, dw = torch.autograd.grad(gemma, (tx, tw), torch.tensor(dy))
+    _, rstd = ref.rms_norm(x, w, 1e-6, offset=1.0, return_stats=True)
+    got = ref.rms_norm_backward(dy, x, w, rstd.astype(np.float32), offset=1.0)
+    np.testing.assert_allclose(got[0], dx.numpy(), rtol=1e-5, atol=1e-6)   # (rstd rounded to float32)
+    np.testing.assert_allclose(got[1], dw.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ref.layer_norm(x, w, b, offset=1.0), ref.layer_norm(x, w + 1.0, b), rtol=1e-12)
+
+
 # ---- argument checking that needs no GPU ------------------------------------------------------
 
 @pytest.mark.parametrize("op", [cukern.layer_norm, cukern.rms_norm])
@@ -137,6 +154,7 @@ def norm_cases(draw):
         residual=draw(st.booleans()),
         layout=draw(st.sampled_from(["contiguous", "contiguous", "row_strided", "transposed"])),
         offset=draw(st.sampled_from([0.0, 0.0, 3.0])),
+        weight_offset=draw(st.sampled_from([0.0, 0.0, 1.0])),   # (Gemma's 1 + w, zero-centred gamma)
         eps=draw(st.sampled_from([1e-5, 1e-6, 1e-2])),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
@@ -156,17 +174,18 @@ def _run_case(kind, c):
     dy = random_host(rng, shape, dtype)
     dr = random_host(rng, shape, dtype) if c["residual"] else None
     dev = lambda a: None if a is None else to_device(a, fw)  # noqa: E731
+    woff = c.get("weight_offset", 0.0) if w is not None else 0.0
 
     nbytes = [x.nbytes] * 3 + [x.size // max(cols, 1) * 4] * 2
     poison_allocator(fw, nbytes)
     xd = _layout(x, fw, c["layout"])
     rd = _layout(r, fw, c["layout"]) if r is not None else None
     if kind == "layer":
-        out = cukern.layer_norm(xd, dev(w), dev(b), c["eps"], residual=rd, return_stats=True)
-        expect = ref.layer_norm(x, w, b, c["eps"], residual=r, return_stats=True)
+        out = cukern.layer_norm(xd, dev(w), dev(b), c["eps"], residual=rd, return_stats=True, offset=woff)
+        expect = ref.layer_norm(x, w, b, c["eps"], residual=r, return_stats=True, offset=woff)
     else:
-        out = cukern.rms_norm(xd, dev(w), c["eps"], residual=rd, return_stats=True)
-        expect = ref.rms_norm(x, w, c["eps"], residual=r, return_stats=True)
+        out = cukern.rms_norm(xd, dev(w), c["eps"], residual=rd, return_stats=True, offset=woff)
+        expect = ref.rms_norm(x, w, c["eps"], residual=r, return_stats=True, offset=woff)
     names = ["y"] + (["h"] if r is not None else []) + (["mean"] if kind == "layer" else []) + ["rstd"]
     for name, o, e in zip(names, out, expect):
         assert type(o) is type(xd), f"{name}: returned {type(o).__name__} for {type(xd).__name__} input"
@@ -186,16 +205,18 @@ def _run_case(kind, c):
     poison_allocator(fw, [x.nbytes] * 2 + [cols * 4 * 4096])
     ddr = _layout(dr, fw, c["layout"]) if dr is not None else None
     if kind == "layer":
-        grads = cukern.layer_norm_backward(_layout(dy, fw, c["layout"]), xin, dev(w), *stats, dresidual=ddr)
-        expect_g = ref.layer_norm_backward(dy, xin_host, w, *stats_host, dresidual=dr)
+        grads = cukern.layer_norm_backward(_layout(dy, fw, c["layout"]), xin, dev(w), *stats, dresidual=ddr,
+                                           offset=woff)
+        expect_g = ref.layer_norm_backward(dy, xin_host, w, *stats_host, dresidual=dr, offset=woff)
         gnames = ["dx", "dweight", "dbias"]
     else:
-        grads = cukern.rms_norm_backward(_layout(dy, fw, c["layout"]), xin, dev(w), *stats, dresidual=ddr)
-        expect_g = ref.rms_norm_backward(dy, xin_host, w, *stats_host, dresidual=dr)
+        grads = cukern.rms_norm_backward(_layout(dy, fw, c["layout"]), xin, dev(w), *stats, dresidual=ddr,
+                                         offset=woff)
+        expect_g = ref.rms_norm_backward(dy, xin_host, w, *stats_host, dresidual=dr, offset=woff)
         gnames = ["dx", "dweight"]
     # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) cancels (to zero when D = 1): its
     # error is measured against the scale of rstd * g, as for any float32 evaluation.
-    g = dy.astype(np.float64) * (w.astype(np.float64) if w is not None else 1.0)
+    g = dy.astype(np.float64) * (w.astype(np.float64) + woff if w is not None else 1.0)
     dx_scale = float(np.sqrt(np.mean((stats_host[-1].reshape(shape[:-1])[..., None] * g) ** 2))) if g.size else 0.0
     for name, o, e in zip(gnames, grads, expect_g):
         if e is None:
@@ -393,6 +414,9 @@ def _bad_input_cases(xp):
         (lambda: cukern.rms_norm(x, w, eps=-1.0), ValueError, "^eps: "),
         (lambda: cukern.rms_norm(x, w, eps=float("nan")), ValueError, "^eps: "),
         (lambda: cukern.rms_norm(x, w, eps="big"), TypeError, "^eps: "),
+        (lambda: cukern.rms_norm(x, offset=1.0), ValueError, "^offset: 1.0 is added to the weight, but weight is None"),
+        (lambda: cukern.layer_norm(x, w, offset=float("inf")), ValueError, "^offset: must be finite"),
+        (lambda: cukern.rms_norm_backward(x, x, w, xp.ones(4, np.float32), offset="one"), TypeError, "^offset: "),
         (lambda: cukern.layer_norm(xp.zeros((), np.float32)), ValueError, "^x: must have at least one axis"),
         (lambda: cukern.layer_norm(x, np.ones(8, np.float32)), TypeError, "^weight: a host"),
         (lambda: cukern.rms_norm_backward(x, x, w, xp.ones(5, np.float32)), ValueError, "^rstd: shape"),
