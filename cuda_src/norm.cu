@@ -22,27 +22,59 @@ __device__ __forceinline__ float weight_value(T w, float offset) {
     return OFFSET ? cuk::to_float(w) + offset : cuk::to_float(w);
 }
 
+// Casting modes (CAST, RMSNorm's, as Liger's casting_mode; float inputs are unaffected):
+//   0 "gemma": float32 throughout, y rounded once (torch.nn.functional.rms_norm);
+//   1 "llama": xhat = x * rstd rounded to T before the weight (Hugging Face's LlamaRMSNorm:
+//     weight * hidden.to(dtype)); the backward rounds dy * weight to T as autograd would;
+//   2 "none":  as "llama" with rstd rounded to T too (the norm computed in the input dtype).
+// A value the casting modes round to T (xhat; dy * weight in the backward), or itself.
+template <typename T, int CAST>
+__device__ __forceinline__ float cast_round(float v) {
+    if constexpr (CAST != 0) return cuk::round_to<T>(v);
+    return v;
+}
+
+// An fp8 output vector of y * scale, |y| folded into the running amax `am`.
+template <typename TO, int VEC>
+__device__ __forceinline__ cuk::Vec<TO, VEC> fp8_out(float (&o)[VEC], float scale, unsigned int& am) {
+    using namespace cuk;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+        am = max_abs_bits(am, o[j]);
+        o[j] *= scale;
+    }
+    return pack<TO, VEC>(o);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Forward, row in registers.
 //   x, res: input rows (res may be null) with their row strides (elements);
 //   w, b:   weight and bias (each may be null; b ignored for RMS); OFFSET: the weight applied
 //           is w + w_offset (Gemma's RMSNorm (1 + w), zero-centred gamma);
-//   y:      output rows, contiguous; h: x + res rounded to T (written when res is given);
-//   mean_out / rstd_out: float32 per row (each may be null).
+//   y:      output rows, contiguous, of TO: T, or fp8 (cuk::fp8e4m3 / fp8e5m2) of y * *y_scale,
+//           with max |y| merged into *y_amax (when not null; zeroed before the launch);
+//   h: x + res rounded to T (written when res is given);
+//   mean_out / rstd_out: float32 per row (each may be null); CAST: the casting mode (above).
 // With a residual, the norm is taken of h rounded to T, exactly as an unfused add then norm.
 // Each group handles R rows at a time: all their loads are issued before the first use, and
 // one group reduction serves all R rows (more bytes in flight, fewer barriers per row).
-template <typename T, bool RMS, int VEC, int NV, int G, int THREADS, int R, int MINB, bool OFFSET>
+template <typename T, bool RMS, int VEC, int NV, int G, int THREADS, int R, int MINB, bool OFFSET, int CAST,
+          typename TO>
 __global__ void __launch_bounds__(THREADS, MINB) norm_fwd(
     const T* __restrict__ x, long long x_stride,
     const T* __restrict__ res, long long res_stride,
     const T* __restrict__ w, const T* __restrict__ b,
-    T* __restrict__ y, T* __restrict__ h,
+    TO* __restrict__ y, T* __restrict__ h,
     float* __restrict__ mean_out, float* __restrict__ rstd_out,
-    long long rows, int cols, float eps, float w_offset)
+    long long rows, int cols, float eps, float w_offset,
+    const float* __restrict__ y_scale, float* __restrict__ y_amax)
 {
     using namespace cuk;
     static_assert(THREADS % G == 0 && (G <= 32 || G == THREADS), "bad row group");
+    constexpr bool FP8 = is_fp8<TO>::value;
+    float scale = 1.f;
+    if constexpr (FP8) scale = *y_scale;
+    unsigned int am = 0;
     constexpr int RPB = THREADS / G * R;  // rows per block and iteration
     using Reduce = GroupReduce<G, 2 * R>;   // R or 2R sums a row group
     __shared__ typename Reduce::TempStorage scratch;
@@ -118,6 +150,7 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_fwd(
             for (int r = 0; r < R; ++r) {
                 mean[r] = 0.f;
                 rstd[r] = rsqrtf(ss[r] * inv_cols + eps);
+                if (CAST == 2) rstd[r] = round_to<T>(rstd[r]);
             }
         } else {
             Reduce::sum(s, scratch);
@@ -167,15 +200,18 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_fwd(
                 for (int r = 0; r < R; ++r) {
                     const long long row = row0 + r;
                     if (row < rows) {
-                        Vec<T, VEC> out;
+                        Vec<TO, VEC> out;
+                        float o[VEC];
 #pragma unroll
                         for (int j = 0; j < VEC; ++j) {
-                            float v = (to_float(xv[r][i].v[j]) - mean[r]) * rstd[r];
+                            float v = cast_round<T, CAST>((to_float(xv[r][i].v[j]) - mean[r]) * rstd[r]);
                             if (w) v *= weight_value<OFFSET>(wv.v[j], w_offset);
                             if (!RMS && b) v += to_float(bv.v[j]);
-                            out.v[j] = from_float<T>(v);
+                            if constexpr (FP8) o[j] = v;
+                            else out.v[j] = from_float<TO>(v);
                         }
-                        store_stream<T, VEC>(y + row * cols + col, out);
+                        if constexpr (FP8) out = fp8_out<TO, VEC>(o, scale, am);
+                        store_stream<TO, VEC>(y + row * cols + col, out);
                     }
                 }
             }
@@ -190,6 +226,9 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_fwd(
             }
         }
     }
+    if constexpr (FP8) {
+        if (y_amax) block_amax<THREADS>(am, y_amax);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -200,7 +239,7 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_fwd(
 //   dx: contiguous output;
 //   dw_part, db_part: [gridDim.x * THREADS / G, cols] float32 partial sums (each may be null).
 // As in the forward, a group handles R rows at a time with one reduction for all of them.
-template <typename T, bool RMS, int VEC, int NV, int G, int THREADS, int R, int MINB, bool OFFSET>
+template <typename T, bool RMS, int VEC, int NV, int G, int THREADS, int R, int MINB, bool OFFSET, int CAST>
 __global__ void __launch_bounds__(THREADS, MINB) norm_bwd(
     const T* __restrict__ dy, long long dy_stride,
     const T* __restrict__ x, long long x_stride,
@@ -259,10 +298,10 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_bwd(
                     for (int j = 0; j < VEC; ++j) {
                         const float d = to_float(gv[r][i].v[j]);
                         const float xh = (to_float(xv[r][i].v[j]) - mu[r]) * rs[r];
-                        const float g = w ? d * weight_value<OFFSET>(wv.v[j], w_offset) : d;
+                        const float g = w ? cast_round<T, CAST>(d * weight_value<OFFSET>(wv.v[j], w_offset)) : d;
                         s[2 * r] += g;
                         s[2 * r + 1] += g * xh;
-                        dwa[i][j] += d * xh;
+                        dwa[i][j] += d * cast_round<T, CAST>(xh);
                         if (!RMS) dba[i][j] += d;
                     }
                 }
@@ -289,7 +328,7 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_bwd(
                         for (int j = 0; j < VEC; ++j) {
                             const float d = to_float(gv[r][i].v[j]);
                             const float xh = (to_float(xv[r][i].v[j]) - mu[r]) * rs[r];
-                            const float g = w ? d * weight_value<OFFSET>(wv.v[j], w_offset) : d;
+                            const float g = w ? cast_round<T, CAST>(d * weight_value<OFFSET>(wv.v[j], w_offset)) : d;
                             float v = fmaf(rs[r], g, RMS ? xh * kc : fmaf(xh, kc, ka));
                             if (dres) v += to_float(rv.v[j]);
                             out.v[j] = from_float<T>(v);
@@ -318,16 +357,21 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_bwd(
 // ---------------------------------------------------------------------------------------------
 // Forward for rows of any width: one block a row, the row streamed in chunks of THREADS*VEC.
 // Same arguments as norm_fwd. With a residual, pass 1 writes h and later passes re-read it.
-template <typename T, bool RMS, int VEC, int THREADS, bool OFFSET>
+template <typename T, bool RMS, int VEC, int THREADS, bool OFFSET, int CAST, typename TO>
 __global__ void __launch_bounds__(THREADS, 1) norm_fwd_loop(
     const T* __restrict__ x, long long x_stride,
     const T* __restrict__ res, long long res_stride,
     const T* __restrict__ w, const T* __restrict__ b,
-    T* y, T* h,
+    TO* y, T* h,
     float* __restrict__ mean_out, float* __restrict__ rstd_out,
-    long long rows, int cols, float eps, float w_offset)
+    long long rows, int cols, float eps, float w_offset,
+    const float* __restrict__ y_scale, float* __restrict__ y_amax)
 {
     using namespace cuk;
+    constexpr bool FP8 = is_fp8<TO>::value;
+    float scale = 1.f;
+    if constexpr (FP8) scale = *y_scale;
+    unsigned int am = 0;
     using Reduce = GroupReduce<THREADS, 1>;
     __shared__ typename Reduce::TempStorage scratch;
     constexpr int CHUNK = THREADS * VEC;
@@ -355,6 +399,7 @@ __global__ void __launch_bounds__(THREADS, 1) norm_fwd_loop(
         float mean = 0.f, rstd;
         if (RMS) {
             rstd = rsqrtf(s[0] * inv_cols + eps);
+            if (CAST == 2) rstd = round_to<T>(rstd);
         } else {
             mean = s[0] * inv_cols;
             float q[1] = {0.f};
@@ -371,22 +416,29 @@ __global__ void __launch_bounds__(THREADS, 1) norm_fwd_loop(
         }
         for (int col = threadIdx.x * VEC; col < cols; col += CHUNK) {
             const Vec<T, VEC> v = *reinterpret_cast<const Vec<T, VEC>*>(src + col);
-            Vec<T, VEC> wv = {}, bv = {}, out;
+            Vec<T, VEC> wv = {}, bv = {};
+            Vec<TO, VEC> out;
             if (w) wv = load_vec<T, VEC>(w + col);
             if (!RMS && b) bv = load_vec<T, VEC>(b + col);
+            float o[VEC];
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
-                float o = (to_float(v.v[j]) - mean) * rstd;
-                if (w) o *= weight_value<OFFSET>(wv.v[j], w_offset);
-                if (!RMS && b) o += to_float(bv.v[j]);
-                out.v[j] = from_float<T>(o);
+                float f = cast_round<T, CAST>((to_float(v.v[j]) - mean) * rstd);
+                if (w) f *= weight_value<OFFSET>(wv.v[j], w_offset);
+                if (!RMS && b) f += to_float(bv.v[j]);
+                if constexpr (FP8) o[j] = f;
+                else out.v[j] = from_float<TO>(f);
             }
-            store_vec<T, VEC>(y + row * cols + col, out);
+            if constexpr (FP8) out = fp8_out<TO, VEC>(o, scale, am);
+            store_vec<TO, VEC>(y + row * cols + col, out);
         }
         if (threadIdx.x == 0) {
             if (mean_out) mean_out[row] = mean;
             if (rstd_out) rstd_out[row] = rstd;
         }
+    }
+    if constexpr (FP8) {
+        if (y_amax) block_amax<THREADS>(am, y_amax);
     }
 }
 
@@ -394,7 +446,7 @@ __global__ void __launch_bounds__(THREADS, 1) norm_fwd_loop(
 // Backward for rows of any width: one block a row; the block's partial weight-gradient row
 // (dw_part[blockIdx.x], db_part[blockIdx.x]) is accumulated in global memory. Each thread
 // always touches the same columns, so the read-modify-writes need no synchronisation.
-template <typename T, bool RMS, int VEC, int THREADS, bool OFFSET>
+template <typename T, bool RMS, int VEC, int THREADS, bool OFFSET, int CAST>
 __global__ void __launch_bounds__(THREADS, 1) norm_bwd_loop(
     const T* __restrict__ dy, long long dy_stride,
     const T* __restrict__ x, long long x_stride,
@@ -432,7 +484,7 @@ __global__ void __launch_bounds__(THREADS, 1) norm_bwd_loop(
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
                 const float d = to_float(dv.v[j]);
-                const float g = w ? d * weight_value<OFFSET>(wv.v[j], w_offset) : d;
+                const float g = w ? cast_round<T, CAST>(d * weight_value<OFFSET>(wv.v[j], w_offset)) : d;
                 s[0] += g;
                 s[1] += g * (to_float(xv.v[j]) - mu) * rs;
             }
@@ -450,11 +502,11 @@ __global__ void __launch_bounds__(THREADS, 1) norm_bwd_loop(
             for (int j = 0; j < VEC; ++j) {
                 const float d = to_float(dv.v[j]);
                 const float xh = (to_float(xv.v[j]) - mu) * rs;
-                const float g = w ? d * weight_value<OFFSET>(wv.v[j], w_offset) : d;
+                const float g = w ? cast_round<T, CAST>(d * weight_value<OFFSET>(wv.v[j], w_offset)) : d;
                 float v = rs * (g - a - xh * c);
                 if (dres) v += to_float(rv.v[j]);
                 out.v[j] = from_float<T>(v);
-                if (dwp) dwp[col + j] += d * xh;
+                if (dwp) dwp[col + j] += d * cast_round<T, CAST>(xh);
                 if (!RMS && dbp) dbp[col + j] += d;
             }
             store_vec<T, VEC>(dx + row * cols + col, out);

@@ -27,6 +27,9 @@ __all__ = ["DeviceArray", "as_device_array", "as_host_array", "empty", "empty_li
 # dtype name -> (CUDA storage type in cuda_src/common/dtype.cuh, bytes per element)
 DTYPES = {"float32": ("float", 4), "float16": ("cuk::half", 2), "bfloat16": ("cuk::bf16", 2)}
 FLOATS = tuple(DTYPES)
+# Output-only fp8 dtypes (OCP E4M3 "fn", E5M2) -> their storage types. torch callers get torch's
+# float8 tensors; CuPy has no fp8 dtype, so CuPy callers get uint8 arrays of the same bytes.
+FP8 = {"float8_e4m3fn": ("cuk::fp8e4m3", 1), "float8_e5m2": ("cuk::fp8e5m2", 1)}
 
 _DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
 
@@ -56,7 +59,7 @@ class DeviceArray:
 
     @property
     def itemsize(self) -> int:
-        return 2 if self.dtype == "bfloat16" else np.dtype(self.dtype).itemsize
+        return 2 if self.dtype == "bfloat16" else 1 if self.dtype in FP8 else np.dtype(self.dtype).itemsize
 
     @property
     def ctype(self) -> str:
@@ -362,6 +365,8 @@ def _np_dtype(dtype: str):
         import ml_dtypes
 
         return ml_dtypes.bfloat16
+    if dtype in FP8:   # (CuPy's arrays: the bytes, as uint8)
+        return np.uint8
     return np.dtype(dtype)
 
 

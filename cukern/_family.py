@@ -33,7 +33,8 @@ class TorchOp:
     save(inputs, outputs) -> (tensors to save, state) for the backward;
     backward_args(saved, state, grads, T) -> the arguments of ``backward`` (``T`` is
     ``cukern.torch._tools``: autocast, determinism); backward(*args) -> a tuple of gradients,
-    None where there is none, the i-th going to input ``grads_to[i]``. ``schema`` and
+    None where there is none, the i-th going to input ``grads_to[i]`` (or to each input of a
+    tuple there: one gradient for several inputs, as x and the residual of h = x + residual). ``schema`` and
     ``backward_schema`` are the custom ops' schemas; ``fake`` and ``backward_fake`` their
     shapes for torch.compile. ``eager_backward``, when given, replaces ``backward`` in the eager
     Function: it may reuse buffers the forward made and saved (write a gradient in place),
@@ -51,7 +52,7 @@ class TorchOp:
     backward: Callable
     backward_fake: Callable
     backward_args: Callable
-    grads_to: tuple[int, ...]
+    grads_to: tuple[int | tuple[int, ...], ...]
     visible: int = 1
     inference: Callable | None = None
     eager_backward: Callable | None = None
@@ -87,11 +88,19 @@ class DropIn:
 class ModuleSpec:
     """A drop-in nn module: a subclass of ``torch.nn.<base>`` with the same constructor,
     parameters and state_dict, whose forward calls the drop-in ``functional`` with
-    ``args(module, input)``."""
+    ``args(module, input)``.
+
+    ``options``: (name, default) pairs the constructor also takes, keyword-only (variants
+    that ``torch.nn.<base>`` lacks; kept as attributes of the same names). With any of them
+    not at its default the forward is ``variant(module, input)``, and ``init(module)`` runs
+    once after the base constructor (the parameters' start values for the variant)."""
     name: str
     base: str
     functional: str
     args: Callable
+    options: tuple = ()
+    variant: Callable | None = None
+    init: Callable | None = None
 
 
 @dataclass(frozen=True)

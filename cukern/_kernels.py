@@ -192,10 +192,10 @@ _STANDARD_ELEMENTS = {"float": "float32", "double": "float64", "long long": "int
 
 
 def _element_dtypes() -> dict[str, str | None]:
-    from ._arrays import DTYPES
+    from ._arrays import DTYPES, FP8
 
     table = dict(_STANDARD_ELEMENTS)
-    table.update({ctype: name for name, (ctype, _) in DTYPES.items()})
+    table.update({ctype: name for name, (ctype, _) in (*DTYPES.items(), *FP8.items())})
     return table
 
 

@@ -10,7 +10,7 @@ import importlib
 FAMILIES = ("norm", "group_norm", "embedding", "attention", "cross_entropy")
 
 # Modules with kernels that several families launch (compiled and checked like a family's).
-SHARED_KERNELS = ("_partials", "_hopper")
+SHARED_KERNELS = ("_partials", "_hopper", "_fp8")
 
 
 @functools.lru_cache(maxsize=None)

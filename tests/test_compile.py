@@ -218,7 +218,7 @@ def test_load_source_expands_common_headers():
 @pytest.mark.gpu
 def test_runtime_compile_error_carries_the_log_and_the_instance():
     """The path that runs kernels (CuPy RawModule) reports a failing instance the same way."""
-    bad = "norm_fwd<cuk::bf16, true, 8, 4, 128, 128, 1, 1, does_not_exist>"
+    bad = "norm_fwd<cuk::bf16, true, 8, 4, 128, 128, 1, 1, false, 0, does_not_exist>"
     with pytest.raises(cukern.CompileError) as info:
         _kernels.function("norm.cu", bad, 0)
     assert info.value.instance == bad

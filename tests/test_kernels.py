@@ -20,11 +20,13 @@ def test_signature_is_read_from_the_source_with_template_types_resolved():
     inst = norm.CONFIGS.fwd[0].instance("fwd", "bfloat16", False, 8)
     sig = _kernels.signature(inst)
     assert sig.names == ("x", "x_stride", "res", "res_stride", "w", "b", "y", "h", "mean_out", "rstd_out",
-                         "rows", "cols", "eps", "w_offset")
-    assert sig.codes == ("P", "q", "P", "q", "P", "P", "P", "P", "P", "P", "q", "i", "f", "f")
-    assert sig.dtypes[0] == "bfloat16" and sig.dtypes[8] == "float32"
+                         "rows", "cols", "eps", "w_offset", "y_scale", "y_amax")
+    assert sig.codes == ("P", "q", "P", "q", "P", "P", "P", "P", "P", "P", "q", "i", "f", "f", "P", "P")
+    assert sig.dtypes[0] == "bfloat16" and sig.dtypes[6] == "bfloat16" and sig.dtypes[8] == "float32"
     f32 = _kernels.signature(norm.CONFIGS.fwd[0].instance("fwd", "float32", True, 4))
     assert f32.dtypes[0] == "float32"
+    fp8 = _kernels.signature(norm.CONFIGS.fwd[0].instance("fwd", "bfloat16", True, 8, out="float8_e5m2"))
+    assert fp8.dtypes[0] == "bfloat16" and fp8.dtypes[6] == "float8_e5m2" and fp8.dtypes[7] == "bfloat16"
 
 
 def test_signature_errors_name_the_instance():
@@ -36,19 +38,20 @@ def test_signature_errors_name_the_instance():
 
 def _norm_args(**over):
     args = dict(x=Slot(0), x_stride=64, res=None, res_stride=0, w=Slot(1), b=None, y=Slot(2), h=None,
-                mean_out=None, rstd_out=Slot(3), rows=10, cols=64, eps=1e-5, w_offset=0.0)
+                mean_out=None, rstd_out=Slot(3), rows=10, cols=64, eps=1e-5, w_offset=0.0, y_scale=None, y_amax=None)
     args.update(over)
     return args
 
 
-SIG = _kernels.signature(Instance("norm.cu", "norm_fwd<cuk::bf16, true, 8, 1, 4, 128, 1, 1, false>", 128))
+SIG = _kernels.signature(Instance("norm.cu", "norm_fwd<cuk::bf16, true, 8, 1, 4, 128, 1, 1, false, 0, cuk::bf16>",
+                                  128))
 DTYPES = {0: "bfloat16", 1: "bfloat16", 2: "bfloat16", 3: "float32"}
 
 
 def test_arguments_are_packed_by_name_as_the_c_parameter_list():
     layout, values, slots = _kernels.pack(SIG, "k", _norm_args(), DTYPES)
     # pointers 8 bytes, long long 8, int 4 and float 4 at their natural alignment
-    assert layout.size == 10 * 8 + 8 + 4 + 4 + 4
+    assert layout.size == 10 * 8 + 8 + 4 + 4 + 4 + 4 + 2 * 8   # (4 bytes of padding before y_scale)
     assert [(at, slot) for at, slot, _ in slots] == [(0, 0), (4, 1), (6, 2), (9, 3)]
     buf = bytearray(layout.size)
     values[0] = 0x1000

@@ -9,8 +9,8 @@ from hypothesis import given, settings, strategies as st
 import cukern
 from cukern import reference as ref
 
-from arrays import (FLOAT_DTYPES, assert_close, poison_allocator, raise_as_expected, random_host, spin,
-                    to_device, to_host, torch)
+from arrays import (FLOAT_DTYPES, TOL, assert_close, np_dtype, poison_allocator, raise_as_expected, random_host,
+                    spin, to_device, to_host, torch)
 
 gpu = pytest.mark.gpu
 needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
@@ -96,6 +96,58 @@ def test_reference_offset_is_gemmas_one_plus_weight():
     np.testing.assert_allclose(ref.layer_norm(x, w, b, offset=1.0), ref.layer_norm(x, w + 1.0, b), rtol=1e-12)
 
 
+def _llama_rms_norm(x, w, eps):
+    """Hugging Face's LlamaRMSNorm.forward, as written there."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+@needs_torch
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_reference_llama_casting_is_hugging_faces_llama_rms_norm(dtype):
+    """casting_mode="llama": xhat rounded to the dtype before the weight, forward and autograd."""
+    rng = np.random.default_rng(4)
+    x, w, dy = random_host(rng, (6, 48), dtype), random_host(rng, (48,), dtype), random_host(rng, (6, 48), dtype)
+    tdt = getattr(torch, dtype)
+    tx = torch.tensor(x.astype(np.float32)).to(tdt).requires_grad_(True)
+    tw = torch.tensor(w.astype(np.float32)).to(tdt).requires_grad_(True)
+    y = _llama_rms_norm(tx, tw, 1e-6)
+    got, rstd = ref.rms_norm(x, w, 1e-6, casting_mode="llama", return_stats=True)
+    assert_close(got, y.float().detach().numpy(), dtype, "y")
+    # rounded once more than "gemma" does: the two differ, by about a rounding
+    gemma = ref.rms_norm(x, w, 1e-6)
+    assert not np.array_equal(got, gemma)
+    dx, dw = torch.autograd.grad(y, (tx, tw), torch.tensor(dy.astype(np.float32)).to(tdt))
+    gdx, gdw = ref.rms_norm_backward(dy, x, w, rstd.astype(np.float32), casting_mode="llama")
+    assert_close(gdx, dx.float().numpy(), dtype, "dx")
+    assert_close(gdw, dw.float().numpy(), dtype, "dweight")
+
+
+def test_reference_none_casting_rounds_rstd_and_float32_is_every_mode():
+    rng = np.random.default_rng(5)
+    x, w = random_host(rng, (4, 40), "bfloat16"), random_host(rng, (40,), "bfloat16")
+    _, rstd = ref.rms_norm(x, w, casting_mode="none", return_stats=True)
+    np.testing.assert_array_equal(rstd, rstd.astype(np_dtype("bfloat16")).astype(np.float64))
+    x32, w32 = x.astype(np.float32), w.astype(np.float32)
+    for mode in ("llama", "none"):
+        np.testing.assert_array_equal(ref.rms_norm(x32, w32, casting_mode=mode), ref.rms_norm(x32, w32))
+
+
+def test_reference_fp8_output_saturates_rounds_and_writes_amax():
+    import ml_dtypes
+
+    x = np.array([[1.0, -2.0, 3.0, 100.0]], np.float32)
+    amax = np.zeros(1, np.float32)
+    y = ref.layer_norm(x, out_dtype="float8_e4m3fn", scale=np.array([1e3], np.float32), amax=amax)
+    exact = ref.layer_norm(x)
+    assert y.dtype == ml_dtypes.float8_e4m3fn
+    np.testing.assert_array_equal(np.abs(y.astype(np.float64)), 448.0)   # saturated, not NaN
+    assert amax[0] == np.float32(np.abs(exact).max())
+    y = ref.rms_norm(x, out_dtype=ml_dtypes.float8_e5m2, scale=np.array([1.0], np.float32))
+    np.testing.assert_array_equal(y, ref.rms_norm(x).astype(ml_dtypes.float8_e5m2))
+
+
 # ---- argument checking that needs no GPU ------------------------------------------------------
 
 @pytest.mark.parametrize("op", [cukern.layer_norm, cukern.rms_norm])
@@ -155,9 +207,36 @@ def norm_cases(draw):
         layout=draw(st.sampled_from(["contiguous", "contiguous", "row_strided", "transposed"])),
         offset=draw(st.sampled_from([0.0, 0.0, 3.0])),
         weight_offset=draw(st.sampled_from([0.0, 0.0, 1.0])),   # (Gemma's 1 + w, zero-centred gamma)
+        casting=draw(st.sampled_from(["gemma", "gemma", "llama", "none"])),   # (RMSNorm's)
+        fp8=draw(st.sampled_from([None, None, None, "float8_e4m3fn", "float8_e5m2"])),
+        fp8_scale=draw(st.sampled_from([1.0, 37.5, 3e3, 2e-3])),   # (3e3: most of e4m3 saturates)
         eps=draw(st.sampled_from([1e-5, 1e-6, 1e-2])),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
+
+
+def fp8_codes(a) -> np.ndarray:
+    """The bytes of an fp8 output (a torch float8 tensor or a CuPy uint8 array) as uint8."""
+    if torch is not None and isinstance(a, torch.Tensor):
+        return a.view(torch.uint8).cpu().numpy()
+    import cupy
+
+    return cupy.asnumpy(a)
+
+
+def assert_fp8_close(out, expect, name: str) -> None:
+    """Each fp8 code equal to the reference's or next to it (the float32 result the kernel
+    rounds sits within an ulp of float32 of the float64 one); NaN where the reference is NaN."""
+    got = fp8_codes(out).astype(np.int32)
+    ref_codes = expect.view(np.uint8).astype(np.int32)
+    assert got.shape == ref_codes.shape, f"{name}: shape {got.shape} != reference {ref_codes.shape}"
+    mag_g, mag_r = got & 0x7F, ref_codes & 0x7F
+    nan = np.isnan(expect.astype(np.float64))
+    assert (got[nan] == 0x7F).all(), f"{name}: NaN expected as 0x7f"
+    ok = (np.abs(mag_g - mag_r) <= 1) & (((got ^ ref_codes) & 0x80 == 0) | (np.maximum(mag_g, mag_r) <= 1))
+    bad = ~ok & ~nan
+    assert not bad.any(), (f"{name}: {int(bad.sum())} of {bad.size} fp8 codes off by more than one; first at "
+                           f"{np.argwhere(bad)[0]}: {got[bad][0]:#04x} vs {ref_codes[bad][0]:#04x}")
 
 
 def _run_case(kind, c):
@@ -175,21 +254,42 @@ def _run_case(kind, c):
     dr = random_host(rng, shape, dtype) if c["residual"] else None
     dev = lambda a: None if a is None else to_device(a, fw)  # noqa: E731
     woff = c.get("weight_offset", 0.0) if w is not None else 0.0
+    fp8 = c.get("fp8")
+    cast = c.get("casting", "gemma") if kind == "rms" and not fp8 else "gemma"
+    extra = {}   # the fp8 output's arguments: a scale, and an amax poisoned with a large value
+    if fp8:
+        scale = np.array([c["fp8_scale"]], np.float32)
+        amax_d = to_device(np.array([1e30], np.float32), fw)
+        extra = dict(out_dtype=fp8, scale=to_device(scale, fw))
 
     nbytes = [x.nbytes] * 3 + [x.size // max(cols, 1) * 4] * 2
     poison_allocator(fw, nbytes)
     xd = _layout(x, fw, c["layout"])
     rd = _layout(r, fw, c["layout"]) if r is not None else None
+    amax_ref = np.zeros(1, np.float32)
+    ref_extra = dict(extra, scale=scale, amax=amax_ref) if fp8 else {}
+    if fp8:
+        extra["amax"] = amax_d
     if kind == "layer":
-        out = cukern.layer_norm(xd, dev(w), dev(b), c["eps"], residual=rd, return_stats=True, offset=woff)
-        expect = ref.layer_norm(x, w, b, c["eps"], residual=r, return_stats=True, offset=woff)
+        out = cukern.layer_norm(xd, dev(w), dev(b), c["eps"], residual=rd, return_stats=True, offset=woff, **extra)
+        expect = ref.layer_norm(x, w, b, c["eps"], residual=r, return_stats=True, offset=woff, **ref_extra)
     else:
-        out = cukern.rms_norm(xd, dev(w), c["eps"], residual=rd, return_stats=True, offset=woff)
-        expect = ref.rms_norm(x, w, c["eps"], residual=r, return_stats=True, offset=woff)
+        out = cukern.rms_norm(xd, dev(w), c["eps"], residual=rd, return_stats=True, offset=woff,
+                              casting_mode=cast, **extra)
+        expect = ref.rms_norm(x, w, c["eps"], residual=r, return_stats=True, offset=woff, casting_mode=cast,
+                              **ref_extra)
     names = ["y"] + (["h"] if r is not None else []) + (["mean"] if kind == "layer" else []) + ["rstd"]
     for name, o, e in zip(names, out, expect):
         assert type(o) is type(xd), f"{name}: returned {type(o).__name__} for {type(xd).__name__} input"
-        tol = 2e-5 if name in ("mean", "rstd") else None  # float32 statistics
+        if name == "y" and fp8:
+            want = getattr(torch, fp8) if fw == "torch" else np.uint8
+            assert o.dtype == want, f"y: dtype {o.dtype}, expected {want} for out_dtype {fp8}"
+            assert_fp8_close(o, e, "y")
+            assert_close(amax_d, amax_ref.astype(np.float64), "float32", "amax")
+            continue
+        # float32 statistics (casting mode "none": rstd rounded to the dtype)
+        tol = (TOL[dtype] if cast == "none" and dtype != "float32" else 2e-5) if name == "rstd" else \
+            2e-5 if name == "mean" else None
         if name == "mean":  # a mean near zero has no relative precision: scale by the row's std
             err = np.abs(to_host(o) - e)
             assert not np.isnan(to_host(o)).any(), "mean: NaN"
@@ -211,8 +311,8 @@ def _run_case(kind, c):
         gnames = ["dx", "dweight", "dbias"]
     else:
         grads = cukern.rms_norm_backward(_layout(dy, fw, c["layout"]), xin, dev(w), *stats, dresidual=ddr,
-                                         offset=woff)
-        expect_g = ref.rms_norm_backward(dy, xin_host, w, *stats_host, dresidual=dr, offset=woff)
+                                         offset=woff, casting_mode=cast)
+        expect_g = ref.rms_norm_backward(dy, xin_host, w, *stats_host, dresidual=dr, offset=woff, casting_mode=cast)
         gnames = ["dx", "dweight"]
     # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) cancels (to zero when D = 1): its
     # error is measured against the scale of rstd * g, as for any float32 evaluation.
@@ -397,6 +497,195 @@ def test_runs_on_cupys_current_stream():
     assert_close(y, ref.rms_norm(host), "float32", "y")
 
 
+# ---- fp8 output and casting modes (GPU) -----------------------------------------------------------
+
+FP8 = ("float8_e4m3fn", "float8_e5m2")
+
+
+def _fp8_boundaries(fmt: str) -> np.ndarray:
+    """float32 values on and around every rounding boundary of ``fmt``: each code's value, the
+    midpoints between neighbours and the float32 numbers next to them, both signs; beyond the
+    largest value, infinities, NaN, zeros and float32 subnormals; random bit patterns."""
+    import ml_dtypes
+
+    t = getattr(ml_dtypes, fmt)
+    vals = np.arange(256, dtype=np.uint8).view(t).astype(np.float64)
+    vals = np.unique(vals[np.isfinite(vals) & (vals >= 0)])
+    mids = (vals[:-1] + vals[1:]) / 2
+    big = float(ml_dtypes.finfo(t).max)
+    pts = np.concatenate([vals, mids, [big * 1.0625, big * 1.125, big * 1.2, 1e30, 3e38]]).astype(np.float32)
+    near = np.concatenate([pts, np.nextafter(pts, np.float32(np.inf)), np.nextafter(pts, np.float32(0))])
+    special = np.array([np.inf, 1e-40, 1e-45, 0.0], np.float32)
+    rng = np.random.default_rng(9)
+    randbits = rng.integers(0, 2**32, 200000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    out = np.concatenate([near, -near, special, -special, [np.nan, -np.nan], randbits]).astype(np.float32)
+    return out[: out.size - out.size % 2]
+
+
+@gpu
+@pytest.mark.parametrize("soft", [False, True], ids=["hardware", "sm80-code"])
+@pytest.mark.parametrize("fmt", FP8)
+def test_fp8_conversion_matches_ml_dtypes_on_every_boundary(fmt, soft):
+    """The conversion every fp8 output uses, on this GPU's hardware and as the code sm_80 runs:
+    round to nearest even, saturate to the largest finite value (infinities too), NaN to 0x7f."""
+    import cupy
+    import ml_dtypes
+
+    from cukern import _fp8
+
+    x = _fp8_boundaries(fmt)
+    got = cupy.asnumpy(_fp8.convert(cupy.asarray(x), fmt, soft=soft))
+    big = float(ml_dtypes.finfo(getattr(ml_dtypes, fmt)).max)
+    nan = np.isnan(x)
+    with np.errstate(invalid="ignore"):
+        want = np.clip(x, -big, big).astype(getattr(ml_dtypes, fmt)).view(np.uint8)
+    # (CuPy flushes float32 subnormals to zero: those inputs give a zero of their sign)
+    sub = ~nan & (np.abs(x) < np.float32(1.1754944e-38))
+    want = np.where(sub, np.where(np.signbit(x), 0x80, 0x00), want).astype(np.uint8)
+    assert (got[nan] == 0x7F).all(), f"NaN codes: {set(got[nan].tolist())}"
+    bad = (got != want) & ~nan
+    assert not bad.any(), (f"{int(bad.sum())} codes differ; first: {x[bad][0]!r} -> {got[bad][0]:#04x}, "
+                           f"ml_dtypes {want[bad][0]:#04x}")
+
+
+@gpu
+@pytest.mark.parametrize("fmt", FP8)
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("cols", [1024, 4096, 20000])
+def test_fp8_output_is_the_float32_result_scaled_and_rounded_exactly(fmt, kind, cols):
+    """float32 inputs: the fp8 output is exactly the float32 output times the scale, saturated
+    and rounded (ml_dtypes), and amax exactly its max |y|: the same arithmetic, one rounding.
+    (Widths where both take one kernel: rows of scalar loads take the looped kernel with an fp8
+    output, whose sums run in another order; the reference tests cover them.)"""
+    import cupy
+    import ml_dtypes
+
+    rng = np.random.default_rng(cols)
+    x = cupy.asarray(random_host(rng, (64, cols), "float32", scale=3.0))
+    w = cupy.asarray(random_host(rng, (cols,), "float32"))
+    b = cupy.asarray(random_host(rng, (cols,), "float32"))
+    t = getattr(ml_dtypes, fmt)
+    big = np.float32(ml_dtypes.finfo(t).max)
+    args = (x, w, b) if kind == "layer" else (x, w)
+    op = cukern.layer_norm if kind == "layer" else cukern.rms_norm
+    y32 = cupy.asnumpy(op(*args))
+    for sc in (1.0, 61.0, 3e3, 1e-3):
+        scale = cupy.asarray(np.array([sc], np.float32))
+        amax = cupy.full(1, -7.0, np.float32)   # (overwritten, not merged with)
+        y8 = op(*args, out_dtype=fmt, scale=scale, amax=amax)
+        assert y8.dtype == np.uint8 and y8.shape == x.shape
+        want = np.clip(y32 * np.float32(sc), -big, big).astype(t).view(np.uint8)
+        np.testing.assert_array_equal(cupy.asnumpy(y8), want, err_msg=f"scale {sc}")
+        assert float(amax[0]) == float(np.abs(y32).max()), f"amax {float(amax[0])} vs {np.abs(y32).max()}"
+
+
+@gpu
+@needs_torch
+@pytest.mark.parametrize("fmt", FP8)
+def test_fp8_output_is_a_torch_float8_tensor_and_amax_is_exact_and_propagates_nan(fmt):
+    rng = np.random.default_rng(11)
+    x = to_device(random_host(rng, (300, 4096), "bfloat16"), "torch")
+    w = to_device(random_host(rng, (4096,), "bfloat16"), "torch")
+    scale = torch.tensor([16.0], device="cuda")
+    amaxes = []
+    for _ in range(3):
+        amax = torch.full((1,), 5e4, device="cuda")
+        y8 = cukern.rms_norm(x, w, out_dtype=getattr(torch, fmt), scale=scale, amax=amax)
+        assert y8.dtype == getattr(torch, fmt) and y8.shape == x.shape and y8.is_cuda
+        amaxes.append(amax.item())
+    y = torch.nn.functional.rms_norm(x.float(), (4096,), w.float(), 1e-6)
+    assert amaxes[0] == amaxes[1] == amaxes[2]
+    assert abs(amaxes[0] - y.abs().max().item()) <= 1e-5 * amaxes[0]
+    ref8 = (y * 16.0).to(getattr(torch, fmt)).float()   # (no value saturates here)
+    assert ((y8.float() - ref8).abs() <= ref8.abs() * 0.25 + 2.0**-16).all()   # (one code at most)
+    x[7, 100] = float("nan")
+    cukern.rms_norm(x, w, out_dtype=fmt, scale=scale, amax=amax)
+    assert np.isnan(amax.item())
+
+
+@gpu
+@needs_torch
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("cols", [4096, 33, 20000])
+def test_llama_casting_matches_hugging_faces_llama_rms_norm(dtype, cols):
+    """casting_mode="llama" against Hugging Face's code (float32 up, weight * xhat.to(dtype)) on
+    the GPU, forward and autograd: the outputs equal but for rare roundings of a last bit."""
+    rng = np.random.default_rng(cols)
+    tdt = getattr(torch, dtype)
+    x = to_device(random_host(rng, (64, cols), dtype), "torch").requires_grad_(True)
+    w = to_device(random_host(rng, (cols,), dtype), "torch").requires_grad_(True)
+    dy = to_device(random_host(rng, (64, cols), dtype), "torch")
+    want = _llama_rms_norm(x, w, 1e-6)
+    y, rstd = cukern.rms_norm(x.detach(), w.detach(), 1e-6, casting_mode="llama", return_stats=True)
+    assert y.dtype == tdt
+    same = (y == want).float().mean().item()
+    assert same > 0.99, f"only {same:.4f} of the elements equal Hugging Face's"
+    assert_close(y, to_host(want), dtype, "y")
+    dx, dw = torch.autograd.grad(want, (x, w), dy)
+    gdx, gdw = cukern.rms_norm_backward(dy, x.detach(), w.detach(), rstd, casting_mode="llama")
+    assert_close(gdx, to_host(dx), dtype, "dx")
+    assert_close(gdw, to_host(dw), dtype, "dweight")
+
+
+# ---- cukern.torch: the variants' modules and the fused residual ---------------------------------------
+
+@needs_torch
+def test_modules_take_the_variants_and_keep_the_state_dict():
+    import cukern.torch as ct
+
+    m = ct.RMSNorm(24, eps=1e-6, offset=1.0)
+    assert isinstance(m, torch.nn.RMSNorm) and list(m.state_dict()) == ["weight"]
+    assert torch.equal(m.weight, torch.zeros(24))   # (the weight applied starts at 1: Gemma's zeros)
+    assert "offset=1.0" in repr(m)
+    ln = ct.FusedAddLayerNorm(24, offset=1.0)
+    assert isinstance(ln, torch.nn.LayerNorm) and list(ln.state_dict()) == ["weight", "bias"]
+    assert list(ct.RMSNorm(24).state_dict()) == list(torch.nn.RMSNorm(24).state_dict())
+    with pytest.raises(ValueError, match="^casting_mode: "):
+        ct.FusedAddRMSNorm(24, casting_mode="float32")
+    with pytest.raises(ValueError, match="^offset: "):
+        ct.RMSNorm(24, elementwise_affine=False, offset=1.0)
+
+
+@needs_torch
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fused_add_modules_equal_the_add_then_the_norm(device, dtype):
+    """FusedAddRMSNorm / FusedAddLayerNorm against h = x + r and the norm written out in torch:
+    (y, h) and the gradients of x, r and the weights (the CPU runs PyTorch's ops; the GPU the
+    kernels)."""
+    import cukern.torch as ct
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    tdt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(3)
+    x, r, dy, dh = (torch.randn(6, 130, 256, generator=g).to(device, tdt) for _ in range(4))
+    for rms in (True, False):
+        kw = dict(offset=1.0, casting_mode="llama") if rms else dict(offset=1.0)
+        m = (ct.FusedAddRMSNorm if rms else ct.FusedAddLayerNorm)(256, eps=1e-6, device=device, dtype=tdt, **kw)
+        with torch.no_grad():
+            m.weight.normal_(generator=torch.Generator(device).manual_seed(1))
+        xs, rs = x.clone().requires_grad_(True), r.clone().requires_grad_(True)
+        y, h = m(xs, rs)
+        xe, re = x.clone().requires_grad_(True), r.clone().requires_grad_(True)
+        he = xe + re
+        hf = he.float()
+        if rms:
+            ye = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(tdt).float() * (m.weight.float() + 1)
+        else:
+            mu = hf.mean(-1, keepdim=True)
+            ye = (hf - mu) * torch.rsqrt((hf - mu).pow(2).mean(-1, keepdim=True) + 1e-6) * (m.weight.float() + 1) \
+                + m.bias.float()
+        ye = ye.to(tdt)
+        assert torch.equal(h, he)
+        assert_close(y, to_host(ye), dtype, "y")
+        params = list(m.parameters())
+        got = torch.autograd.grad((y, h), [xs, rs, *params], (dy, dh))
+        want = torch.autograd.grad((ye, he), [xe, re, *params], (dy, dh))
+        for name, a, e in zip(["dx", "dresidual", "dweight", "dbias"], got, want):
+            assert_close(a, to_host(e), dtype, name, scale=float(e.float().abs().mean()))
+
+
 # ---- bad inputs (GPU: they need device arrays) ---------------------------------------------------
 
 def _bad_input_cases(xp):
@@ -426,6 +715,19 @@ def _bad_input_cases(xp):
         (lambda: cukern.layer_norm_backward(x, x, w, None, xp.ones(4, np.float32)), TypeError, "^mean: required"),
         (lambda: cukern.rms_norm_backward(x, x, w, xp.ones(4, np.float32), dresidual=x[:, :4]),
          ValueError, "^dresidual: shape"),
+        (lambda: cukern.rms_norm(x, w, casting_mode="bf16"), ValueError, "^casting_mode: expected one of 'gemma'"),
+        (lambda: cukern.rms_norm_backward(x, x, w, xp.ones(4, np.float32), casting_mode=None), ValueError,
+         "^casting_mode: "),
+        (lambda: cukern.layer_norm(x, out_dtype="float16"), ValueError, "^out_dtype: expected None, x's dtype or"),
+        (lambda: cukern.rms_norm(x, out_dtype="float8_e4m3fn"), ValueError, "^scale: required with out_dtype"),
+        (lambda: cukern.rms_norm(x, out_dtype="float8_e4m3fn", scale=xp.ones(2, np.float32)), ValueError,
+         r"^scale: expected one float32 element, got shape \(2,\)"),
+        (lambda: cukern.rms_norm(x, out_dtype="float8_e4m3fn", scale=xp.ones(1, np.float16)), ValueError,
+         "^scale: dtype float16"),
+        (lambda: cukern.layer_norm(x, amax=xp.ones(1, np.float32)), ValueError, "^amax: applies to an fp8 output"),
+        (lambda: cukern.rms_norm(x.astype(np.float16), w.astype(np.float16), casting_mode="llama",
+                                 out_dtype="float8_e5m2", scale=xp.ones(1, np.float32)), ValueError,
+         "^casting_mode: an fp8 output"),
     ]
     if xp is np:  # NumPy arrays stand in for device arrays here
         cases = [c for c in cases if "host" not in c[2]]
@@ -501,18 +803,29 @@ def torch_stand_ins() -> dict:
     import torch.nn.functional as F
     from torch_helpers import recompute
 
-    def ln(x, w, b, eps):
-        return F.layer_norm(x, x.shape[-1:], w, b, eps)
+    def ln(x, w, b, eps, off=0.0):
+        return F.layer_norm(x, x.shape[-1:], None if w is None else w + off, b, eps)
 
-    def rms(x, w, eps):
-        return F.rms_norm(x, x.shape[-1:], w, eps)
+    def rms(x, w, eps, off=0.0):
+        return F.rms_norm(x, x.shape[-1:], None if w is None else w + off, eps)
+
+    def ln_bwd(dy, x, w, off, dh=None):
+        dx, dw = recompute(lambda x, w: ln(x, w, None, 1e-5, off), (x, w), dy)
+        return (dx if dh is None else dx + dh), dw, dy.reshape(-1, dy.shape[-1]).sum(0)
+
+    def rms_bwd(dy, x, w, off, dh=None):
+        dx, dw = recompute(lambda x, w: rms(x, w, 1e-6, off), (x, w), dy)
+        return (dx if dh is None else dx + dh), dw
 
     return {
-        "layer_norm": (lambda x, w, b, e: (ln(x, w, b, e), x.mean(-1), x.mean(-1)),
-                       lambda dy, x, w, m, r: tuple(recompute(lambda x, w: ln(x, w, None, 1e-5), (x, w), dy))
-                       + (dy.reshape(-1, dy.shape[-1]).sum(0),)),
-        "rms_norm": (lambda x, w, e: (rms(x, w, e), x.mean(-1)),
-                     lambda dy, x, w, r: tuple(recompute(lambda x, w: rms(x, w, 1e-6), (x, w), dy))),
+        "layer_norm": (lambda x, w, b, e, off: (ln(x, w, b, e, off), x.mean(-1), x.mean(-1)),
+                       lambda dy, x, w, m, r, off: ln_bwd(dy, x, w, off)),
+        "rms_norm": (lambda x, w, e, off, c: (rms(x, w, e, off), x.mean(-1)),
+                     lambda dy, x, w, r, off, c: rms_bwd(dy, x, w, off)),
+        "layer_norm_residual": (lambda x, r, w, b, e, off: (ln(x + r, w, b, e, off), x + r, x.mean(-1), x.mean(-1)),
+                                lambda dy, dh, h, w, m, r, off: ln_bwd(dy, h, w, off, dh)),
+        "rms_norm_residual": (lambda x, r, w, e, off, c: (rms(x + r, w, e, off), x + r, x.mean(-1)),
+                              lambda dy, dh, h, w, r, off, c: rms_bwd(dy, h, w, off, dh)),
     }
 
 
@@ -521,10 +834,14 @@ def torch_wiring_calls(which: str, g) -> list:
     import torch.nn.functional as F
 
     x = torch.randn(3, 5, 16, generator=g).requires_grad_(which in ("x", "both"))
+    r = torch.randn(3, 5, 16, generator=g).requires_grad_(which in ("x", "both"))
     w = torch.randn(16, generator=g).requires_grad_(which in ("w", "both"))
     b = torch.randn(16, generator=g).requires_grad_(which == "both")
-    return [("layer_norm", (x, w, b, 1e-5), lambda: F.layer_norm(x, (16,), w, b, 1e-5), (x, w, b)),
-            ("rms_norm", (x, w, 1e-6), lambda: F.rms_norm(x, (16,), w, 1e-6), (x, w))]
+    return [("layer_norm", (x, w, b, 1e-5, 0.5), lambda: F.layer_norm(x, (16,), w + 0.5, b, 1e-5), (x, w, b)),
+            ("rms_norm", (x, w, 1e-6, 0.0, 0), lambda: F.rms_norm(x, (16,), w, 1e-6), (x, w)),
+            ("layer_norm_residual", (x, r, w, b, 1e-5, 0.0), lambda: F.layer_norm(x + r, (16,), w, b, 1e-5),
+             (x, r, w, b)),
+            ("rms_norm_residual", (x, r, w, 1e-6, 1.0, 0), lambda: F.rms_norm(x + r, (16,), w + 1.0, 1e-6), (x, r, w))]
 
 
 def opcheck_samples() -> list:
@@ -532,9 +849,14 @@ def opcheck_samples() -> list:
 
     ops = torch.ops.cukern
     bf = torch.bfloat16
-    return [(ops.layer_norm.default, (leaf((6, 64), bf, 0), leaf((64,), bf, 1), leaf((64,), bf, 2), 1e-5)),
-            (ops.layer_norm.default, (leaf((6, 64), torch.float32, 0), None, None, 1e-5)),
-            (ops.rms_norm.default, (leaf((6, 64), bf, 0), leaf((64,), bf, 1), 1e-6))]
+    return [(ops.layer_norm.default, (leaf((6, 64), bf, 0), leaf((64,), bf, 1), leaf((64,), bf, 2), 1e-5, 0.0)),
+            (ops.layer_norm.default, (leaf((6, 64), torch.float32, 0), None, None, 1e-5, 0.0)),
+            (ops.rms_norm.default, (leaf((6, 64), bf, 0), leaf((64,), bf, 1), 1e-6, 1.0, 0)),
+            (ops.rms_norm.default, (leaf((6, 64), bf, 0), leaf((64,), bf, 1), 1e-6, 0.0, 1)),
+            (ops.layer_norm_residual.default, (leaf((6, 64), bf, 0), leaf((6, 64), bf, 3), leaf((64,), bf, 1),
+                                               leaf((64,), bf, 2), 1e-5, 0.0)),
+            (ops.rms_norm_residual.default, (leaf((6, 64), bf, 0), leaf((6, 64), bf, 3), leaf((64,), bf, 1), 1e-6,
+                                             0.0, 2))]
 
 
 def torch_kernel_cases() -> dict:
@@ -547,4 +869,35 @@ def torch_kernel_cases() -> dict:
     kernels = ["norm_bwd", "norm_fwd", "sum_partial_rows"]
     return {"layer_norm": (lambda: torch.autograd.grad(ct.layer_norm(x, (1024,), w, b), (x, w, b), dy), kernels),
             "rms_norm": (lambda: torch.autograd.grad(ct.rms_norm(x, (1024,), w), (x, w), dy), kernels),
-            "rms_norm no grad": (lambda: ct.rms_norm(x.detach(), (1024,), w.detach()), ["norm_fwd"])}
+            "rms_norm no grad": (lambda: ct.rms_norm(x.detach(), (1024,), w.detach()), ["norm_fwd"]),
+            # (the add of the residual stream is in the kernels: no elementwise kernel beside them)
+            "fused_add_rms_norm": (lambda: torch.autograd.grad(ct.fused_add_rms_norm(x, dy, w), (x, w), (dy, dy)),
+                                   kernels)}
+
+
+def torch_native_cases() -> dict:
+    """Replays from C++ (tests/test_torch_native.py) of the variants and the fused residual
+    (y and h stacked: the one output the shared test takes)."""
+    import cukern.torch as ct
+    from torch_helpers import leaf
+
+    def fused(rms, **kw):
+        def call(x, r, w, *b):
+            y, h = (ct.fused_add_rms_norm(x, r, w, **kw) if rms else ct.fused_add_layer_norm(x, r, w, *b, **kw))
+            return torch.stack((y, h))
+        return call
+
+    def gemma(x, w):
+        m = ct.RMSNorm(96, eps=1e-6, offset=1.0, casting_mode="llama", device="cuda", dtype=x.dtype)
+        return torch.func.functional_call(m, {"weight": w}, (x,))
+
+    return {
+        "rms_norm_residual": lambda dt: ((leaf((4, 50, 96), dt, 0), leaf((4, 50, 96), dt, 4), leaf((96,), dt, 1)),
+                                         fused(True)),
+        "rms_norm_residual_llama_offset": lambda dt: ((leaf((300, 64), dt, 0), leaf((300, 64), dt, 4),
+                                                       leaf((64,), dt, 1)), fused(True, offset=1.0,
+                                                                                  casting_mode="llama")),
+        "layer_norm_residual": lambda dt: ((leaf((4, 50, 96), dt, 0), leaf((4, 50, 96), dt, 4), leaf((96,), dt, 1),
+                                            leaf((96,), dt, 2)), fused(False, offset=1.0)),
+        "rms_norm_gemma_module": lambda dt: ((leaf((4, 50, 96), dt, 0), leaf((96,), dt, 1)), gemma),
+    }

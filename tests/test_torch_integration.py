@@ -582,7 +582,7 @@ def test_custom_ops_run_under_cuda_graphs_and_replays_repeat_the_results():
     ops = torch.ops.cukern
 
     def step(x, w, b, xg, wg, q, table):
-        y = ops.layer_norm(x, w, b, 1e-5)[0] + ops.rms_norm(x, w, 1e-6)[0]
+        y = ops.layer_norm(x, w, b, 1e-5, 0.0)[0] + ops.rms_norm(x, w, 1e-6, 0.0, 0)[0]
         z = ops.group_norm(xg, 4, wg, None, 1e-5)[0]
         o = ops.attention(q, q, q, True, 0.125, -1, -1, 0.0, -1)[0]
         e = ops.embedding(idx, table, None, False)

@@ -268,7 +268,7 @@ def test_a_first_gradient_with_gaps_leaves_the_signature_to_later_calls(monkeypa
     inputs = (_leaf((5, 3, 40), torch.bfloat16, 0), _leaf((40,), torch.bfloat16, 1))
     expect = _python_path(monkeypatch, lambda: _run(call, inputs))
     _equal(_run(call, inputs, dy_layout="gaps"), expect)     # recorded, its backward not taken
-    assert ext.call(_op_index("rms_norm"), (*inputs, _tools.FLOAT32_EPS)) is None   # not declined
+    assert ext.call(_op_index("rms_norm"), (*inputs, _tools.FLOAT32_EPS, 0.0, 0)) is None   # not declined
     _equal(_run(call, inputs), expect)                       # recorded again, and taken
     before = ext.hits()
     _equal(_run(call, inputs, dy_layout="gaps"), expect)     # replayed: the gradient made dense in C++
@@ -277,9 +277,9 @@ def test_a_first_gradient_with_gaps_leaves_the_signature_to_later_calls(monkeypa
     inputs = (_leaf((5, 3, 48), torch.bfloat16, 0), _leaf((48,), torch.bfloat16, 1))
     call = lambda x, w: ct.rms_norm(x, (48,), w)
     for _ in range(_native.RECORD_TRIES):
-        assert ext.call(_op_index("rms_norm"), (*inputs, _tools.FLOAT32_EPS)) is None
+        assert ext.call(_op_index("rms_norm"), (*inputs, _tools.FLOAT32_EPS, 0.0, 0)) is None
         _run(call, inputs, dy_layout="gaps")
-    assert ext.call(_op_index("rms_norm"), (*inputs, _tools.FLOAT32_EPS)) is False
+    assert ext.call(_op_index("rms_norm"), (*inputs, _tools.FLOAT32_EPS, 0.0, 0)) is False
 
 
 @gpu
@@ -330,7 +330,7 @@ def test_ops_that_are_not_native_and_declined_signatures_keep_the_python_path(mo
     expect = _python_path(monkeypatch, lambda: _run(lambda a: ct.rms_norm(a, (96,), wx), (xt,)))
     for _ in range(3):
         _equal(_run(lambda a: ct.rms_norm(a, (96,), wx), (xt,)), expect)
-    assert ext.call(_op_index("rms_norm"), (xt, wx, _tools.FLOAT32_EPS)) is False
+    assert ext.call(_op_index("rms_norm"), (xt, wx, _tools.FLOAT32_EPS, 0.0, 0)) is False
     assert ext.hits() == before
     for _ in range(2):
         _run(lambda a: ct.rms_norm(a, (96,), wx), (xs,))

@@ -66,4 +66,74 @@ __device__ __forceinline__ unsigned int pack2(float lo, float hi, half) {
     return w;
 }
 
+// A value rounded to T and read back (exact for float): the intermediate roundings of the
+// norms' casting modes.
+template <typename T>
+__device__ __forceinline__ float round_to(float f) { return to_float(from_float<T>(f)); }
+
+// ---- fp8 (OCP FP8: E4M3 "fn", no infinities; E5M2), written only --------------------------------
+// From float32: round to nearest even, saturating to the largest finite value (infinities
+// too, as cvt's .satfinite), NaN to NaN (0x7f). sm_89+ has the conversion in hardware; sm_80
+// takes fp8_bits_soft, which gives the same bits (a GPU test compares the two on every
+// boundary).
+struct fp8e4m3 { unsigned char bits; };
+struct fp8e5m2 { unsigned char bits; };
+
+template <typename F> struct Fp8Format;
+template <> struct Fp8Format<fp8e4m3> {   // bias 7, 3 mantissa bits, largest 448
+    static constexpr int MANT = 3, BIAS = 7;
+    static constexpr float MAX = 448.f, MIN_NORMAL = 0.015625f /* 2^-6 */, SUB_STEPS = 512.f /* 2^9 */;
+};
+template <> struct Fp8Format<fp8e5m2> {   // bias 15, 2 mantissa bits, largest 57344
+    static constexpr int MANT = 2, BIAS = 15;
+    static constexpr float MAX = 57344.f, MIN_NORMAL = 6.103515625e-05f /* 2^-14 */, SUB_STEPS = 65536.f;
+};
+
+template <typename F>
+__device__ __forceinline__ unsigned int fp8_bits_soft(float f) {
+    using Fmt = Fp8Format<F>;
+    const unsigned int sign = (__float_as_uint(f) >> 24) & 0x80u;
+    const float a = fabsf(f);
+    if (a != a) return 0x7fu;
+    const float s = fminf(a, Fmt::MAX);
+    unsigned int r;
+    if (s < Fmt::MIN_NORMAL) {   // subnormal: a multiple of the smallest step (the top one, 2^-6 or 2^-14, is the first normal's code)
+        r = static_cast<unsigned int>(__float2int_rn(s * Fmt::SUB_STEPS));
+    } else {                     // the float's exponent and top mantissa bits, rounded to nearest even
+        constexpr int DROP = 23 - Fmt::MANT;
+        unsigned int b = __float_as_uint(s);
+        b += (1u << (DROP - 1)) - 1u + ((b >> DROP) & 1u);
+        r = (b >> DROP) - ((127u - Fmt::BIAS) << Fmt::MANT);
+    }
+    return r | sign;
+}
+
+// Two values to two fp8 codes in 16 bits (lo at the lower address). SOFT: the sm_80 code on
+// any GPU (what the GPU test compares).
+template <typename F, bool SOFT = false>
+__device__ __forceinline__ unsigned int pack_fp8x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    if constexpr (!SOFT) {
+        unsigned short r;
+        if constexpr (Fp8Format<F>::MANT == 3)
+            asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+        else
+            asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+#endif
+    return fp8_bits_soft<F>(lo) | (fp8_bits_soft<F>(hi) << 8);
+}
+
+template <> __device__ __forceinline__ fp8e4m3 from_float<fp8e4m3>(float f) {
+    return {static_cast<unsigned char>(pack_fp8x2<fp8e4m3>(f, 0.f) & 0xffu)};
+}
+template <> __device__ __forceinline__ fp8e5m2 from_float<fp8e5m2>(float f) {
+    return {static_cast<unsigned char>(pack_fp8x2<fp8e5m2>(f, 0.f) & 0xffu)};
+}
+
+template <typename T> struct is_fp8 { static constexpr bool value = false; };
+template <> struct is_fp8<fp8e4m3> { static constexpr bool value = true; };
+template <> struct is_fp8<fp8e5m2> { static constexpr bool value = true; };
+
 }  // namespace cuk

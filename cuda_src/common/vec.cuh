@@ -67,6 +67,10 @@ __device__ __forceinline__ Vec<T, N> pack(const float (&f)[N]) {
         unsigned int* w = reinterpret_cast<unsigned int*>(&v);
 #pragma unroll
         for (int i = 0; i < N / 2; ++i) w[i] = pack2(f[2 * i], f[2 * i + 1], T{});
+    } else if constexpr (is_fp8<T>::value && N % 2 == 0) {
+        unsigned short* w = reinterpret_cast<unsigned short*>(&v);
+#pragma unroll
+        for (int i = 0; i < N / 2; ++i) w[i] = static_cast<unsigned short>(pack_fp8x2<T>(f[2 * i], f[2 * i + 1]));
     } else {
 #pragma unroll
         for (int i = 0; i < N; ++i) v.v[i] = from_float<T>(f[i]);

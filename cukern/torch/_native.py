@@ -235,7 +235,8 @@ def _backward_parts(ext, bargs, grads, saved, out, grads_to, nargs: int, plans: 
             b = _find(g, bufs)
             if b < 0:
                 return None
-            gradients[grads_to[r]] = b
+            for j in (grads_to[r] if isinstance(grads_to[r], tuple) else (grads_to[r],)):
+                gradients[j] = b
     return (plan, sources, gradients, [list(g.stride()) for g in grads]) if sources is not None else None
 
 

@@ -92,9 +92,10 @@ class Op:
 def _scatter(spec: TorchOp, n: int, grads, needed, present=None) -> tuple:
     """The backward's gradients placed at the inputs they belong to (None elsewhere)."""
     out = [None] * n
-    for g, i in zip(grads, spec.grads_to):
-        if needed[i] and (present is None or present[i]):
-            out[i] = g
+    for g, to in zip(grads, spec.grads_to):
+        for i in (to if isinstance(to, tuple) else (to,)):
+            if needed[i] and (present is None or present[i]):
+                out[i] = g
     return tuple(out)
 
 
