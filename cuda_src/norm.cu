@@ -17,9 +17,9 @@
 
 // The weight a column applies: w, or w + offset in float32 (OFFSET: an instance of its own, so
 // that the plain norms keep their code: a runtime 0 added cost 1-2% of the backward).
-template <bool OFFSET, typename T>
-__device__ __forceinline__ float weight_value(T w, float offset) {
-    return OFFSET ? cuk::to_float(w) + offset : cuk::to_float(w);
+template <bool OFFSET>
+__device__ __forceinline__ float weight_value(float w, float offset) {
+    return OFFSET ? w + offset : w;
 }
 
 // Casting modes (CAST, RMSNorm's, as Liger's casting_mode; float inputs are unaffected):
@@ -104,10 +104,12 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_fwd(
                 for (int i = 0; i < NV; ++i) {
                     const int col = (i * G + lane) * VEC;
                     if (row < rows && col < cols) {
-                        const Vec<T, VEC> rv = load_stream<T, VEC>(res + row * res_stride + col);
+                        float f[VEC], g[VEC];
+                        unpack(xv[r][i], f);
+                        unpack(load_stream<T, VEC>(res + row * res_stride + col), g);
 #pragma unroll
-                        for (int j = 0; j < VEC; ++j)
-                            xv[r][i].v[j] = from_float<T>(to_float(xv[r][i].v[j]) + to_float(rv.v[j]));
+                        for (int j = 0; j < VEC; ++j) f[j] += g[j];
+                        xv[r][i] = pack<T, VEC>(f);
                         store_stream<T, VEC>(h + row * cols + col, xv[r][i]);
                     }
                 }
@@ -132,9 +134,11 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_fwd(
             for (int i = 0; i < NV; ++i) {
                 const int col = (i * G + lane) * VEC;
                 if (row < rows && col < cols) {
+                    float f[VEC];
+                    unpack(xv[r][i], f);
 #pragma unroll
                     for (int j = 0; j < VEC; ++j) {
-                        const float d = to_float(xv[r][i].v[j]) - k;
+                        const float d = f[j] - k;
                         s[2 * r] += d;
                         s[2 * r + 1] += d * d;
                     }
@@ -176,9 +180,11 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_fwd(
                     for (int i = 0; i < NV; ++i) {
                         const int col = (i * G + lane) * VEC;
                         if (row0 + r < rows && col < cols) {
+                            float f[VEC];
+                            unpack(xv[r][i], f);
 #pragma unroll
                             for (int j = 0; j < VEC; ++j) {
-                                const float d = to_float(xv[r][i].v[j]) - mean[r];
+                                const float d = f[j] - mean[r];
                                 q[r] += d * d;
                             }
                         }
@@ -193,25 +199,26 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_fwd(
         for (int i = 0; i < NV; ++i) {
             const int col = (i * G + lane) * VEC;
             if (col < cols) {
-                Vec<T, VEC> wv = {}, bv = {};
-                if (w) wv = load_vec<T, VEC>(w + col);
-                if (!RMS && b) bv = load_vec<T, VEC>(b + col);
+                // Whole vectors through unpack / pack: element by element, the compiler kept each
+                // 16-bit value in a register of its own and spent 2-3 instructions a conversion.
+                float wf[VEC], bf[VEC];
+                if (w) unpack(load_vec<T, VEC>(w + col), wf);
+                if (!RMS && b) unpack(load_vec<T, VEC>(b + col), bf);
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
                     const long long row = row0 + r;
                     if (row < rows) {
-                        Vec<TO, VEC> out;
                         float o[VEC];
+                        unpack(xv[r][i], o);
 #pragma unroll
                         for (int j = 0; j < VEC; ++j) {
-                            float v = cast_round<T, CAST>((to_float(xv[r][i].v[j]) - mean[r]) * rstd[r]);
-                            if (w) v *= weight_value<OFFSET>(wv.v[j], w_offset);
-                            if (!RMS && b) v += to_float(bv.v[j]);
-                            if constexpr (FP8) o[j] = v;
-                            else out.v[j] = from_float<TO>(v);
+                            float v = cast_round<T, CAST>((o[j] - mean[r]) * rstd[r]);
+                            if (w) v *= OFFSET ? wf[j] + w_offset : wf[j];
+                            if (!RMS && b) v += bf[j];
+                            o[j] = v;
                         }
-                        if constexpr (FP8) out = fp8_out<TO, VEC>(o, scale, am);
-                        store_stream<TO, VEC>(y + row * cols + col, out);
+                        if constexpr (FP8) store_stream<TO, VEC>(y + row * cols + col, fp8_out<TO, VEC>(o, scale, am));
+                        else store_stream<TO, VEC>(y + row * cols + col, pack<TO, VEC>(o));
                     }
                 }
             }
@@ -292,13 +299,14 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_bwd(
             for (int i = 0; i < NV; ++i) {
                 const int col = (i * G + lane) * VEC;
                 if (row0 + r < rows && col < cols) {
+                    // (elements read from their 32-bit words: see norm_fwd)
                     Vec<T, VEC> wv = {};
                     if (w) wv = load_vec<T, VEC>(w + col);
 #pragma unroll
                     for (int j = 0; j < VEC; ++j) {
-                        const float d = to_float(gv[r][i].v[j]);
-                        const float xh = (to_float(xv[r][i].v[j]) - mu[r]) * rs[r];
-                        const float g = w ? cast_round<T, CAST>(d * weight_value<OFFSET>(wv.v[j], w_offset)) : d;
+                        const float d = element(gv[r][i], j);
+                        const float xh = (element(xv[r][i], j) - mu[r]) * rs[r];
+                        const float g = w ? cast_round<T, CAST>(d * weight_value<OFFSET>(element(wv, j), w_offset)) : d;
                         s[2 * r] += g;
                         s[2 * r + 1] += g * xh;
                         dwa[i][j] += d * cast_round<T, CAST>(xh);
@@ -323,17 +331,17 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_bwd(
                         const float kc = -rs[r] * (s[2 * r + 1] * inv_cols);
                         Vec<T, VEC> rv = {};
                         if (dres) rv = load_stream<T, VEC>(dres + row * dres_stride + col);
-                        Vec<T, VEC> out;
+                        float o[VEC];
 #pragma unroll
                         for (int j = 0; j < VEC; ++j) {
-                            const float d = to_float(gv[r][i].v[j]);
-                            const float xh = (to_float(xv[r][i].v[j]) - mu[r]) * rs[r];
-                            const float g = w ? cast_round<T, CAST>(d * weight_value<OFFSET>(wv.v[j], w_offset)) : d;
+                            const float d = element(gv[r][i], j);
+                            const float xh = (element(xv[r][i], j) - mu[r]) * rs[r];
+                            const float g = w ? cast_round<T, CAST>(d * weight_value<OFFSET>(element(wv, j), w_offset)) : d;
                             float v = fmaf(rs[r], g, RMS ? xh * kc : fmaf(xh, kc, ka));
-                            if (dres) v += to_float(rv.v[j]);
-                            out.v[j] = from_float<T>(v);
+                            if (dres) v += element(rv, j);
+                            o[j] = v;
                         }
-                        store_stream<T, VEC>(dx + row * cols + col, out);
+                        store_stream<T, VEC>(dx + row * cols + col, pack<T, VEC>(o));
                     }
                 }
             }
@@ -424,7 +432,7 @@ __global__ void __launch_bounds__(THREADS, 1) norm_fwd_loop(
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
                 float f = cast_round<T, CAST>((to_float(v.v[j]) - mean) * rstd);
-                if (w) f *= weight_value<OFFSET>(wv.v[j], w_offset);
+                if (w) f *= weight_value<OFFSET>(to_float(wv.v[j]), w_offset);
                 if (!RMS && b) f += to_float(bv.v[j]);
                 if constexpr (FP8) o[j] = f;
                 else out.v[j] = from_float<TO>(f);
@@ -484,7 +492,7 @@ __global__ void __launch_bounds__(THREADS, 1) norm_bwd_loop(
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
                 const float d = to_float(dv.v[j]);
-                const float g = w ? cast_round<T, CAST>(d * weight_value<OFFSET>(wv.v[j], w_offset)) : d;
+                const float g = w ? cast_round<T, CAST>(d * weight_value<OFFSET>(to_float(wv.v[j]), w_offset)) : d;
                 s[0] += g;
                 s[1] += g * (to_float(xv.v[j]) - mu) * rs;
             }
@@ -502,7 +510,7 @@ __global__ void __launch_bounds__(THREADS, 1) norm_bwd_loop(
             for (int j = 0; j < VEC; ++j) {
                 const float d = to_float(dv.v[j]);
                 const float xh = (to_float(xv.v[j]) - mu) * rs;
-                const float g = w ? cast_round<T, CAST>(d * weight_value<OFFSET>(wv.v[j], w_offset)) : d;
+                const float g = w ? cast_round<T, CAST>(d * weight_value<OFFSET>(to_float(wv.v[j]), w_offset)) : d;
                 float v = rs * (g - a - xh * c);
                 if (dres) v += to_float(rv.v[j]);
                 out.v[j] = from_float<T>(v);

@@ -92,22 +92,33 @@ class Configs:
     fwd: tuple[RowConfig, ...]
     bwd: tuple[RowConfig, ...]
     loop: LoopConfig = LoopConfig()
+    # the forward with a fused residual, where it differs from fwd (None: fwd's)
+    residual: tuple[RowConfig, ...] | None = None
+
+    def table(self, kind: str) -> tuple[RowConfig, ...]:
+        """"fwd", "res" (the forward with a residual) or "bwd"."""
+        if kind == "res":
+            return self.residual or self.fwd
+        return self.fwd if kind == "fwd" else self.bwd
 
     def pick(self, kind: str, cols: int, vec: int) -> RowConfig | LoopConfig:
         nvec = -(-cols // vec)
-        for c in (self.fwd if kind == "fwd" else self.bwd):
+        for c in self.table(kind):
             if c.capacity >= nvec:
                 return c
         return self.loop
 
 
+_FWD_ROWS = (RowConfig(1, 4, 128), RowConfig(1, 16, 128), RowConfig(1, 32, 128, 2), RowConfig(2, 32, 128, 2),
+             RowConfig(4, 32, 128), RowConfig(2, 128, 128), RowConfig(4, 128, 128, 2, 5), RowConfig(4, 256, 256),
+             RowConfig(4, 512, 512))
 CONFIGS = Configs(
-    fwd=(RowConfig(1, 4, 128), RowConfig(1, 16, 128), RowConfig(1, 32, 128, 2), RowConfig(2, 32, 128, 2),
-         RowConfig(4, 32, 128), RowConfig(2, 128, 128), RowConfig(4, 128, 128, 1, 7), RowConfig(4, 256, 256),
-         RowConfig(4, 512, 512)),
+    fwd=_FWD_ROWS,
     bwd=(RowConfig(1, 4, 128), RowConfig(1, 16, 128), RowConfig(1, 32, 128), RowConfig(2, 32, 128, 1, 6),
          RowConfig(4, 32, 128, 1, 4), RowConfig(2, 128, 128, 1, 6), RowConfig(4, 128, 128, 1, 4),
          RowConfig(4, 256, 256, 1, 2)),
+    # (two rows a group lost a tenth with a residual at 4096 columns: one row, 8 blocks an SM)
+    residual=_FWD_ROWS[:6] + (RowConfig(4, 128, 128, 1, 8),) + _FWD_ROWS[7:],
 )
 
 
@@ -134,13 +145,15 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
     for dtype, (_, itemsize) in _arrays.DTYPES.items():
         for rms in (False, True):
             for vec in sorted({1, 16 // itemsize}):
-                for kind, table in (("fwd", configs.fwd), ("bwd", configs.bwd)):
-                    out += [c.instance(kind, dtype, rms, vec, offset) for c in (*table, configs.loop)
+                for kind in ("fwd", "res", "bwd"):
+                    table = configs.table(kind)
+                    k = "bwd" if kind == "bwd" else "fwd"
+                    out += [c.instance(k, dtype, rms, vec, offset) for c in (*table, configs.loop)
                             for offset in (False, True)]
                     cfgs = (*table, configs.loop) if vec > 1 else (configs.loop,)
-                    out += [c.instance(kind, dtype, rms, vec, offset, cast, fp8) for cast, fp8 in
-                            _variants(kind, dtype, rms) for c in cfgs for offset in (False, True)]
-    return out
+                    out += [c.instance(k, dtype, rms, vec, offset, cast, fp8) for cast, fp8 in
+                            _variants(k, dtype, rms) for c in cfgs for offset in (False, True)]
+    return list(dict.fromkeys(out))   # (the residual table repeats most of fwd's)
 
 
 def _vector_width(itemsize: int, cols: int, arrays) -> int:
@@ -291,7 +304,7 @@ def _plan_forward(rms, arrays, eps, return_stats, configs, offset=0.0, cast=0, o
         vec = _vector_width(xa.itemsize, cols, [(None if copy_x else xa, xs), (None if copy_r else ra, rs),
                                                  (wa, 0), (ba, 0)])
         variant = bool(cast or out)
-        cfg = configs.loop if variant and vec == 1 else configs.pick("fwd", cols, vec)
+        cfg = configs.loop if variant and vec == 1 else configs.pick("fwd" if ra is None else "res", cols, vec)
         k = _kernels.kernel(cfg.instance("fwd", xa.dtype, rms, vec, offset != 0, cast, out), device)
         # A row in registers: one block a row group, not a persistent grid (a finished block's
         # slot starts the next rows' loads at once; 2-8% faster at every width measured). The
@@ -802,7 +815,8 @@ def _rms_bwd(dy, x, w, rstd, offset, casting, dh=None):
 
 
 TORCH_OPS = (
-    TorchOp("layer_norm", "(Tensor x, Tensor? weight, Tensor? bias, float eps, float offset) -> (Tensor, Tensor, Tensor)",
+    TorchOp("layer_norm", "(Tensor x, Tensor? weight, Tensor? bias, float eps, float offset) "
+                          "-> (Tensor, Tensor, Tensor)",
             forward=lambda x, w, b, eps, off: layer_norm(x, w, b, eps, return_stats=True, offset=off),
             inference=lambda x, w, b, eps, off: layer_norm(x, w, b, eps, offset=off),
             fake=_ln_fake,

@@ -55,6 +55,16 @@ __device__ __forceinline__ void unpack2(unsigned int w, float& lo, float& hi, ha
     asm("{.reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h;}"
         : "=f"(lo), "=f"(hi) : "r"(w));
 }
+// One of the two (hi: the upper one), as unpack2 gives it.
+__device__ __forceinline__ float half_of_word(unsigned int w, bool hi, bf16) {
+    return __uint_as_float(hi ? (w & 0xffff0000u) : (w << 16));
+}
+__device__ __forceinline__ float half_of_word(unsigned int w, bool hi, half) {
+    float f;
+    if (hi) asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, h;}" : "=f"(f) : "r"(w));
+    else asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, l;}" : "=f"(f) : "r"(w));
+    return f;
+}
 __device__ __forceinline__ unsigned int pack2(float lo, float hi, bf16) {
     unsigned int w;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));  // first operand -> high half

@@ -60,6 +60,17 @@ __device__ __forceinline__ void unpack(const Vec<T, N>& v, float (&f)[N]) {
     }
 }
 
+// Element j of a vector as float32, read from its 32-bit word as unpack does (one instruction
+// for bfloat16), for loops that convert one element at a time to keep fewer values live.
+template <typename T, int N>
+__device__ __forceinline__ float element(const Vec<T, N>& v, int j) {
+    if constexpr (sizeof(T) == 2 && N % 2 == 0) {
+        return half_of_word(reinterpret_cast<const unsigned int*>(&v)[j / 2], j & 1, T{});
+    } else {
+        return to_float(v.v[j]);
+    }
+}
+
 template <typename T, int N>
 __device__ __forceinline__ Vec<T, N> pack(const float (&f)[N]) {
     Vec<T, N> v;
