@@ -234,7 +234,7 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_fwd(
         }
     }
     if constexpr (FP8) {
-        if (y_amax) block_amax<THREADS>(am, y_amax);
+        if (y_amax) warp_amax(am, y_amax);
     }
 }
 
@@ -446,7 +446,7 @@ __global__ void __launch_bounds__(THREADS, 1) norm_fwd_loop(
         }
     }
     if constexpr (FP8) {
-        if (y_amax) block_amax<THREADS>(am, y_amax);
+        if (y_amax) warp_amax(am, y_amax);
     }
 }
 

@@ -175,22 +175,12 @@ __device__ __forceinline__ unsigned int max_abs_bits(unsigned int m, float v) {
     return max(m, __float_as_uint(fabsf(v)));
 }
 
-// The block's largest of every thread's `m` merged into *amax (float32, >= 0, set to 0 before
-// the launch): one atomic a block, skipped where *amax already holds as much. Every thread of
-// the block must call (a barrier).
-template <int THREADS>
-__device__ __forceinline__ void block_amax(unsigned int m, float* amax) {
+// The warp's largest of every lane's `m` merged into *amax (float32, >= 0, set to 0 before the
+// launch): one atomic a warp, skipped where *amax already holds as much; no barrier, so a
+// block's warps leave as they finish. Every lane of the warp must call.
+__device__ __forceinline__ void warp_amax(unsigned int m, float* amax) {
     asm("redux.sync.max.u32 %0, %0, 0xffffffff;" : "+r"(m));
-    if constexpr (THREADS > 32) {
-        __shared__ unsigned int warp_max[THREADS / 32];
-        if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-#pragma unroll
-            for (int i = 1; i < THREADS / 32; ++i) m = max(m, warp_max[i]);
-        }
-    }
-    if (threadIdx.x == 0) {
+    if (threadIdx.x % 32 == 0) {
         unsigned int* p = reinterpret_cast<unsigned int*>(amax);
         if (m > *reinterpret_cast<volatile unsigned int*>(p)) atomicMax(p, m);
     }
