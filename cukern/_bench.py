@@ -95,6 +95,8 @@ class TorchCase:
     array: Callable[[dict], Any]
     liger: Callable[[dict], Any] | None = None
     backward: bool = True
+    # Liger's function writes into its inputs: it takes leaves of its own, t["liger_leaves"]
+    liger_leaves: bool = False
     flops: int | None = None
 
     shape_label = property(lambda self: _shape_label(self.shape))
@@ -558,15 +560,15 @@ def liger_version() -> str | None:
         return "unknown"
 
 
-def _step(case: TorchCase, forward: Callable) -> Callable:
+def _step(case: TorchCase, forward: Callable, leaves: str = "leaves") -> Callable:
     """fn(t): the case's forward through ``forward`` and, with ``case.backward``, the
-    gradients of its leaves by ``torch.autograd.grad``."""
+    gradients of its leaves (``t[leaves]``) by ``torch.autograd.grad``."""
     import torch
 
     if case.backward:
         def run(t):
             y = forward(t)
-            return (y.detach(), *torch.autograd.grad(y, t["leaves"], t["dy"]))
+            return (y.detach(), *torch.autograd.grad(y, t[leaves], t["dy"]))
     else:
         def run(t):
             with torch.no_grad():
@@ -591,7 +593,8 @@ def torch_impls(case: TorchCase) -> dict[str, Callable]:
              "eager": _step(case, functools.partial(case.forward, F)),
              "compile": _step(case, torch.compile(functools.partial(case.forward, F)))}
     if case.liger is not None and liger_version() is not None:
-        impls["liger"] = _step(case, case.liger)
+        # (a case whose Liger function writes into its inputs gives it leaves of its own)
+        impls["liger"] = _step(case, case.liger, "liger_leaves" if case.liger_leaves else "leaves")
     return impls
 
 
