@@ -1,0 +1,275 @@
+"""RoPE: the references and the frequencies (no GPU), argument checking, and the kernels against
+the references and against Hugging Face's eager code (GPU)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import cukern
+from cukern import reference as ref
+
+from arrays import (FLOAT_DTYPES, assert_close, poison_allocator, raise_as_expected, random_host, to_device, to_host,
+                    torch)
+
+gpu = pytest.mark.gpu
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
+
+
+def _tables(S, D, interleaved, base=10000.0, batch=1, positions=None):
+    inv = cukern.rope_inv_freq(D, base)
+    pos = np.arange(S, dtype=np.float64) if positions is None else positions
+    f = pos[..., None] * inv                                  # (S, D/2) or (B, S, D/2)
+    emb = np.repeat(f, 2, axis=-1) if interleaved else np.concatenate([f, f], axis=-1)
+    if emb.ndim == 2:
+        emb = np.broadcast_to(emb, (batch, S, D))
+    return np.cos(emb), np.sin(emb)
+
+
+# ---- the references, no GPU -------------------------------------------------------------------
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_reference_is_a_rotation_of_each_pair_by_its_angle(interleaved):
+    rng = np.random.default_rng(0)
+    B, H, S, D = 2, 3, 7, 16
+    q = rng.standard_normal((B, H, S, D))
+    cos, sin = _tables(S, D, interleaved)
+    out, none = ref.rope(q, None, cos, sin, interleaved=interleaved)
+    assert none is None
+    lo, hi = (slice(0, None, 2), slice(1, None, 2)) if interleaved else (slice(0, D // 2), slice(D // 2, None))
+    angle = np.outer(np.arange(S), cukern.rope_inv_freq(D))
+    z = (q[..., lo] + 1j * q[..., hi]) * np.exp(1j * angle)
+    np.testing.assert_allclose(out[..., lo], z.real, atol=1e-12)
+    np.testing.assert_allclose(out[..., hi], z.imag, atol=1e-12)
+    # the backward is the transpose: <rope(q), g> = <q, rope_backward(g)>
+    g = rng.standard_normal(q.shape)
+    dq, _ = ref.rope_backward(g, None, cos, sin, interleaved=interleaved)
+    assert abs((out * g).sum() - (q * dq).sum()) < 1e-9
+
+
+@needs_torch
+def test_llama3_frequencies_are_hugging_faces():
+    """rope_inv_freq with LLaMA 3's rope_scaling against Hugging Face's formula as written there."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    base, dim = 500000.0, 128
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float64) / dim))
+    low_freq_wavelen = 8192 / 1.0
+    high_freq_wavelen = 8192 / 4.0
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / 8.0, inv_freq)
+    smooth_factor = (8192 / wavelen - 1.0) / (4.0 - 1.0)
+    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / 8.0 + smooth_factor * inv_freq_llama
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    want = torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama).numpy()
+    np.testing.assert_allclose(cukern.rope_inv_freq(dim, base, scaling), want, rtol=1e-12)
+    np.testing.assert_allclose(cukern.rope_inv_freq(dim, base), inv_freq.numpy(), rtol=1e-12)
+
+
+# ---- argument checking that needs no GPU ------------------------------------------------------
+
+def _bad_input_cases(xp):
+    q = xp.ones((2, 4, 6, 8), np.float32)
+    k = xp.ones((2, 1, 6, 8), np.float32)
+    c = xp.ones((1, 6, 8), np.float32)
+    cases = [
+        (lambda: cukern.rope(q[0], k, c, c), ValueError, r"^q: expected \(B, H, S, D\)"),
+        (lambda: cukern.rope(xp.ones((2, 4, 6, 7), np.float32), None, c[..., :7], c[..., :7]), ValueError,
+         "^q: the head dim D = 7 must be even"),
+        (lambda: cukern.rope(q, xp.ones((2, 1, 5, 8), np.float32), c, c), ValueError, r"^k: expected \(B, Hk, S, D\)"),
+        (lambda: cukern.rope(q, k, xp.ones((3, 6, 8), np.float32), c), ValueError, "^cos: expected"),
+        (lambda: cukern.rope(q, k, c, c[0]), ValueError, "^sin: shape"),
+        (lambda: cukern.rope(q, k.astype(np.float16), c, c), ValueError, "^k: dtype float16 differs"),
+        (lambda: cukern.rope(q, k, c, c, interleaved=1), TypeError, "^interleaved: expected a bool"),
+        (lambda: cukern.rope_backward(q, k, c.astype(np.float16), c), ValueError, "^cos: dtype float16"),
+        (lambda: cukern.rope_inv_freq(7), ValueError, "^dim: expected an even integer"),
+        (lambda: cukern.rope_inv_freq(8, scaling={"rope_type": "yarn"}), ValueError, "^scaling: rope_type 'yarn'"),
+        (lambda: cukern.rope_inv_freq(8, scaling={"rope_type": "llama3", "factor": 8}), ValueError,
+         "^scaling: 'llama3' needs 'low_freq_factor'"),
+        (lambda: cukern.rope(np.ones((2, 4, 6, 8), np.float32), k, c, c), TypeError, "^q: a host"),
+    ]
+    if xp is np:
+        cases = [c for c in cases if "host" not in c[2]]
+    return cases
+
+
+def test_bad_inputs_name_the_argument_without_a_gpu(host_arrays_as_device):
+    raise_as_expected(_bad_input_cases(np))
+
+
+@gpu
+def test_bad_inputs_name_the_argument():
+    import cupy
+
+    raise_as_expected(_bad_input_cases(cupy))
+
+
+# ---- the kernels against the references (GPU) ---------------------------------------------------
+
+def _qk(rng, B, HQ, HK, S, D, dtype, framework, layout):
+    """q and k as device arrays: (B, H, S, D) contiguous, the (B, H, S, D) views of (B, S, H, D)
+    projections (Hugging Face's), or with a non-unit stride along D (copied by the op)."""
+    q, k = random_host(rng, (B, HQ, S, D), dtype), random_host(rng, (B, HK, S, D), dtype)
+    if layout == "bshd":
+        def dev(a):
+            d = to_device(np.ascontiguousarray(a.transpose(0, 2, 1, 3)), framework)
+            return d.transpose(1, 2) if framework == "torch" else d.transpose(0, 2, 1, 3)
+        return q, k, dev(q), dev(k)
+    if layout == "strided_d":
+        def dev(a):
+            wide = to_device(np.repeat(a, 2, axis=-1), framework)
+            return wide[..., ::2]
+        return q, k, dev(q), dev(k)
+    return q, k, to_device(q, framework), to_device(k, framework)
+
+
+@st.composite
+def rope_cases(draw):
+    return dict(B=draw(st.sampled_from([1, 2, 3])), S=draw(st.sampled_from([1, 5, 64, 130])),
+                HQ=draw(st.sampled_from([1, 4, 8])), HK=draw(st.sampled_from([0, 1, 2, 8])),
+                D=draw(st.sampled_from([2, 8, 16, 64, 96, 128, 256])), dtype=draw(st.sampled_from(FLOAT_DTYPES)),
+                interleaved=draw(st.booleans()),
+                framework=draw(st.sampled_from(["cupy", "torch"] if torch else ["cupy"])),
+                layout=draw(st.sampled_from(["contiguous", "bshd", "bshd", "strided_d"])),
+                per_batch=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)))
+
+
+def _run_case(c):
+    rng = np.random.default_rng(c["seed"])
+    B, S, HQ, HK, D, dtype, fw = c["B"], c["S"], c["HQ"], c["HK"], c["D"], c["dtype"], c["framework"]
+    q, k, qd, kd = _qk(rng, B, HQ, HK, S, D, dtype, fw, c["layout"])
+    positions = rng.integers(0, 4096, (B, S)).astype(np.float64) if c["per_batch"] else None
+    cos, sin = _tables(S, D, c["interleaved"], batch=B if c["per_batch"] else 1, positions=positions)
+    from arrays import np_dtype
+
+    cos, sin = (a.astype(np_dtype(dtype)) for a in (cos, sin))
+    if HK == 0:
+        k, kd = None, None
+    poison_allocator(fw, [q.nbytes, q.nbytes])
+    oq, ok = cukern.rope(qd, kd, to_device(cos, fw), to_device(sin, fw), interleaved=c["interleaved"])
+    eq, ek = ref.rope(q, k, cos, sin, interleaved=c["interleaved"])
+    assert tuple(oq.shape) == q.shape
+    assert_close(oq, eq, dtype, "q_out")
+    if k is None:
+        assert ok is None
+    else:
+        assert_close(ok, ek, dtype, "k_out")
+    gq, gk = (None if a is None else random_host(rng, a.shape, dtype) for a in (q, k))
+    poison_allocator(fw, [q.nbytes, q.nbytes])
+    dq, dk = cukern.rope_backward(to_device(gq, fw), None if gk is None else to_device(gk, fw), to_device(cos, fw),
+                                  to_device(sin, fw), interleaved=c["interleaved"])
+    rq, rk = ref.rope_backward(gq, gk, cos, sin, interleaved=c["interleaved"])
+    assert_close(dq, rq, dtype, "dq")
+    if gk is not None:
+        assert_close(dk, rk, dtype, "dk")
+
+
+@gpu
+@settings(max_examples=150)
+@given(c=rope_cases())
+def test_kernels_match_the_reference(c):
+    _run_case(c)
+
+
+@gpu
+@needs_torch
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_against_hugging_faces_code(dtype):
+    """cukern.torch.apply_rotary_pos_emb against Hugging Face's apply_rotary_pos_emb in eager, on
+    its (B, H, S, D) views, forward and autograd: the 16-bit outputs equal bit for bit (the same
+    three roundings an element)."""
+    import cukern.torch as ct
+    from cukern.rope import _hf
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    tdt = getattr(torch, dtype)
+    B, S, HQ, HK, D = 2, 256, 8, 2, 128
+    q = torch.randn(B, S, HQ, D, device="cuda", generator=g).to(tdt).transpose(1, 2).requires_grad_(True)
+    k = torch.randn(B, S, HK, D, device="cuda", generator=g).to(tdt).transpose(1, 2).requires_grad_(True)
+    inv = torch.tensor(cukern.rope_inv_freq(D, 500000.0), device="cuda", dtype=torch.float32)
+    pos = torch.arange(S, device="cuda", dtype=torch.float32)[None].expand(B, S)
+    f = pos[..., None] * inv
+    emb = torch.cat((f, f), dim=-1)
+    cos, sin = emb.cos().to(tdt), emb.sin().to(tdt)
+    got = ct.apply_rotary_pos_emb(q, k, cos, sin)
+    want = _hf(q, k, cos, sin)
+    dq, dk = (torch.randn_like(t) for t in want)
+    gg = torch.autograd.grad(got, (q, k), (dq, dk))
+    wg = torch.autograd.grad(want, (q, k), (dq, dk))
+    for name, a, e in (("q", got[0], want[0]), ("k", got[1], want[1]), ("dq", gg[0], wg[0]), ("dk", gg[1], wg[1])):
+        assert a.shape == e.shape and (name.startswith("d") or a.stride() == e.stride()), name
+        if dtype != "float32":
+            assert torch.equal(a, e), f"{name}: {(a != e).float().mean().item():.2e} of the elements differ"
+        assert_close(a, to_host(e), dtype, name)
+    # (B, S, H, D) tensors with unsqueeze_dim=2
+    qs, ks = q.detach().transpose(1, 2), k.detach().transpose(1, 2)
+    o2 = ct.apply_rotary_pos_emb(qs, ks, cos, sin, unsqueeze_dim=2)
+    assert torch.equal(o2[0].transpose(1, 2), got[0].detach())
+
+
+@gpu
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+def test_empty_inputs_give_empty_outputs(framework):
+    if framework == "torch" and torch is None:
+        pytest.skip("torch is not installed")
+    q = to_device(np.ones((2, 4, 0, 8), np.float32), framework)
+    c = to_device(np.ones((1, 0, 8), np.float32), framework)
+    oq, ok = cukern.rope(q, q, c, c)
+    assert tuple(oq.shape) == (2, 4, 0, 8) and tuple(ok.shape) == (2, 4, 0, 8)
+
+
+# ---- the family's rows in the shared PyTorch-path tests ------------------------------------------
+
+def torch_stand_ins() -> dict:
+    """op -> (forward, backward) computed by PyTorch on the CPU (the op's wiring is tested)."""
+
+    def rot(x, cos, sin, transpose):
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        h = x.shape[-1] // 2
+        if not transpose:   # x c + rotate_half(x) s
+            return x * c + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * s
+        g = x * s           # its transpose: x c + (g[hi], -g[lo])
+        return x * c + torch.cat((g[..., h:], -g[..., :h]), dim=-1)
+
+    return {"rope": (lambda q, k, cos, sin, il: (rot(q, cos, sin, False), rot(k, cos, sin, False)),
+                     lambda dq, dk, cos, sin, il: (rot(dq, cos, sin, True), rot(dk, cos, sin, True)))}
+
+
+def torch_wiring_calls(which: str, g) -> list:
+    """(op, its arguments, PyTorch's same computation, the inputs that may need gradients)."""
+    from cukern.rope import _hf
+
+    # (the shared test differentiates the first output: q's; k's gradient is the same code)
+    q = torch.randn(2, 4, 5, 8, generator=g).requires_grad_(which in ("x", "both"))
+    k = torch.randn(2, 2, 5, 8, generator=g)
+    cos, sin = (torch.tensor(a, dtype=torch.float32) for a in _tables(5, 8, False))
+    return [("rope", (q, k, cos, sin, False), lambda: _hf(q, k, cos, sin)[0], (q,))]
+
+
+def opcheck_samples() -> list:
+    from torch_helpers import leaf
+
+    ops = torch.ops.cukern
+    bf = torch.bfloat16
+    cos, sin = (torch.tensor(a, device="cuda").to(bf) for a in _tables(16, 64, False))
+    q = leaf((2, 16, 4, 64), bf, 0).transpose(1, 2)
+    return [(ops.rope.default, (q, leaf((2, 1, 16, 64), bf, 1), cos, sin, False)),
+            (ops.rope.default, (leaf((1, 2, 16, 64), torch.float32, 2), leaf((1, 2, 16, 64), torch.float32, 3),
+                                cos.float(), sin.float(), True))]
+
+
+def torch_native_cases() -> dict:
+    """Replays from C++ (tests/test_torch_native.py): Hugging Face's layout and GQA."""
+    import cukern.torch as ct
+    from torch_helpers import leaf
+
+    def call(q, k):
+        S, D = q.shape[2], q.shape[3]
+        cos, sin = (torch.tensor(a, device="cuda").to(q.dtype) for a in _tables(S, D, False))
+        oq, ok = ct.apply_rotary_pos_emb(q, k, cos, sin)
+        return torch.cat((oq.flatten(), ok.flatten()))
+
+    return {"rope_hf_layout": lambda dt: ((leaf((2, 64, 8, 128), dt, 0).transpose(1, 2),
+                                           leaf((2, 64, 2, 128), dt, 1).transpose(1, 2)), call)}
