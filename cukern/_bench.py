@@ -561,14 +561,17 @@ def liger_version() -> str | None:
 
 
 def _step(case: TorchCase, forward: Callable, leaves: str = "leaves") -> Callable:
-    """fn(t): the case's forward through ``forward`` and, with ``case.backward``, the
-    gradients of its leaves (``t[leaves]``) by ``torch.autograd.grad``."""
+    """fn(t): the case's forward through ``forward`` (one output or a tuple) and, with
+    ``case.backward``, the gradients of its leaves (``t[leaves]``) by ``torch.autograd.grad``
+    from ``t["dy"]`` (a tuple for a tuple)."""
     import torch
 
     if case.backward:
-        def run(t):
+        def run(t):   # (a forward of several outputs takes a tuple t["dy"] of their gradients)
             y = forward(t)
-            return (y.detach(), *torch.autograd.grad(y, t[leaves], t["dy"]))
+            ys = y if isinstance(y, tuple) else (y,)
+            dys = t["dy"] if isinstance(t["dy"], tuple) else (t["dy"],)
+            return (*(o.detach() for o in ys), *torch.autograd.grad(ys, t[leaves], dys))
     else:
         def run(t):
             with torch.no_grad():

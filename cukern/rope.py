@@ -323,29 +323,18 @@ def bench_cases(quick: bool) -> list:
                         p(_inputs, dims, dt, grad=True), _fwd_bwd, _torch_fwd_bwd)]
 
 
-def _forward_on(F, t, leaves="leaves"):
-    """``F.apply_rotary_pos_emb`` where F has it (cukern.torch), else Hugging Face's code; the
-    two outputs summed into one (the bench differentiates one output)."""
-    q, k = t[leaves]
+def _forward_on(F, t):
+    """``F.apply_rotary_pos_emb`` where F has it (cukern.torch), else Hugging Face's code:
+    (q_out, k_out)."""
+    q, k = t["leaves"]
     fn = getattr(F, "apply_rotary_pos_emb", None) if F is not None else None
-    return _one(*(fn or _hf)(q, k, t["cos"], t["sin"]))
-
-
-def _one(oq, ok):
-    """q's and k's outputs as one tensor, (B, S, Hq + Hk, D): what the bench's gradient is of."""
-    import torch
-
-    return torch.cat((oq.transpose(1, 2), ok.transpose(1, 2)), dim=2)
+    return (fn or _hf)(q, k, t["cos"], t["sin"])
 
 
 def _liger(t):
     from liger_kernel.transformers.rope import liger_rotary_pos_emb
 
-    return _one(*liger_rotary_pos_emb(*t["liger_leaves"], t["cos"], t["sin"]))
-
-
-def _array_step(t):
-    return _fwd_bwd(t)
+    return tuple(liger_rotary_pos_emb(*t["liger_leaves"], t["cos"], t["sin"]))
 
 
 def torch_bench_cases(quick: bool) -> list:
@@ -357,10 +346,10 @@ def torch_bench_cases(quick: bool) -> list:
 
     def make(seed):
         t = _inputs(dims, dt, seed, grad=True)
-        t["dy"] = _one(t["dq"], t["dk"]).contiguous()
+        t["dy"] = (t["dq"], t["dk"])
         return t
     return [_bench.TorchCase("rope fwd+bwd", "rope", shape, dt, _bench.elements_bytes(shape, dt, 4), make,
-                             _forward_on, _array_step, liger=_liger, liger_leaves=True)]
+                             _forward_on, _fwd_bwd, liger=_liger, liger_leaves=True)]
 
 
 # ---- PyTorch bindings -------------------------------------------------------------------------
