@@ -331,6 +331,26 @@ def is_channels_last(arr: DeviceArray) -> bool:
     return True
 
 
+def rows_view(a: DeviceArray) -> tuple[bool, int]:
+    """(copy needed, row stride) of ``a`` read as (rows, shape[-1]): the last axis must be
+    unit-stride and the leading axes one uniformly strided axis; otherwise kernels read a
+    contiguous copy (whose row stride is shape[-1])."""
+    stride = a.row_stride()
+    return (True, a.shape[-1]) if stride is None else (False, stride)
+
+
+def vector_width(itemsize: int, cols: int, arrays) -> int:
+    """Elements of a 16-byte vector when every row of every (array, row stride) pair starts
+    16-byte aligned (None: a fresh copy, aligned) and ``cols`` is a multiple of it, else 1."""
+    vec = 16 // itemsize
+    if cols % vec:
+        return 1
+    for a, stride in arrays:
+        if a is not None and (a.ptr % 16 or stride % vec):
+            return 1
+    return vec
+
+
 def is_contiguous(arr: DeviceArray) -> bool:
     """Whether ``arr`` is C-contiguous (axes of size 1 may have any stride)."""
     expect = 1

@@ -156,24 +156,6 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
     return list(dict.fromkeys(out))   # (the residual table repeats most of fwd's)
 
 
-def _vector_width(itemsize: int, cols: int, arrays) -> int:
-    """16-byte vectors when every row of every array starts 16-byte aligned, else scalars."""
-    vec = 16 // itemsize
-    if cols % vec:
-        return 1
-    for a, stride in arrays:
-        if a is not None and (a.ptr % 16 or stride % vec):
-            return 1
-    return vec
-
-
-def _rows_view(a: DeviceArray) -> tuple[bool, int]:
-    """(copy needed, row stride): the last axis must be unit-stride and the leading axes one
-    uniformly strided axis; otherwise the kernels read a contiguous copy."""
-    stride = a.row_stride()
-    return (True, a.shape[-1]) if stride is None else (False, stride)
-
-
 # ---- argument checks (kernels and references alike) -----------------------------------------
 
 def _check_forward(xa: DeviceArray, wa, ba, ra, eps) -> float:
@@ -294,14 +276,14 @@ def _plan_forward(rms, arrays, eps, return_stats, configs, offset=0.0, cast=0, o
     mean = b.alloc(lead, "float32") if return_stats and not rms else None
     rstd = b.alloc(lead, "float32") if return_stats else None
     if rows and cols:
-        copy_x, xs = _rows_view(xa)
-        copy_r, rs = _rows_view(ra) if ra is not None else (False, 0)
+        copy_x, xs = _arrays.rows_view(xa)
+        copy_r, rs = _arrays.rows_view(ra) if ra is not None else (False, 0)
         for i, copy in ((0, copy_x), (3, copy_r), (1, wa is not None and wa.strides != (1,)),
                         (2, ba is not None and ba.strides != (1,))):
             if copy:
                 b.fix(i, DeviceArray.contiguous)
         # (a fresh copy is 256-byte aligned and contiguous)
-        vec = _vector_width(xa.itemsize, cols, [(None if copy_x else xa, xs), (None if copy_r else ra, rs),
+        vec = _arrays.vector_width(xa.itemsize, cols, [(None if copy_x else xa, xs), (None if copy_r else ra, rs),
                                                  (wa, 0), (ba, 0)])
         variant = bool(cast or out)
         cfg = configs.loop if variant and vec == 1 else configs.pick("fwd" if ra is None else "res", cols, vec)
@@ -438,11 +420,11 @@ def _plan_backward(rms, arrays, configs, offset=0.0, cast=0) -> Plan:
     strides, copies = {}, set()
     for i, a in ((0, da), (1, xa), (5, dra)):
         if a is not None:
-            copy, strides[i] = _rows_view(a)
+            copy, strides[i] = _arrays.rows_view(a)
             if copy:
                 copies.add(i)
                 b.fix(i, DeviceArray.contiguous)
-    vec = _vector_width(xa.itemsize, cols, [(None if i in copies else a, strides.get(i, 0))
+    vec = _arrays.vector_width(xa.itemsize, cols, [(None if i in copies else a, strides.get(i, 0))
                                             for i, a in ((0, da), (1, xa), (5, dra))] + [(wa, 0)])
     cfg = configs.loop if cast and vec == 1 else configs.pick("bwd", cols, vec)
     k = _kernels.kernel(cfg.instance("bwd", xa.dtype, rms, vec, offset != 0, cast), device)

@@ -65,21 +65,16 @@ def _check(ga: DeviceArray, ua: DeviceArray, da: DeviceArray | None = None) -> N
         raise ValueError(f"{da.name}: shape {da.shape} does not match {ga.name}'s {ga.shape}")
 
 
-def _rows_view(a: DeviceArray) -> tuple[bool, int]:
-    """(copy needed, row stride): rows of unit inner stride with one uniform row stride."""
-    stride = a.row_stride()
-    return (True, a.shape[-1]) if stride is None else (False, stride)
-
-
-def _vector_width(itemsize: int, cols: int, arrays) -> int:
-    """16-byte vectors when every row of every array starts 16-byte aligned, else scalars."""
-    vec = 16 // itemsize
-    if cols % vec:
-        return 1
-    for a, stride in arrays:
-        if a is not None and (a.ptr % 16 or stride % vec):
-            return 1
-    return vec
+def _rows_in_place(b: Builder, items) -> list:
+    """(the array, or None for a fresh copy; its row stride) for each (slot, array): rows read
+    in place where their layout allows, else a contiguous copy (a fix of the plan)."""
+    out = []
+    for i, a in items:
+        copy, stride = _arrays.rows_view(a)
+        if copy:
+            b.fix(i, DeviceArray.contiguous)
+        out.append((None if copy else a, stride))
+    return out
 
 
 def _layout(cols: int, vec: int) -> tuple[int, int]:
@@ -110,13 +105,8 @@ def _plan_forward(act: str, arrays) -> Plan:
     b = Builder(arrays)
     y = b.alloc(ga.shape, ga.dtype)
     if rows and cols:
-        strides = []
-        for i, a in enumerate(arrays):
-            copy, stride = _rows_view(a)
-            if copy:
-                b.fix(i, DeviceArray.contiguous)
-            strides.append((None if copy else a, stride))
-        vec = _vector_width(ga.itemsize, cols, strides)
+        strides = _rows_in_place(b, enumerate(arrays))
+        vec = _arrays.vector_width(ga.itemsize, cols, strides)
         tpr, log2 = _layout(cols, vec)
         k = _kernels.kernel(instance("fwd", ga.dtype, ACTS[act], vec), device)
         b.launch(k, -(-rows // (THREADS // tpr)), gate=b.slot(0), gate_stride=strides[0][1], up=b.slot(1),
@@ -145,13 +135,8 @@ def _plan_backward(act: str, arrays) -> Plan:
     if rows and cols:
         if not _arrays.is_contiguous(da):   # (the kernel reads dy as the outputs are laid out)
             b.fix(0, DeviceArray.contiguous)
-        strides = [(None if not _arrays.is_contiguous(da) else da, cols)]
-        for i, a in ((1, ga), (2, ua)):
-            copy, stride = _rows_view(a)
-            if copy:
-                b.fix(i, DeviceArray.contiguous)
-            strides.append((None if copy else a, stride))
-        vec = _vector_width(ga.itemsize, cols, strides)
+        strides = [(None if not _arrays.is_contiguous(da) else da, cols)] + _rows_in_place(b, ((1, ga), (2, ua)))
+        vec = _arrays.vector_width(ga.itemsize, cols, strides)
         tpr, log2 = _layout(cols, vec)
         k = _kernels.kernel(instance("bwd", ga.dtype, ACTS[act], vec), device)
         b.launch(k, -(-rows // (THREADS // tpr)), dy=b.slot(0), gate=b.slot(1), gate_stride=strides[1][1],
