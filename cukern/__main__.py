@@ -240,18 +240,21 @@ def cmd_train_demo(args) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     compiles = {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
     patches = {"both": [False, True], "on": [True], "off": [False]}[args.patch]
-    say(f"train-demo: GPT {cfg.layers} layers, dim {cfg.dim}, {cfg.heads} heads, vocab {cfg.vocab}, "
-        f"seq {cfg.seq}, {cfg.norm} norm; batch {args.batch} x accum {args.accum} x {world} rank(s), "
-        f"{args.steps} steps, bf16 autocast", flush=True)
+    what = (f"GPT {cfg.layers} layers, dim {cfg.dim}, {cfg.heads} heads, vocab {cfg.vocab}, seq {cfg.seq}, "
+            f"{cfg.norm} norm" if cfg.model == "gpt" else
+            f"Hugging Face {cfg.model} ({cfg.layers} layers, dim {cfg.dim}, {cfg.heads} heads, seq {cfg.seq})")
+    say(f"train-demo: {what}; batch {args.batch} x accum {args.accum} x {world} rank(s)"
+        f"{' (FSDP2)' if args.fsdp and world > 1 else ''}, {args.steps} steps, bf16 autocast, AdamW", flush=True)
     runs = {}
     for compiled in compiles:
         for patched in patches:
             name = f"{'cukern.patch()' if patched else 'PyTorch'}{' + compile' if compiled else ''}"
             say(f"{name}:", flush=True)
             r = train(cfg, steps=args.steps, batch_size=args.batch, patched=patched, compiled=compiled,
-                           accum=args.accum, seed=args.seed, log=say if args.verbose else None, ops=_ops(args))
+                      accum=args.accum, seed=args.seed, log=say if args.verbose else None, ops=_ops(args),
+                      fsdp=args.fsdp)
             say(f"  {r['params'] / 1e6:.0f}M parameters; loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}; "
-                f"{r['tokens_per_s']:,.0f} tokens/s", flush=True)
+                f"{r['tokens_per_s']:,.0f} tokens/s; peak memory {r['peak_gib']:.2f} GiB", flush=True)
             if patched and not compiled:
                 say(f"  calls: {r['counts']}")
             runs[name] = r
@@ -263,9 +266,13 @@ def cmd_train_demo(args) -> int:
             diff = max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
             tail = sum(abs(x - y) for x, y in zip(a["losses"][-20:], b["losses"][-20:])) / min(20, len(a["losses"]))
             lines.append(f"{'compiled' if compiled else 'eager'}: tokens/s {a['tokens_per_s']:,.0f} -> "
-                         f"{b['tokens_per_s']:,.0f} ({b['tokens_per_s'] / a['tokens_per_s']:.3f}x); "
+                         f"{b['tokens_per_s']:,.0f} ({b['tokens_per_s'] / a['tokens_per_s']:.3f}x); peak memory "
+                         f"{a['peak_gib']:.2f} -> {b['peak_gib']:.2f} GiB; "
                          f"loss difference max {diff:.4f}, mean of the last 20 steps {tail:.4f}; "
                          f"final loss {a['losses'][-1]:.4f} vs {b['losses'][-1]:.4f}")
+    a, b = runs.get("PyTorch + compile"), runs.get("cukern.patch()")
+    if a and b:
+        lines.append(f"cukern.patch() eager against PyTorch compiled: {b['tokens_per_s'] / a['tokens_per_s']:.3f}x")
     a, b = runs.get("PyTorch"), runs.get("PyTorch + compile")
     if a and b:   # the scale of bf16 noise: PyTorch against itself, eager vs compiled
         diff = [abs(x - y) for x, y in zip(a["losses"], b["losses"])]
@@ -289,7 +296,8 @@ def cmd_profile(args) -> int:
     from cukern import demo
 
     cfg = demo.config(args)
-    print(f"profile: {args.steps} training steps of the demo GPT ({cfg.layers} layers, dim {cfg.dim}, "
+    name = "the demo GPT" if cfg.model == "gpt" else f"Hugging Face {cfg.model}"
+    print(f"profile: {args.steps} training steps of {name} ({cfg.layers} layers, dim {cfg.dim}, "
           f"seq {cfg.seq}, batch {args.batch}, bf16 autocast), GPU time by kernel category", flush=True)
     before, kernels_before = demo.profile_steps(cfg, steps=args.steps, batch_size=args.batch, patched=False)
     after, kernels_after = demo.profile_steps(cfg, steps=args.steps, batch_size=args.batch, patched=True,
@@ -376,7 +384,10 @@ def parser() -> argparse.ArgumentParser:
                    help="runs with cukern.torch.patch() (on), without (off), or both")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
     p.add_argument("--verbose", action="store_true", help="print the loss every 20 steps")
-    p.add_argument("--ops", metavar="A,B", help="the functions patch() routes (default: all of cukern.torch.OPS)")
+    p.add_argument("--ops", metavar="A,B", help="the functions patch() routes (default: all of cukern.torch.OPS; "
+                                                "the demo GPT only: a --model is patched with patch(model))")
+    p.add_argument("--fsdp", action="store_true", help="under torchrun, FSDP2 (fully_shard a block and the root) "
+                                                       "instead of DistributedDataParallel")
     p.add_argument("--json", metavar="PATH", help="also write losses and figures to PATH (default: no file)")
     p.set_defaults(func=cmd_train_demo)
     p = sub.add_parser(

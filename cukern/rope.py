@@ -377,6 +377,23 @@ TORCH_OPS = (
 )
 
 
+def _why_not(T, q, k, cos, sin):
+    """Why the kernels do not take Hugging Face's call on (B, H, S, D) q and k, or None."""
+    if not (q.is_cuda and q.dim() == 4 and k.dim() == 4 and cos.dim() == 3 and cos.shape == sin.shape):
+        return "not CUDA (B, H, S, D) q and k with (B, S, D) cos and sin"
+    if q.is_floating_point() and cos.dtype != q.dtype:
+        # (Hugging Face's models under autocast: float32 cos and sin, which promote the product)
+        return "cos and sin of another dtype than q and k"
+    reason = T.float_params(q, k, cos, sin)
+    if reason is not None:
+        return reason
+    if q.shape[-1] % 2 or cos.shape[0] not in (1, q.shape[0]) or tuple(cos.shape[1:]) != (q.shape[2], q.shape[3]):
+        return "shapes of q, cos and sin"
+    if (k.shape[0], k.shape[2], k.shape[3]) != (q.shape[0], q.shape[2], q.shape[3]):
+        return "k's batch, length or head_dim differs from q's"
+    return None
+
+
 def _torch_api(T, ops) -> dict:
     """``cukern.torch.apply_rotary_pos_emb``: Hugging Face's function, on the kernels."""
 
@@ -384,16 +401,20 @@ def _torch_api(T, ops) -> dict:
         """Hugging Face's ``apply_rotary_pos_emb`` (LLaMA, Mistral: half-split) with its
         signature: q (B, Hq, S, D) and k (B, Hk, S, D) with ``unsqueeze_dim=1``, or (B, S, H, D)
         with ``unsqueeze_dim=2``; cos, sin (B, S, D). Autograd gives q's and k's gradients;
-        inside torch.compile and for tensors the kernels do not take, Hugging Face's code."""
+        for tensors the kernels do not take, Hugging Face's code (``cukern.torch.counts()``)."""
         if unsqueeze_dim not in (1, 2):
             raise ValueError(f"unsqueeze_dim: expected 1 (B, H, S, D) or 2 (B, S, H, D), got {unsqueeze_dim!r}")
         if unsqueeze_dim == 2:
             q, k = q.transpose(1, 2), k.transpose(1, 2)
-        ok = (not T.compiling() and q.is_cuda and q.dim() == 4 and k.dim() == 4 and cos.dim() == 3
-              and cos.shape == sin.shape and T.float_params(q, k, cos, sin) is None and q.shape[-1] % 2 == 0
-              and cos.shape[0] in (1, q.shape[0]) and tuple(cos.shape[1:]) == (q.shape[2], q.shape[3])
-              and (k.shape[0], k.shape[2], k.shape[3]) == (q.shape[0], q.shape[2], q.shape[3]))
-        oq, okk = ops["rope"](q, k, cos, sin, False) if ok else _hf(q, k, cos, sin)
+        reason = _why_not(T, q, k, cos, sin)
+        compiling = T.compiling()
+        if not compiling:
+            T.count("rope", reason)
+        if reason is not None:
+            oq, okk = _hf(q, k, cos, sin)
+        else:   # (inside torch.compile too: the op measured faster than what Inductor makes of HF's code)
+            op = ops["rope"]
+            oq, okk = op.compiled(q, k, cos, sin, False) if compiling else op(q, k, cos, sin, False)
         if unsqueeze_dim == 2:
             oq, okk = oq.transpose(1, 2), okk.transpose(1, 2)
         return oq, okk

@@ -359,10 +359,17 @@ def _torch_glu(gate, up, act: str):
 def _call(T, ops, gate, up, act: str):
     """The kernels for CUDA tensors of one float dtype, shape and device; PyTorch's ops otherwise
     and inside torch.compile (Inductor fuses the two pointwise ops with what is around)."""
-    if (T.compiling() or not (gate.is_cuda and up.is_cuda) or gate.shape != up.shape or gate.dtype != up.dtype
-            or gate.device != up.device or T.float_params(gate) is not None or gate.dim() == 0):
+    if T.compiling():
         return _torch_glu(gate, up, act)
-    return ops["glu"](gate, up, ACTS[act])
+    reason = None
+    if not (gate.is_cuda and up.is_cuda) or gate.dim() == 0:
+        reason = "not CUDA tensors"
+    elif gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
+        reason = "gate and up differ in shape, dtype or device"
+    else:
+        reason = T.float_params(gate)
+    T.count("swiglu" if act == "silu" else "geglu", reason)
+    return _torch_glu(gate, up, act) if reason is not None else ops["glu"](gate, up, ACTS[act])
 
 
 def _torch_api(T, ops) -> dict:

@@ -15,6 +15,7 @@ class Config:
     vocab: int = 50304
     seq: int = 2048
     norm: str = "layer"   # "layer" or "rms"
+    model: str = "gpt"    # "gpt" (this demo's own) or a Hugging Face model: "gpt2", "llama", "mistral"
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -23,11 +24,21 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--layers", type=int, default=d.layers, help="transformer blocks")
     g.add_argument("--dim", type=int, default=d.dim, help="model width")
     g.add_argument("--heads", type=int, default=d.heads, help="attention heads (head_dim = dim / heads)")
-    g.add_argument("--vocab", type=int, default=d.vocab, help="vocabulary size (the embedding and the tied head)")
+    g.add_argument("--model", choices=MODELS, default=d.model,
+                   help="the demo's own GPT, or a Hugging Face transformers model built from a config "
+                        "(needs transformers; patch(model) routes it)")
+    g.add_argument("--vocab", type=int, default=None,
+                   help="vocabulary size (default: 50304 for the demo GPT, the released model's for the others: "
+                        "GPT-2 50257, LLaMA 3 128256, Mistral 32768)")
     g.add_argument("--seq", type=int, default=d.seq, help="sequence length")
     g.add_argument("--norm", choices=("layer", "rms"), default=d.norm, help="LayerNorm or RMSNorm")
     g.add_argument("--batch", type=int, default=8, help="sequences a micro-batch (a rank)")
 
 
+MODELS = ("gpt", "gpt2", "llama", "mistral")
+
+
 def config(a) -> Config:
-    return Config(layers=a.layers, dim=a.dim, heads=a.heads, vocab=a.vocab, seq=a.seq, norm=a.norm)
+    model = getattr(a, "model", "gpt")
+    vocab = a.vocab if a.vocab is not None else (Config.vocab if model == "gpt" else 0)
+    return Config(layers=a.layers, dim=a.dim, heads=a.heads, vocab=vocab, seq=a.seq, norm=a.norm, model=model)

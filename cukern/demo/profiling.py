@@ -8,8 +8,8 @@ import re
 import torch
 
 from .options import Config
-from .model import GPT, batch
-from .training import _dist
+from .model import batch
+from .training import _dist, build, patch_context
 
 
 
@@ -25,7 +25,8 @@ CATEGORIES = [
     ("communication", r"nccl"),
     # (PyTorch's loss: log_softmax forward and backward, then nll_loss)
     ("loss", r"cross_entropy|nll_loss|SoftMax|softmax|log_softmax"),
-    ("elementwise", r"elementwise|vectorized|unrolled|reduce|fill|copy|Copy|cat|gelu|"
+    # (cukern's rotary embedding and gated MLP product: PyTorch's run as elementwise kernels)
+    ("elementwise", r"elementwise|vectorized|unrolled|reduce|fill|copy|Copy|cat|gelu|rope_apply|glu_fwd|glu_bwd|"
                     r"adam|Adam|foreach|multi_tensor|add|mul|where|arange|rand|Random|distribution"),
 ]
 
@@ -41,19 +42,18 @@ def profile_steps(cfg: Config, *, steps: int, batch_size: int, patched: bool, wa
                   ) -> tuple[dict, dict]:
     """GPU time a step over ``steps`` training steps (after ``warmup``): ({category: ms},
     {kernel name: ms})."""
-    import cukern.torch as ct
 
     _, _, device = _dist()
     torch.manual_seed(0)
-    model = GPT(cfg).to(device)
+    model, loss_of, vocab = build(cfg, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     gen = torch.Generator(device=device).manual_seed(0)
-    ctx = ct.patch(ops) if patched else contextlib.nullcontext()
+    ctx = patch_context(model, cfg, ops) if patched else contextlib.nullcontext()
 
     def step():
-        tokens, targets = batch(gen, batch_size, cfg.seq, cfg.vocab, device)
+        tokens, targets = batch(gen, batch_size, cfg.seq, vocab, device)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(tokens, targets)
+            loss = loss_of(model, tokens, targets)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -28,17 +28,54 @@ def _dist():
     return 0, 1, torch.device("cuda", torch.cuda.current_device())
 
 
+def build(cfg: Config, device):
+    """(model, loss(fn, tokens, targets), vocabulary): the demo GPT, or the Hugging Face model
+    ``cfg.model`` names (its own forward with ``labels``, which it shifts itself)."""
+    if cfg.model == "gpt":
+        return GPT(cfg).to(device), (lambda fn, tokens, targets: fn(tokens, targets)), cfg.vocab
+    from .hf import build as hf_build
+
+    model = hf_build(cfg).to(device)
+    return model, (lambda fn, tokens, targets: fn(input_ids=tokens, labels=tokens).loss), model.config.vocab_size
+
+
+def _layers(model):
+    """The repeated blocks (FSDP shards each on its own)."""
+    for path in ("blocks", "model.layers", "transformer.h"):
+        obj = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if obj is not None:
+            return list(obj)
+    return []
+
+
+def patch_context(model, cfg: Config, ops):
+    import cukern.torch as ct
+
+    return ct.patch(ops) if cfg.model == "gpt" else ct.patch(model)
+
+
 def train(cfg: Config, *, steps: int, batch_size: int, patched: bool, compiled: bool = False, accum: int = 1,
-          seed: int = 0, lr: float = 6e-4, timed_from: int = 5, log=None, ops=None) -> dict:
+          seed: int = 0, lr: float = 6e-4, timed_from: int = 5, log=None, ops=None, fsdp: bool = False) -> dict:
     """Train ``steps`` optimizer steps (each ``accum`` micro-batches) in bf16 autocast.
-    Returns {"losses": [...], "tokens_per_s": ..., "counts": ...} (rank 0's losses, averaged
-    over ranks under DDP; tokens/s summed over ranks, from step ``timed_from`` on)."""
+    Returns {"losses": [...], "tokens_per_s": ..., "peak_gib": ..., "counts": ...} (rank 0's
+    losses, averaged over ranks under DDP or FSDP; tokens/s summed over ranks, from step
+    ``timed_from`` on; the peak of allocated GPU memory on rank 0)."""
     import cukern.torch as ct
 
     rank, world, device = _dist()
     torch.manual_seed(seed)
-    model = GPT(cfg).to(device)
-    if world > 1:
+    model, loss_of, vocab = build(cfg, device)
+    inner = model
+    # (patched before wrapping: FSDP2 changes the classes patch(model) recognises)
+    ctx = patch_context(inner, cfg, ops) if patched else contextlib.nullcontext()
+    if world > 1 and fsdp:
+        from torch.distributed.fsdp import fully_shard
+        for layer in _layers(model):
+            fully_shard(layer)
+        fully_shard(model)
+    elif world > 1:
         from torch.nn.parallel import DistributedDataParallel
         model = DistributedDataParallel(model, device_ids=[device.index])
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
@@ -46,8 +83,8 @@ def train(cfg: Config, *, steps: int, batch_size: int, patched: bool, compiled: 
     step_fn = torch.compile(model) if compiled else model
     gen = torch.Generator(device=device).manual_seed(seed * 1000 + rank)
     ct.reset_counts()
+    torch.cuda.reset_peak_memory_stats(device)
     losses, t0 = [], None
-    ctx = ct.patch(ops) if patched else contextlib.nullcontext()
     with ctx:
         for step in range(steps):
             if step == timed_from:
@@ -57,9 +94,9 @@ def train(cfg: Config, *, steps: int, batch_size: int, patched: bool, compiled: 
                 g["lr"] = lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
             total = torch.zeros((), device=device)
             for _ in range(accum):
-                tokens, targets = batch(gen, batch_size, cfg.seq, cfg.vocab, device)
+                tokens, targets = batch(gen, batch_size, cfg.seq, vocab, device)
                 with torch.autocast("cuda", dtype=torch.bfloat16):
-                    loss = step_fn(tokens, targets) / accum
+                    loss = loss_of(step_fn, tokens, targets) / accum
                 loss.backward()
                 total += loss.detach()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -84,5 +121,6 @@ def train(cfg: Config, *, steps: int, batch_size: int, patched: bool, compiled: 
     elapsed = time.perf_counter() - t0 if t0 is not None else float("nan")
     timed = max(0, steps - timed_from)
     tps = timed * accum * batch_size * cfg.seq * world / elapsed if timed else float("nan")
-    return {"losses": [float(x) for x in torch.stack(losses).tolist()], "tokens_per_s": tps,
-            "counts": ct.counts(), "params": params(model), "rank": rank, "kernel_devices": devices}
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    return {"losses": [float(x) for x in torch.stack(losses).tolist()], "tokens_per_s": tps, "peak_gib": peak,
+            "counts": ct.counts(reasons=True), "params": params(inner), "rank": rank, "kernel_devices": devices}

@@ -2,6 +2,9 @@
 drop-in functions and modules, and ``patch()`` to route an unchanged model's calls.
 
     import cukern.torch
+    model = transformers.LlamaForCausalLM(config)     # or GPT-2, Mistral: their code unchanged
+    cukern.torch.patch(model)           # its norms, RoPE, MLP, attention, embedding and loss
+
     with cukern.torch.patch():          # or cukern.torch.patch() ... cukern.torch.unpatch()
         loss = model(tokens).loss       # F.layer_norm, F.rms_norm, F.group_norm, F.embedding,
         loss.backward()                 # F.scaled_dot_product_attention, F.cross_entropy -> cukern
@@ -16,6 +19,7 @@ from .._registry import families as _families
 from . import _tools
 from ._functional import DROPINS as _DROPINS, counts, reset_counts
 from ._ops import OPS as _BUILT
+from ._models import PARTS
 from ._patch import OPS, is_patched, patch, unpatch
 from .modules import MODULES as _MODULES
 
@@ -26,4 +30,4 @@ globals().update(_DROPINS)
 globals().update(_MODULES)
 globals().update(_API)
 
-__all__ = ["OPS", "patch", "unpatch", "is_patched", "counts", "reset_counts", *_DROPINS, *_MODULES, *_API]
+__all__ = ["OPS", "PARTS", "patch", "unpatch", "is_patched", "counts", "reset_counts", *_DROPINS, *_MODULES, *_API]

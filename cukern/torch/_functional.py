@@ -10,10 +10,8 @@ what Inductor makes of PyTorch's code, and PyTorch's function otherwise (``DropI
 from __future__ import annotations
 
 import inspect
-import threading
 import types
-from collections import defaultdict
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +19,7 @@ import torch.nn.functional as F
 from .._registry import families
 from . import _tools
 from ._ops import OPS
+from ._tools import count as _count, counts, reset_counts  # noqa: F401 (re-exported)
 
 DROPIN_SPECS = {d.replaces: d for f in families() for d in f.dropins}
 # PyTorch's own functions, saved before any patching (the fallbacks).
@@ -30,39 +29,6 @@ _tools.ORIGINAL.update(ORIGINAL)
 _tools.PROBES.update({name: d.probe for name, d in DROPIN_SPECS.items() if d.probe is not None})
 DEFAULT_MIN_SIZE = {name: d.min_size for name, d in DROPIN_SPECS.items()}
 _tools.MIN_SIZE.update(DEFAULT_MIN_SIZE)
-
-
-# ---- counts ----------------------------------------------------------------------------------
-
-_counts: dict[str, dict[str, int]] = defaultdict(lambda: {"cukern": 0, "torch": 0})
-_reasons: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-_lock = threading.Lock()
-
-
-def _count(op: str, reason: Optional[str]) -> None:
-    """Eager calls only: inside a torch.compile trace the routing is fixed in the graph
-    (visible there as torch.ops.cukern.*), and a trace-time count would mislead."""
-    with _lock:
-        _counts[op]["cukern" if reason is None else "torch"] += 1
-        if reason is not None:
-            _reasons[op][reason] += 1
-
-
-def counts(reasons: bool = False) -> dict:
-    """{op: {"cukern": n, "torch": m}} of the eager calls since the last ``reset_counts()``;
-    with ``reasons=True`` also {op: {"torch_reasons": {reason: n}}} for the fallbacks."""
-    with _lock:
-        out = {op: dict(c) for op, c in _counts.items()}
-        if reasons:
-            for op, r in _reasons.items():
-                out.setdefault(op, {"cukern": 0, "torch": 0})["torch_reasons"] = dict(r)
-        return out
-
-
-def reset_counts() -> None:
-    with _lock:
-        _counts.clear()
-        _reasons.clear()
 
 
 # ---- the drop-ins ------------------------------------------------------------------------------

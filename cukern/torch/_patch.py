@@ -1,4 +1,5 @@
-"""``patch()`` / ``unpatch()``: route the ``torch.nn.functional`` functions that the families
+"""``patch()`` / ``unpatch()``: with a model, route that model's own modules (``_models``:
+Hugging Face GPT-2, LLaMA and Mistral included); without, route the ``torch.nn.functional`` functions that the families
 declare drop-ins for (layer_norm, rms_norm, group_norm, embedding, scaled_dot_product_attention)
 — and so the nn modules that call them (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.Embedding,
 nn.MultiheadAttention's attention) — to cukern for the calls it supports, to PyTorch for the
@@ -13,7 +14,7 @@ import threading
 
 import torch.nn.functional as F
 
-from . import _tools
+from . import _models, _tools
 from ._functional import DEFAULT_MIN_SIZE, DROPINS, ORIGINAL
 
 OPS = tuple(DROPINS)
@@ -25,50 +26,82 @@ _routed: tuple[str, ...] = ()
 class _Patched:
     """What ``patch()`` returns: already in effect; as a context manager, undone on exit."""
 
+    def __init__(self, model=None):
+        self.model = model
+
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        unpatch()
+        unpatch(self.model)
         return False
 
 
-def patch(ops=None, *, min_size=None) -> _Patched:
-    """Route the functions above to cukern (nested calls count: each ``patch()`` wants one
-    ``unpatch()``). Usable as ``cukern.torch.patch()`` or ``with cukern.torch.patch(): ...``.
+def patch(model=None, *, ops=None, parts=None, min_size=None) -> _Patched:
+    """Route calls to cukern: a model's modules with ``patch(model)``, the functions of
+    ``torch.nn.functional`` with ``patch()``. Nested calls count (each ``patch`` wants one
+    ``unpatch``). Usable as a call or as ``with cukern.torch.patch(...): ...``.
 
     Args:
-        ops: names of the functions to route (default: all, ``cukern.torch.OPS``), e.g.
-            ``ops=("layer_norm", "embedding")`` to leave attention to PyTorch. The outermost
-            ``patch()`` decides.
+        model: an ``nn.Module`` (a Hugging Face GPT-2, LLaMA or Mistral model, or any model
+            with nn.LayerNorm / nn.RMSNorm / nn.Embedding modules): its norms, embeddings,
+            gated MLP, rotary embedding, attention and masks, and LM-head loss go to cukern
+            (docs/torch.md), its code and state_dict unchanged, nothing global touched but
+            the rotary function of its modeling module. None: the functions below.
+        ops: without a model, the names of the functions to route (default: all,
+            ``cukern.torch.OPS``), e.g. ``ops=("layer_norm", "embedding")`` to leave attention
+            to PyTorch. The outermost ``patch()`` decides. (Also accepted in ``model``'s place.)
+        parts: with a model, which of ``cukern.torch.PARTS`` to route (default: all), e.g.
+            ``parts=("norm", "loss")``.
         min_size: calls smaller than this stay with PyTorch: an int for every function, or
             {name: int}. Default: each function's measured threshold (docs/torch.md), below
             which PyTorch's C++ dispatch costs less host time than the kernels save; 0 routes
-            every call. The outermost ``patch()`` decides; the last ``unpatch()`` restores them.
+            every call. The outermost ``patch`` decides; the last ``unpatch`` restores them.
     """
     global _depth, _routed
+    if isinstance(model, (str, tuple, list)):
+        model, ops = None, model
+    if min_size is not None and not isinstance(min_size, (int, dict)):
+        raise TypeError(f"min_size: expected an int or a dict of ints, got {type(min_size).__name__}")
+    if model is not None:
+        if ops is not None:
+            raise ValueError("ops: choose the parts of a model with parts=, not ops=")
+        _tools.prepare()
+        _models.patch_model(model, parts)
+        with _lock:
+            if _depth == 0 and not _models.any_patched_but(model) and min_size is not None:
+                _tools.MIN_SIZE.update(min_size if isinstance(min_size, dict)
+                                       else dict.fromkeys(_tools.MIN_SIZE, int(min_size)))
+        return _Patched(model)
+    if parts is not None:
+        raise ValueError("parts: only with a model (patch(model, parts=...))")
     names = OPS if ops is None else tuple(ops)
     unknown = sorted(set(names) - set(OPS))
     if unknown:
         raise ValueError(f"ops: unknown {unknown}; choose from {list(OPS)}")
-    if min_size is not None and not isinstance(min_size, (int, dict)):
-        raise TypeError(f"min_size: expected an int or a dict of ints, got {type(min_size).__name__}")
     _tools.prepare()
     with _lock:
         if _depth == 0:
             _routed = names
             for name in names:
                 setattr(F, name, DROPINS[name])
-            if min_size is not None:
+            if min_size is not None and not _models.any_patched_but(None):
                 _tools.MIN_SIZE.update(min_size if isinstance(min_size, dict)
-                                       else dict.fromkeys(OPS, int(min_size)))
+                                       else dict.fromkeys(_tools.MIN_SIZE, int(min_size)))
         _depth += 1
     return _Patched()
 
 
-def unpatch() -> None:
-    """Undo one ``patch()``; the last one restores PyTorch's functions."""
+def unpatch(model=None) -> None:
+    """Undo one ``patch(model)`` (with a model) or one ``patch()``; the last restores
+    PyTorch's functions, or the model's own code."""
     global _depth, _routed
+    if model is not None:
+        _models.unpatch_model(model)
+        with _lock:
+            if _depth == 0 and not _models.any_patched_but(None):
+                _tools.MIN_SIZE.update(DEFAULT_MIN_SIZE)
+        return
     with _lock:
         if _depth == 0:
             return
@@ -77,8 +110,10 @@ def unpatch() -> None:
             for name in _routed:
                 setattr(F, name, ORIGINAL[name])
             _routed = ()
-            _tools.MIN_SIZE.update(DEFAULT_MIN_SIZE)
+            if not _models.any_patched_but(None):
+                _tools.MIN_SIZE.update(DEFAULT_MIN_SIZE)
 
 
-def is_patched() -> bool:
-    return _depth > 0
+def is_patched(model=None) -> bool:
+    """Whether ``patch()`` is in effect, or with a model, ``patch(model)``."""
+    return _models.is_model_patched(model) if model is not None else _depth > 0

@@ -3,6 +3,8 @@
 checks every route shares, and the dtype sets."""
 from __future__ import annotations
 
+import threading
+from collections import defaultdict
 from typing import Optional
 
 import torch
@@ -99,3 +101,37 @@ def float_params(x: Tensor, *params: Optional[Tensor]) -> Optional[str]:
         if p is not None and (p.device != x.device or p.dtype != x.dtype):
             return "parameter dtype or device differs from the input's"
     return None
+
+
+# ---- counts: which calls went where -----------------------------------------------------------
+
+_counts: dict[str, dict[str, int]] = defaultdict(lambda: {"cukern": 0, "torch": 0})
+_reasons: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+_count_lock = threading.Lock()
+
+
+def count(op: str, reason: Optional[str]) -> None:
+    """One eager call of ``op``: on cukern's kernels (reason None) or PyTorch's (why). Not
+    called inside a torch.compile trace: there the routing is fixed in the graph (visible as
+    torch.ops.cukern.*), and a trace-time count would mislead."""
+    with _count_lock:
+        _counts[op]["cukern" if reason is None else "torch"] += 1
+        if reason is not None:
+            _reasons[op][reason] += 1
+
+
+def counts(reasons: bool = False) -> dict:
+    """{op: {"cukern": n, "torch": m}} of the eager calls since the last ``reset_counts()``;
+    with ``reasons=True`` also {op: {"torch_reasons": {reason: n}}} for the fallbacks."""
+    with _count_lock:
+        out = {op: dict(c) for op, c in _counts.items()}
+        if reasons:
+            for op, r in _reasons.items():
+                out.setdefault(op, {"cukern": 0, "torch": 0})["torch_reasons"] = dict(r)
+        return out
+
+
+def reset_counts() -> None:
+    with _count_lock:
+        _counts.clear()
+        _reasons.clear()

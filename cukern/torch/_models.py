@@ -1,0 +1,380 @@
+"""``patch(model)``: route a model's own code to cukern, with no change to the model's code and
+its state_dict unchanged.
+
+Hugging Face ``transformers`` models write their norms, rotary embedding and gated MLP by hand
+(``LlamaRMSNorm.forward`` is a handful of tensor ops), so patching ``torch.nn.functional`` does
+not reach them. ``patch(model)`` routes, module by module:
+
+* ``norm``: ``nn.LayerNorm`` and ``nn.RMSNorm`` modules, and LLaMA's and Mistral's RMSNorm
+  classes with their roundings (``casting_mode="llama"``: x̂ rounded to the input's dtype before
+  the weight);
+* ``embedding``: ``nn.Embedding`` modules;
+* ``mlp``: LLaMA's and Mistral's gated MLP (``act(gate_proj(x)) * up_proj(x)``) in one kernel;
+  GPT-2's ``gelu_new`` (a chain of eight elementwise ops in eager) as PyTorch's one tanh-GELU
+  kernel, the same function computed in float32 (as torch.compile computes it);
+* ``rope``: ``apply_rotary_pos_emb`` of the model's modeling module (LLaMA, Mistral);
+* ``attention``: the model's attention implementation ("cukern", registered with transformers'
+  AttentionInterface, with its mask function): causal masks run causal, padding masks as
+  packed sequences (varlen), Mistral's sliding window as a window; other masks, dropout and
+  cached decoding go to PyTorch's SDPA, counted;
+* ``loss``: the LM head and the loss of ``*ForCausalLM`` / GPT-2's LM head in training with
+  labels: ``linear_cross_entropy`` on the last hidden state, without the (tokens, vocabulary)
+  logits (``outputs.logits`` is None then, as with Liger-Kernel).
+
+Each routed call counts in ``cukern.torch.counts()``; calls the kernels do not take run the
+model's own code. ``unpatch(model)`` (or leaving the ``with`` block) restores the model.
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+import threading
+import types
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import _tools
+from ._functional import DROPINS
+from ._ops import OPS
+
+PARTS = ("norm", "embedding", "mlp", "rope", "attention", "loss")
+
+# Hugging Face classes by name: recognising them needs no transformers import.
+HF_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm")
+HF_GATED_MLPS = ("LlamaMLP", "MistralMLP")
+HF_ROPE_ATTENTIONS = ("LlamaAttention", "MistralAttention")
+HF_CAUSAL_LMS = ("LlamaForCausalLM", "MistralForCausalLM", "GPT2LMHeadModel")
+HF_TANH_GELUS = ("NewGELUActivation",)
+# the models whose attention passes ``sliding_window`` with the mask it makes for it
+HF_WINDOWED = ("mistral",)
+# hidden_act -> cukern.torch's gated function and its arguments
+GLU_ACTS = {"silu": ("swiglu", {}), "swish": ("swiglu", {}), "gelu": ("geglu", {}),
+            "gelu_pytorch_tanh": ("geglu", {"approximate": "tanh"})}
+
+_lock = threading.Lock()
+_patched: "weakref.WeakKeyDictionary[nn.Module, _Record]" = weakref.WeakKeyDictionary()
+_rope_swaps: dict[str, list] = {}    # modeling module -> [its own function, models using ours]
+
+
+class _Record:
+    """What ``patch(model)`` changed on one model, to undo it."""
+
+    def __init__(self):
+        self.depth = 1
+        self.modules: list[nn.Module] = []      # modules given an instance forward
+        self.rope_modules: list[str] = []
+        self.attn_previous = None               # the attention implementation before
+
+
+def _api(name: str):
+    import cukern.torch as ct   # (at call time: cukern.torch imports this module)
+
+    return getattr(ct, name)
+
+
+# ---- the module forwards ------------------------------------------------------------------------
+
+def _layer_norm(self, input):
+    return DROPINS["layer_norm"](input, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+def _rms_norm(self, input):
+    return DROPINS["rms_norm"](input, self.normalized_shape, self.weight, self.eps)
+
+
+def _embedding(self, input):
+    return DROPINS["embedding"](input, self.weight, self.padding_idx, self.max_norm, self.norm_type,
+                                self.scale_grad_by_freq, self.sparse)
+
+
+def _hf_rms_norm(self, hidden_states):
+    """LlamaRMSNorm's arithmetic (float32 statistics, x̂ rounded to the input dtype, times the
+    weight) in one kernel where the weight has the input's dtype (the result's dtype is then
+    the same); the model's own code otherwise and inside torch.compile (Inductor fuses it with
+    the residual adds)."""
+    own = type(self).forward
+    if _tools.compiling():
+        return own(self, hidden_states)
+    x, w = hidden_states, self.weight
+    reason = _tools.float_params(x, w)
+    if reason is None and _tools.small("rms_norm", x.numel()):
+        reason = _tools.SMALL
+    _tools.count("rms_norm", reason)
+    if reason is not None:
+        return own(self, x)
+    return OPS["rms_norm"](x, w, float(self.variance_epsilon), 0.0, 1)
+
+
+def _tanh_gelu(self, input):
+    if not _tools.compiling():
+        _tools.count("gelu", None if input.is_cuda else "not a CUDA tensor")
+    return F.gelu(input, approximate="tanh")
+
+
+def _hf_gated_mlp(self, x):
+    """``down_proj(act(gate_proj(x)) * up_proj(x))`` with the product in one kernel."""
+    name, kw = GLU_ACTS[self.config.hidden_act]
+    return self.down_proj(_api(name)(self.gate_proj(x), self.up_proj(x), **kw))
+
+
+# ---- attention: the implementation and its masks ---------------------------------------------
+
+def _hf_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
+             local_size=None, allow_is_causal_skip=True, config=None, **kwargs):
+    """transformers' mask function for "cukern": None for a causal mask, the (B, S) bool
+    padding mask for a causal mask with key padding, and SDPA's mask (4D) for anything else."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    window_known = local_size is None or kv_length < local_size or getattr(config, "model_type", None) in HF_WINDOWED
+    plain = (allow_is_causal_skip and isinstance(q_offset, int) and q_offset == 0 and kv_offset == 0
+             and q_length == kv_length and window_known
+             and (mask_function is causal_mask_function or local_size is not None))
+    if plain and attention_mask is None:
+        return None
+    if plain and attention_mask.dim() == 2 and attention_mask.shape[-1] == kv_length and not _tools.compiling():
+        pad = attention_mask.to(torch.bool)
+        return None if bool(pad.all()) else pad
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                     local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, config=config, **kwargs)
+
+
+def _dense_mask(pad, q_length, causal, window):
+    """The (B, 1, Sq, Sk) bool mask of a key-padding mask (for PyTorch's SDPA)."""
+    sk = pad.shape[-1]
+    i = torch.arange(q_length, device=pad.device)[:, None] + (sk - q_length)
+    j = torch.arange(sk, device=pad.device)[None, :]
+    keep = (j <= i) if causal else torch.ones((q_length, sk), dtype=torch.bool, device=pad.device)
+    if window is not None:
+        keep = keep & (j > i - window)
+    return keep[None, None] & pad[:, None, None, :]
+
+
+def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                  sliding_window=None, softcap=None, **kwargs):
+    """transformers' attention interface for "cukern": q (B, H, Sq, D), k and v (B, Hkv, Sk, D)
+    in, (B, Sq, H, D) out. Causal or not, key padding (as varlen), a sliding window and a
+    softcap on the kernels; dropout, other masks and decoding on PyTorch's SDPA."""
+    from cukern.attention import _route
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    sq, sk = query.shape[2], key.shape[2]
+    window = int(sliding_window) if sliding_window and causal and sk > sliding_window - 1 else None
+    pad = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+    reason = None
+    if _tools.compiling():
+        reason = "compiling"   # (PyTorch's SDPA in compiled graphs, as the drop-in's choice)
+    elif attention_mask is not None and pad is None:
+        reason = "a mask that is neither causal nor key padding"
+    elif dropout:
+        reason = "dropout"
+    elif kwargs.get("output_attentions") or kwargs.get("position_bias") is not None:
+        reason = "attention weights or a position bias"
+    elif sq != sk:
+        reason = "query and key lengths differ (decoding)"
+    elif pad is not None and window is not None:
+        reason = "key padding with a sliding window"
+    if reason is None:
+        r = _route(_tools, query, key, value, is_causal=causal, scale=scaling, enable_gqa=True)
+        if isinstance(r, str):
+            reason = r
+    if reason != "compiling":
+        _tools.count("attention", reason)
+    if reason is not None:
+        if pad is not None:
+            attention_mask = _dense_mask(pad, sq, causal, window)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, softcap=softcap, **kwargs)
+    _, (q, k, v, c, s, *_), _ = r   # (B, S, H, D) views, the mask flags and scale as the route read them
+    wl = window - 1 if window is not None else -1
+    cap = float(softcap or 0.0)
+    if pad is None:
+        return OPS["attention"](q, k, v, c, s, wl, -1, cap, -1), None
+    return _unpadded(q, k, v, pad, c, s, cap), None
+
+
+def _unpadded(q, k, v, pad, causal, scale, cap):
+    """Key padding as packed sequences: the kept tokens of each row are one sequence (a
+    padding token is dropped from keys and queries alike), attention runs varlen, and the
+    output is scattered back with zeros at the padding (as transformers' FlashAttention
+    path gives)."""
+    b, s, h, d = q.shape
+    lens = pad.sum(1, dtype=torch.int32)
+    idx = pad.reshape(-1).nonzero().squeeze(1)
+    cu = F.pad(lens.cumsum(0, dtype=torch.int32), (1, 0))
+    longest = int(lens.max())
+    hk = k.shape[2]
+    qu, ku, vu = q.reshape(b * s, h, d)[idx], k.reshape(b * s, hk, d)[idx], v.reshape(b * s, hk, d)[idx]
+    out, _ = OPS["attention_varlen"](qu, ku, vu, cu, cu, longest, longest, causal, scale, -1, -1, cap, -1)
+    return out.new_zeros((b * s, h, d)).index_copy(0, idx, out).view(b, s, h, d)
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register("cukern", _hf_attention)
+    AttentionMaskInterface.register("cukern", _hf_mask)
+
+
+# ---- the loss: the LM head and cross-entropy without logits ------------------------------------
+
+def _signature(cls):
+    return inspect.signature(cls.forward)
+
+
+def _hf_causal_lm(self, *args, **kwargs):
+    """The model's forward, except in training with labels: the base model's last hidden
+    state goes to ``linear_cross_entropy`` with the LM head's weight (labels shifted as
+    transformers' ForCausalLMLoss shifts them, ``num_items_in_batch``, ``ignore_index`` and
+    ``shift_labels`` honoured); ``logits`` is None."""
+    own = type(self).forward
+    if _tools.compiling():   # (measured slower there than Inductor's logits and loss: GPT-2 0.68x)
+        return own(self, *args, **kwargs)
+    bound = _signature(type(self)).bind(self, *args, **kwargs)
+    a = dict(bound.arguments)
+    labels = a.get("labels")
+    if labels is None:
+        return own(self, *args, **kwargs)
+    extra = dict(a.pop("kwargs", {}))
+    reason = None
+    if not self.training:
+        reason = "not training (logits wanted)"
+    elif a.get("logits_to_keep", 0) not in (0, None):
+        reason = "logits_to_keep"
+    elif a.get("cache") is not None or extra.get("past_key_values") is not None:
+        reason = "a cache"
+    if reason is not None:
+        _tools.count("linear_cross_entropy", reason)
+        return own(self, *args, **kwargs)
+    # (elsewhere than on a GPU, linear_cross_entropy runs PyTorch's ops)
+    _tools.count("linear_cross_entropy", None if self.lm_head.weight.is_cuda else "not a CUDA tensor")
+    for name in ("self", "labels", "logits_to_keep"):
+        a.pop(name, None)
+    num_items = extra.pop("num_items_in_batch", None)
+    ignore_index = extra.pop("ignore_index", -100)
+    shift_labels = extra.pop("shift_labels", None)
+    return_dict = extra.pop("return_dict", None)
+    base = getattr(self, self.base_model_prefix)
+    outputs = base(**a, **extra, return_dict=True)
+    hidden = outputs.last_hidden_state
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    head = self.lm_head
+    loss = _api("linear_cross_entropy")(hidden, head.weight, shift_labels.to(hidden.device), head.bias,
+                                        ignore_index=ignore_index,
+                                        reduction="mean" if num_items is None else "sum")
+    if num_items is not None:
+        loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+    out = _output_class(outputs)(loss=loss, logits=None,
+                                 **{k: v for k, v in outputs.items() if k != "last_hidden_state"})
+    return out.to_tuple() if return_dict is False else out
+
+
+def _output_class(outputs):
+    from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions, CausalLMOutputWithPast
+
+    return CausalLMOutputWithCrossAttentions if "cross_attentions" in type(outputs).__dataclass_fields__ \
+        else CausalLMOutputWithPast
+
+
+# ---- patching -------------------------------------------------------------------------------------
+
+def _set_forward(rec: _Record, m: nn.Module, fn) -> None:
+    m.forward = types.MethodType(fn, m)
+    rec.modules.append(m)
+
+
+def _swap_rope(rec: _Record, modname: str) -> None:
+    mod = sys.modules.get(modname)
+    if mod is None or not callable(getattr(mod, "apply_rotary_pos_emb", None)):
+        return
+    entry = _rope_swaps.get(modname)
+    if entry is None:
+        entry = _rope_swaps[modname] = [mod.apply_rotary_pos_emb, 0]
+        mod.apply_rotary_pos_emb = _api("apply_rotary_pos_emb")
+    entry[1] += 1
+    rec.rope_modules.append(modname)
+
+
+def parts_of(parts) -> tuple[str, ...]:
+    names = PARTS if parts is None else tuple(parts)
+    unknown = sorted(set(names) - set(PARTS))
+    if unknown:
+        raise ValueError(f"parts: unknown {unknown}; choose from {list(PARTS)}")
+    return names
+
+
+def patch_model(model: nn.Module, parts=None) -> None:
+    """Route ``model``'s modules (see the module's docstring); ``parts`` chooses which of
+    ``PARTS`` (default all). A model patched twice needs two ``unpatch_model``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    names = parts_of(parts)
+    with _lock:
+        rec = _patched.get(model)
+        if rec is not None:
+            rec.depth += 1
+            return
+        rec = _Record()
+        for m in model.modules():
+            if "forward" in m.__dict__ or m in rec.modules:
+                continue   # (a forward of its own: someone else's patch; leave it)
+            cls = type(m).__name__
+            if "norm" in names and isinstance(m, nn.LayerNorm):
+                _set_forward(rec, m, _layer_norm)
+            elif "norm" in names and isinstance(m, nn.RMSNorm):
+                _set_forward(rec, m, _rms_norm)
+            elif "norm" in names and cls in HF_RMS_NORMS:
+                _set_forward(rec, m, _hf_rms_norm)
+            elif "embedding" in names and isinstance(m, nn.Embedding):
+                _set_forward(rec, m, _embedding)
+            elif ("mlp" in names and cls in HF_GATED_MLPS
+                  and getattr(getattr(m, "config", None), "hidden_act", None) in GLU_ACTS):
+                _set_forward(rec, m, _hf_gated_mlp)
+            elif "mlp" in names and cls in HF_TANH_GELUS:
+                _set_forward(rec, m, _tanh_gelu)
+            elif "loss" in names and cls in HF_CAUSAL_LMS and isinstance(getattr(m, "lm_head", None), nn.Linear):
+                _set_forward(rec, m, _hf_causal_lm)
+            if "rope" in names and cls in HF_ROPE_ATTENTIONS and type(m).__module__ not in rec.rope_modules:
+                _swap_rope(rec, type(m).__module__)
+        if "attention" in names and callable(getattr(model, "set_attn_implementation", None)):
+            _register_attention()
+            rec.attn_previous = model.config._attn_implementation
+            model.set_attn_implementation("cukern")
+        _patched[model] = rec
+
+
+def unpatch_model(model: nn.Module) -> None:
+    """Undo one ``patch_model(model)``; the last restores the model's own code."""
+    with _lock:
+        rec = _patched.get(model)
+        if rec is None:
+            return
+        rec.depth -= 1
+        if rec.depth > 0:
+            return
+        for m in rec.modules:
+            m.__dict__.pop("forward", None)
+        for modname in rec.rope_modules:
+            entry = _rope_swaps[modname]
+            entry[1] -= 1
+            if entry[1] == 0:
+                sys.modules[modname].apply_rotary_pos_emb = entry[0]
+                del _rope_swaps[modname]
+        if rec.attn_previous is not None:
+            model.set_attn_implementation(rec.attn_previous)
+        del _patched[model]
+
+
+def is_model_patched(model: nn.Module) -> bool:
+    return model in _patched
+
+
+def any_patched_but(model) -> bool:
+    """Whether a model other than ``model`` is patched (min_size is shared by all)."""
+    return any(m is not model for m in list(_patched.keys()))

@@ -1,0 +1,385 @@
+"""``cukern.torch.patch(model)`` on Hugging Face GPT-2, LLaMA and Mistral models built from tiny
+configs: on the CPU (everything falls back but the loss path, whose structure runs), the
+routing, the restoring, the state_dict and the masks; on the GPU, patched against unpatched
+(outputs, losses, gradients) with every part counted on cukern's kernels."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import cukern.torch as ct  # noqa: E402
+from cukern.torch import _models  # noqa: E402
+
+VOCAB = 97
+
+
+def _config(kind: str, **over):
+    # Head dims of 64: the attention kernels' smallest (on the GPU every part is routed).
+    if kind == "gpt2":
+        c = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=2, n_positions=256, vocab_size=VOCAB,
+                                    attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    elif kind == "llama":
+        c = transformers.LlamaConfig(hidden_size=256, intermediate_size=384, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                     max_position_embeddings=256, rms_norm_eps=1e-5)
+    else:
+        c = transformers.MistralConfig(hidden_size=256, intermediate_size=384, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                       max_position_embeddings=256, sliding_window=4096)
+    for k, v in over.items():
+        setattr(c, k, v)
+    c._attn_implementation = "sdpa"
+    return c
+
+
+def _model(kind: str, device="cpu", seed=0, **over):
+    torch.manual_seed(seed)
+    cls = {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM,
+           "mistral": transformers.MistralForCausalLM}[kind]
+    m = cls(_config(kind, **over)).to(device)
+    with torch.no_grad():   # (random norms weights: a norm with unit weight hides a swapped operand)
+        for name, p in m.named_parameters():
+            if "norm" in name or "ln_" in name:
+                p.uniform_(0.5, 1.5)
+    return m.train()
+
+
+def _ids(b, s, device="cpu", seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (b, s), generator=g).to(device)
+
+
+KINDS = ("gpt2", "llama", "mistral")
+
+
+# ---- CPU: routing, restoring, the loss path ----------------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_patched_model_trains_like_the_original_on_the_cpu(kind):
+    a = _model(kind)
+    b = copy.deepcopy(a)
+    ids = _ids(2, 24)
+    la = a(input_ids=ids, labels=ids).loss
+    la.backward()
+    ct.reset_counts()
+    with ct.patch(b):
+        out = b(input_ids=ids, labels=ids)
+        out.loss.backward()
+        assert out.logits is None   # (training with labels: no logits, as Liger's)
+        counts = ct.counts(reasons=True)
+    assert counts["linear_cross_entropy"]["torch_reasons"] == {"not a CUDA tensor": 1}
+    if kind == "gpt2":   # (gelu_new as PyTorch's tanh GELU: counted on the CPU too)
+        assert counts["gelu"]["torch_reasons"] == {"not a CUDA tensor": 2}
+    for name in ("embedding", "attention") + (("layer_norm",) if kind == "gpt2" else ("rms_norm", "rope", "swiglu")):
+        assert counts[name]["torch"] > 0 and counts[name]["cukern"] == 0, (name, counts)
+    # (GPT-2's gelu_new becomes the tanh GELU: the same function, other roundings)
+    tol = 1e-5 if kind == "gpt2" else 1e-6
+    torch.testing.assert_close(out.loss, la, rtol=tol, atol=tol)
+    for (n, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-4, atol=1e-5, msg=n)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_patch_keeps_the_state_dict_and_unpatch_restores_the_model(kind):
+    m = _model(kind)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    mod = __import__(type(m).__module__, fromlist=["x"])
+    rope_before = getattr(mod, "apply_rotary_pos_emb", None)
+    p = ct.patch(m)
+    assert ct.is_patched(m) and m.config._attn_implementation == "cukern"
+    assert list(m.state_dict()) == list(before)
+    patched = [x for x in m.modules() if "forward" in x.__dict__]
+    assert patched, "no module routed"
+    if kind != "gpt2":
+        assert mod.apply_rotary_pos_emb is ct.apply_rotary_pos_emb
+    ct.patch(m)   # nested: one more unpatch needed
+    p.__exit__(None, None, None)
+    assert ct.is_patched(m)
+    ct.unpatch(m)
+    assert not ct.is_patched(m) and m.config._attn_implementation == "sdpa"
+    assert not [x for x in m.modules() if "forward" in x.__dict__]
+    assert getattr(mod, "apply_rotary_pos_emb", None) is rope_before
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_patch_routes_the_modules_each_model_has():
+    routed = {}
+    for kind in KINDS:
+        m = _model(kind)
+        with ct.patch(m):
+            routed[kind] = sorted({type(x).__name__ for x in m.modules() if "forward" in x.__dict__})
+    assert routed["gpt2"] == ["Embedding", "GPT2LMHeadModel", "LayerNorm", "NewGELUActivation"]
+    assert routed["llama"] == ["Embedding", "LlamaForCausalLM", "LlamaMLP", "LlamaRMSNorm"]
+    assert routed["mistral"] == ["Embedding", "MistralForCausalLM", "MistralMLP", "MistralRMSNorm"]
+
+
+def test_parts_choose_what_is_routed():
+    m = _model("llama")
+    with ct.patch(m, parts=("norm",)):
+        assert sorted({type(x).__name__ for x in m.modules() if "forward" in x.__dict__}) == ["LlamaRMSNorm"]
+        assert m.config._attn_implementation == "sdpa"
+
+
+def test_bad_arguments_are_named():
+    m = _model("llama")
+    with pytest.raises(ValueError, match="parts"):
+        ct.patch(m, parts=("norms",))
+    with pytest.raises(ValueError, match="ops"):
+        ct.patch(m, ops=("layer_norm",))
+    with pytest.raises(ValueError, match="parts"):
+        ct.patch(parts=("norm",))
+    with pytest.raises(TypeError, match="min_size"):
+        ct.patch(m, min_size="big")
+    assert not ct.is_patched(m)
+    with pytest.raises(TypeError, match="model"):
+        _models.patch_model(object())
+
+
+def test_the_loss_path_honours_num_items_shift_labels_and_ignore_index():
+    a = _model("llama")
+    b = copy.deepcopy(a)
+    ids = _ids(2, 20)
+    labels = ids.clone()
+    labels[0, :5] = -100
+    n = torch.tensor(17)
+    want = a(input_ids=ids, labels=labels, num_items_in_batch=n).loss
+    shift = torch.roll(ids, -1, 1)
+    want_shift = a(input_ids=ids, labels=labels, shift_labels=shift).loss
+    with ct.patch(b):
+        got = b(input_ids=ids, labels=labels, num_items_in_batch=n).loss
+        got_shift = b(input_ids=ids, labels=labels, shift_labels=shift).loss
+        tup = b(input_ids=ids, labels=labels, return_dict=False)
+        b.eval()
+        ev = b(input_ids=ids, labels=labels)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_shift, want_shift, rtol=1e-6, atol=1e-6)
+    assert isinstance(tup, tuple) and torch.is_tensor(tup[0])
+    assert ev.logits is not None and ev.logits.shape == (2, 20, VOCAB)   # (eval: logits kept)
+
+
+# ---- the masks ---------------------------------------------------------------------------------
+
+def _mask(config, attention_mask, s, position_ids=None):
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    emb = torch.zeros((attention_mask.shape[0] if attention_mask is not None else 2, s, 8))
+    fn = create_sliding_window_causal_mask if getattr(config, "sliding_window", None) and \
+        config.model_type == "mistral" else create_causal_mask
+    return fn(config=config, inputs_embeds=emb, attention_mask=attention_mask, cache=None,
+              position_ids=position_ids if position_ids is not None else torch.arange(s)[None])
+
+
+def test_the_mask_function_gives_causal_key_padding_or_sdpa_masks():
+    _models._register_attention()
+    cfg = _config("llama")
+    cfg._attn_implementation = "cukern"
+    s = 12
+    assert _mask(cfg, None, s) is None
+    assert _mask(cfg, torch.ones((2, s), dtype=torch.long), s) is None
+    pad = torch.ones((2, s), dtype=torch.long)
+    pad[0, 9:] = 0    # right padding
+    pad[1, :3] = 0    # left padding
+    got = _mask(cfg, pad, s)
+    assert got.dtype == torch.bool and got.shape == (2, s) and torch.equal(got, pad.bool())
+    # packed sequences (positions restarting): not causal, not key padding: SDPA's 4D mask
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]]).expand(2, -1)
+    packed = _mask(cfg, None, s, position_ids=pos)
+    assert packed is not None and packed.dim() == 4
+    cfg.sliding_window = None
+
+
+def test_the_dense_mask_of_key_padding_is_sdpas():
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    s = 10
+    pad = torch.ones((3, s), dtype=torch.bool)
+    pad[0, 7:] = False
+    pad[1, :4] = False
+    pad[2, 2] = False
+    for window in (None, 4):
+        cfg = _config("mistral", sliding_window=window)
+        fn = create_sliding_window_causal_mask if window else create_causal_mask
+        want = fn(config=cfg, inputs_embeds=torch.zeros((3, s, 8)), attention_mask=pad, cache=None,
+                  position_ids=torch.arange(s)[None])
+        got = _models._dense_mask(pad, s, True, window)
+        assert torch.equal(got, want.expand_as(got)), window
+
+
+def test_mistral_sliding_window_masks():
+    _models._register_attention()
+    cfg = _config("mistral", sliding_window=4)
+    cfg._attn_implementation = "cukern"
+    assert _mask(cfg, None, 12) is None   # (the attention applies the window it is told)
+    cfg = _config("llama")
+    cfg._attn_implementation = "cukern"
+    from transformers.masking_utils import create_sliding_window_causal_mask
+    m = create_sliding_window_causal_mask(config=_with(cfg, sliding_window=4), inputs_embeds=torch.zeros((2, 12, 8)),
+                                          attention_mask=None, cache=None, position_ids=torch.arange(12)[None])
+    assert m is not None and m.dim() == 4   # (a model not known to pass its window: SDPA's mask)
+
+
+def _with(cfg, **kw):
+    for k, v in kw.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+# ---- GPU: patched against unpatched ---------------------------------------------------------------
+
+def _train_step(m, ids, labels, attention_mask=None):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = m(input_ids=ids, labels=labels, attention_mask=attention_mask)
+    out.loss.backward()
+    return out.loss.detach().float(), {n: p.grad.detach().float().clone() for n, p in m.named_parameters()}
+
+
+def _close_grads(ga, gb, rel):
+    for n in ga:
+        scale = ga[n].abs().max().item() + 1e-6
+        err = (ga[n] - gb[n]).abs().max().item()
+        assert err <= rel * scale, f"{n}: max error {err:.3g} against max |grad| {scale:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_patched_model_matches_pytorch_on_the_gpu(kind):
+    a = _model(kind, "cuda")
+    b = copy.deepcopy(a)
+    ids = _ids(2, 256, "cuda")
+    la, ga = _train_step(a, ids, ids)
+    ct.reset_counts()
+    with ct.patch(b, min_size=0):
+        lb, gb = _train_step(b, ids, ids)
+        counts = ct.counts(reasons=True)
+    want = ["attention", "embedding", "linear_cross_entropy"] + (
+        ["layer_norm", "gelu"] if kind == "gpt2" else ["rms_norm", "swiglu"])
+    for name in want:
+        assert counts.get(name, {}).get("cukern", 0) > 0 and counts[name]["torch"] == 0, (name, counts)
+    if kind != "gpt2":   # under autocast the model's cos and sin are float32: Hugging Face's code, counted
+        assert counts["rope"] == {"cukern": 0, "torch": 2,
+                                  "torch_reasons": {"cos and sin of another dtype than q and k": 2}}
+    torch.testing.assert_close(lb, la, rtol=2e-3, atol=2e-3)
+    _close_grads(ga, gb, 0.03)
+
+
+@pytest.mark.gpu
+def test_llama_rms_norm_gives_hugging_faces_bits():
+    # bf16 model (no autocast): HF's RMSNorm rounds x̂ to bf16 before the weight; so does the kernel
+    a = _model("llama", "cuda").to(torch.bfloat16)
+    norm = a.model.layers[0].input_layernorm
+    x = torch.randn((4, 64, 256), device="cuda", dtype=torch.bfloat16) * 3
+    want = norm(x)
+    with ct.patch(a, parts=("norm",), min_size=0):
+        got = norm(x)
+    assert got.dtype == want.dtype
+    equal = (got == want).float().mean().item()
+    assert equal > 0.99, f"{equal:.4f} of the outputs bitwise equal"
+    torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=8e-3)
+
+
+@pytest.mark.gpu
+def test_a_half_precision_model_runs_rope_on_the_kernels():
+    a = _model("llama", "cuda").to(torch.bfloat16)
+    b = copy.deepcopy(a)
+    ids = _ids(2, 256, "cuda")
+    la = a(input_ids=ids, labels=ids).loss
+    la.backward()
+    ct.reset_counts()
+    with ct.patch(b, min_size=0):
+        lb = b(input_ids=ids, labels=ids).loss
+        lb.backward()
+        counts = ct.counts(reasons=True)
+    assert counts["rope"] == {"cukern": 2, "torch": 0}, counts
+    torch.testing.assert_close(lb.float(), la.float(), rtol=1e-2, atol=1e-2)
+    _close_grads({n: p.grad.float() for n, p in a.named_parameters()},
+                 {n: p.grad.float() for n, p in b.named_parameters()}, 0.08)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padding_masks_run_as_varlen(side):
+    a = _model("llama", "cuda")
+    b = copy.deepcopy(a)
+    ids = _ids(3, 192, "cuda")
+    pad = torch.ones_like(ids)
+    lengths = (192, 150, 77)
+    for i, n in enumerate(lengths):
+        if side == "right":
+            pad[i, n:] = 0
+        else:
+            pad[i, :192 - n] = 0
+    labels = ids.masked_fill(pad == 0, -100)
+    la, ga = _train_step(a, ids, labels, pad)
+    ct.reset_counts()
+    with ct.patch(b, min_size=0):
+        lb, gb = _train_step(b, ids, labels, pad)
+        counts = ct.counts(reasons=True)
+    assert counts["attention"]["cukern"] > 0 and counts["attention"]["torch"] == 0, counts
+    torch.testing.assert_close(lb, la, rtol=2e-3, atol=2e-3)
+    # (left padding: PyTorch's SDPA gives NaN gradients through the fully masked query rows of
+    # the padding; the kernels give zeros there. Compared where PyTorch's are finite.)
+    assert all(torch.isfinite(g).all() for g in gb.values())
+    finite = {n: g for n, g in ga.items() if torch.isfinite(g).all()}
+    assert side == "left" or len(finite) == len(ga)
+    # (left: the reference's NaN rows make its small gradients (k_proj's) noisier; the loss above
+    # holds at the same tolerance)
+    _close_grads(finite, gb, 0.03 if side == "right" else 0.1)
+
+
+@pytest.mark.gpu
+def test_mistral_window_runs_on_the_kernels():
+    a = _model("mistral", "cuda", sliding_window=64)
+    b = copy.deepcopy(a)
+    ids = _ids(2, 256, "cuda")
+    la, ga = _train_step(a, ids, ids)
+    ct.reset_counts()
+    with ct.patch(b, min_size=0):
+        lb, gb = _train_step(b, ids, ids)
+        counts = ct.counts(reasons=True)
+    assert counts["attention"]["cukern"] > 0 and counts["attention"]["torch"] == 0, counts
+    torch.testing.assert_close(lb, la, rtol=2e-3, atol=2e-3)
+    _close_grads(ga, gb, 0.03)
+
+
+@pytest.mark.gpu
+def test_attention_dropout_falls_back_counted():
+    m = _model("gpt2", "cuda", attn_pdrop=0.1)
+    ids = _ids(2, 128, "cuda")
+    ct.reset_counts()
+    with ct.patch(m, min_size=0):
+        _train_step(m, ids, ids)
+        counts = ct.counts(reasons=True)
+    assert counts["attention"]["cukern"] == 0
+    assert counts["attention"]["torch_reasons"] == {"dropout": 2}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_patched_model_compiles(kind):
+    a = _model(kind, "cuda")
+    b = copy.deepcopy(a)
+    ids = _ids(2, 256, "cuda")
+    la, ga = _train_step(a, ids, ids)
+    with ct.patch(b, min_size=0):
+        lb, _ = _train_step(torch.compile(b), ids, ids)
+    gb = {n: p.grad.detach().float() for n, p in b.named_parameters()}
+    torch.testing.assert_close(lb, la, rtol=3e-3, atol=3e-3)
+    _close_grads(ga, gb, 0.05)
+
+
+def test_the_demo_builds_each_hugging_face_model():
+    from cukern.demo import hf, options
+
+    for kind in KINDS:
+        cfg = options.Config(layers=1, dim=128, heads=4, seq=64, vocab=0, model=kind)
+        m = hf.build(cfg)
+        assert m.config.vocab_size == hf.VOCAB[kind]
+        assert m.config._attn_implementation == "sdpa"
+        assert kind in hf.describe(cfg, m).lower() or "gpt2" in type(m).__name__.lower()
+    with pytest.raises(ValueError, match="model"):
+        hf.build(options.Config(model="bert"))
