@@ -6,11 +6,15 @@ included.
 Shapes: ``q`` (B, Hq, S, D) and ``k`` (B, Hk, S, D) (any strides with a unit one along D: the
 (B, S, H, D) projections viewed as (B, H, S, D) are read in place); ``cos`` and ``sin`` (B, S, D),
 (1, S, D) or (S, D): a value for every element, as Hugging Face's rotary embedding makes them.
-dtypes: float32, float16, bfloat16, one for every array of a call. Outputs take q's and k's
-layout (their axes in the same order, dense).
+dtypes: float32, float16, bfloat16, one for every array of a call; or float32 cos and sin with
+float16/bfloat16 q and k (as Hugging Face's models make them under autocast). Outputs take q's
+and k's dtype and layout (their axes in the same order, dense).
 
 Numerics: PyTorch eager's for ``q * cos + rotate_half(q) * sin`` in the input dtype (each
-product rounded, then the sum).
+product rounded, then the sum). With float32 tables, PyTorch's promotion: the forward in
+float32 (each product rounded to float32, then the sum) rounded once to q's dtype (as autocast
+rounds it before attention); the backward's terms each rounded to q's dtype, as autograd
+casts them.
 
 This module is the whole Python side of the family (``FAMILY`` at the end).
 """
@@ -33,9 +37,15 @@ SOURCE = "rope.cu"
 THREADS = 128
 
 
-def instance(dtype: str, interleaved: bool, bwd: bool, vec: int) -> Instance:
-    return Instance(SOURCE, f"rope_apply<{_arrays.DTYPES[dtype][0]}, {str(interleaved).lower()}, "
+def instance(dtype: str, interleaved: bool, bwd: bool, vec: int, table: str | None = None) -> Instance:
+    """``table``: the cos / sin dtype when it is not q's (float32 with 16-bit q)."""
+    t = _arrays.DTYPES[dtype][0]
+    c = _arrays.DTYPES[table][0] if table else t
+    return Instance(SOURCE, f"rope_apply<{t}, {c}, {str(interleaved).lower()}, "
                             f"{str(bwd).lower()}, {vec}, {THREADS}>", THREADS)
+
+
+HALF = ("float16", "bfloat16")
 
 
 def _scalar_vec(interleaved: bool) -> int:
@@ -45,8 +55,11 @@ def _scalar_vec(interleaved: bool) -> int:
 
 def instances() -> list[Instance]:
     """Every kernel instance the fronts can launch (for the compile check)."""
-    return [instance(dtype, il, bwd, vec) for dtype, (_, size) in _arrays.DTYPES.items() for il in (False, True)
+    same = [instance(dtype, il, bwd, vec) for dtype, (_, size) in _arrays.DTYPES.items() for il in (False, True)
             for bwd in (False, True) for vec in (_scalar_vec(il), 16 // size)]
+    promoted = [instance(dtype, il, bwd, vec, "float32") for dtype in HALF for il in (False, True)
+                for bwd in (False, True) for vec in (_scalar_vec(il), 8)]
+    return same + promoted
 
 
 # ---- the inverse frequencies --------------------------------------------------------------------
@@ -96,10 +109,17 @@ def _check(qa: DeviceArray, ka: DeviceArray | None, ca: DeviceArray, sa: DeviceA
         raise ValueError(f"{ca.name}: expected ({B} or 1, {S}, {D}) or ({S}, {D}), got shape {ca.shape}")
     if sa.shape != ca.shape:
         raise ValueError(f"{sa.name}: shape {sa.shape} does not match {ca.name}'s {ca.shape}")
-    for a in (ka, ca, sa):
-        if a is not None and a.dtype != qa.dtype and not (a.kind == "numpy" and "float64" in (a.dtype, qa.dtype)):
-            raise ValueError(f"{a.name}: dtype {a.dtype} differs from {qa.name}'s {qa.dtype}; "
-                             "cast it so that all inputs share one dtype")
+    host64 = qa.kind == "numpy" and "float64" in (qa.dtype, getattr(ka, "dtype", None), ca.dtype, sa.dtype)
+    if ka is not None and ka.dtype != qa.dtype and not host64:
+        raise ValueError(f"{ka.name}: dtype {ka.dtype} differs from {qa.name}'s {qa.dtype}; "
+                         "cast it so that q and k share one dtype")
+    for a in (ca, sa):
+        promoted = a.dtype == "float32" and qa.dtype in HALF
+        if a.dtype != qa.dtype and not promoted and not host64:
+            raise ValueError(f"{a.name}: dtype {a.dtype} differs from {qa.name}'s {qa.dtype} (float32 tables "
+                             "are taken with float16/bfloat16 q and k); cast it")
+    if sa.dtype != ca.dtype and not host64:
+        raise ValueError(f"{sa.name}: dtype {sa.dtype} differs from {ca.name}'s {ca.dtype}")
 
 
 def _interleaved(value) -> bool:
@@ -174,7 +194,8 @@ def _plan(bwd: bool, il: bool, arrays) -> Plan:
             pointers += [ca.ptr, sa.ptr]
         aligned = (lanes % vec == 0 and all(st % vec == 0 for group in row_strides for st in group)
                    and all(ptr % 16 == 0 for ptr in pointers))
-        kern = _kernels.kernel(instance(qa.dtype, il, bwd, vec if aligned else _scalar_vec(il)), device)
+        table = ca.dtype if ca.dtype != qa.dtype else None
+        kern = _kernels.kernel(instance(qa.dtype, il, bwd, vec if aligned else _scalar_vec(il), table), device)
         qs, ks = strides[0], strides[1]
         b.launch(kern, B * S, q=b.slot(0), q_sb=qs[0], q_sh=qs[1], q_ss=qs[2],
                  k=b.slot(1), k_sb=ks[0], k_sh=ks[1], k_ss=ks[2], cos=b.slot(2), sin=b.slot(3),
@@ -223,6 +244,8 @@ def _ref(bwd: bool, q, k, cos, sin, interleaved):
     _check(qa, ka, ca, sa)
     il = _interleaved(interleaved)
     rnd = _rounder(qa)
+    promoted = ca.dtype == "float32" and qa.dtype in HALF
+    f32 = (lambda v: np.asarray(v, np.float64).astype(np.float32).astype(np.float64)) if promoted else (lambda v: v)
     B, _, S, D = qa.shape
     c = np.broadcast_to(ca.obj.astype(np.float64).reshape(-1, S, D), (B, S, D))[:, None]
     s = np.broadcast_to(sa.obj.astype(np.float64).reshape(-1, S, D), (B, S, D))[:, None]
@@ -232,12 +255,15 @@ def _ref(bwd: bool, q, k, cos, sin, interleaved):
         lo = (slice(None), slice(None), slice(None), slice(0, None, 2) if il else slice(0, D // 2))
         hi = (slice(None), slice(None), slice(None), slice(1, None, 2) if il else slice(D // 2, None))
         out = np.empty_like(x)
-        if not bwd:
+        if not bwd and promoted:   # (float32 products and sum, one rounding to q's dtype)
+            out[lo] = rnd(f32(f32(x[lo] * c[lo]) - f32(x[hi] * s[lo])))
+            out[hi] = rnd(f32(f32(x[hi] * c[hi]) + f32(x[lo] * s[hi])))
+        elif not bwd:
             out[lo] = rnd(rnd(x[lo] * c[lo]) - rnd(x[hi] * s[lo]))
             out[hi] = rnd(rnd(x[hi] * c[hi]) + rnd(x[lo] * s[hi]))
-        else:
-            out[lo] = rnd(rnd(x[lo] * c[lo]) + rnd(x[hi] * s[hi]))
-            out[hi] = rnd(rnd(x[hi] * c[hi]) - rnd(x[lo] * s[lo]))
+        else:   # (promoted: each float32 product rounded to q's dtype, as autograd's casts)
+            out[lo] = rnd(rnd(f32(x[lo] * c[lo])) + rnd(f32(x[hi] * s[hi])))
+            out[hi] = rnd(rnd(f32(x[hi] * c[hi])) - rnd(f32(x[lo] * s[lo])))
         return out
     return one(qa), None if ka is None else one(ka)
 
@@ -381,10 +407,17 @@ def _why_not(T, q, k, cos, sin):
     """Why the kernels do not take Hugging Face's call on (B, H, S, D) q and k, or None."""
     if not (q.is_cuda and q.dim() == 4 and k.dim() == 4 and cos.dim() == 3 and cos.shape == sin.shape):
         return "not CUDA (B, H, S, D) q and k with (B, S, D) cos and sin"
-    if q.is_floating_point() and cos.dtype != q.dtype:
-        # (Hugging Face's models under autocast: float32 cos and sin, which promote the product)
-        return "cos and sin of another dtype than q and k"
-    reason = T.float_params(q, k, cos, sin)
+    if cos.dtype != q.dtype or sin.dtype != q.dtype:
+        # Hugging Face's models under autocast: float32 cos and sin, which promote the product to
+        # float32; the kernels give it rounded to q's dtype, which is what autocast makes of it
+        # before attention, so only there.
+        if not (cos.dtype == sin.dtype == T.torch.float32 and q.dtype in T.HALF_DTYPES
+                and T.torch.is_autocast_enabled("cuda") and T.torch.get_autocast_dtype("cuda") == q.dtype):
+            return "cos and sin of another dtype than q and k, outside autocast to q's dtype"
+        reason = T.float_params(q, k) or (None if cos.device == q.device == sin.device
+                                          else "cos and sin on another device")
+    else:
+        reason = T.float_params(q, k, cos, sin)
     if reason is not None:
         return reason
     if q.shape[-1] % 2 or cos.shape[0] not in (1, q.shape[0]) or tuple(cos.shape[1:]) != (q.shape[2], q.shape[3]):

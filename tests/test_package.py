@@ -106,7 +106,7 @@ def test_wheel_metadata(dists):
     assert meta["Name"] == "cukern"
     assert meta["Version"] == cukern.__version__
     assert meta["Requires-Python"] == ">=3.10"
-    assert set(meta.get_all("Provides-Extra")) == {"cuda12", "cuda13", "torch", "bench", "dev"}
+    assert set(meta.get_all("Provides-Extra")) == {"cuda12", "cuda13", "torch", "bench", "hf", "dev"}
     assert meta["License-Expression"] == "BSD-3-Clause"
     assert meta["Description-Content-Type"] == "text/markdown" and "# cukern" in meta.get_payload()
     assert meta.get_all("Project-URL") and any("Python :: 3.12" in c for c in meta.get_all("Classifier"))

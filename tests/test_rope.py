@@ -84,6 +84,11 @@ def _bad_input_cases(xp):
         (lambda: cukern.rope(q, k.astype(np.float16), c, c), ValueError, "^k: dtype float16 differs"),
         (lambda: cukern.rope(q, k, c, c, interleaved=1), TypeError, "^interleaved: expected a bool"),
         (lambda: cukern.rope_backward(q, k, c.astype(np.float16), c), ValueError, "^cos: dtype float16"),
+        # (float32 tables go with 16-bit q and k only; cos and sin of one dtype)
+        (lambda: cukern.rope(q.astype(np.float16), k.astype(np.float16), c, c.astype(np.float16)), ValueError,
+         "^sin: dtype float16 differs from cos's float32"),
+        (lambda: cukern.rope(q, k, c.astype(np.float16), c.astype(np.float16)), ValueError,
+         r"^cos: dtype float16 differs from q's float32 \(float32 tables"),
         (lambda: cukern.rope_inv_freq(7), ValueError, "^dim: expected an even integer"),
         (lambda: cukern.rope_inv_freq(8, scaling={"rope_type": "yarn"}), ValueError, "^scaling: rope_type 'yarn'"),
         (lambda: cukern.rope_inv_freq(8, scaling={"rope_type": "llama3", "factor": 8}), ValueError,
@@ -133,7 +138,8 @@ def rope_cases(draw):
                 interleaved=draw(st.booleans()),
                 framework=draw(st.sampled_from(["cupy", "torch"] if torch else ["cupy"])),
                 layout=draw(st.sampled_from(["contiguous", "bshd", "bshd", "strided_d"])),
-                per_batch=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)))
+                per_batch=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)),
+                float32_tables=draw(st.sampled_from([False, False, True])))
 
 
 def _run_case(c):
@@ -144,7 +150,9 @@ def _run_case(c):
     cos, sin = _tables(S, D, c["interleaved"], batch=B if c["per_batch"] else 1, positions=positions)
     from arrays import np_dtype
 
-    cos, sin = (a.astype(np_dtype(dtype)) for a in (cos, sin))
+    # (float32 tables with 16-bit q and k: Hugging Face's models under autocast)
+    tables = "float32" if c.get("float32_tables") and dtype in ("float16", "bfloat16") else dtype
+    cos, sin = (a.astype(np_dtype(tables)) for a in (cos, sin))
     if HK == 0:
         k, kd = None, None
     poison_allocator(fw, [q.nbytes, q.nbytes])
@@ -207,6 +215,44 @@ def test_against_hugging_faces_code(dtype):
     qs, ks = q.detach().transpose(1, 2), k.detach().transpose(1, 2)
     o2 = ct.apply_rotary_pos_emb(qs, ks, cos, sin, unsqueeze_dim=2)
     assert torch.equal(o2[0].transpose(1, 2), got[0].detach())
+
+
+@gpu
+@needs_torch
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_float32_tables_under_autocast_give_hugging_faces_bits(dtype):
+    """Hugging Face's models under autocast: float32 cos and sin with 16-bit q and k. PyTorch
+    promotes the products to float32 and autocast rounds the result to the 16-bit dtype before
+    attention; the kernel's output is that rounding, bit for bit, and so are the gradients
+    (autograd casts each term to q's dtype)."""
+    import cukern.torch as ct
+    from cukern.rope import _hf
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    tdt = getattr(torch, dtype)
+    B, S, HQ, HK, D = 2, 200, 8, 2, 64
+    q = torch.randn(B, S, HQ, D, device="cuda", generator=g).to(tdt).transpose(1, 2).requires_grad_(True)
+    k = torch.randn(B, S, HK, D, device="cuda", generator=g).to(tdt).transpose(1, 2).requires_grad_(True)
+    inv = torch.tensor(cukern.rope_inv_freq(D, 10000.0), device="cuda", dtype=torch.float32)
+    f = torch.arange(S, device="cuda", dtype=torch.float32)[None, :, None] * inv
+    emb = torch.cat((f, f), dim=-1).expand(B, -1, -1)
+    cos, sin = emb.cos(), emb.sin()
+    ct.reset_counts()
+    with torch.autocast("cuda", dtype=tdt):
+        got = ct.apply_rotary_pos_emb(q, k, cos, sin)
+        want = tuple(t.to(tdt) for t in _hf(q, k, cos, sin))
+    assert ct.counts()["rope"] == {"cukern": 1, "torch": 0}
+    dq, dk = (torch.randn_like(t) for t in want)
+    gg = torch.autograd.grad(got, (q, k), (dq, dk))
+    wg = torch.autograd.grad(want, (q, k), (dq, dk))
+    for name, a, e in (("q", got[0], want[0]), ("k", got[1], want[1]), ("dq", gg[0], wg[0]), ("dk", gg[1], wg[1])):
+        assert a.dtype == e.dtype == tdt, name
+        assert torch.equal(a, e), f"{name}: {(a != e).float().mean().item():.2e} of the elements differ"
+    # outside autocast the promoted result would be float32: Hugging Face's code, counted
+    ct.reset_counts()
+    out = ct.apply_rotary_pos_emb(q, k, cos, sin)
+    assert out[0].dtype == torch.float32
+    assert ct.counts(reasons=True)["rope"]["torch"] == 1
 
 
 @gpu

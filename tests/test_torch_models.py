@@ -257,12 +257,9 @@ def test_patched_model_matches_pytorch_on_the_gpu(kind):
         lb, gb = _train_step(b, ids, ids)
         counts = ct.counts(reasons=True)
     want = ["attention", "embedding", "linear_cross_entropy"] + (
-        ["layer_norm", "gelu"] if kind == "gpt2" else ["rms_norm", "swiglu"])
+        ["layer_norm", "gelu"] if kind == "gpt2" else ["rms_norm", "rope", "swiglu"])
     for name in want:
         assert counts.get(name, {}).get("cukern", 0) > 0 and counts[name]["torch"] == 0, (name, counts)
-    if kind != "gpt2":   # under autocast the model's cos and sin are float32: Hugging Face's code, counted
-        assert counts["rope"] == {"cukern": 0, "torch": 2,
-                                  "torch_reasons": {"cos and sin of another dtype than q and k": 2}}
     torch.testing.assert_close(lb, la, rtol=2e-3, atol=2e-3)
     _close_grads(ga, gb, 0.03)
 
@@ -314,6 +311,9 @@ def test_padding_masks_run_as_varlen(side):
         else:
             pad[i, :192 - n] = 0
     labels = ids.masked_fill(pad == 0, -100)
+    if side == "left":   # (else the last padding position would predict the first token)
+        for i, n in enumerate(lengths):
+            labels[i, 192 - n] = -100
     la, ga = _train_step(a, ids, labels, pad)
     ct.reset_counts()
     with ct.patch(b, min_size=0):
@@ -326,9 +326,7 @@ def test_padding_masks_run_as_varlen(side):
     assert all(torch.isfinite(g).all() for g in gb.values())
     finite = {n: g for n, g in ga.items() if torch.isfinite(g).all()}
     assert side == "left" or len(finite) == len(ga)
-    # (left: the reference's NaN rows make its small gradients (k_proj's) noisier; the loss above
-    # holds at the same tolerance)
-    _close_grads(finite, gb, 0.03 if side == "right" else 0.1)
+    _close_grads(finite, gb, 0.03)
 
 
 @pytest.mark.gpu
