@@ -238,6 +238,19 @@ def _train_step(m, ids, labels, attention_mask=None):
     return out.loss.detach().float(), {n: p.grad.detach().float().clone() for n, p in m.named_parameters()}
 
 
+def _against_pytorch(kind, ids, labels=None, pad=None, **over):
+    """One training step of a model and of its patched copy: (loss, grads, loss, grads, counts)."""
+    a = _model(kind, "cuda", **over)
+    b = copy.deepcopy(a)
+    labels = ids if labels is None else labels
+    la, ga = _train_step(a, ids, labels, pad)
+    ct.reset_counts()
+    with ct.patch(b, min_size=0):
+        lb, gb = _train_step(b, ids, labels, pad)
+        counts = ct.counts(reasons=True)
+    return la, ga, lb, gb, counts
+
+
 def _close_grads(ga, gb, rel):
     for n in ga:
         scale = ga[n].abs().max().item() + 1e-6
@@ -248,14 +261,7 @@ def _close_grads(ga, gb, rel):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS)
 def test_patched_model_matches_pytorch_on_the_gpu(kind):
-    a = _model(kind, "cuda")
-    b = copy.deepcopy(a)
-    ids = _ids(2, 256, "cuda")
-    la, ga = _train_step(a, ids, ids)
-    ct.reset_counts()
-    with ct.patch(b, min_size=0):
-        lb, gb = _train_step(b, ids, ids)
-        counts = ct.counts(reasons=True)
+    la, ga, lb, gb, counts = _against_pytorch(kind, _ids(2, 256, "cuda"))
     want = ["attention", "embedding", "linear_cross_entropy"] + (
         ["layer_norm", "gelu"] if kind == "gpt2" else ["rms_norm", "rope", "swiglu"])
     for name in want:
@@ -300,8 +306,6 @@ def test_a_half_precision_model_runs_rope_on_the_kernels():
 @pytest.mark.gpu
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_padding_masks_run_as_varlen(side):
-    a = _model("llama", "cuda")
-    b = copy.deepcopy(a)
     ids = _ids(3, 192, "cuda")
     pad = torch.ones_like(ids)
     lengths = (192, 150, 77)
@@ -314,11 +318,7 @@ def test_padding_masks_run_as_varlen(side):
     if side == "left":   # (else the last padding position would predict the first token)
         for i, n in enumerate(lengths):
             labels[i, 192 - n] = -100
-    la, ga = _train_step(a, ids, labels, pad)
-    ct.reset_counts()
-    with ct.patch(b, min_size=0):
-        lb, gb = _train_step(b, ids, labels, pad)
-        counts = ct.counts(reasons=True)
+    la, ga, lb, gb, counts = _against_pytorch("llama", ids, labels, pad)
     assert counts["attention"]["cukern"] > 0 and counts["attention"]["torch"] == 0, counts
     torch.testing.assert_close(lb, la, rtol=2e-3, atol=2e-3)
     # (left padding: PyTorch's SDPA gives NaN gradients through the fully masked query rows of
@@ -331,14 +331,7 @@ def test_padding_masks_run_as_varlen(side):
 
 @pytest.mark.gpu
 def test_mistral_window_runs_on_the_kernels():
-    a = _model("mistral", "cuda", sliding_window=64)
-    b = copy.deepcopy(a)
-    ids = _ids(2, 256, "cuda")
-    la, ga = _train_step(a, ids, ids)
-    ct.reset_counts()
-    with ct.patch(b, min_size=0):
-        lb, gb = _train_step(b, ids, ids)
-        counts = ct.counts(reasons=True)
+    la, ga, lb, gb, counts = _against_pytorch("mistral", _ids(2, 256, "cuda"), sliding_window=64)
     assert counts["attention"]["cukern"] > 0 and counts["attention"]["torch"] == 0, counts
     torch.testing.assert_close(lb, la, rtol=2e-3, atol=2e-3)
     _close_grads(ga, gb, 0.03)

@@ -26,6 +26,7 @@ model's own code. ``unpatch(model)`` (or leaving the ``with`` block) restores th
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import threading
@@ -223,6 +224,7 @@ def _register_attention() -> None:
 
 # ---- the loss: the LM head and cross-entropy without logits ------------------------------------
 
+@functools.lru_cache(maxsize=None)
 def _signature(cls):
     return inspect.signature(cls.forward)
 
