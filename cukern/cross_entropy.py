@@ -380,10 +380,11 @@ def _plan(mode: int, arrays: list, opts: Options, flags: tuple, configs: Configs
 
 # ---- linear cross-entropy: the LM head and the loss without the (T, V) logits ------------------
 
-# Bytes of logits a chunk of tokens may hold: the extra memory of the linear cross-entropy. 256
-# MiB: 1024 tokens at V = 128256 in bf16, measured 7% faster than 512 (Liger-Kernel's chunk: the
-# dweight product's inner size doubles) for 126 MiB more (docs/notes-cross-entropy.md, v2).
-CHUNK_BYTES = 256 << 20
+# Bytes of logits a chunk of tokens may hold: the extra memory of the linear cross-entropy
+# besides dweight's float32 accumulator. 512 MiB: 2048 tokens at V = 128256 in bf16. Each chunk's
+# dweight product reads and writes the float32 accumulator, so fewer, longer chunks pay for it:
+# 84 ms against 91 at 256 MiB (docs/notes-cross-entropy.md, v3).
+CHUNK_BYTES = 512 << 20
 _COUNT = PlanCache()
 
 
@@ -431,9 +432,16 @@ def _chunk_forward(logits, target, opts: Options):
 
 
 def _addmm(out, a, b) -> None:
-    """out += a @ b (torch: one cuBLAS call accumulating into out; others through a temporary)."""
+    """out += a @ b, ``out`` float32 or of the inputs' dtype. torch: one cuBLAS call that
+    accumulates into ``out`` in float32 (out_dtype) where the inputs are half; CuPy: through a
+    temporary, the product rounded to the inputs' dtype before it is added."""
     if hasattr(out, "addmm_"):
-        out.addmm_(a, b)
+        if out.dtype == a.dtype:
+            out.addmm_(a, b)
+        else:
+            import torch
+
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
     else:
         out += a @ b
 
@@ -549,11 +557,15 @@ def linear_cross_entropy_forward_backward(hidden, weight, target, bias=None, *, 
     """The loss of ``linear_cross_entropy`` and its gradients for an upstream gradient of 1,
     chunk by chunk: each chunk's logits are made, turned into their gradient in place by the
     loss kernel, and multiplied back into dhidden (that chunk's rows) and dweight, dbias
-    (accumulated). Extra memory: one chunk of logits (``CHUNK_BYTES``).
+    (accumulated). Extra memory: one chunk of logits (``CHUNK_BYTES``) and, for half
+    precision, dweight's float32 accumulator (4·V·H bytes).
 
-    dweight accumulates in its own dtype across chunks (one rounding a chunk in half precision,
-    as Liger-Kernel does); dbias in float32. reduction "mean" or "sum" (the gradient of "none"
-    needs the upstream gradient of each row: use cross_entropy on the logits).
+    dweight and dbias accumulate in float32 across chunks and are rounded once to the weight's
+    dtype, as the one matrix product of the unchunked loss gives (Liger-Kernel rounds dweight
+    a chunk). With torch tensors cuBLAS accumulates the chunks' products into float32 itself;
+    with CuPy float16 arrays each chunk's product is rounded to float16 before it is added.
+    reduction "mean" or "sum" (the gradient of "none" needs the upstream gradient of each row:
+    use cross_entropy on the logits).
 
     Returns:
         (loss, dhidden (*, H), dweight (V, H), dbias (V,) or None).
@@ -567,7 +579,7 @@ def linear_cross_entropy_forward_backward(hidden, weight, target, bias=None, *, 
     n, v = t.shape[0], wa.shape[0]
     count = _count_valid(_arrays.wrap(t, "target"), v, opts).obj if reduction == "mean" else None
     dh = _arrays.empty(ha, (n, ha.shape[-1])).obj
-    dw = _arrays.zeros(wa, wa.shape).obj
+    dw = _arrays.zeros(wa, wa.shape, "float32").obj
     db = _arrays.zeros(ha, (v,), "float32").obj if ba is not None else None
     rows = []
     step = chunk_rows(n, v, ha.itemsize)
@@ -582,8 +594,8 @@ def linear_cross_entropy_forward_backward(hidden, weight, target, bias=None, *, 
             db += logits.sum(0, dtype=db.dtype)
         del logits   # (else the next chunk's logits are made while this one's are held: twice the memory)
     loss = _reduce_rows(_concat(rows, ha), count, reduction, ha, out_dtype)
-    if db is not None:
-        db = db.to(w.dtype) if hasattr(db, "to") else db.astype(w.dtype)
+    dw, db = (None if a is None else a.to(w.dtype) if hasattr(a, "to") else a.astype(w.dtype, copy=False)
+              for a in (dw, db))
     return loss, dh.reshape(ha.shape), dw, db
 
 

@@ -531,7 +531,7 @@ def test_linear_cross_entropy_on_bfloat16_cupy_arrays_says_what_to_pass(dry, mon
 
 
 def test_chunks_hold_at_most_the_budget_of_logits():
-    assert ce.chunk_rows(16384, 128256, 2) == 1024           # 250.5 MiB of bf16 logits
+    assert ce.chunk_rows(16384, 128256, 2) == 2048           # 501 MiB of bf16 logits
     assert ce.chunk_rows(16384, 128256, 2) * 128256 * 2 <= ce.CHUNK_BYTES
     assert ce.chunk_rows(100, 128256, 2) == 128              # never more than the tokens need
     assert ce.chunk_rows(16384, 128256, 2, budget=128 << 20) == 512
@@ -561,6 +561,31 @@ def test_linear_cross_entropy_matches_the_reference_on_the_gpu(dtype, bias, monk
         assert_close(db, rdb, dtype, "dbias", tol=tol)
     assert_close(cukern.linear_cross_entropy(*dev[:2], _indices(t, "torch"), dev[2], label_smoothing=0.1),
                  rloss, dtype, "loss", tol=tol, scale=1.0)
+
+
+@gpu
+@needs_torch
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_linear_cross_entropy_rounds_dweight_once_however_many_chunks(dtype, monkeypatch):
+    """dweight of 32 chunks against one chunk: the chunks' products accumulate in float32 and
+    are rounded once, so at most the float32 summation order differs (a 16-bit rounding per
+    chunk moved most elements by several units in the last place)."""
+    rng = np.random.default_rng(11)
+    tokens, v, hdim = 1024, 512, 64
+    h, w = (to_device(random_host(rng, s, dtype), "torch") for s in ((tokens, hdim), (v, hdim)))
+    t = _indices(_targets(rng, tokens, v), "torch")
+    monkeypatch.setattr(ce, "CHUNK_BYTES", v * tokens * 2)
+    _, dh1, dw1, _ = cukern.linear_cross_entropy_forward_backward(h, w, t)
+    monkeypatch.setattr(ce, "CHUNK_BYTES", v * (tokens // 32) * 2)
+    assert ce.chunk_rows(tokens, v, 2) == tokens // 32
+    _, dh32, dw32, _ = cukern.linear_cross_entropy_forward_backward(h, w, t)
+    assert dw32.dtype == w.dtype
+    for name, one, many in (("dhidden", dh1, dh32), ("dweight", dw1, dw32)):
+        a, b = one.float(), many.float()
+        fi = torch.finfo(w.dtype)   # (a unit in the last place, subnormals' below float16's tiny)
+        ulp = torch.clamp(fi.eps * torch.maximum(a.abs(), b.abs()), min=fi.eps * fi.tiny)
+        assert bool(((a - b).abs() <= ulp).all()), f"{name} moved by more than one unit in the last place"
+        assert float((a == b).float().mean()) > 0.95, name
 
 
 def test_a_chunk_of_the_linear_form_scales_by_the_whole_batchs_count(dry):
