@@ -384,8 +384,9 @@ def parser() -> argparse.ArgumentParser:
                    help="runs with cukern.torch.patch() (on), without (off), or both")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
     p.add_argument("--verbose", action="store_true", help="print the loss every 20 steps")
-    p.add_argument("--ops", metavar="A,B", help="the functions patch() routes (default: all of cukern.torch.OPS; "
-                                                "the demo GPT only: a --model is patched with patch(model))")
+    p.add_argument("--ops", metavar="A,B", help="the functions patch() routes (default: all of cukern.torch.OPS); "
+                                                "with --model, the parts patch(model) routes (default: all of "
+                                                "cukern.torch.PARTS)")
     p.add_argument("--fsdp", action="store_true", help="under torchrun, FSDP2 (fully_shard a block and the root) "
                                                        "instead of DistributedDataParallel")
     p.add_argument("--json", metavar="PATH", help="also write losses and figures to PATH (default: no file)")

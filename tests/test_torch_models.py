@@ -167,7 +167,8 @@ def test_the_loss_path_honours_num_items_shift_labels_and_ignore_index():
 def _mask(config, attention_mask, s, position_ids=None):
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-    emb = torch.zeros((attention_mask.shape[0] if attention_mask is not None else 2, s, 8))
+    b = next((t.shape[0] for t in (attention_mask, position_ids) if t is not None), 2)
+    emb = torch.zeros((b, s, 8))
     fn = create_sliding_window_causal_mask if getattr(config, "sliding_window", None) and \
         config.model_type == "mistral" else create_causal_mask
     return fn(config=config, inputs_embeds=emb, attention_mask=attention_mask, cache=None,
@@ -186,11 +187,54 @@ def test_the_mask_function_gives_causal_key_padding_or_sdpa_masks():
     pad[1, :3] = 0    # left padding
     got = _mask(cfg, pad, s)
     assert got.dtype == torch.bool and got.shape == (2, s) and torch.equal(got, pad.bool())
-    # packed sequences (positions restarting): not causal, not key padding: SDPA's 4D mask
+    # packed documents (positions restarting): SDPA's 4D mask, marked with its documents
     pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]]).expand(2, -1)
     packed = _mask(cfg, None, s, position_ids=pos)
     assert packed is not None and packed.dim() == 4
+    cu, longest, window = packed._cukern_documents
+    assert cu.tolist() == [0, 4, 12, 16, 24] and longest == 8 and window is None
     cfg.sliding_window = None
+
+
+def _packed_positions(lengths_per_row):
+    return torch.tensor([[p for n in row for p in range(n)] for row in lengths_per_row])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_packed_documents_are_read_from_the_mask(seed):
+    """Random documents a row (lengths 1 up to the row), with and without Mistral's window:
+    the documents marked on SDPA's mask are the ones the position ids give; a mask that is
+    not causal within documents gets no mark."""
+    _models._register_attention()
+    g = torch.Generator().manual_seed(seed)
+    s, b = 24, 3
+    rows = []
+    for _ in range(b):
+        left, row = s, []
+        while left:
+            n = int(torch.randint(1, left + 1, (1,), generator=g)) if seed % 2 else min(left, 1 + seed)
+            row.append(n)
+            left -= n
+        rows.append(row)
+    rows[0] = [s]     # (one row of a single document, as packing leaves some)
+    pos = _packed_positions(rows)
+    starts = [r * s + sum(row[:j]) for r, row in enumerate(rows) for j in range(len(row))]
+    for window in (None, 5):
+        cfg = _config("mistral", sliding_window=window)
+        cfg._attn_implementation = "cukern"
+        mask = _mask(cfg, None, s, position_ids=pos)
+        if mask is None:   # (only one document a row and no window: causal)
+            assert all(len(row) == 1 for row in rows)
+            continue
+        cu, longest, w = mask._cukern_documents
+        assert cu.tolist() == starts + [b * s] and longest == max(max(row) for row in rows) and w == window
+        broken = mask.clone()
+        broken[1, 0, s - 1, 0] = ~broken[1, 0, s - 1, 0]
+        assert _models._documents(broken, window) is None
+    # a non-causal document mask (bidirectional within documents) is not taken
+    doc = torch.repeat_interleave(torch.arange(4), 6)
+    bidir = (doc[:, None] == doc[None, :])[None, None].expand(2, 1, s, s)
+    assert _models._documents(bidir, None) is None
 
 
 def test_the_dense_mask_of_key_padding_is_sdpas():
@@ -231,22 +275,22 @@ def _with(cfg, **kw):
 
 # ---- GPU: patched against unpatched ---------------------------------------------------------------
 
-def _train_step(m, ids, labels, attention_mask=None):
+def _train_step(m, ids, labels, attention_mask=None, position_ids=None):
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        out = m(input_ids=ids, labels=labels, attention_mask=attention_mask)
+        out = m(input_ids=ids, labels=labels, attention_mask=attention_mask, position_ids=position_ids)
     out.loss.backward()
     return out.loss.detach().float(), {n: p.grad.detach().float().clone() for n, p in m.named_parameters()}
 
 
-def _against_pytorch(kind, ids, labels=None, pad=None, **over):
+def _against_pytorch(kind, ids, labels=None, pad=None, position_ids=None, **over):
     """One training step of a model and of its patched copy: (loss, grads, loss, grads, counts)."""
     a = _model(kind, "cuda", **over)
     b = copy.deepcopy(a)
     labels = ids if labels is None else labels
-    la, ga = _train_step(a, ids, labels, pad)
+    la, ga = _train_step(a, ids, labels, pad, position_ids)
     ct.reset_counts()
     with ct.patch(b, min_size=0):
-        lb, gb = _train_step(b, ids, labels, pad)
+        lb, gb = _train_step(b, ids, labels, pad, position_ids)
         counts = ct.counts(reasons=True)
     return la, ga, lb, gb, counts
 
@@ -327,6 +371,24 @@ def test_padding_masks_run_as_varlen(side):
     finite = {n: g for n, g in ga.items() if torch.isfinite(g).all()}
     assert side == "left" or len(finite) == len(ga)
     _close_grads(finite, gb, 0.03)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "mistral"])
+def test_packed_documents_run_as_varlen(kind):
+    """Documents packed into rows (position ids that restart, no attention mask), as
+    transformers' packing collators give: varlen on the kernels, no attention across
+    documents (Mistral: with a window of 48 shorter than the longest document)."""
+    rows = [[100, 37, 1, 54], [192], [5, 120, 67]]
+    pos = _packed_positions(rows).to("cuda")
+    ids = _ids(3, 192, "cuda")
+    labels = ids.clone()
+    labels[pos == 0] = -100   # (a document's first token is not predicted from the one before)
+    over = {"sliding_window": 48} if kind == "mistral" else {}
+    la, ga, lb, gb, counts = _against_pytorch(kind, ids, labels, position_ids=pos, **over)
+    assert counts["attention"]["cukern"] > 0 and counts["attention"]["torch"] == 0, counts
+    torch.testing.assert_close(lb, la, rtol=2e-3, atol=2e-3)
+    _close_grads(ga, gb, 0.03)
 
 
 @pytest.mark.gpu

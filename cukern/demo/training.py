@@ -53,7 +53,7 @@ def _layers(model):
 def patch_context(model, cfg: Config, ops):
     import cukern.torch as ct
 
-    return ct.patch(ops) if cfg.model == "gpt" else ct.patch(model)
+    return ct.patch(ops) if cfg.model == "gpt" else ct.patch(model, parts=ops)
 
 
 def train(cfg: Config, *, steps: int, batch_size: int, patched: bool, compiled: bool = False, accum: int = 1,

@@ -14,9 +14,9 @@ not reach them. ``patch(model)`` routes, module by module:
   kernel, the same function computed in float32 (as torch.compile computes it);
 * ``rope``: ``apply_rotary_pos_emb`` of the model's modeling module (LLaMA, Mistral);
 * ``attention``: the model's attention implementation ("cukern", registered with transformers'
-  AttentionInterface, with its mask function): causal masks run causal, padding masks as
-  packed sequences (varlen), Mistral's sliding window as a window; other masks, dropout and
-  cached decoding go to PyTorch's SDPA, counted;
+  AttentionInterface, with its mask function): causal masks run causal, padding masks and
+  packed documents (position ids that restart) as varlen, Mistral's sliding window as a
+  window; other masks, dropout and cached decoding go to PyTorch's SDPA, counted;
 * ``loss``: the LM head and the loss of ``*ForCausalLM`` / GPT-2's LM head in training with
   labels: ``linear_cross_entropy`` on the last hidden state, without the (tokens, vocabulary)
   logits (``outputs.logits`` is None then, as with Liger-Kernel).
@@ -126,7 +126,8 @@ def _hf_gated_mlp(self, x):
 def _hf_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
              local_size=None, allow_is_causal_skip=True, config=None, **kwargs):
     """transformers' mask function for "cukern": None for a causal mask, the (B, S) bool
-    padding mask for a causal mask with key padding, and SDPA's mask (4D) for anything else."""
+    padding mask for a causal mask with key padding, and SDPA's mask (4D) for anything else,
+    marked with its documents where it is causal within packed documents."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     window_known = local_size is None or kv_length < local_size or getattr(config, "model_type", None) in HF_WINDOWED
@@ -138,9 +139,40 @@ def _hf_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_func
     if plain and attention_mask.dim() == 2 and attention_mask.shape[-1] == kv_length and not _tools.compiling():
         pad = attention_mask.to(torch.bool)
         return None if bool(pad.all()) else pad
-    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-                     local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, config=config, **kwargs)
+    dense = sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                      kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                      local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, config=config, **kwargs)
+    if (torch.is_tensor(dense) and dense.dim() == 4 and dense.dtype == torch.bool and dense.shape[1] == 1
+            and q_length == kv_length and isinstance(q_offset, int) and q_offset == 0 and kv_offset == 0
+            and not _tools.compiling()):
+        # packed documents (position ids that restart): SDPA's mask goes on to the attention,
+        # which runs them as varlen; the documents ride on the mask, so that anything else
+        # that gets it (a copy, a fallback) still has SDPA's mask
+        window = local_size if getattr(config, "model_type", None) in HF_WINDOWED else None
+        docs = _documents(dense.expand(batch_size, -1, -1, -1), window)
+        if docs is not None:
+            dense._cukern_documents = docs
+    return dense
+
+
+def _documents(mask, window):
+    """(cu_seqlens (documents + 1,) int32 over the (B * S) tokens, the longest document,
+    window) where the (B, 1, S, S) bool mask is causal attention within consecutive documents
+    (and, with ``window``, to the last ``window`` keys: HF's sliding window), else None."""
+    m = mask[:, 0]
+    b, s = m.shape[0], m.shape[-1]
+    i = torch.arange(s, device=m.device)
+    new = torch.ones((b, s), dtype=torch.bool, device=m.device)
+    new[:, 1:] = ~m[:, i[1:], i[:-1]]   # a token starts a document when it may not see the one before
+    start = torch.where(new, i, 0).cummax(-1).values
+    rows, cols = i[None, :, None], i[None, None, :]
+    want = (cols <= rows) & (cols >= start[:, :, None])
+    if window is not None:
+        want = want & (cols > rows - window)
+    if not torch.equal(m, want):
+        return None
+    cu = F.pad(new.reshape(-1).nonzero().squeeze(1).to(torch.int32), (0, 1), value=b * s)
+    return cu, int((cu[1:] - cu[:-1]).max()), window
 
 
 def _dense_mask(pad, q_length, causal, window):
@@ -166,11 +198,14 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     sq, sk = query.shape[2], key.shape[2]
     window = int(sliding_window) if sliding_window and causal and sk > sliding_window - 1 else None
     pad = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+    docs = getattr(attention_mask, "_cukern_documents", None)
     reason = None
     if _tools.compiling():
         reason = "compiling"   # (PyTorch's SDPA in compiled graphs, as the drop-in's choice)
-    elif attention_mask is not None and pad is None:
-        reason = "a mask that is neither causal nor key padding"
+    elif attention_mask is not None and pad is None and docs is None:
+        reason = "a mask that is neither causal, key padding nor packed documents"
+    elif docs is not None and not causal:
+        reason = "packed documents without a causal mask"
     elif dropout:
         reason = "dropout"
     elif kwargs.get("output_attentions") or kwargs.get("position_bias") is not None:
@@ -193,9 +228,22 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     _, (q, k, v, c, s, *_), _ = r   # (B, S, H, D) views, the mask flags and scale as the route read them
     wl = window - 1 if window is not None else -1
     cap = float(softcap or 0.0)
+    if docs is not None:
+        return _packed(q, k, v, docs, s, cap), None
     if pad is None:
         return OPS["attention"](q, k, v, c, s, wl, -1, cap, -1), None
     return _unpadded(q, k, v, pad, c, s, cap), None
+
+
+def _packed(q, k, v, docs, scale, cap):
+    """Packed documents (causal within each) as varlen over the (B * S) tokens."""
+    cu, longest, window = docs
+    b, s, h, d = q.shape
+    hk = k.shape[2]
+    wl = window - 1 if window is not None and window < longest else -1
+    out, _ = OPS["attention_varlen"](q.reshape(b * s, h, d), k.reshape(b * s, hk, d), v.reshape(b * s, hk, d),
+                                     cu, cu, longest, longest, True, scale, wl, -1, cap, -1)
+    return out.view(b, s, h, d)
 
 
 def _unpadded(q, k, v, pad, causal, scale, cap):
