@@ -577,11 +577,13 @@ def test_the_sm80_backward_matches_reference_everywhere(c):
 @gpu
 @settings(max_examples=100)
 @given(c=attn_cases(forward=False), sk=st.sampled_from([127, 128, 129, 300, 513]), rows=st.sampled_from([64, 128]),
-       producer=st.booleans())
-def test_the_sm90_backward_matches_reference(c, sk, rows, producer):
+       producer=st.booleans(), sections=st.sampled_from([None, 1, 4]))
+def test_the_sm90_backward_matches_reference(c, sk, rows, producer, sections):
     """The Hopper backward (attention_bwd_sm90) on its head dims and query tiles (64 rows, and
     128 at head dim 64), with and without a producer warpgroup, over several key blocks of 128
-    (partial last blocks, causal blocks that see few queries, GQA's loop over heads)."""
+    (partial last blocks, causal blocks that see few queries, GQA's loop over heads); causal
+    blocks numbered in L2 sections of 1 or 4 (batch, kv head) groups (several sections, a
+    partial last one) or the default's."""
     import importlib
 
     from cukern import _kernels
@@ -592,8 +594,12 @@ def test_the_sm90_backward_matches_reference(c, sk, rows, producer):
     c["d"] = c["d"] if c["d"] in (64, 128) else 128
     c["sk"] = sk
     cfg = attn.Sm90BwdConfig(rows if c["d"] == 64 else 64, producer=producer)
+    configs = dataclasses.replace(attn.CONFIGS, bwd_sm90=((c["d"], cfg),), use_sm90_bwd=True)
+    if sections is not None:
+        group_bytes = c["h"] // c["hkv"] * c["sq"] * c["d"] * 8
+        configs = dataclasses.replace(configs, bwd_l2_section_bytes=sections * group_bytes)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(attn, "CONFIGS", dataclasses.replace(attn.CONFIGS, bwd_sm90=((c["d"], cfg),), use_sm90_bwd=True))
+        mp.setattr(attn, "CONFIGS", configs)
         _run_backward_case(c)
 
 
