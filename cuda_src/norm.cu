@@ -46,6 +46,52 @@ __device__ __forceinline__ cuk::Vec<TO, VEC> fp8_out(float (&o)[VEC], float scal
     return pack<TO, VEC>(o);
 }
 
+// The forward's output: rows row0 .. row0 + R - 1 of a row group (norm_fwd's xv, mean, rstd),
+// HW / HB: with a weight / a bias (compile-time: the form of each element's arithmetic).
+template <bool HW, bool HB, bool RMS, int VEC, int NV, int G, int R, bool OFFSET, int CAST, typename T, typename TO>
+__device__ __forceinline__ void norm_fwd_write(const cuk::Vec<T, VEC> (&xv)[R][NV], const float (&mean)[R],
+                                               const float (&rstd)[R], const T* __restrict__ w,
+                                               const T* __restrict__ b, float w_offset, TO* __restrict__ y,
+                                               long long row0, long long rows, int cols, int lane, float scale,
+                                               unsigned int& am) {
+    using namespace cuk;
+    constexpr bool FP8 = is_fp8<TO>::value;
+    TO* yr[R];   // (this lane's first vector of each row: a vector i is i * G * VEC further)
+#pragma unroll
+    for (int r = 0; r < R; ++r) yr[r] = y + (row0 + r) * cols + lane * VEC;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+        const int col = (i * G + lane) * VEC;
+        if (col < cols) {
+            // Whole vectors through unpack / pack: element by element, the compiler kept each
+            // 16-bit value in a register of its own and spent 2-3 instructions a conversion.
+            float wf[VEC], bf[VEC];
+            if constexpr (HW) {
+                unpack(load_vec<T, VEC>(w + col), wf);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) wf[j] = weight_value<OFFSET>(wf[j], w_offset);
+            }
+            if constexpr (HB) unpack(load_vec<T, VEC>(b + col), bf);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                if (row0 + r < rows) {
+                    float o[VEC];
+                    unpack(xv[r][i], o);
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) {
+                        float v = cast_round<T, CAST>((o[j] - mean[r]) * rstd[r]);
+                        if constexpr (HW) v *= wf[j];
+                        if constexpr (HB) v += bf[j];
+                        o[j] = v;
+                    }
+                    if constexpr (FP8) store_stream<TO, VEC>(yr[r] + i * G * VEC, fp8_out<TO, VEC>(o, scale, am));
+                    else store_stream<TO, VEC>(yr[r] + i * G * VEC, pack<TO, VEC>(o));
+                }
+            }
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Forward, row in registers.
 //   x, res: input rows (res may be null) with their row strides (elements);
@@ -195,33 +241,14 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_fwd(
                 for (int r = 0; r < R; ++r) rstd[r] = rsqrtf(q[r] * inv_cols + eps);
             }
         }
-#pragma unroll
-        for (int i = 0; i < NV; ++i) {
-            const int col = (i * G + lane) * VEC;
-            if (col < cols) {
-                // Whole vectors through unpack / pack: element by element, the compiler kept each
-                // 16-bit value in a register of its own and spent 2-3 instructions a conversion.
-                float wf[VEC], bf[VEC];
-                if (w) unpack(load_vec<T, VEC>(w + col), wf);
-                if (!RMS && b) unpack(load_vec<T, VEC>(b + col), bf);
-#pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    const long long row = row0 + r;
-                    if (row < rows) {
-                        float o[VEC];
-                        unpack(xv[r][i], o);
-#pragma unroll
-                        for (int j = 0; j < VEC; ++j) {
-                            float v = cast_round<T, CAST>((o[j] - mean[r]) * rstd[r]);
-                            if (w) v *= OFFSET ? wf[j] + w_offset : wf[j];
-                            if (!RMS && b) v += bf[j];
-                            o[j] = v;
-                        }
-                        if constexpr (FP8) store_stream<TO, VEC>(y + row * cols + col, fp8_out<TO, VEC>(o, scale, am));
-                        else store_stream<TO, VEC>(y + row * cols + col, pack<TO, VEC>(o));
-                    }
-                }
-            }
+        // (whether there is a weight and a bias: a branch a row group, not a predicate an element,
+        // so that y = xhat w + b is one FFMA)
+        if (w) {
+            if (!RMS && b) norm_fwd_write<true, true, RMS, VEC, NV, G, R, OFFSET, CAST>(xv, mean, rstd, w, b, w_offset, y, row0, rows, cols, lane, scale, am);
+            else norm_fwd_write<true, false, RMS, VEC, NV, G, R, OFFSET, CAST>(xv, mean, rstd, w, b, w_offset, y, row0, rows, cols, lane, scale, am);
+        } else {
+            if (!RMS && b) norm_fwd_write<false, true, RMS, VEC, NV, G, R, OFFSET, CAST>(xv, mean, rstd, w, b, w_offset, y, row0, rows, cols, lane, scale, am);
+            else norm_fwd_write<false, false, RMS, VEC, NV, G, R, OFFSET, CAST>(xv, mean, rstd, w, b, w_offset, y, row0, rows, cols, lane, scale, am);
         }
         if (lane == 0) {
 #pragma unroll
