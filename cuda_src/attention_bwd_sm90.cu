@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     long long dk_sb, long long dk_ss, long long dk_sh, long long dv_sb, long long dv_ss, long long dv_sh,
     int H, int Hkv, int Sq, int Sk, float scale, float scale_log2, int win_left, int win_right, float cap_in,
     float cap_out, const int* __restrict__ cu_q, const int* __restrict__ cu_k, int max_q, int max_k,
-    long long* __restrict__ fault, int section_groups)
+    long long* __restrict__ fault, int groups)
 {
     constexpr bool CAUSAL = MASK == 1;
     constexpr int BN = 128, DB = D / 64;            // DB: 64-column boxes of a row
@@ -84,18 +84,18 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     float* const rows_s = reinterpret_cast<float*>(dq_s + DQ_STAGE);   // [STAGES][lse_log2, Dsum][BM]
     __shared__ unsigned long long bar_kv, bar_q[STAGES], bar_free[STAGES], ds_full[2], ds_free[2];
 
-    // The block's (group, key block): the grid's (y, x), except causal (dense), where blocks are
-    // numbered in launch order in sections of `section_groups` groups (batch, kv head) whose Q,
-    // dO and dQ's float32 sums fit L2, key block-major within a section. A key block's work falls
-    // with its index (GQA: times the group's heads), so the longest blocks start first; group-major
-    // order left a group's long blocks behind the groups before it (a tail of lone blocks).
+    // The block's (group, key block): the grid's (y, x), except with a causal mask or a window
+    // (dense), whose grid is (section_groups, key blocks, sections): blocks launch in sections of
+    // `section_groups` groups (batch, kv head) whose Q, dO and dQ's float32 sums fit L2, key
+    // block-major within a section. A causal key block's work falls with its index (GQA: times the
+    // group's heads), so the longest blocks start first; group-major order left a group's long
+    // blocks behind the groups before it (a tail of lone blocks). (Indices straight from blockIdx:
+    // a launch index divided out spilled the softcap's instance.)
     int group = blockIdx.y, kblock = blockIdx.x;
-    if (CAUSAL && !VARLEN) {
-        const int tile = blockIdx.y * gridDim.x + blockIdx.x, per_section = gridDim.x * section_groups;
-        const int section = tile / per_section, r = tile - section * per_section;
-        const int n = min(section_groups, static_cast<int>(gridDim.y) - section * section_groups);
-        kblock = r / n;
-        group = section * section_groups + (r - kblock * n);
+    if constexpr ((CAUSAL || MASK == 2) && !VARLEN) {
+        group = blockIdx.z * gridDim.x + blockIdx.x;
+        kblock = blockIdx.y;
+        if (group >= groups) return;   // (the last section's missing groups, before any barrier)
     }
     const int doc = group / Hkv, b = VARLEN ? 0 : doc, hk = group % Hkv;
     const int rep = H / Hkv;

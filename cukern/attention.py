@@ -272,8 +272,9 @@ class Configs:
     # Causal Hopper forward tiles run the longest first within sections of (batch, head) pairs
     # whose K and V (16-bit) take this much: they stay in L2 (50 MB on H100) while read.
     l2_section_bytes: int = 32 << 20
-    # Causal Hopper backward blocks run the longest first within sections of (batch, kv head)
-    # groups whose Q, dO and dQ's float32 sums (8 bytes a query element) fill this many bytes.
+    # Causal (and windowed) Hopper backward blocks run the longest first within sections of
+    # (batch, kv head) groups whose Q, dO and dQ's float32 sums (8 bytes a query element) fill
+    # this many bytes.
     bwd_l2_section_bytes: int = 32 << 20
     # The backward's dK/dV (and dQ-atomic) kernel on sm_90 by TMA and wgmma, by head dim: query
     # tiles as measured fastest on an H200 (d64: 128 rows 288 TFLOP/s against 64 rows 235).
@@ -908,11 +909,17 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
                             device)
         qbox, kbox = (1, cfg.block_rows, 1, 64), (1, cfg.block_keys, 1, 64)
         dq_map = bytes(128) if deterministic else MapSlot(dq_accum.index, (1, 16, 1, 32))
-        b.launch(k, (-(-rows_k // cfg.block_keys), groups * hkv), q_map=MapSlot(1, qbox), k_map=MapSlot(2, kbox),
+        kblocks, pairs = -(-rows_k // cfg.block_keys), groups * hkv
+        if varlen is None and mask.kind in (1, 2):   # (causal or a window: see the kernel)
+            per = min(pairs, max(1, configs.bwd_l2_section_bytes // (h // hkv * rows_q * d * 8)))
+            grid = (per, kblocks, -(-pairs // per))
+        else:
+            grid = (kblocks, pairs)
+        b.launch(k, grid, q_map=MapSlot(1, qbox), k_map=MapSlot(2, kbox),
                  v_map=MapSlot(3, kbox), do_map=MapSlot(0, qbox), dq_map=dq_map, rows=rows, dk=dk, dv=dv,
                  **out_strides, **tail, win_left=mask.left, win_right=mask.right, cap_in=cap_in, cap_out=cap_out,
                  **{n: masked[n] for n in ("cu_q", "cu_k", "max_q", "max_k", "fault")},
-                 section_groups=max(1, configs.bwd_l2_section_bytes // (h // hkv * rows_q * d * 8)))
+                 groups=pairs)
     else:
         cfg = configs.get("bwd", d)
         k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, deterministic, bool(mask.softcap)), device)

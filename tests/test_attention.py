@@ -265,7 +265,8 @@ def test_the_sm90_backward_takes_tensor_maps_of_the_inputs(host_arrays_as_device
     _, inst, grid, _, _, slots = steps[1]
     cfg = attn.CONFIGS.get("bwd_sm90", 128)
     assert inst.name.startswith(f"attention_bwd_sm90<cuk::half, 128, 64, {cfg.stages}, 1, false, true, ")
-    assert inst.arch == "sm_90a" and inst.threads == cfg.threads(False) and grid == (3, 4)
+    # (causal: (batch, kv head) groups a section, key blocks, sections; 32 MB holds all four groups)
+    assert inst.arch == "sm_90a" and inst.threads == cfg.threads(False) and grid == (4, 3, 1)
     maps = [(m.index, m.box) for _, m, _ in slots if isinstance(m, _kernels.MapSlot)]
     assert maps[:4] == [(1, (1, 64, 1, 64)), (2, (1, 128, 1, 64)), (3, (1, 128, 1, 64)), (0, (1, 64, 1, 64))]
     # dQ's float32 partial sums (B, Sq, H, D), added to by TMA in boxes of 16 rows x 32 floats

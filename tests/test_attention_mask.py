@@ -668,10 +668,12 @@ def test_the_backward_with_windows_and_softcap_matches_the_reference(c, determin
 @settings(max_examples=60, deadline=None)
 @given(c=mask_cases(), sq=st.sampled_from([64, 129, 300]), sk=st.sampled_from([127, 129, 300, 513]),
        d=st.sampled_from([64, 128]), rows=st.sampled_from([64, 128]), producer=st.booleans(),
-       deterministic=st.booleans())
-def test_the_sm90_backward_with_windows_and_softcap(c, sq, sk, d, rows, producer, deterministic):
+       deterministic=st.booleans(), sections=st.sampled_from([None, 1]))
+def test_the_sm90_backward_with_windows_and_softcap(c, sq, sk, d, rows, producer, deterministic, sections):
     """The Hopper backward's walk over the query tiles a window leaves (several key blocks of
-    128, query tiles of 64 and 128 rows, with and without the producer warpgroup) and its softcap."""
+    128, query tiles of 64 and 128 rows, with and without the producer warpgroup) and its softcap;
+    windows open to the left (the softcap's causal mask too) numbered in L2 sections of one
+    (batch, kv head) group, or the default's."""
 
     from cukern import _kernels
 
@@ -683,6 +685,8 @@ def test_the_sm90_backward_with_windows_and_softcap(c, sq, sk, d, rows, producer
     with pytest.MonkeyPatch.context() as mp:
         configs = dataclasses.replace(attn.CONFIGS, bwd_sm90=((d, cfg),), bwd_sm90_softcap=((d, cfg),),
                                       use_sm90_bwd=True)
+        if sections is not None:
+            configs = dataclasses.replace(configs, bwd_l2_section_bytes=c["h"] // c["hkv"] * sq * d * 8)
         mp.setattr(attn, "CONFIGS", configs)
         _backward_case(c, deterministic)
 
