@@ -181,6 +181,15 @@ def test_kernels_match_the_reference(c):
     _run_case(c)
 
 
+def _hf_inputs(seed, tdt, batch, seq, d, base):
+    """Leaves q (B, 8, S, D) and k (B, 2, S, D) of dtype tdt, views of (B, S, H, D) tensors (as Hugging
+    Face's attention gives them), and the float32 inverse frequencies of head dim d and ``base``."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k = (torch.randn(batch, seq, h, d, device="cuda", generator=g).to(tdt).transpose(1, 2).requires_grad_(True)
+            for h in (8, 2))
+    return q, k, torch.tensor(cukern.rope_inv_freq(d, base), device="cuda", dtype=torch.float32)
+
+
 @gpu
 @needs_torch
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
@@ -191,12 +200,9 @@ def test_against_hugging_faces_code(dtype):
     import cukern.torch as ct
     from cukern.rope import _hf
 
-    g = torch.Generator(device="cuda").manual_seed(1)
     tdt = getattr(torch, dtype)
-    B, S, HQ, HK, D = 2, 256, 8, 2, 128
-    q = torch.randn(B, S, HQ, D, device="cuda", generator=g).to(tdt).transpose(1, 2).requires_grad_(True)
-    k = torch.randn(B, S, HK, D, device="cuda", generator=g).to(tdt).transpose(1, 2).requires_grad_(True)
-    inv = torch.tensor(cukern.rope_inv_freq(D, 500000.0), device="cuda", dtype=torch.float32)
+    B, S = 2, 256
+    q, k, inv = _hf_inputs(1, tdt, B, S, 128, 500000.0)
     pos = torch.arange(S, device="cuda", dtype=torch.float32)[None].expand(B, S)
     f = pos[..., None] * inv
     emb = torch.cat((f, f), dim=-1)
@@ -228,12 +234,9 @@ def test_float32_tables_under_autocast_give_hugging_faces_bits(dtype):
     import cukern.torch as ct
     from cukern.rope import _hf
 
-    g = torch.Generator(device="cuda").manual_seed(2)
     tdt = getattr(torch, dtype)
-    B, S, HQ, HK, D = 2, 200, 8, 2, 64
-    q = torch.randn(B, S, HQ, D, device="cuda", generator=g).to(tdt).transpose(1, 2).requires_grad_(True)
-    k = torch.randn(B, S, HK, D, device="cuda", generator=g).to(tdt).transpose(1, 2).requires_grad_(True)
-    inv = torch.tensor(cukern.rope_inv_freq(D, 10000.0), device="cuda", dtype=torch.float32)
+    B, S = 2, 200
+    q, k, inv = _hf_inputs(2, tdt, B, S, 64, 10000.0)
     f = torch.arange(S, device="cuda", dtype=torch.float32)[None, :, None] * inv
     emb = torch.cat((f, f), dim=-1).expand(B, -1, -1)
     cos, sin = emb.cos(), emb.sin()
