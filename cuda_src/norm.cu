@@ -48,7 +48,7 @@ __device__ __forceinline__ cuk::Vec<TO, VEC> fp8_out(float (&o)[VEC], float scal
 
 // The forward's output: rows row0 .. row0 + R - 1 of a row group (norm_fwd's xv, mean, rstd),
 // HW / HB: with a weight / a bias (compile-time: the form of each element's arithmetic).
-template <bool HW, bool HB, bool RMS, int VEC, int NV, int G, int R, bool OFFSET, int CAST, typename T, typename TO>
+template <bool HW, bool HB, int VEC, int NV, int G, int R, bool OFFSET, int CAST, typename T, typename TO>
 __device__ __forceinline__ void norm_fwd_write(const cuk::Vec<T, VEC> (&xv)[R][NV], const float (&mean)[R],
                                                const float (&rstd)[R], const T* __restrict__ w,
                                                const T* __restrict__ b, float w_offset, TO* __restrict__ y,
@@ -243,13 +243,17 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_fwd(
         }
         // (whether there is a weight and a bias: a branch a row group, not a predicate an element,
         // so that y = xhat w + b is one FFMA)
+        const bool has_b = !RMS && b;
+#define CUK_NORM_WRITE(HW, HB) \
+    norm_fwd_write<HW, HB, VEC, NV, G, R, OFFSET, CAST>(xv, mean, rstd, w, b, w_offset, y, row0, rows, cols, lane, scale, am)
         if (w) {
-            if (!RMS && b) norm_fwd_write<true, true, RMS, VEC, NV, G, R, OFFSET, CAST>(xv, mean, rstd, w, b, w_offset, y, row0, rows, cols, lane, scale, am);
-            else norm_fwd_write<true, false, RMS, VEC, NV, G, R, OFFSET, CAST>(xv, mean, rstd, w, b, w_offset, y, row0, rows, cols, lane, scale, am);
+            if (has_b) CUK_NORM_WRITE(true, true);
+            else CUK_NORM_WRITE(true, false);
         } else {
-            if (!RMS && b) norm_fwd_write<false, true, RMS, VEC, NV, G, R, OFFSET, CAST>(xv, mean, rstd, w, b, w_offset, y, row0, rows, cols, lane, scale, am);
-            else norm_fwd_write<false, false, RMS, VEC, NV, G, R, OFFSET, CAST>(xv, mean, rstd, w, b, w_offset, y, row0, rows, cols, lane, scale, am);
+            if (has_b) CUK_NORM_WRITE(false, true);
+            else CUK_NORM_WRITE(false, false);
         }
+#undef CUK_NORM_WRITE
         if (lane == 0) {
 #pragma unroll
             for (int r = 0; r < R; ++r) {
