@@ -103,6 +103,22 @@ def _report_backward(raw, B, H, S, cfg, causal):
         print(f"  warpgroup {w}, the middle step (median us): {parts}; the step {np.median(us(ph[:, w].sum(1))):.3f}")
         print(f"    block {np.median(us(clk[:, w, 9] - clk[:, w, 0])):.2f} us, "
               f"{np.median(us(clk[:, w, 9] - clk[:, w, 0]) / steps):.3f} us a step")
+    _report_tail(ns, ns + us(clk[:, :, 9].max(axis=1) - clk[:, 0, 0]) * 1e3, sm)
+
+
+def _report_tail(start, end, sm):
+    """How full the SMs were over the launch: blocks' busy time against SMs x span, and the
+    last part of the launch in which fewer blocks ran than at its start (the last wave's tail)."""
+    span = end.max() - start.min()
+    sms = np.unique(sm).size
+    busy = (end - start).sum() / (sms * span)
+    events = np.concatenate([np.stack([start, np.ones_like(start)], 1), np.stack([end, -np.ones_like(end)], 1)])
+    events = events[np.argsort(events[:, 0], kind="stable")]
+    running = np.cumsum(events[:, 1])
+    full = running.max()
+    last_full = events[np.nonzero(running == full)[0][-1], 0]
+    print(f"  launch {span / 1e3:.1f} us on {sms} SMs, busy {100 * busy:.1f}%; the tail after the last moment "
+          f"{full} blocks ran: {(end.max() - last_full) / 1e3:.1f} us ({100 * (end.max() - last_full) / span:.1f}%)")
 
 
 def _report_forward(raw, B, H, S, cfg, causal):
