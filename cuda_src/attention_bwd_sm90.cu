@@ -22,11 +22,14 @@
 // block barrier and drift: one's softmax overlaps the other's products.
 // dK is scaled at the end; dq_accum is scaled by attention_bwd_dq_convert.
 // MASK (common/attn_mask.cuh): 0 none, 1 causal, 2 a window, whose block walks only the query
-// tiles between its keys' window edges. SOFTCAP (t = tanh(s scale / c); the host takes a causal
-// mask as the window (-1, 0) with it): P^T = exp2(c log2(e) t - lse_log2) and dS^T = P^T (dP^T -
-// Dsum) (1 - t^2) in one pass once dP^T is in (t is not kept: no registers for it).
-// The unmasked and causal instances' code is written out as it was before the masks: ptxas lays
-// out KeyMask's form of the same tests differently there, measured 7% slower at d128 causal.
+// tiles between its keys' window edges. SOFTCAP (t = tanh(s scale / c)): P^T = exp2(c log2(e) t -
+// lse_log2) and dS^T = P^T (dP^T - Dsum) (1 - t^2) (see CAP_LATE for where 1 - t^2 is applied).
+// The unmasked and causal instances' tests are written out as they were before the masks: ptxas
+// lays out KeyMask's form of the same tests differently there, measured 7% slower at d128 causal
+// (and 7% with the softcap, which ran causal as the window (-1, 0) until 2026-11-26). A score's
+// tests are combined by & and |, not && and ||: ptxas's layout of the short-circuit form cost
+// 2-4% at d128 and 11-19% with a window (A/B on an H200, docs/notes-attention.md). Packed causal
+// documents keep the short-circuit form (5% faster there); with a window they take | (9% faster).
 #include "common/dtype.cuh"
 #include "common/reduce.cuh"
 #include "common/hopper.cuh"
@@ -72,6 +75,11 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     // D = 64: queries) a warpgroup takes half wg over all BN keys (both warpgroups' dS^T); with
     // BM = D = 64 it takes its own 64 keys (both warpgroups add into dq_accum).
     constexpr bool SPLIT_N = BM * D == 2 * 64 * 64;
+    // The softcap's dS^T needs 1 - t^2 (t = tanh(s scale / c)) from P^T's pass. CAP_LATE (d64):
+    // P^T and dS^T in one pass once dP^T is in, so dV waits for dP^T. Else s keeps P^T (1 - t^2)
+    // and dP^T's wait stays behind the exponentials: at d128 5% faster, at d64 8% slower (causal
+    // run as a window; as MASK 1, d64 measures the same either way; A/B on an H200).
+    constexpr bool CAP_LATE = SOFTCAP && D == 64;
 #if CUK_SM90A
     using namespace cuk;
     extern __shared__ unsigned char smem_raw[];
@@ -284,8 +292,9 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
 
         // P^T = exp2(S^T scale_log2 - lse_log2) (this thread's query columns 8j + 2t, +1), 0 for
         // queries past sq, keys past sk and, causal, keys past the diagonal
-        if constexpr (SOFTCAP) {
-            // (after dP^T: P^T and dS^T in one pass, 1 - t^2 never held)
+        unsigned int pa[BM / 16][4];   // P^T as the A fragments of dV (k16 step kk: query columns 16kk..)
+        if constexpr (CAP_LATE) {
+            // (after dP^T: P^T and dS^T in one pass)
             const bool edge = m0 + BM > sq || km.edge(n0, BN, m0, BM, sk);
             wgmma_wait<0>();
             wgmma_hold(dp);
@@ -297,15 +306,42 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
                 for (int e = 0; e < 4; ++e) {
                     const float th = attention::tanh_approx(s[4 * j + e] * cap_in);
                     float p = fast_exp2(fmaf(th, cap_out, -(e & 1 ? l.y : l.x)));
-                    if (edge) {
-                        const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
-                        if (q >= sq || km.hidden(q, key, sk)) p = 0.f;
-                    }
+                    const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
+                    if (edge & ((q >= sq) | km.hidden_bits(q, key, sk))) p = 0.f;
                     s[4 * j + e] = p;
                     // (VARLEN: exactly 0 where P is, as in the pass without the softcap)
                     dp[4 * j + e] = VARLEN && p == 0.f ? 0.f
                                                         : p * (dp[4 * j + e] - (e & 1 ? d.y : d.x)) * (1.f - th * th);
                 }
+            }
+        } else if constexpr (SOFTCAP) {
+            // P^T's fragments packed a column pair at a time, and s kept as P^T (1 - t^2) for
+            // dS^T = (P^T (1 - t^2)) (dP^T - Dsum): t dies here, no registers held for it, and
+            // dP^T's wait stays behind the exponentials as without the softcap
+            const bool edge = m0 + BM > sq || (MASK == 2 ? km.edge(n0, BN, m0, BM, sk)
+                                                           : n0 + BN > sk || (CAUSAL && n0 + BN - 1 > m0 + diag));
+#pragma unroll
+            for (int j = 0; j < BM / 8; ++j) {
+                const float2 l = *reinterpret_cast<const float2*>(lrow + 8 * j + 2 * t);
+                float p[4], u[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float th = attention::tanh_approx(s[4 * j + e] * cap_in);
+                    p[e] = fast_exp2(fmaf(th, cap_out, -(e & 1 ? l.y : l.x)));
+                    if constexpr (MASK == 2) {
+                        const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
+                        if (edge & ((q >= sq) | km.hidden_bits(q, key, sk))) p[e] = 0.f;
+                    } else {
+                        // (with && and || ptxas branched a score here at causal d128 and spilled)
+                        const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
+                        if (edge & ((q >= sq) | (key >= sk) | (CAUSAL & (key > q + diag)))) p[e] = 0.f;
+                    }
+                    u[e] = 1.f - th * th;
+                }
+                pa[j / 2][2 * (j % 2)] = pack2(p[0], p[1], T{});
+                pa[j / 2][2 * (j % 2) + 1] = pack2(p[2], p[3], T{});
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[4 * j + e] = p[e] * u[e];
             }
         } else if constexpr (MASK == 2) {
             const bool edge = m0 + BM > sq || km.edge(n0, BN, m0, BM, sk);
@@ -315,10 +351,8 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -(e & 1 ? l.y : l.x)));
-                    if (edge) {
-                        const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
-                        if (q >= sq || km.hidden(q, key, sk)) p = 0.f;
-                    }
+                    const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
+                    if (edge & ((q >= sq) | km.hidden_bits(q, key, sk))) p = 0.f;
                     s[4 * j + e] = p;
                 }
             }
@@ -331,21 +365,25 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -(e & 1 ? l.y : l.x)));
-                    if (edge) {
+                    if constexpr (VARLEN) {   // (packed causal documents: the && form 5% faster; see the top)
+                        if (edge) {
+                            const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
+                            if (q >= sq || key >= sk || (CAUSAL && key > q + diag)) p = 0.f;
+                        }
+                    } else {
                         const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
-                        if (q >= sq || key >= sk || (CAUSAL && key > q + diag)) p = 0.f;
+                        if (edge & ((q >= sq) | (key >= sk) | (CAUSAL & (key > q + diag)))) p = 0.f;
                     }
                     s[4 * j + e] = p;
                 }
             }
         }
-        // dV += P^T dO: P^T's A fragments from the accumulators (k16 step kk: query columns 16kk..)
-        unsigned int pa[BM / 16][4];
-        accumulators_to_a<T>(s, pa);
+        // dV += P^T dO: P^T's A fragments from the accumulators (the softcap's packed above)
+        if constexpr (!SOFTCAP || CAP_LATE) accumulators_to_a<T>(s, pa);
         wgmma_rs_mn<T, D>(dv_acc, pa, dob, Q_BOX);
         CUK_STEP_STAMP(4);
 
-        if constexpr (!SOFTCAP) {
+        if constexpr (!CAP_LATE) {
             wgmma_wait<1>();   // dP^T is in (dV may still run)
             wgmma_hold(dp);
 #pragma unroll

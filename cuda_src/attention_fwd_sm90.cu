@@ -270,7 +270,8 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
                 for (int e = 0; e < 4; ++e) {
                     const int key = n0 + 8 * j + 2 * t + (e & 1);
                     const int row = row0 + (e >> 1) * 8;
-                    if (LOCAL ? window.hidden(row, key, sk) : key >= sk || (CAUSAL && key > row + diag))
+                    // (a window's tests combined by | and &, not || and &&: 3% at S8192, window 1024)
+                    if (LOCAL ? window.hidden_bits(row, key, sk) : key >= sk || (CAUSAL && key > row + diag))
                         s[4 * j + e] = neg_inf();
                 }
         }

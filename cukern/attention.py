@@ -349,11 +349,11 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
     out += [cfg.instance(dt, d, m, det) for dt in DTYPES for d, cfg in configs.bwd_sm90 for m in (0, 1, 2)
             for det in (False, True)]
     out += [cfg.instance(dt, d, m, det, True) for dt in DTYPES for d, cfg in configs.bwd_sm90_softcap
-            for m in (0, 2) for det in (False, True)]
+            for m in (0, 1, 2) for det in (False, True)]
     out += [cfg.instance(dt, d, m, det, varlen=True) for dt in DTYPES for d, cfg in configs.bwd_sm90
             for m in (0, 1, 2) for det in (False, True)]
     out += [cfg.instance(dt, d, m, det, True, varlen=True) for dt in DTYPES for d, cfg in configs.bwd_sm90_softcap
-            for m in (0, 2) for det in (False, True)]
+            for m in (0, 1, 2) for det in (False, True)]
     out += list({cfg.rows_instance().name: cfg.rows_instance()
                  for _, cfg in configs.bwd_sm90 + configs.bwd_sm90_softcap}.values())
     for dt in DTYPES:
@@ -903,9 +903,7 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
         # dK, dV (and dQ's float32 partial sums, by TMA reduce-add) by TMA and wgmma; dQ's
         # conversion or pass as below. (deterministic: no dQ here, the dq_map is unused)
         cfg = cfg_sm90
-        # (the softcap's causal mask as the window (-1, 0), the same keys: its MASK 1 instance spills)
-        kind = 2 if mask.softcap and mask.kind == 1 else mask.kind
-        k = _kernels.kernel(cfg.instance(qa.dtype, d, kind, deterministic, bool(mask.softcap), varlen is not None),
+        k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, deterministic, bool(mask.softcap), varlen is not None),
                             device)
         qbox, kbox = (1, cfg.block_rows, 1, 64), (1, cfg.block_keys, 1, 64)
         dq_map = bytes(128) if deterministic else MapSlot(dq_accum.index, (1, 16, 1, 32))

@@ -587,13 +587,13 @@ def test_the_backward_plans(host_arrays_as_device, monkeypatch):
         assert step[4]["max_q"] == 20 and step[4]["max_k"] == 25 and step[4]["Sq"] == 30 and step[4]["Sk"] == 40
     with pytest.raises(ValueError, match=r"lse: shape \(30, 4\) does not match \(heads, total_q\) = \(4, 30\)"):
         cukern.attention_varlen_backward(qp, qp, kp, vp, qp, np.ones((30, 4), np.float32), cu_q, cu_k, 20, 25)
-    # (Hopper: the causal mask on its own kernel; a window or the softcap on attention_bwd_dkdv)
+    # (Hopper: the causal mask (with or without the softcap) and a window on attention_bwd_sm90)
     attn = importlib.import_module("cukern.attention")
     monkeypatch.setattr(_kernels, "compute_capability", lambda device: (9, 0))
     hopper_on = dataclasses.replace(attn.CONFIGS, use_sm90_bwd=True)
     for kw, name in ((dict(), "attention_bwd_sm90<cuk::half, 128, 64, 2, 1, false, "),
                      (dict(window=(5, 0)), "attention_bwd_sm90<cuk::half, 128, 64, 2, 2, false, "),
-                     (dict(softcap=3.0), "attention_bwd_sm90<cuk::half, 128, 64, 2, 2, true, ")):
+                     (dict(softcap=3.0), "attention_bwd_sm90<cuk::half, 128, 64, 2, 1, true, ")):
         with pytest.raises(DryRun) as info:
             attn._attention_backward(q, q, kv, kv, q, lse, True, None, False, hopper_on, kw.get("window", (-1, -1)),
                                      kw.get("softcap", 0.0))

@@ -46,6 +46,11 @@ struct KeyMask {
     __device__ __forceinline__ bool hidden(int row, int key, int sk) const {
         return key >= sk || (MASK != MASK_NONE && key > row + hi) || (MASK == MASK_LOCAL && key < row + lo);
     }
+    // The same tests combined by | and & (no short-circuit): the Hopper kernels' per-score masks
+    // run 2-19% faster this way in most instances (attention_bwd_sm90's top says where).
+    __device__ __forceinline__ bool hidden_bits(int row, int key, int sk) const {
+        return (key >= sk) | ((MASK != MASK_NONE) & (key > row + hi)) | ((MASK == MASK_LOCAL) & (key < row + lo));
+    }
 };
 
 // tanh by the SFU (sm_75+; flash-attn's softcap takes the same), ~2^-11 relative error.
