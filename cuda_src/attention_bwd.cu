@@ -27,15 +27,10 @@
 #include "common/attn_tile.cuh"
 #include "common/attn_mask.cuh"
 
-// L = LANES lanes a row (b, h, i), rows numbered i fastest (so that Dsum, lse and `rows` are
-// read and written in runs), each lane one or more 16-byte vectors of the row's dO and O (a
-// warp reads 32 / L rows' whole vectors at once), the lanes' sums reduced by shuffles. With
-// dq_accum (deterministic=False) also zeroes dQ's float32 partial sums, rows * D elements (saves
-// a separate memset). With `rows` (the Hopper backward) also writes lse * log2(e) and Dsum as
-// tiles of `tile` queries, (B, H, ceil(Sq / tile), 2, tile) float32, zeros past Sq: one TMA copy
-// a query tile.
-template <typename T, int D>
-__global__ void __launch_bounds__(256) attention_bwd_dot(
+// I: the row and element index type (int where B * Sq * H * D fits, else long long: 64-bit
+// division and modulo a row cost more than the row's loads).
+template <typename I, typename T, int D>
+__device__ __forceinline__ void attention_bwd_dot_rows(
     const T* __restrict__ dout, const T* __restrict__ out,
     long long d_sb, long long d_ss, long long d_sh, long long o_sb, long long o_ss, long long o_sh,
     float* __restrict__ dsum, const float* __restrict__ lse, float* __restrict__ rows, int tile,
@@ -45,14 +40,15 @@ __global__ void __launch_bounds__(256) attention_bwd_dot(
     constexpr int V = D / 8;                               // 16-byte vectors a row
     constexpr int LANES = (V & 15) == 0 ? 16 : (V & 7) == 0 ? 8 : (V & 3) == 0 ? 4 : (V & 1) == 0 ? 2 : 1;
     constexpr int VPL = V / LANES;                         // vectors a lane
-    const long long nrows = static_cast<long long>(B) * Sq * H;
+    const I nrows = static_cast<I>(B) * Sq * H;
     const int sub = threadIdx.x % LANES;
     // (the lanes of a row run the loop alike, so the shuffles name them alone: a warp's last
     // rows may end before its first)
     const unsigned int row_lanes = (LANES == 32 ? 0xffffffffu : (1u << LANES) - 1) << (threadIdx.x % 32 - sub);
-    for (long long r = (blockIdx.x * 256LL + threadIdx.x) / LANES; r < nrows; r += gridDim.x * (256LL / LANES)) {
+    for (I r = (static_cast<I>(blockIdx.x) * 256 + threadIdx.x) / LANES; r < nrows;
+         r += static_cast<I>(gridDim.x) * (256 / LANES)) {
         const int i = static_cast<int>(r % Sq);
-        const long long bh = r / Sq;
+        const I bh = r / Sq;
         const int h = static_cast<int>(bh % H), b = static_cast<int>(bh / H);
         const T* dp = dout + b * d_sb + i * d_ss + h * d_sh;
         const T* op = out + b * o_sb + i * o_ss + h * o_sh;
@@ -68,10 +64,10 @@ __global__ void __launch_bounds__(256) attention_bwd_dot(
 #pragma unroll
         for (int m = 1; m < LANES; m *= 2) acc += __shfl_xor_sync(row_lanes, acc, m);
         if (sub == 0) {
-            dsum[bh * Sq + i] = acc;
+            dsum[static_cast<long long>(bh) * Sq + i] = acc;
             if (rows) {
-                float* at = rows + (bh * ((Sq + tile - 1) / tile) + i / tile) * 2 * tile + i % tile;
-                at[0] = lse[bh * Sq + i] * LOG2E;
+                float* at = rows + (static_cast<long long>(bh) * ((Sq + tile - 1) / tile) + i / tile) * 2 * tile + i % tile;
+                at[0] = lse[static_cast<long long>(bh) * Sq + i] * LOG2E;
                 at[tile] = acc;
             }
         }
@@ -86,10 +82,34 @@ __global__ void __launch_bounds__(256) attention_bwd_dot(
         }
     }
     if (dq_accum) {
-        const long long n4 = nrows * (D / 4);
-        for (long long j = blockIdx.x * 256LL + threadIdx.x; j < n4; j += gridDim.x * 256LL)
+        const I n4 = nrows * (D / 4);
+        for (I j = static_cast<I>(blockIdx.x) * 256 + threadIdx.x; j < n4; j += static_cast<I>(gridDim.x) * 256)
             reinterpret_cast<float4*>(dq_accum)[j] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
+}
+
+// L = LANES lanes a row (b, h, i), rows numbered i fastest (so that Dsum, lse and `rows` are
+// read and written in runs), each lane one or more 16-byte vectors of the row's dO and O (a
+// warp reads 32 / L rows' whole vectors at once), the lanes' sums reduced by shuffles. With
+// dq_accum (deterministic=False) also zeroes dQ's float32 partial sums, rows * D elements (saves
+// a separate memset). With `rows` (the Hopper backward) also writes lse * log2(e) and Dsum as
+// tiles of `tile` queries, (B, H, ceil(Sq / tile), 2, tile) float32, zeros past Sq: one TMA copy
+// a query tile.
+template <typename T, int D>
+__global__ void __launch_bounds__(256) attention_bwd_dot(
+    const T* __restrict__ dout, const T* __restrict__ out,
+    long long d_sb, long long d_ss, long long d_sh, long long o_sb, long long o_ss, long long o_sh,
+    float* __restrict__ dsum, const float* __restrict__ lse, float* __restrict__ rows, int tile,
+    float* __restrict__ dq_accum, int B, int Sq, int H)
+{
+    // (every index below B * Sq * H * D, and the grid's threads plus one stride, fits an int:
+    // the grid is at most 65535 blocks of 256)
+    if (static_cast<long long>(B) * Sq * H * D < (1LL << 31) - 65536LL * 256 * 2)
+        attention_bwd_dot_rows<int, T, D>(dout, out, d_sb, d_ss, d_sh, o_sb, o_ss, o_sh, dsum, lse, rows, tile,
+                                          dq_accum, B, Sq, H);
+    else
+        attention_bwd_dot_rows<long long, T, D>(dout, out, d_sb, d_ss, d_sh, o_sb, o_ss, o_sh, dsum, lse, rows,
+                                                tile, dq_accum, B, Sq, H);
 }
 
 namespace cuk {
