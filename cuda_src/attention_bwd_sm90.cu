@@ -80,6 +80,10 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     // and dP^T's wait stays behind the exponentials: at d128 5% faster, at d64 8% slower (causal
     // run as a window; as MASK 1, d64 measures the same either way; A/B on an H200).
     constexpr bool CAP_LATE = SOFTCAP && D == 64;
+    // DQ_FIRST: the step before's dQ issued ahead of dK, and stored while dK runs: 1.7% at d128
+    // without a mask and at d64, 2-7% with the softcap; d128 causal without the softcap keeps dK
+    // first (dQ first measured 0-3% slower there; A/B on an H200, docs/notes-attention.md).
+    constexpr bool DQ_FIRST = D == 64 || SOFTCAP || MASK != 1;
 #if CUK_SM90A
     using namespace cuk;
     extern __shared__ unsigned char smem_raw[];
@@ -426,13 +430,20 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
         if (DQ_ATOMIC && it > 0) {
             mbarrier_wait(&ds_full[(it - 1) & 1], ((it - 1) >> 1) & 1);
             float dq[32];
-            wgmma_rs_mn<T, D>(dk_acc, dsa, qb, Q_BOX);
-            dq_issue(it - 1, dq);
-            wgmma_wait<0>();
+            if constexpr (DQ_FIRST) {
+                dq_issue(it - 1, dq);
+                wgmma_rs_mn<T, D>(dk_acc, dsa, qb, Q_BOX);
+                wgmma_wait<1>();   // dQ done (dK may still run under its store)
+            } else {
+                wgmma_rs_mn<T, D>(dk_acc, dsa, qb, Q_BOX);
+                dq_issue(it - 1, dq);
+                wgmma_wait<0>();
+            }
             wgmma_hold(dq);
             CUK_STEP_STAMP(7);
             dq_store(prev_h, prev_m0, dq);
             mbarrier_arrive(&ds_free[(it - 1) & 1]);
+            if constexpr (DQ_FIRST) wgmma_wait<0>();
         } else {
             wgmma_rs_mn<T, D>(dk_acc, dsa, qb, Q_BOX);
             wgmma_wait<0>();
