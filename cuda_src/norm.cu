@@ -34,15 +34,19 @@ __device__ __forceinline__ float cast_round(float v) {
     return v;
 }
 
-// An fp8 output vector of y * scale, |y| folded into the running amax `am`.
+// An fp8 output vector of y * scale, y folded into the running amax `am` (max |y|).
 template <typename TO, int VEC>
-__device__ __forceinline__ cuk::Vec<TO, VEC> fp8_out(float (&o)[VEC], float scale, unsigned int& am) {
+__device__ __forceinline__ cuk::Vec<TO, VEC> fp8_out(float (&o)[VEC], float scale, cuk::AmaxBits& am) {
     using namespace cuk;
+    static_assert(VEC % 2 == 0 || VEC == 1, "odd vector");
+    if constexpr (VEC == 1) {
+        am.add2(o[0], o[0]);
+    } else {
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-        am = max_abs_bits(am, o[j]);
-        o[j] *= scale;
+        for (int j = 0; j < VEC; j += 2) am.add2(o[j], o[j + 1]);
     }
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) o[j] *= scale;
     return pack<TO, VEC>(o);
 }
 
@@ -53,7 +57,7 @@ __device__ __forceinline__ void norm_fwd_write(const cuk::Vec<T, VEC> (&xv)[R][N
                                                const float (&rstd)[R], const T* __restrict__ w,
                                                const T* __restrict__ b, float w_offset, TO* __restrict__ y,
                                                long long row0, long long rows, int cols, int lane, float scale,
-                                               unsigned int& am) {
+                                               cuk::AmaxBits& am) {
     using namespace cuk;
     constexpr bool FP8 = is_fp8<TO>::value;
     TO* yr[R];   // (this lane's first vector of each row: a vector i is i * G * VEC further)
@@ -120,7 +124,7 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_fwd(
     constexpr bool FP8 = is_fp8<TO>::value;
     float scale = 1.f;
     if constexpr (FP8) scale = *y_scale;
-    unsigned int am = 0;
+    AmaxBits am;
     constexpr int RPB = THREADS / G * R;  // rows per block and iteration
     using Reduce = GroupReduce<G, 2 * R>;   // R or 2R sums a row group
     __shared__ typename Reduce::TempStorage scratch;
@@ -265,7 +269,7 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_fwd(
         }
     }
     if constexpr (FP8) {
-        if (y_amax) warp_amax(am, y_amax);
+        if (y_amax) warp_amax(am.bits(), y_amax);
     }
 }
 
@@ -410,7 +414,7 @@ __global__ void __launch_bounds__(THREADS, 1) norm_fwd_loop(
     constexpr bool FP8 = is_fp8<TO>::value;
     float scale = 1.f;
     if constexpr (FP8) scale = *y_scale;
-    unsigned int am = 0;
+    AmaxBits am;
     using Reduce = GroupReduce<THREADS, 1>;
     __shared__ typename Reduce::TempStorage scratch;
     constexpr int CHUNK = THREADS * VEC;
@@ -477,7 +481,7 @@ __global__ void __launch_bounds__(THREADS, 1) norm_fwd_loop(
         }
     }
     if constexpr (FP8) {
-        if (y_amax) warp_amax(am, y_amax);
+        if (y_amax) warp_amax(am.bits(), y_amax);
     }
 }
 

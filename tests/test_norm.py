@@ -580,6 +580,50 @@ def test_fp8_output_is_the_float32_result_scaled_and_rounded_exactly(fmt, kind, 
 
 
 @gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("cols", [1024, 4096])
+@pytest.mark.parametrize("sign", ["negative", "positive", "all negative"])
+def test_fp8_amax_of_16_bit_inputs_is_exact_whichever_sign_holds_it(dtype, kind, cols, sign):
+    """16-bit inputs: amax is max |y| whether the largest magnitude is a negative y, a positive
+    one, or every y is negative (the kernel takes a signed and an unsigned max of y's bits).
+    Rounded to the input dtype, it is the largest |y| of the 16-bit output, which the same
+    arithmetic gives. A NaN in the input makes it NaN."""
+    import cupy
+
+    rng = np.random.default_rng(cols + len(sign))
+    npdt = np_dtype(dtype)
+    x = random_host(rng, (96, cols), dtype).astype(np.float32)
+    w = np.abs(random_host(rng, (cols,), dtype).astype(np.float32)) + np.float32(0.5)
+    b = random_host(rng, (cols,), dtype).astype(np.float32)
+    c = cols // 3
+    x[37, c] = 12.0   # |xhat| about 11-12 there: with |w| = 6, the largest |y| of the tensor
+    w[c] = -6.0 if sign == "negative" else 6.0
+    if sign == "all negative":   # (every |xhat w| < 64 but the outlier's)
+        w, b = -w, -np.abs(b) - np.float32(64.0)
+        if kind == "rms":
+            x = np.abs(x) + np.float32(0.25)
+    op = cukern.layer_norm if kind == "layer" else cukern.rms_norm
+
+    def args(xh):
+        a = [to_device(xh.astype(npdt), "cupy"), to_device(w.astype(npdt), "cupy")]
+        return a + [to_device(b.astype(npdt), "cupy")] if kind == "layer" else a
+
+    y16 = to_host(op(*args(x))).astype(np.float32)
+    top = np.abs(y16).max()
+    assert (y16.min() == -top) == (sign != "positive")
+    assert (y16 < 0).all() == (sign == "all negative")
+    amax = cupy.full(1, 3e38, np.float32)   # (overwritten, not merged with)
+    scale = cupy.asarray(np.array([2.0], np.float32))
+    op(*args(x), out_dtype="float8_e4m3fn", scale=scale, amax=amax)
+    got = np.float32(float(amax[0]))
+    assert got.astype(npdt).astype(np.float32) == top, (got, top)
+    x[5, 7] = np.array([0xFFC00000], np.uint32).view(np.float32)[0]   # a NaN, sign bit set
+    op(*args(x), out_dtype="float8_e5m2", scale=scale, amax=amax)
+    assert np.isnan(float(amax[0]))
+
+
+@gpu
 @needs_torch
 @pytest.mark.parametrize("fmt", FP8)
 def test_fp8_output_is_a_torch_float8_tensor_and_amax_is_exact_and_propagates_nan(fmt):

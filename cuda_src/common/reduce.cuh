@@ -171,9 +171,24 @@ struct GroupReduce {
 // ---- amax: the largest magnitude, as float32 bits ------------------------------------------
 // An integer max of non-negative floats' bits is their float max, and a NaN (bits above +inf)
 // wins, as torch's amax propagates it. Exact, so independent of the order of reduction.
-__device__ __forceinline__ unsigned int max_abs_bits(unsigned int m, float v) {
-    return max(m, __float_as_uint(fabsf(v)));
-}
+//
+// AmaxBits takes no |v|: a signed max of the bits finds the largest positive value (or, with
+// none, the negative one of largest magnitude), an unsigned max the negative value of largest
+// magnitude (or, with none, the largest positive). Whichever sign holds the amax, one of the two
+// ends on it; a NaN wins the max of its sign's order. Both maxima take two values an instruction
+// (VIMNMX3), where |v| cost an FADD a value on top of one max for two.
+struct AmaxBits {
+    int s = static_cast<int>(0x80000000u);   // -0.0
+    unsigned int u = 0u;                      // +0.0
+    __device__ __forceinline__ void add2(float a, float b) {
+        s = max(s, max(__float_as_int(a), __float_as_int(b)));
+        u = max(u, max(__float_as_uint(a), __float_as_uint(b)));
+    }
+    // max |v| over the values added, as float32 bits
+    __device__ __forceinline__ unsigned int bits() const {
+        return max(static_cast<unsigned int>(s) & 0x7fffffffu, u & 0x7fffffffu);
+    }
+};
 
 // The warp's largest of every lane's `m` merged into *amax (float32, >= 0, set to 0 before the
 // launch): one atomic a warp, skipped where *amax already holds as much; no barrier, so a
