@@ -85,8 +85,8 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     // first (dQ first measured 0-3% slower there; A/B on an H200, docs/notes-attention.md).
     constexpr bool DQ_FIRST = D == 64 || SOFTCAP || MASK != 1;
     // ONE_FENCE: a step's dS^T published (ds_full) behind the step before's dQ staging, one proxy
-    // fence for both stores: 1.5% at d128, 6% at GQA d64 causal, 1-1.5% with the softcap; where
-    // dK runs first (d128 causal) the later publication cost 5-7% (A/B on an H100).
+    // fence for both stores: 1-4% at d128, 2-3% with the softcap, 0-2% with a window (A/B on an
+    // H200); where dK runs first (d128 causal) the later publication cost 5-7% (on an H100).
     constexpr bool ONE_FENCE = DQ_FIRST;
 #if CUK_SM90A
     using namespace cuk;
