@@ -45,67 +45,30 @@ __device__ __forceinline__ void attention_bwd_dot_rows(
     // (the lanes of a row run the loop alike, so the shuffles name them alone: a warp's last
     // rows may end before its first)
     const unsigned int row_lanes = (LANES == 32 ? 0xffffffffu : (1u << LANES) - 1) << (threadIdx.x % 32 - sub);
-    // Two rows a pass (r and r + step): twice the loads in flight a thread; each row's dq_accum
-    // zeroed by its own lanes in the same pass, so reads and writes stay interleaved.
-    const I step = static_cast<I>(gridDim.x) * (256 / LANES);
-    for (I r0 = (static_cast<I>(blockIdx.x) * 256 + threadIdx.x) / LANES; r0 < nrows; r0 += 2 * step) {
-        float acc[2] = {0.f, 0.f};
-        I bhs[2];
-        int is[2];
-        bool live[2];
+    for (I r = (static_cast<I>(blockIdx.x) * 256 + threadIdx.x) / LANES; r < nrows;
+         r += static_cast<I>(gridDim.x) * (256 / LANES)) {
+        const int i = static_cast<int>(r % Sq);
+        const I bh = r / Sq;
+        const int h = static_cast<int>(bh % H), b = static_cast<int>(bh / H);
+        const T* dp = dout + b * d_sb + i * d_ss + h * d_sh;
+        const T* op = out + b * o_sb + i * o_ss + h * o_sh;
+        float acc = 0.f;
 #pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            const I r = r0 + k * step;
-            live[k] = r < nrows;
-            const I rr = live[k] ? r : r0;   // (a dead second row repeats the first's reads)
-            is[k] = static_cast<int>(rr % Sq);
-            bhs[k] = rr / Sq;
-        }
-        Vec<T, 8> rd[2][VPL], ro[2][VPL];   // (raw: unpacked at the sums, fewer registers held)
+        for (int v = 0; v < VPL; ++v) {
+            float fd[8], fo[8];
+            unpack(load_vec<T, 8>(dp + 8 * (sub + LANES * v)), fd);
+            unpack(load_vec<T, 8>(op + 8 * (sub + LANES * v)), fo);
 #pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            const int h = static_cast<int>(bhs[k] % H), b = static_cast<int>(bhs[k] / H), i = is[k];
-            const T* dp = dout + b * d_sb + i * d_ss + h * d_sh;
-            const T* op = out + b * o_sb + i * o_ss + h * o_sh;
-#pragma unroll
-            for (int v = 0; v < VPL; ++v) {
-                rd[k][v] = load_vec<T, 8>(dp + 8 * (sub + LANES * v));
-                ro[k][v] = load_vec<T, 8>(op + 8 * (sub + LANES * v));
-            }
+            for (int j = 0; j < 8; ++j) acc = fmaf(fd[j], fo[j], acc);
         }
 #pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            if (dq_accum && live[k]) {
-                const int h = static_cast<int>(bhs[k] % H), b = static_cast<int>(bhs[k] / H);
-                float4* z = reinterpret_cast<float4*>(dq_accum + ((static_cast<long long>(b) * Sq + is[k]) * H + h) * D);
-#pragma unroll
-                for (int v = 0; v < VPL; ++v) {
-                    z[2 * (sub + LANES * v)] = make_float4(0.f, 0.f, 0.f, 0.f);
-                    z[2 * (sub + LANES * v) + 1] = make_float4(0.f, 0.f, 0.f, 0.f);
-                }
-            }
-#pragma unroll
-            for (int v = 0; v < VPL; ++v) {
-                float fd[8], fo[8];
-                unpack(rd[k][v], fd);
-                unpack(ro[k][v], fo);
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc[k] = fmaf(fd[j], fo[j], acc[k]);
-            }
-#pragma unroll
-            for (int m = 1; m < LANES; m *= 2) acc[k] += __shfl_xor_sync(row_lanes, acc[k], m);
-        }
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            if (sub == 0 && live[k]) {
-                const I bh = bhs[k];
-                const int i = is[k];
-                dsum[static_cast<long long>(bh) * Sq + i] = acc[k];
-                if (rows) {
-                    float* at = rows + (static_cast<long long>(bh) * ((Sq + tile - 1) / tile) + i / tile) * 2 * tile + i % tile;
-                    at[0] = lse[static_cast<long long>(bh) * Sq + i] * LOG2E;
-                    at[tile] = acc[k];
-                }
+        for (int m = 1; m < LANES; m *= 2) acc += __shfl_xor_sync(row_lanes, acc, m);
+        if (sub == 0) {
+            dsum[static_cast<long long>(bh) * Sq + i] = acc;
+            if (rows) {
+                float* at = rows + (static_cast<long long>(bh) * ((Sq + tile - 1) / tile) + i / tile) * 2 * tile + i % tile;
+                at[0] = lse[static_cast<long long>(bh) * Sq + i] * LOG2E;
+                at[tile] = acc;
             }
         }
     }
@@ -117,6 +80,11 @@ __device__ __forceinline__ void attention_bwd_dot_rows(
             float* at = rows + ((j / pad) * tiles + i / tile) * 2 * tile + i % tile;
             at[0] = at[tile] = 0.f;
         }
+    }
+    if (dq_accum) {
+        const I n4 = nrows * (D / 4);
+        for (I j = static_cast<I>(blockIdx.x) * 256 + threadIdx.x; j < n4; j += static_cast<I>(gridDim.x) * 256)
+            reinterpret_cast<float4*>(dq_accum)[j] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
 }
 

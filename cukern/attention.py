@@ -241,14 +241,11 @@ class DqConfig:
 @dataclass(frozen=True, eq=False)   # (hashed by identity: plans are keyed by it, on every call)
 class Configs:
     """Configurations by head dim (measured: docs/notes-attention.md). ``dot_threads``: the
-    Dsum and dQ-conversion kernels' blocks; ``dot_blocks_per_sm``: the Dsum kernel's grid, in
-    blocks an SM (4: 281 us against 300 for one block a row pair at B32 H16 S2048 d128 on an
-    H200; 8 and 16 in between)."""
+    Dsum and dQ-conversion kernels' blocks."""
     fwd: tuple[tuple[int, FwdConfig], ...]
     bwd: tuple[tuple[int, BwdConfig], ...]
     dq: tuple[tuple[int, DqConfig], ...]
     dot_threads: int = 256
-    dot_blocks_per_sm: int = 4
     # The forward on sm_90 (H100, H200) by TMA and wgmma, by head dim: key tiles as measured
     # fastest on an H200 (tools/tune_attention.py; docs/notes-attention.md, the Hopper path);
     # d64 (causal): two blocks an SM, 394-405 TFLOP/s against 363-374 for one block of (64, 2)
@@ -895,11 +892,7 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
         (batch, h, -(-sq // tile) + (groups if varlen else 0), 2, tile), "float32")
     threads = configs.dot_threads
     k = _kernels.kernel(configs.dot(qa.dtype, d), device)
-    # (two rows a lane group a pass; a grid of dot_blocks_per_sm blocks an SM at most, the rest
-    # by the kernel's grid-stride loop)
-    grid = min(-(-(batch * sq * h * _dot_lanes(d)) // (2 * threads)),
-               configs.dot_blocks_per_sm * _kernels.sm_count(device))
-    b.launch(k, grid, dout=b.slot(0), out=b.slot(4),
+    b.launch(k, min(-(-(batch * sq * h * _dot_lanes(d)) // threads), 65535), dout=b.slot(0), out=b.slot(4),
              **{f"d_{n}": s for n, s in _strides3(ds).items()}, **{f"o_{n}": s for n, s in _strides3(os_).items()},
              dsum=dsum, lse=b.slot(5), rows=None if varlen else rows, tile=tile, dq_accum=dq_accum, B=batch, Sq=sq,
              H=h)
