@@ -515,13 +515,14 @@ def param_offsets(codes) -> tuple[int, ...]:
 class Launch:
     """One prepared launch: constants packed; per call, the slots' pointers and the stream."""
 
-    __slots__ = ("kernel", "grid", "block", "layout", "values", "slots", "maps", "offsets", "_args")
+    __slots__ = ("kernel", "grid", "block", "layout", "values", "slots", "maps", "offsets", "_args", "_encoders")
 
     def __init__(self, kernel: Kernel, grid, block, layout: struct.Struct, values: list, slots):
         self.kernel, self.grid, self.block = kernel, grid, block
         self.layout, self.values = layout, values
         self.slots = tuple(s for s in slots if not isinstance(s[1], MapSlot))
         self.maps = tuple((at, m) for at, m, _ in slots if isinstance(m, MapSlot))
+        self._encoders = None   # (a _tensormap.MapEncoder a map, made at the first call)
         # A kernel taking a tensor map (a 64-byte-aligned __grid_constant__) is launched with
         # cuLaunchKernel's kernelParams (a pointer to each parameter in the packed buffer): with the
         # buffer handed over whole (CU_LAUNCH_PARAM_BUFFER_POINTER), its TMA loads fault with an
@@ -540,10 +541,13 @@ class Launch:
             for at, slot, offset in self.slots:
                 values[at] = ptrs[slot] + offset
             if self.maps:
-                from . import _tensormap
+                encoders = self._encoders
+                if encoders is None:
+                    from ._tensormap import MapEncoder
 
-                for at, m in self.maps:
-                    values[at] = _tensormap.tile_map(bufs[m.index], m.box, swizzle=m.swizzle).raw
+                    encoders = self._encoders = tuple(MapEncoder(m.box, m.swizzle) for _, m in self.maps)
+                for (at, m), encode in zip(self.maps, encoders):
+                    values[at] = encode(bufs[m.index])
         buf, size, extra, _ = _param_buffer()
         self.layout.pack_into(buf, 0, *values)
         if self.offsets is not None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from . import _driver
 from ._arrays import DeviceArray
 
-__all__ = ["TensorMap", "check_tile_map", "encode_args", "tile_map"]
+__all__ = ["MapEncoder", "TensorMap", "check_tile_map", "encode_args", "tile_map"]
 
 DATA_TYPES = {"float16": 6, "float32": 7, "bfloat16": 9}   # CUtensorMapDataType
 SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}                       # bytes -> CUtensorMapSwizzle
@@ -90,3 +90,33 @@ def tile_map(a: DeviceArray, box: tuple, *, swizzle: int = 128) -> TensorMap:
     for b in box:
         nbytes *= b
     return TensorMap(raw, box, nbytes)
+
+
+class MapEncoder:
+    """The maps of one tensor-map argument of a prepared launch. The plan that holds the launch
+    fixes its buffer's shape, strides, dtype and 16-byte alignment, so the checked arguments are
+    worked out on the first call and only the address changes; a map is encoded again only for
+    an address not among the last few seen (caching allocators hand the same ones back), which
+    saves the checks and the driver call, most of a small launch's host time."""
+
+    __slots__ = ("box", "swizzle", "args", "recent")
+    RECENT = 8
+
+    def __init__(self, box: tuple, swizzle: int = 128):
+        self.box, self.swizzle = tuple(int(b) for b in box), swizzle
+        self.args = None
+        self.recent: dict[int, bytes] = {}
+
+    def __call__(self, a: DeviceArray) -> bytes:
+        """The 128 bytes of ``a``'s map."""
+        raw = self.recent.get(a.ptr)
+        if raw is not None:
+            return raw
+        if self.args is None or a.ptr % 16:   # (a misaligned address gets encode_args' error)
+            self.args = encode_args(a, self.box, self.swizzle)
+        data_type, dims, strides, rbox, swz, l2 = self.args
+        raw = _driver.encode_tiled(data_type, a.ptr, dims, strides, rbox, swz, l2)
+        if len(self.recent) >= self.RECENT:
+            self.recent.clear()
+        self.recent[a.ptr] = raw
+        return raw

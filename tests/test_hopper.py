@@ -207,7 +207,9 @@ def test_a_launch_writes_pointers_and_per_call_maps_into_the_parameter_buffer(mo
         seen.append((a, ctypes.string_at(base, layout.size)))
 
     monkeypatch.setattr(_kernels, "_launch_kernel", launch_kernel)
-    for v_ptr in (0x10000, 0x20000):   # the map follows the buffer from call to call
+    # the map follows the buffer from call to call; an address seen lately reuses its map, with
+    # no driver call (the plan fixes everything else about the buffer)
+    for v_ptr in (0x10000, 0x20000, 0x10000, 0x20000):
         bufs = [None, _arrays.DeviceArray(None, "cupy", v_ptr, (64, 64), (64, 1), "bfloat16", 0, "v"), None]
         launch(bufs, [0x5000, v_ptr, 0x9000], stream=7)
         got, raw = seen[-1]
@@ -216,6 +218,16 @@ def test_a_launch_writes_pointers_and_per_call_maps_into_the_parameter_buffer(mo
         assert raw[64:192] == v_ptr.to_bytes(8, "little") * 16
         assert struct.unpack_from("Q", raw, 192)[0] == 0x9000 + 256
     assert encoded == [0x10000, 0x20000]
+    # more addresses than it keeps: still each one's own map
+    for i in range(20):
+        v_ptr = 0x100000 + 0x1000 * (i % 10)
+        bufs = [None, _arrays.DeviceArray(None, "cupy", v_ptr, (64, 64), (64, 1), "bfloat16", 0, "v"), None]
+        launch(bufs, [0x5000, v_ptr, 0x9000], stream=7)
+        assert seen[-1][1][64:192] == v_ptr.to_bytes(8, "little") * 16
+    # a misaligned address is checked as on the first call, by name
+    bad = [None, _arrays.DeviceArray(None, "cupy", 0x30008, (64, 64), (64, 1), "bfloat16", 0, "v"), None]
+    with pytest.raises(ValueError, match="^v: "):
+        launch(bad, [0x5000, 0x30008, 0x9000], stream=7)
 
 
 def test_parameter_offsets_follow_the_packed_layout():
