@@ -46,7 +46,7 @@
 // SMEM: the launch's dynamic shared memory: K, V, the Q and dO rings, two dS^T buffers and the
 // dQ staging boxes (DQ_ATOMIC), the lse_log2 and Dsum ring, 1 KB of alignment slack.
 template <typename T, int D, int BM, int STAGES, int MASK, bool SOFTCAP, bool DQ_ATOMIC, bool PRODUCER, int SMEM,
-          bool VARLEN>
+          bool VARLEN, bool PERSISTENT>
 __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
     const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
@@ -98,7 +98,81 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     unsigned char* const ds_s = do_s + STAGES * Q_BYTES;    // [2][BN rows x 128 bytes]
     unsigned char* const dq_s = ds_s + DS_BUFS * DS_BYTES;  // [8 warps][2 boxes][16 rows x 32 floats] (DQ_ATOMIC)
     float* const rows_s = reinterpret_cast<float*>(dq_s + DQ_STAGE);   // [STAGES][lse_log2, Dsum][BM]
-    __shared__ unsigned long long bar_kv, bar_q[STAGES], bar_free[STAGES], ds_full[2], ds_free[2];
+    __shared__ unsigned long long bar_kv, bar_q[STAGES], bar_free[STAGES], ds_full[2], ds_free[2], kv_free;
+    static_assert(!PERSISTENT || (PRODUCER && DQ_ATOMIC && MASK == 0 && !VARLEN),
+                  "PERSISTENT: no mask, not packed, dQ by atomics, a producer warpgroup");
+
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int i = 0; i < STAGES; ++i) {
+            mbarrier_init(&bar_q[i], 1);
+            mbarrier_init(&bar_free[i], 256);
+        }
+        mbarrier_init(&bar_kv, 1);
+        mbarrier_init(&kv_free, 256);
+        for (int i = 0; i < 2; ++i) {
+            mbarrier_init(&ds_full[i], 256);
+            mbarrier_init(&ds_free[i], 256);
+        }
+        mbarrier_init_fence();
+    }
+    __syncthreads();
+    // (thread 0, or the producer) Q, dO, lse_log2 and Dsum of query tile m0 of head h (batch bb;
+    // its `rows` tile rt; document rows from q0) into ring buffer buf
+    auto load_tile = [&](int buf, int bb, int h, int m0, long long rt, int q0) {
+        mbarrier_arrive_expect_tx(&bar_q[buf], 2 * Q_BYTES + 2 * BM * 4);
+        bulk_load(rows_s + buf * 2 * BM, rows + rt * 2 * BM, 2 * BM * 4, &bar_q[buf]);
+#pragma unroll
+        for (int db = 0; db < DB; ++db) {
+            tma_load_4d(q_s + buf * Q_BYTES + db * Q_BOX, &q_map, db * 64, h, q0 + m0, bb, &bar_q[buf]);
+            tma_load_4d(do_s + buf * Q_BYTES + db * Q_BOX, &do_map, db * 64, h, q0 + m0, bb, &bar_q[buf]);
+        }
+    };
+    auto load_kv = [&](int bb, int hkk, int key0_) {   // K and V of keys key0_ .. + BN - 1 of kv head hkk
+        mbarrier_arrive_expect_tx(&bar_kv, 2 * KV_BYTES);
+#pragma unroll
+        for (int db = 0; db < DB; ++db) {
+            tma_load_4d(k_s + db * KV_BOX, &k_map, db * 64, hkk, key0_, bb, &bar_kv);
+            tma_load_4d(v_s + db * KV_BOX, &v_map, db * 64, hkk, key0_, bb, &bar_kv);
+        }
+    };
+    // PERSISTENT: one block an SM walks the units (group, key block) u = blockIdx.x + k gridDim.x,
+    // the key block fastest, as the grid of one block a unit numbers them. The producer's thread
+    // loads a unit's first STAGES Q and dO tiles as the unit before ends (their buffers free with
+    // its last steps), then its K and V once that unit's dK and dV are stored (kv_free: they are
+    // staged in K's and V's shared memory), then the rest; the ring's and the dS^T buffers'
+    // phases run on over the block's units (gbase: the steps of the units before).
+    const int kblocks_all = (Sk + BN - 1) / BN;
+    const int units = PERSISTENT ? kblocks_all * groups : 1;
+    if constexpr (PERSISTENT) {
+        if (threadIdx.x >= 256) {
+            setmaxnreg_dec<24>();
+            if (threadIdx.x == 256) {
+                const int rep_ = H / Hkv, per = (Sq + BM - 1) / BM, n = per * rep_;
+                int g = 0, ui = 0;
+                for (int u = blockIdx.x; u < units; u += gridDim.x, ++ui) {
+                    const int grp = u / kblocks_all, bb = grp / Hkv, hkk = grp % Hkv;
+                    const int first = min(n, STAGES);
+                    for (int i = 0; i <= n; ++i) {
+                        if (i == first) {
+                            if (ui > 0) mbarrier_wait(&kv_free, (ui - 1) & 1);
+                            load_kv(bb, hkk, (u % kblocks_all) * BN);
+                        }
+                        if (i == n) break;
+                        if (g >= STAGES) mbarrier_wait(&bar_free[g % STAGES], (g / STAGES - 1) & 1);
+                        const int h = hkk * rep_ + i / per, m = i % per;
+                        load_tile(g % STAGES, bb, h, m * BM, (static_cast<long long>(bb) * H + h) * per + m, 0);
+                        ++g;
+                    }
+                }
+            }
+            return;
+        }
+        setmaxnreg_inc<240>();
+    }
+    int gbase = 0;
+    for (int ui = 0, u = PERSISTENT ? static_cast<int>(blockIdx.x) : 0; u < units;
+         ++ui, u += PERSISTENT ? static_cast<int>(gridDim.x) : 1) {
 
     // The block's (group, key block): the grid's (y, x), except with a causal mask or a window
     // (dense), whose grid is (section_groups, key blocks, sections): blocks launch in sections of
@@ -108,6 +182,10 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     // blocks behind the groups before it (a tail of lone blocks). (Indices straight from blockIdx:
     // a launch index divided out spilled the softcap's instance.)
     int group = blockIdx.y, kblock = blockIdx.x;
+    if constexpr (PERSISTENT) {
+        group = u / kblocks_all;
+        kblock = u % kblocks_all;
+    }
     if constexpr ((CAUSAL || MASK == 2) && !VARLEN) {
         group = blockIdx.z * gridDim.x + blockIdx.x;
         kblock = blockIdx.y;
@@ -136,51 +214,23 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     const int steps = per_head * rep;
     CUK_STAMP(0);
 
-    if (threadIdx.x == 0) {
-#pragma unroll
-        for (int i = 0; i < STAGES; ++i) {
-            mbarrier_init(&bar_q[i], 1);
-            mbarrier_init(&bar_free[i], 256);
-        }
-        mbarrier_init(&bar_kv, 1);
-        for (int i = 0; i < 2; ++i) {
-            mbarrier_init(&ds_full[i], 256);
-            mbarrier_init(&ds_free[i], 256);
-        }
-        mbarrier_init_fence();
-    }
-    __syncthreads();
     // `rows`' query tiles a head (VARLEN: document d's tile m at q0 / BM + d + m, see
     // attention_bwd_rows_varlen)
     const int tiles = VARLEN ? (Sq + BM - 1) / BM + gridDim.y / Hkv : (sq + BM - 1) / BM;
     const int tile0 = VARLEN ? span.q0 / BM + doc : 0;
     auto load_q = [&](int it) {   // (thread 0) Q, dO, lse_log2 and Dsum of step it into buffer it % STAGES
-        const int buf = it % STAGES;
-        const int h = hk * rep + it / per_head, m = m_first + it % per_head, m0 = m * BM;
-        mbarrier_arrive_expect_tx(&bar_q[buf], 2 * Q_BYTES + 2 * BM * 4);
-        bulk_load(rows_s + buf * 2 * BM, rows + ((static_cast<long long>(b) * H + h) * tiles + tile0 + m) * 2 * BM,
-                  2 * BM * 4, &bar_q[buf]);
-#pragma unroll
-        for (int db = 0; db < DB; ++db) {
-            tma_load_4d(q_s + buf * Q_BYTES + db * Q_BOX, &q_map, db * 64, h, span.q0 + m0, b, &bar_q[buf]);
-            tma_load_4d(do_s + buf * Q_BYTES + db * Q_BOX, &do_map, db * 64, h, span.q0 + m0, b, &bar_q[buf]);
-        }
+        const int h = hk * rep + it / per_head, m = m_first + it % per_head;
+        load_tile(it % STAGES, b, h, m * BM, (static_cast<long long>(b) * H + h) * tiles + tile0 + m, span.q0);
     };
-    const int loader = PRODUCER ? 256 : 0;
-    if (threadIdx.x == loader) {
-        mbarrier_arrive_expect_tx(&bar_kv, 2 * KV_BYTES);
-#pragma unroll
-        for (int db = 0; db < DB; ++db) {
-            tma_load_4d(k_s + db * KV_BOX, &k_map, db * 64, hk, span.k0 + n0, b, &bar_kv);
-            tma_load_4d(v_s + db * KV_BOX, &v_map, db * 64, hk, span.k0 + n0, b, &bar_kv);
-        }
+    if constexpr (!PERSISTENT) {
+        if (threadIdx.x == (PRODUCER ? 256 : 0)) load_kv(b, hk, span.k0 + n0);
+        if (!ring_loads<PRODUCER, STAGES>(steps, bar_free, load_q)) return;   // (the producer is done)
     }
-    if (!ring_loads<PRODUCER, STAGES>(steps, bar_free, load_q)) return;   // (the producer is done)
 
     float dv_acc[D / 2], dk_acc[D / 2];   // this warpgroup's 64 keys x D (the accumulator layout)
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) dv_acc[i] = dk_acc[i] = 0.f;
-    mbarrier_wait(&bar_kv, 0);
+    mbarrier_wait(&bar_kv, ui & 1);
     if constexpr (VARLEN) {
         // K and V rows past the document (the next one's) zeroed before any product reads them:
         // the hidden entries' P and dS are 0, but 0 x Inf is NaN (likewise Q and dO a step)
@@ -257,8 +307,10 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     // The step's query tile and head, and the step before's (its dQ is stored in this one), kept
     // by counting rather than divided out of the step number a step.
     int m_tile = m_first, h_step = hk * rep, prev_m0 = 0, prev_h = 0;
+    const int G0 = PERSISTENT ? gbase : 0;   // (the ring's and dS^T buffers' count before this unit)
     for (int it = 0; it < steps; ++it) {
-        const int buf = it % STAGES;
+        const int G = G0 + it;
+        const int buf = G % STAGES;
         const int m0 = m_tile * BM;
         CUK_STEP_STAMP(1);
         if (!PRODUCER && threadIdx.x == 0 && it + STAGES - 1 < steps) {
@@ -269,7 +321,7 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
         const unsigned char* const dob = do_s + buf * Q_BYTES;
         const float* const lrow = rows_s + buf * 2 * BM;
         const float* const drow = lrow + BM;
-        mbarrier_wait(&bar_q[buf], (it / STAGES) & 1);
+        mbarrier_wait(&bar_q[buf], (G / STAGES) & 1);
         if constexpr (VARLEN) {
             if (sq - m0 < BM) {
                 zero_tile_rows(const_cast<unsigned char*>(qb), const_cast<unsigned char*>(dob), DB, Q_BOX,
@@ -414,8 +466,8 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
             // matrices of (key rows, 8 queries), four a store; lane l addresses row l % 8 of matrix
             // l / 8 (query chunk j + (l / 8) / 2, rows 8 ((l / 8) % 2) on). 4 stores against 16
             // 4-byte ones: +2-5% at d128 (docs/notes-attention.md, step 8).
-            if (it >= 2) mbarrier_wait(&ds_free[it & 1], ((it - 2) >> 1) & 1);
-            unsigned char* const dsb = ds_s + (it & 1) * DS_BYTES;
+            if (G >= 2) mbarrier_wait(&ds_free[G & 1], ((G - 2) >> 1) & 1);
+            unsigned char* const dsb = ds_s + (G & 1) * DS_BYTES;
 #pragma unroll
             for (int j = 0; j < BM / 8; j += 2) {
                 const int mat = lane / 8, jj = j + mat / 2, row = wg * 64 + warp * 16 + 8 * (mat % 2) + lane % 8;
@@ -425,7 +477,7 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
             // before's dQ staging below, whose proxy fence covers both; step 0 stages no dQ)
             if (!ONE_FENCE || it == 0) {
                 fence_proxy_async();
-                mbarrier_arrive(&ds_full[it & 1]);
+                mbarrier_arrive(&ds_full[G & 1]);
             }
         }
         CUK_STEP_STAMP(5);
@@ -436,22 +488,22 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
 
         // dK += dS^T Q (Q read MN-major as stored), and dQ of the step before
         if (DQ_ATOMIC && it > 0) {
-            mbarrier_wait(&ds_full[(it - 1) & 1], ((it - 1) >> 1) & 1);
+            mbarrier_wait(&ds_full[(G - 1) & 1], ((G - 1) >> 1) & 1);
             float dq[32];
             if constexpr (DQ_FIRST) {
-                dq_issue(it - 1, dq);
+                dq_issue(G - 1, dq);
                 wgmma_rs_mn<T, D>(dk_acc, dsa, qb, Q_BOX);
                 wgmma_wait<1>();   // dQ done (dK may still run under its store)
             } else {
                 wgmma_rs_mn<T, D>(dk_acc, dsa, qb, Q_BOX);
-                dq_issue(it - 1, dq);
+                dq_issue(G - 1, dq);
                 wgmma_wait<0>();
             }
             wgmma_hold(dq);
             CUK_STEP_STAMP(7);
             dq_store(prev_h, prev_m0, dq);
-            if constexpr (ONE_FENCE) mbarrier_arrive(&ds_full[it & 1]);   // (this step's dS^T, fenced with dQ's staging)
-            mbarrier_arrive(&ds_free[(it - 1) & 1]);
+            if constexpr (ONE_FENCE) mbarrier_arrive(&ds_full[G & 1]);   // (this step's dS^T, fenced with dQ's staging)
+            mbarrier_arrive(&ds_free[(G - 1) & 1]);
             if constexpr (DQ_FIRST) wgmma_wait<0>();
         } else {
             wgmma_rs_mn<T, D>(dk_acc, dsa, qb, Q_BOX);
@@ -469,15 +521,17 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
         }
     }
     if (DQ_ATOMIC && steps > 0) {   // the last step's dQ
-        mbarrier_wait(&ds_full[(steps - 1) & 1], ((steps - 1) >> 1) & 1);
+        const int GL = G0 + steps - 1;
+        mbarrier_wait(&ds_full[GL & 1], (GL >> 1) & 1);
         float dq[32];
-        dq_issue(steps - 1, dq);
+        dq_issue(GL, dq);
         wgmma_wait<0>();
         wgmma_hold(dq);
         dq_store(prev_h, prev_m0, dq);
+        if constexpr (PERSISTENT) mbarrier_arrive(&ds_free[GL & 1]);   // (the next unit's steps reuse it)
     }
-    if constexpr (DQ_ATOMIC)
-        if (lane == 0) tma_store_wait<0>();   // (the reduces have read this block's shared memory)
+    if constexpr (DQ_ATOMIC)   // (the reduces have read this block's shared memory: at its end)
+        if (lane == 0 && (!PERSISTENT || u + static_cast<int>(gridDim.x) >= units)) tma_store_wait<0>();
 
     // dV and dK (scaled), this warpgroup's 64 keys of this (batch, kv head), staged in its own
     // rows of V and K and written by whole rows (dk and dv are allocated dense in some order of
@@ -492,6 +546,11 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
                                     dk + b * dk_sb + static_cast<long long>(span.k0 + wg_key0) * dk_ss + hk * dk_sh, dk_ss,
                                     sk - wg_key0, 8 + wg);
     CUK_STAMP(9);
+    if constexpr (PERSISTENT) {
+        mbarrier_arrive(&kv_free);   // (this thread has read its rows of K's and V's buffers)
+        gbase += steps;
+    }
+    }   // (the units)
 #elif defined(__CUDA_ARCH__)
     __trap();   // (built without sm_90a's features: fail loudly, never return an unwritten output)
 #endif

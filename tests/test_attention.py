@@ -578,13 +578,14 @@ def test_the_sm80_backward_matches_reference_everywhere(c):
 @gpu
 @settings(max_examples=100)
 @given(c=attn_cases(forward=False), sk=st.sampled_from([127, 128, 129, 300, 513]), rows=st.sampled_from([64, 128]),
-       producer=st.booleans(), sections=st.sampled_from([None, 1, 4]))
-def test_the_sm90_backward_matches_reference(c, sk, rows, producer, sections):
+       producer=st.booleans(), sections=st.sampled_from([None, 1, 4]), persistent=st.booleans())
+def test_the_sm90_backward_matches_reference(c, sk, rows, producer, sections, persistent):
     """The Hopper backward (attention_bwd_sm90) on its head dims and query tiles (64 rows, and
     128 at head dim 64), with and without a producer warpgroup, over several key blocks of 128
     (partial last blocks, causal blocks that see few queries, GQA's loop over heads); causal
     blocks numbered in L2 sections of 1 or 4 (batch, kv head) groups (several sections, a
-    partial last one) or the default's."""
+    partial last one) or the default's; without a mask also persistent (with a producer: two
+    blocks walk the units)."""
     import importlib
 
     from cukern import _kernels
@@ -594,8 +595,8 @@ def test_the_sm90_backward_matches_reference(c, sk, rows, producer, sections):
     attn = importlib.import_module("cukern.attention")
     c["d"] = c["d"] if c["d"] in (64, 128) else 128
     c["sk"] = sk
-    cfg = attn.Sm90BwdConfig(rows if c["d"] == 64 else 64, producer=producer)
-    configs = dataclasses.replace(attn.CONFIGS, bwd_sm90=((c["d"], cfg),), use_sm90_bwd=True)
+    cfg = attn.Sm90BwdConfig(rows if c["d"] == 64 else 64, producer=producer, persistent=persistent)
+    configs = dataclasses.replace(attn.CONFIGS, bwd_sm90=((c["d"], cfg),), use_sm90_bwd=True, bwd_sm90_blocks=2)
     if sections is not None:
         group_bytes = c["h"] // c["hkv"] * c["sq"] * c["d"] * 8
         configs = dataclasses.replace(configs, bwd_l2_section_bytes=sections * group_bytes)
@@ -621,6 +622,43 @@ def test_attention_backward_is_bitwise_deterministic(d):
     assert [fast[1].tobytes(), fast[2].tobytes()] == runs[0][1:]
     dq = np.frombuffer(runs[0][0], fast[0].dtype).reshape(fast[0].shape).astype(np.float32)
     np.testing.assert_allclose(fast[0].astype(np.float32), dq, rtol=2e-2, atol=2e-2 * float(np.abs(dq).max()))
+
+
+@gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("shape", [(3, 1000, 1000, 8, 2), (2, 300, 1100, 4, 4), (1, 2048, 2048, 16, 16)])
+@pytest.mark.parametrize("blocks", [3, 0])
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+def test_the_persistent_sm90_backward_walks_every_unit(d, shape, blocks, softcap):
+    """The persistent Hopper backward (no mask): a few blocks (or one an SM) walk every (batch,
+    kv head, key block) unit, the ring's and dS^T buffers' phases running on across units. dk
+    and dv have the bits of one block a unit (the same sums in the same order); dq (float32
+    atomics) agrees to its rounding."""
+    import importlib
+
+    import cupy
+
+    from cukern import _kernels
+
+    if _kernels.compute_capability(0) != (9, 0):
+        pytest.skip("the Hopper path needs an sm_90 GPU")
+    attn = importlib.import_module("cukern.attention")
+    b, sq, sk, h, hkv = shape
+    rng = np.random.default_rng(d + sq)
+    q, do = (cupy.asarray(random_host(rng, (b, sq, h, d), "bfloat16")) for _ in range(2))
+    k, v = (cupy.asarray(random_host(rng, (b, sk, hkv, d), "bfloat16")) for _ in range(2))
+    out, lse = cukern.attention(q, k, v, return_lse=True, softcap=softcap)
+    which = "bwd_sm90_softcap" if softcap else "bwd_sm90"
+    base = dataclasses.replace(attn.CONFIGS, use_sm90_bwd=True)
+    walk = dataclasses.replace(base, bwd_sm90_blocks=blocks, **{which: tuple(
+        (dd, dataclasses.replace(c, persistent=True)) for dd, c in getattr(base, which))})
+    assert walk.get(which, d).persistent_for(0, False, False)
+    got, ref = ([cupy.asnumpy(g) for g in attn._attention_backward(do, q, k, v, out, lse, False, None, False, c,
+                                                                   softcap=softcap)] for c in (walk, base))
+    assert got[1].tobytes() == ref[1].tobytes() and got[2].tobytes() == ref[2].tobytes()
+    dq, dq_ref = got[0].astype(np.float32), ref[0].astype(np.float32)
+    bad = np.abs(dq - dq_ref) > 2.0 ** -6 * np.abs(dq_ref) + 1e-3 * float(np.abs(dq_ref).max())
+    assert not bad.any(), f"{int(bad.sum())} elements of dq off, the first at {np.argwhere(bad)[0]}"
 
 
 @gpu
