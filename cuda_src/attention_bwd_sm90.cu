@@ -21,6 +21,9 @@
 // that both warpgroups' dS^T stores complete), so the two warpgroups are never held in step by a
 // block barrier and drift: one's softmax overlaps the other's products.
 // dK is scaled at the end; dq_accum is scaled by attention_bwd_dq_convert.
+// PERSISTENT (no mask, not packed, dQ by atomics, a producer): a grid of one block an SM walks the
+// (group, key block) units in turn (see the unit loop), so a unit's first loads run under the end
+// of the one before; 1.5-2.1% on the unmasked backward (A/B on an H200, docs/notes-attention.md).
 // MASK (common/attn_mask.cuh): 0 none, 1 causal, 2 a window, whose block walks only the query
 // tiles between its keys' window edges. SOFTCAP (t = tanh(s scale / c)): P^T = exp2(c log2(e) t -
 // lse_log2) and dS^T = P^T (dP^T - Dsum) (1 - t^2) (see CAP_LATE for where 1 - t^2 is applied).
@@ -174,382 +177,382 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     for (int ui = 0, u = PERSISTENT ? static_cast<int>(blockIdx.x) : 0; u < units;
          ++ui, u += PERSISTENT ? static_cast<int>(gridDim.x) : 1) {
 
-    // The block's (group, key block): the grid's (y, x), except with a causal mask or a window
-    // (dense), whose grid is (section_groups, key blocks, sections): blocks launch in sections of
-    // `section_groups` groups (batch, kv head) whose Q, dO and dQ's float32 sums fit L2, key
-    // block-major within a section. A causal key block's work falls with its index (GQA: times the
-    // group's heads), so the longest blocks start first; group-major order left a group's long
-    // blocks behind the groups before it (a tail of lone blocks). (Indices straight from blockIdx:
-    // a launch index divided out spilled the softcap's instance.)
-    int group = blockIdx.y, kblock = blockIdx.x;
-    if constexpr (PERSISTENT) {
-        group = u / kblocks_all;
-        kblock = u % kblocks_all;
-    }
-    if constexpr ((CAUSAL || MASK == 2) && !VARLEN) {
-        group = blockIdx.z * gridDim.x + blockIdx.x;
-        kblock = blockIdx.y;
-        if (group >= groups) return;   // (the last section's missing groups, before any barrier)
-    }
-    const int doc = group / Hkv, b = VARLEN ? 0 : doc, hk = group % Hkv;
-    const int rep = H / Hkv;
-    const int wg = warpgroup_index(), warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
-    const int g = lane / 4, t = lane % 4;
-    const int n0 = kblock * BN;
-    const int key0 = n0 + wg * 64 + warp * 16 + g;   // this thread's keys: key0 and key0 + 8
-    // VARLEN (packed documents): the block's document is blockIdx.y / Hkv, its queries rows q0 ..
-    // q0 + sq - 1 and its keys rows k0 .. k0 + sk - 1 of the one batch, its mask aligned to its
-    // own end; a document with bad offsets is recorded as a fault and computes nothing.
-    const attention::DocSpan span =
-        VARLEN ? attention::doc_span_uniform(cu_q, cu_k, doc, gridDim.y / Hkv, Sq, Sk, max_q, max_k, fault)
-               : attention::DocSpan{0, Sq, 0, Sk};
-    const int sq = span.sq, sk = span.sk;
-    if (VARLEN && n0 >= sk) return;   // (past the document's keys: the whole block, before any barrier)
-    const int diag = sk - sq;
-    // Query tiles that see a key of this block (causal: query i sees key j iff j <= i + diag; a
-    // window: i + lo .. i + hi); steps walk (head, query tile) pairs, head-major.
-    const attention::KeyMask<MASK> km(win_left, win_right, diag);
-    const int m_first = MASK == 2 ? km.first_query(n0) / BM : CAUSAL ? max(0, n0 - diag) / BM : 0;
-    const int per_head = max(0, ((MASK == 2 ? km.stop_query(n0, BN, sq) : sq) + BM - 1) / BM - m_first);
-    const int steps = per_head * rep;
-    CUK_STAMP(0);
-
-    // `rows`' query tiles a head (VARLEN: document d's tile m at q0 / BM + d + m, see
-    // attention_bwd_rows_varlen)
-    const int tiles = VARLEN ? (Sq + BM - 1) / BM + gridDim.y / Hkv : (sq + BM - 1) / BM;
-    const int tile0 = VARLEN ? span.q0 / BM + doc : 0;
-    auto load_q = [&](int it) {   // (thread 0) Q, dO, lse_log2 and Dsum of step it into buffer it % STAGES
-        const int h = hk * rep + it / per_head, m = m_first + it % per_head;
-        load_tile(it % STAGES, b, h, m * BM, (static_cast<long long>(b) * H + h) * tiles + tile0 + m, span.q0);
-    };
-    if constexpr (!PERSISTENT) {
-        if (threadIdx.x == (PRODUCER ? 256 : 0)) load_kv(b, hk, span.k0 + n0);
-        if (!ring_loads<PRODUCER, STAGES>(steps, bar_free, load_q)) return;   // (the producer is done)
-    }
-
-    float dv_acc[D / 2], dk_acc[D / 2];   // this warpgroup's 64 keys x D (the accumulator layout)
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) dv_acc[i] = dk_acc[i] = 0.f;
-    mbarrier_wait(&bar_kv, ui & 1);
-    if constexpr (VARLEN) {
-        // K and V rows past the document (the next one's) zeroed before any product reads them:
-        // the hidden entries' P and dS are 0, but 0 x Inf is NaN (likewise Q and dO a step)
-        if (sk - n0 < BN) {
-            zero_tile_rows(k_s, v_s, DB, KV_BOX, max(sk - n0, 0), BN, 12 + wg);
+        // The block's (group, key block): the grid's (y, x), except with a causal mask or a window
+        // (dense), whose grid is (section_groups, key blocks, sections): blocks launch in sections of
+        // `section_groups` groups (batch, kv head) whose Q, dO and dQ's float32 sums fit L2, key
+        // block-major within a section. A causal key block's work falls with its index (GQA: times the
+        // group's heads), so the longest blocks start first; group-major order left a group's long
+        // blocks behind the groups before it (a tail of lone blocks). (Indices straight from blockIdx:
+        // a launch index divided out spilled the softcap's instance.)
+        int group = blockIdx.y, kblock = blockIdx.x;
+        if constexpr (PERSISTENT) {
+            group = u / kblocks_all;
+            kblock = u % kblocks_all;
         }
-    }
-    // This warpgroup's 64 key rows of K and V (k16 steps and 64-column boxes advance from here)
-    const unsigned long long k_desc = wgmma_desc_sw128(k_s + wg * 64 * 128), v_desc = wgmma_desc_sw128(v_s + wg * 64 * 128);
+        if constexpr ((CAUSAL || MASK == 2) && !VARLEN) {
+            group = blockIdx.z * gridDim.x + blockIdx.x;
+            kblock = blockIdx.y;
+            if (group >= groups) return;   // (the last section's missing groups, before any barrier)
+        }
+        const int doc = group / Hkv, b = VARLEN ? 0 : doc, hk = group % Hkv;
+        const int rep = H / Hkv;
+        const int wg = warpgroup_index(), warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+        const int g = lane / 4, t = lane % 4;
+        const int n0 = kblock * BN;
+        const int key0 = n0 + wg * 64 + warp * 16 + g;   // this thread's keys: key0 and key0 + 8
+        // VARLEN (packed documents): the block's document is blockIdx.y / Hkv, its queries rows q0 ..
+        // q0 + sq - 1 and its keys rows k0 .. k0 + sk - 1 of the one batch, its mask aligned to its
+        // own end; a document with bad offsets is recorded as a fault and computes nothing.
+        const attention::DocSpan span =
+            VARLEN ? attention::doc_span_uniform(cu_q, cu_k, doc, gridDim.y / Hkv, Sq, Sk, max_q, max_k, fault)
+                   : attention::DocSpan{0, Sq, 0, Sk};
+        const int sq = span.sq, sk = span.sk;
+        if (VARLEN && n0 >= sk) return;   // (past the document's keys: the whole block, before any barrier)
+        const int diag = sk - sq;
+        // Query tiles that see a key of this block (causal: query i sees key j iff j <= i + diag; a
+        // window: i + lo .. i + hi); steps walk (head, query tile) pairs, head-major.
+        const attention::KeyMask<MASK> km(win_left, win_right, diag);
+        const int m_first = MASK == 2 ? km.first_query(n0) / BM : CAUSAL ? max(0, n0 - diag) / BM : 0;
+        const int per_head = max(0, ((MASK == 2 ? km.stop_query(n0, BN, sq) : sq) + BM - 1) / BM - m_first);
+        const int steps = per_head * rep;
+        CUK_STAMP(0);
 
-    // dQ of step si (DQ_ATOMIC): this warpgroup's 64 x 64 part (see SPLIT_N) of dS K, A = dS^T read
-    // transposed from buffer si & 1, B = K read MN-major (key rows of D); one commit group.
-    const int qhalf = SPLIT_N && BM == 128 ? wg : 0, dhalf = SPLIT_N && D == 128 ? wg : 0;
-    auto dq_issue = [&](int si, float (&dq)[32]) {
-        constexpr int KSTEPS = SPLIT_N ? BN / 16 : 64 / 16;
-        const unsigned long long a0 = wgmma_desc_sw128_mn(
-            ds_s + (si & 1) * DS_BYTES + qhalf * BN * 128 + (SPLIT_N ? 0 : wg * 64 * 128), 64 * 128);
-        const unsigned long long b0 = wgmma_desc_sw128_mn(k_s + dhalf * KV_BOX + (SPLIT_N ? 0 : wg * 64 * 128), KV_BOX);
-        wgmma_zero_and_fence(dq);
+        // `rows`' query tiles a head (VARLEN: document d's tile m at q0 / BM + d + m, see
+        // attention_bwd_rows_varlen)
+        const int tiles = VARLEN ? (Sq + BM - 1) / BM + gridDim.y / Hkv : (sq + BM - 1) / BM;
+        const int tile0 = VARLEN ? span.q0 / BM + doc : 0;
+        auto load_q = [&](int it) {   // (thread 0) Q, dO, lse_log2 and Dsum of step it into buffer it % STAGES
+            const int h = hk * rep + it / per_head, m = m_first + it % per_head;
+            load_tile(it % STAGES, b, h, m * BM, (static_cast<long long>(b) * H + h) * tiles + tile0 + m, span.q0);
+        };
+        if constexpr (!PERSISTENT) {
+            if (threadIdx.x == (PRODUCER ? 256 : 0)) load_kv(b, hk, span.k0 + n0);
+            if (!ring_loads<PRODUCER, STAGES>(steps, bar_free, load_q)) return;   // (the producer is done)
+        }
+
+        float dv_acc[D / 2], dk_acc[D / 2];   // this warpgroup's 64 keys x D (the accumulator layout)
 #pragma unroll
-        for (int kk = 0; kk < KSTEPS; ++kk)
-            Wgmma<T, 64>::template ss<1, 1>(dq, wgmma_desc_advance(a0, kk * 16 * 128), wgmma_desc_advance(b0, kk * 16 * 128),
-                                            kk > 0);
-        wgmma_commit();
-    };
-    // ... added into dq_accum (query head h, the tile at row m0): rows m0 + 64 qhalf + 16 warp + g
-    // (+8), columns 64 dhalf + 8j + 2t (+1).
-    // Each warp stages its 16 rows x 64 columns as two boxes of 16 rows x 32 floats (128-byte
-    // swizzle: chunk c of row r at c ^ (r % 8), conflict-free stores), then lane 0 issues one TMA
-    // reduce-add a box (rows past Sq are skipped by TMA; VARLEN: rows past the document add
-    // zeros into the next document's: 0 staged there, since dS = 0 times this document's K is
-    // NaN where K holds Inf). The step before's reduce has long read the boxes; lane 0 waits for
-    // that before they are written again.
-    auto dq_store = [&](int h, int m0, const float (&dq)[32]) {
-        unsigned char* const stage = dq_s + (wg * 4 + warp) * 2 * 2048;
-        if (lane == 0) tma_store_wait_read<0>();
-        __syncwarp();
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-                *reinterpret_cast<float2*>(stage + (j / 4) * 2048 + (g + 8 * r) * 128 +
-                                           (((2 * (j % 4) + t / 2) ^ g) << 4) + 8 * (t & 1)) =
-                    make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
+        for (int i = 0; i < D / 2; ++i) dv_acc[i] = dk_acc[i] = 0.f;
+        mbarrier_wait(&bar_kv, ui & 1);
         if constexpr (VARLEN) {
-            // (the rows past the document zeroed once staged, dq's registers dead by then: a
-            // test in the stores above spilled d128's producer instance)
-            // (the warp index broadcast: known warp-uniform, the branch stays uniform; a branch
-            // ptxas takes for divergent moved the step loop's counters and wgmma descriptors out of
-            // the uniform registers, 30% slower)
-            const int rows_in = sq - (m0 + qhalf * 64 + __shfl_sync(0xffffffffu, warp, 0) * 16);
-            if (rows_in < 16) {
-                __syncwarp();
-#pragma unroll
-                for (int c = 0; c < 8; ++c) {   // (16-byte chunk i: box i / 128, row (i / 8) % 16)
-                    const int i = 32 * c + lane;
-                    if ((i / 8) % 16 >= rows_in)
-                        *reinterpret_cast<float4*>(stage + (i / 128) * 2048 + ((i / 8) % 16) * 128 + (i % 8) * 16) =
-                            make_float4(0.f, 0.f, 0.f, 0.f);
-                }
+            // K and V rows past the document (the next one's) zeroed before any product reads them:
+            // the hidden entries' P and dS are 0, but 0 x Inf is NaN (likewise Q and dO a step)
+            if (sk - n0 < BN) {
+                zero_tile_rows(k_s, v_s, DB, KV_BOX, max(sk - n0, 0), BN, 12 + wg);
             }
         }
-        fence_proxy_async();
-        __syncwarp();
-        if (lane == 0) {
-#pragma unroll
-            for (int box = 0; box < 2; ++box)
-                tma_reduce_add_4d(&dq_map, stage + box * 2048, dhalf * 64 + 32 * box, h,
-                                  span.q0 + m0 + qhalf * 64 + warp * 16, b);
-            tma_store_commit();
-        }
-    };
+        // This warpgroup's 64 key rows of K and V (k16 steps and 64-column boxes advance from here)
+        const unsigned long long k_desc = wgmma_desc_sw128(k_s + wg * 64 * 128), v_desc = wgmma_desc_sw128(v_s + wg * 64 * 128);
 
-    // The step's query tile and head, and the step before's (its dQ is stored in this one), kept
-    // by counting rather than divided out of the step number a step.
-    int m_tile = m_first, h_step = hk * rep, prev_m0 = 0, prev_h = 0;
-    const int G0 = PERSISTENT ? gbase : 0;   // (the ring's and dS^T buffers' count before this unit)
-    for (int it = 0; it < steps; ++it) {
-        const int G = G0 + it;
-        const int buf = G % STAGES;
-        const int m0 = m_tile * BM;
-        CUK_STEP_STAMP(1);
-        if (!PRODUCER && threadIdx.x == 0 && it + STAGES - 1 < steps) {
-            if (it > 0) mbarrier_wait(&bar_free[(it - 1) % STAGES], ((it - 1) / STAGES) & 1);
-            load_q(it + STAGES - 1);
-        }
-        const unsigned char* const qb = q_s + buf * Q_BYTES;
-        const unsigned char* const dob = do_s + buf * Q_BYTES;
-        const float* const lrow = rows_s + buf * 2 * BM;
-        const float* const drow = lrow + BM;
-        mbarrier_wait(&bar_q[buf], (G / STAGES) & 1);
-        if constexpr (VARLEN) {
-            if (sq - m0 < BM) {
-                zero_tile_rows(const_cast<unsigned char*>(qb), const_cast<unsigned char*>(dob), DB, Q_BOX,
-                               max(sq - m0, 0), BM, 12 + wg);
-            }
-        }
-        CUK_STEP_STAMP(2);
-
-        // S^T = K Q^T, then dP^T = V dO^T behind it (this warpgroup's 64 keys x BM queries)
-        float s[BM / 2], dp[BM / 2];
-        const unsigned long long q_desc = wgmma_desc_sw128(qb), do_desc = wgmma_desc_sw128(dob);
-        wgmma_zero_and_fence(s);
-        wgmma_zero_and_fence(dp);
+        // dQ of step si (DQ_ATOMIC): this warpgroup's 64 x 64 part (see SPLIT_N) of dS K, A = dS^T read
+        // transposed from buffer si & 1, B = K read MN-major (key rows of D); one commit group.
+        const int qhalf = SPLIT_N && BM == 128 ? wg : 0, dhalf = SPLIT_N && D == 128 ? wg : 0;
+        auto dq_issue = [&](int si, float (&dq)[32]) {
+            constexpr int KSTEPS = SPLIT_N ? BN / 16 : 64 / 16;
+            const unsigned long long a0 = wgmma_desc_sw128_mn(
+                ds_s + (si & 1) * DS_BYTES + qhalf * BN * 128 + (SPLIT_N ? 0 : wg * 64 * 128), 64 * 128);
+            const unsigned long long b0 = wgmma_desc_sw128_mn(k_s + dhalf * KV_BOX + (SPLIT_N ? 0 : wg * 64 * 128), KV_BOX);
+            wgmma_zero_and_fence(dq);
 #pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks)
-            Wgmma<T, BM>::ss(s, wgmma_desc_advance(k_desc, (ks / 4) * KV_BOX + (ks % 4) * 32),
-                             wgmma_desc_advance(q_desc, (ks / 4) * Q_BOX + (ks % 4) * 32), ks > 0);
-        wgmma_commit();
+            for (int kk = 0; kk < KSTEPS; ++kk)
+                Wgmma<T, 64>::template ss<1, 1>(dq, wgmma_desc_advance(a0, kk * 16 * 128), wgmma_desc_advance(b0, kk * 16 * 128),
+                                                kk > 0);
+            wgmma_commit();
+        };
+        // ... added into dq_accum (query head h, the tile at row m0): rows m0 + 64 qhalf + 16 warp + g
+        // (+8), columns 64 dhalf + 8j + 2t (+1).
+        // Each warp stages its 16 rows x 64 columns as two boxes of 16 rows x 32 floats (128-byte
+        // swizzle: chunk c of row r at c ^ (r % 8), conflict-free stores), then lane 0 issues one TMA
+        // reduce-add a box (rows past Sq are skipped by TMA; VARLEN: rows past the document add
+        // zeros into the next document's: 0 staged there, since dS = 0 times this document's K is
+        // NaN where K holds Inf). The step before's reduce has long read the boxes; lane 0 waits for
+        // that before they are written again.
+        auto dq_store = [&](int h, int m0, const float (&dq)[32]) {
+            unsigned char* const stage = dq_s + (wg * 4 + warp) * 2 * 2048;
+            if (lane == 0) tma_store_wait_read<0>();
+            __syncwarp();
 #pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks)
-            Wgmma<T, BM>::ss(dp, wgmma_desc_advance(v_desc, (ks / 4) * KV_BOX + (ks % 4) * 32),
-                             wgmma_desc_advance(do_desc, (ks / 4) * Q_BOX + (ks % 4) * 32), ks > 0);
-        wgmma_commit();
-
-        wgmma_wait<1>();
-        wgmma_hold(s);
-        CUK_STEP_STAMP(3);
-
-        // P^T = exp2(S^T scale_log2 - lse_log2) (this thread's query columns 8j + 2t, +1), 0 for
-        // queries past sq, keys past sk and, causal, keys past the diagonal
-        unsigned int pa[BM / 16][4];   // P^T as the A fragments of dV (k16 step kk: query columns 16kk..)
-        if constexpr (CAP_LATE) {
-            // (after dP^T: P^T and dS^T in one pass)
-            const bool edge = m0 + BM > sq || km.edge(n0, BN, m0, BM, sk);
-            wgmma_wait<0>();
-            wgmma_hold(dp);
+            for (int j = 0; j < 8; ++j)
 #pragma unroll
-            for (int j = 0; j < BM / 8; ++j) {
-                const float2 l = *reinterpret_cast<const float2*>(lrow + 8 * j + 2 * t);
-                const float2 d = *reinterpret_cast<const float2*>(drow + 8 * j + 2 * t);
+                for (int r = 0; r < 2; ++r)
+                    *reinterpret_cast<float2*>(stage + (j / 4) * 2048 + (g + 8 * r) * 128 +
+                                               (((2 * (j % 4) + t / 2) ^ g) << 4) + 8 * (t & 1)) =
+                        make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
+            if constexpr (VARLEN) {
+                // (the rows past the document zeroed once staged, dq's registers dead by then: a
+                // test in the stores above spilled d128's producer instance)
+                // (the warp index broadcast: known warp-uniform, the branch stays uniform; a branch
+                // ptxas takes for divergent moved the step loop's counters and wgmma descriptors out of
+                // the uniform registers, 30% slower)
+                const int rows_in = sq - (m0 + qhalf * 64 + __shfl_sync(0xffffffffu, warp, 0) * 16);
+                if (rows_in < 16) {
+                    __syncwarp();
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float th = attention::tanh_approx(s[4 * j + e] * cap_in);
-                    float p = fast_exp2(fmaf(th, cap_out, -(e & 1 ? l.y : l.x)));
-                    const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
-                    if (edge & ((q >= sq) | km.hidden_bits(q, key, sk))) p = 0.f;
-                    s[4 * j + e] = p;
-                    // (VARLEN: exactly 0 where P is, as in the pass without the softcap)
-                    dp[4 * j + e] = VARLEN && p == 0.f ? 0.f
-                                                        : p * (dp[4 * j + e] - (e & 1 ? d.y : d.x)) * (1.f - th * th);
-                }
-            }
-        } else if constexpr (SOFTCAP) {
-            // P^T's fragments packed a column pair at a time, and s kept as P^T (1 - t^2) for
-            // dS^T = (P^T (1 - t^2)) (dP^T - Dsum): t dies here, no registers held for it, and
-            // dP^T's wait stays behind the exponentials as without the softcap
-            const bool edge = m0 + BM > sq || (MASK == 2 ? km.edge(n0, BN, m0, BM, sk)
-                                                           : n0 + BN > sk || (CAUSAL && n0 + BN - 1 > m0 + diag));
-#pragma unroll
-            for (int j = 0; j < BM / 8; ++j) {
-                const float2 l = *reinterpret_cast<const float2*>(lrow + 8 * j + 2 * t);
-                float p[4], u[4];
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float th = attention::tanh_approx(s[4 * j + e] * cap_in);
-                    p[e] = fast_exp2(fmaf(th, cap_out, -(e & 1 ? l.y : l.x)));
-                    if constexpr (MASK == 2) {
-                        const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
-                        if (edge & ((q >= sq) | km.hidden_bits(q, key, sk))) p[e] = 0.f;
-                    } else {
-                        // (with && and || ptxas branched a score here at causal d128 and spilled)
-                        const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
-                        if (edge & ((q >= sq) | (key >= sk) | (CAUSAL & (key > q + diag)))) p[e] = 0.f;
+                    for (int c = 0; c < 8; ++c) {   // (16-byte chunk i: box i / 128, row (i / 8) % 16)
+                        const int i = 32 * c + lane;
+                        if ((i / 8) % 16 >= rows_in)
+                            *reinterpret_cast<float4*>(stage + (i / 128) * 2048 + ((i / 8) % 16) * 128 + (i % 8) * 16) =
+                                make_float4(0.f, 0.f, 0.f, 0.f);
                     }
-                    u[e] = 1.f - th * th;
-                }
-                pa[j / 2][2 * (j % 2)] = pack2(p[0], p[1], T{});
-                pa[j / 2][2 * (j % 2) + 1] = pack2(p[2], p[3], T{});
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[4 * j + e] = p[e] * u[e];
-            }
-        } else if constexpr (MASK == 2) {
-            const bool edge = m0 + BM > sq || km.edge(n0, BN, m0, BM, sk);
-#pragma unroll
-            for (int j = 0; j < BM / 8; ++j) {
-                const float2 l = *reinterpret_cast<const float2*>(lrow + 8 * j + 2 * t);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -(e & 1 ? l.y : l.x)));
-                    const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
-                    if (edge & ((q >= sq) | km.hidden_bits(q, key, sk))) p = 0.f;
-                    s[4 * j + e] = p;
                 }
             }
-        } else {
-            // (no mask or causal: the window's loop written out, see the top)
-            const bool edge = m0 + BM > sq || n0 + BN > sk || (CAUSAL && n0 + BN - 1 > m0 + diag);
+            fence_proxy_async();
+            __syncwarp();
+            if (lane == 0) {
 #pragma unroll
-            for (int j = 0; j < BM / 8; ++j) {
-                const float2 l = *reinterpret_cast<const float2*>(lrow + 8 * j + 2 * t);
+                for (int box = 0; box < 2; ++box)
+                    tma_reduce_add_4d(&dq_map, stage + box * 2048, dhalf * 64 + 32 * box, h,
+                                      span.q0 + m0 + qhalf * 64 + warp * 16, b);
+                tma_store_commit();
+            }
+        };
+
+        // The step's query tile and head, and the step before's (its dQ is stored in this one), kept
+        // by counting rather than divided out of the step number a step.
+        int m_tile = m_first, h_step = hk * rep, prev_m0 = 0, prev_h = 0;
+        const int G0 = PERSISTENT ? gbase : 0;   // (the ring's and dS^T buffers' count before this unit)
+        for (int it = 0; it < steps; ++it) {
+            const int G = G0 + it;
+            const int buf = G % STAGES;
+            const int m0 = m_tile * BM;
+            CUK_STEP_STAMP(1);
+            if (!PRODUCER && threadIdx.x == 0 && it + STAGES - 1 < steps) {
+                if (it > 0) mbarrier_wait(&bar_free[(it - 1) % STAGES], ((it - 1) / STAGES) & 1);
+                load_q(it + STAGES - 1);
+            }
+            const unsigned char* const qb = q_s + buf * Q_BYTES;
+            const unsigned char* const dob = do_s + buf * Q_BYTES;
+            const float* const lrow = rows_s + buf * 2 * BM;
+            const float* const drow = lrow + BM;
+            mbarrier_wait(&bar_q[buf], (G / STAGES) & 1);
+            if constexpr (VARLEN) {
+                if (sq - m0 < BM) {
+                    zero_tile_rows(const_cast<unsigned char*>(qb), const_cast<unsigned char*>(dob), DB, Q_BOX,
+                                   max(sq - m0, 0), BM, 12 + wg);
+                }
+            }
+            CUK_STEP_STAMP(2);
+
+            // S^T = K Q^T, then dP^T = V dO^T behind it (this warpgroup's 64 keys x BM queries)
+            float s[BM / 2], dp[BM / 2];
+            const unsigned long long q_desc = wgmma_desc_sw128(qb), do_desc = wgmma_desc_sw128(dob);
+            wgmma_zero_and_fence(s);
+            wgmma_zero_and_fence(dp);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -(e & 1 ? l.y : l.x)));
-                    if constexpr (VARLEN) {   // (packed causal documents: the && form 5% faster; see the top)
-                        if (edge) {
+            for (int ks = 0; ks < D / 16; ++ks)
+                Wgmma<T, BM>::ss(s, wgmma_desc_advance(k_desc, (ks / 4) * KV_BOX + (ks % 4) * 32),
+                                 wgmma_desc_advance(q_desc, (ks / 4) * Q_BOX + (ks % 4) * 32), ks > 0);
+            wgmma_commit();
+#pragma unroll
+            for (int ks = 0; ks < D / 16; ++ks)
+                Wgmma<T, BM>::ss(dp, wgmma_desc_advance(v_desc, (ks / 4) * KV_BOX + (ks % 4) * 32),
+                                 wgmma_desc_advance(do_desc, (ks / 4) * Q_BOX + (ks % 4) * 32), ks > 0);
+            wgmma_commit();
+
+            wgmma_wait<1>();
+            wgmma_hold(s);
+            CUK_STEP_STAMP(3);
+
+            // P^T = exp2(S^T scale_log2 - lse_log2) (this thread's query columns 8j + 2t, +1), 0 for
+            // queries past sq, keys past sk and, causal, keys past the diagonal
+            unsigned int pa[BM / 16][4];   // P^T as the A fragments of dV (k16 step kk: query columns 16kk..)
+            if constexpr (CAP_LATE) {
+                // (after dP^T: P^T and dS^T in one pass)
+                const bool edge = m0 + BM > sq || km.edge(n0, BN, m0, BM, sk);
+                wgmma_wait<0>();
+                wgmma_hold(dp);
+#pragma unroll
+                for (int j = 0; j < BM / 8; ++j) {
+                    const float2 l = *reinterpret_cast<const float2*>(lrow + 8 * j + 2 * t);
+                    const float2 d = *reinterpret_cast<const float2*>(drow + 8 * j + 2 * t);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float th = attention::tanh_approx(s[4 * j + e] * cap_in);
+                        float p = fast_exp2(fmaf(th, cap_out, -(e & 1 ? l.y : l.x)));
+                        const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
+                        if (edge & ((q >= sq) | km.hidden_bits(q, key, sk))) p = 0.f;
+                        s[4 * j + e] = p;
+                        // (VARLEN: exactly 0 where P is, as in the pass without the softcap)
+                        dp[4 * j + e] = VARLEN && p == 0.f ? 0.f
+                                                            : p * (dp[4 * j + e] - (e & 1 ? d.y : d.x)) * (1.f - th * th);
+                    }
+                }
+            } else if constexpr (SOFTCAP) {
+                // P^T's fragments packed a column pair at a time, and s kept as P^T (1 - t^2) for
+                // dS^T = (P^T (1 - t^2)) (dP^T - Dsum): t dies here, no registers held for it, and
+                // dP^T's wait stays behind the exponentials as without the softcap
+                const bool edge = m0 + BM > sq || (MASK == 2 ? km.edge(n0, BN, m0, BM, sk)
+                                                               : n0 + BN > sk || (CAUSAL && n0 + BN - 1 > m0 + diag));
+#pragma unroll
+                for (int j = 0; j < BM / 8; ++j) {
+                    const float2 l = *reinterpret_cast<const float2*>(lrow + 8 * j + 2 * t);
+                    float p[4], u[4];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float th = attention::tanh_approx(s[4 * j + e] * cap_in);
+                        p[e] = fast_exp2(fmaf(th, cap_out, -(e & 1 ? l.y : l.x)));
+                        if constexpr (MASK == 2) {
                             const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
-                            if (q >= sq || key >= sk || (CAUSAL && key > q + diag)) p = 0.f;
+                            if (edge & ((q >= sq) | km.hidden_bits(q, key, sk))) p[e] = 0.f;
+                        } else {
+                            // (with && and || ptxas branched a score here at causal d128 and spilled)
+                            const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
+                            if (edge & ((q >= sq) | (key >= sk) | (CAUSAL & (key > q + diag)))) p[e] = 0.f;
                         }
-                    } else {
-                        const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
-                        if (edge & ((q >= sq) | (key >= sk) | (CAUSAL & (key > q + diag)))) p = 0.f;
+                        u[e] = 1.f - th * th;
                     }
-                    s[4 * j + e] = p;
+                    pa[j / 2][2 * (j % 2)] = pack2(p[0], p[1], T{});
+                    pa[j / 2][2 * (j % 2) + 1] = pack2(p[2], p[3], T{});
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[4 * j + e] = p[e] * u[e];
+                }
+            } else if constexpr (MASK == 2) {
+                const bool edge = m0 + BM > sq || km.edge(n0, BN, m0, BM, sk);
+#pragma unroll
+                for (int j = 0; j < BM / 8; ++j) {
+                    const float2 l = *reinterpret_cast<const float2*>(lrow + 8 * j + 2 * t);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -(e & 1 ? l.y : l.x)));
+                        const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
+                        if (edge & ((q >= sq) | km.hidden_bits(q, key, sk))) p = 0.f;
+                        s[4 * j + e] = p;
+                    }
+                }
+            } else {
+                // (no mask or causal: the window's loop written out, see the top)
+                const bool edge = m0 + BM > sq || n0 + BN > sk || (CAUSAL && n0 + BN - 1 > m0 + diag);
+#pragma unroll
+                for (int j = 0; j < BM / 8; ++j) {
+                    const float2 l = *reinterpret_cast<const float2*>(lrow + 8 * j + 2 * t);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -(e & 1 ? l.y : l.x)));
+                        if constexpr (VARLEN) {   // (packed causal documents: the && form 5% faster; see the top)
+                            if (edge) {
+                                const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
+                                if (q >= sq || key >= sk || (CAUSAL && key > q + diag)) p = 0.f;
+                            }
+                        } else {
+                            const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
+                            if (edge & ((q >= sq) | (key >= sk) | (CAUSAL & (key > q + diag)))) p = 0.f;
+                        }
+                        s[4 * j + e] = p;
+                    }
                 }
             }
-        }
-        // dV += P^T dO: P^T's A fragments from the accumulators (the softcap's packed above)
-        if constexpr (!SOFTCAP || CAP_LATE) accumulators_to_a<T>(s, pa);
-        wgmma_rs_mn<T, D>(dv_acc, pa, dob, Q_BOX);
-        CUK_STEP_STAMP(4);
+            // dV += P^T dO: P^T's A fragments from the accumulators (the softcap's packed above)
+            if constexpr (!SOFTCAP || CAP_LATE) accumulators_to_a<T>(s, pa);
+            wgmma_rs_mn<T, D>(dv_acc, pa, dob, Q_BOX);
+            CUK_STEP_STAMP(4);
 
-        if constexpr (!CAP_LATE) {
-            wgmma_wait<1>();   // dP^T is in (dV may still run)
-            wgmma_hold(dp);
+            if constexpr (!CAP_LATE) {
+                wgmma_wait<1>();   // dP^T is in (dV may still run)
+                wgmma_hold(dp);
 #pragma unroll
-            for (int j = 0; j < BM / 8; ++j) {
-                const float2 d = *reinterpret_cast<const float2*>(drow + 8 * j + 2 * t);
+                for (int j = 0; j < BM / 8; ++j) {
+                    const float2 d = *reinterpret_cast<const float2*>(drow + 8 * j + 2 * t);
 #pragma unroll
-                for (int e = 0; e < 4; ++e)   // (VARLEN: exactly 0 where P is, whatever dP^T holds there: rows
-                    // past the document, whose dQ is added into the next one's rows, must add zeros)
-                    dp[4 * j + e] = VARLEN && s[4 * j + e] == 0.f ? 0.f
-                                                                  : s[4 * j + e] * (dp[4 * j + e] - (e & 1 ? d.y : d.x));
+                    for (int e = 0; e < 4; ++e)   // (VARLEN: exactly 0 where P is, whatever dP^T holds there: rows
+                        // past the document, whose dQ is added into the next one's rows, must add zeros)
+                        dp[4 * j + e] = VARLEN && s[4 * j + e] == 0.f ? 0.f
+                                                                      : s[4 * j + e] * (dp[4 * j + e] - (e & 1 ? d.y : d.x));
+                }
             }
-        }
-        unsigned int dsa[BM / 16][4];
-        accumulators_to_a<T>(dp, dsa);
-        if constexpr (DQ_ATOMIC) {
-            // dS^T into shared memory as TMA would store it: boxes of 64 queries, key rows of 128
-            // bytes, 16-byte chunk c of row r at chunk c ^ (r % 8). Two buffers, by step parity:
-            // both warpgroups' dQ of step it - 2 must have read this one (ds_free). Published to
-            // both warpgroups' dQ of this step by ds_full (256 arrivals). By stmatrix: 8 x 8
-            // matrices of (key rows, 8 queries), four a store; lane l addresses row l % 8 of matrix
-            // l / 8 (query chunk j + (l / 8) / 2, rows 8 ((l / 8) % 2) on). 4 stores against 16
-            // 4-byte ones: +2-5% at d128 (docs/notes-attention.md, step 8).
-            if (G >= 2) mbarrier_wait(&ds_free[G & 1], ((G - 2) >> 1) & 1);
-            unsigned char* const dsb = ds_s + (G & 1) * DS_BYTES;
+            unsigned int dsa[BM / 16][4];
+            accumulators_to_a<T>(dp, dsa);
+            if constexpr (DQ_ATOMIC) {
+                // dS^T into shared memory as TMA would store it: boxes of 64 queries, key rows of 128
+                // bytes, 16-byte chunk c of row r at chunk c ^ (r % 8). Two buffers, by step parity:
+                // both warpgroups' dQ of step it - 2 must have read this one (ds_free). Published to
+                // both warpgroups' dQ of this step by ds_full (256 arrivals). By stmatrix: 8 x 8
+                // matrices of (key rows, 8 queries), four a store; lane l addresses row l % 8 of matrix
+                // l / 8 (query chunk j + (l / 8) / 2, rows 8 ((l / 8) % 2) on). 4 stores against 16
+                // 4-byte ones: +2-5% at d128 (docs/notes-attention.md, step 8).
+                if (G >= 2) mbarrier_wait(&ds_free[G & 1], ((G - 2) >> 1) & 1);
+                unsigned char* const dsb = ds_s + (G & 1) * DS_BYTES;
 #pragma unroll
-            for (int j = 0; j < BM / 8; j += 2) {
-                const int mat = lane / 8, jj = j + mat / 2, row = wg * 64 + warp * 16 + 8 * (mat % 2) + lane % 8;
-                stmatrix_x4(dsb + (jj / 8) * BN * 128 + row * 128 + (((jj % 8) ^ (lane % 8)) << 4), dsa[j / 2]);
+                for (int j = 0; j < BM / 8; j += 2) {
+                    const int mat = lane / 8, jj = j + mat / 2, row = wg * 64 + warp * 16 + 8 * (mat % 2) + lane % 8;
+                    stmatrix_x4(dsb + (jj / 8) * BN * 128 + row * 128 + (((jj % 8) ^ (lane % 8)) << 4), dsa[j / 2]);
+                }
+                // (generic-proxy stores, read next by wgmma. ONE_FENCE: published behind the step
+                // before's dQ staging below, whose proxy fence covers both; step 0 stages no dQ)
+                if (!ONE_FENCE || it == 0) {
+                    fence_proxy_async();
+                    mbarrier_arrive(&ds_full[G & 1]);
+                }
             }
-            // (generic-proxy stores, read next by wgmma. ONE_FENCE: published behind the step
-            // before's dQ staging below, whose proxy fence covers both; step 0 stages no dQ)
-            if (!ONE_FENCE || it == 0) {
-                fence_proxy_async();
-                mbarrier_arrive(&ds_full[G & 1]);
-            }
-        }
-        CUK_STEP_STAMP(5);
-        wgmma_wait<0>();   // dV done: P^T's fragments are free
-        wgmma_hold(dv_acc);
-        wgmma_hold(pa);
-        CUK_STEP_STAMP(6);
+            CUK_STEP_STAMP(5);
+            wgmma_wait<0>();   // dV done: P^T's fragments are free
+            wgmma_hold(dv_acc);
+            wgmma_hold(pa);
+            CUK_STEP_STAMP(6);
 
-        // dK += dS^T Q (Q read MN-major as stored), and dQ of the step before
-        if (DQ_ATOMIC && it > 0) {
-            mbarrier_wait(&ds_full[(G - 1) & 1], ((G - 1) >> 1) & 1);
-            float dq[32];
-            if constexpr (DQ_FIRST) {
-                dq_issue(G - 1, dq);
-                wgmma_rs_mn<T, D>(dk_acc, dsa, qb, Q_BOX);
-                wgmma_wait<1>();   // dQ done (dK may still run under its store)
+            // dK += dS^T Q (Q read MN-major as stored), and dQ of the step before
+            if (DQ_ATOMIC && it > 0) {
+                mbarrier_wait(&ds_full[(G - 1) & 1], ((G - 1) >> 1) & 1);
+                float dq[32];
+                if constexpr (DQ_FIRST) {
+                    dq_issue(G - 1, dq);
+                    wgmma_rs_mn<T, D>(dk_acc, dsa, qb, Q_BOX);
+                    wgmma_wait<1>();   // dQ done (dK may still run under its store)
+                } else {
+                    wgmma_rs_mn<T, D>(dk_acc, dsa, qb, Q_BOX);
+                    dq_issue(G - 1, dq);
+                    wgmma_wait<0>();
+                }
+                wgmma_hold(dq);
+                CUK_STEP_STAMP(7);
+                dq_store(prev_h, prev_m0, dq);
+                if constexpr (ONE_FENCE) mbarrier_arrive(&ds_full[G & 1]);   // (this step's dS^T, fenced with dQ's staging)
+                mbarrier_arrive(&ds_free[(G - 1) & 1]);
+                if constexpr (DQ_FIRST) wgmma_wait<0>();
             } else {
                 wgmma_rs_mn<T, D>(dk_acc, dsa, qb, Q_BOX);
-                dq_issue(G - 1, dq);
                 wgmma_wait<0>();
             }
-            wgmma_hold(dq);
-            CUK_STEP_STAMP(7);
-            dq_store(prev_h, prev_m0, dq);
-            if constexpr (ONE_FENCE) mbarrier_arrive(&ds_full[G & 1]);   // (this step's dS^T, fenced with dQ's staging)
-            mbarrier_arrive(&ds_free[(G - 1) & 1]);
-            if constexpr (DQ_FIRST) wgmma_wait<0>();
-        } else {
-            wgmma_rs_mn<T, D>(dk_acc, dsa, qb, Q_BOX);
+            wgmma_hold(dk_acc);
+            wgmma_hold(dsa);
+            mbarrier_arrive(&bar_free[buf]);   // (this thread's products have read Q and dO)
+            CUK_STEP_STAMP(8);
+            prev_m0 = m0;
+            prev_h = h_step;
+            if (++m_tile == m_first + per_head) {
+                m_tile = m_first;
+                ++h_step;
+            }
+        }
+        if (DQ_ATOMIC && steps > 0) {   // the last step's dQ
+            const int GL = G0 + steps - 1;
+            mbarrier_wait(&ds_full[GL & 1], (GL >> 1) & 1);
+            float dq[32];
+            dq_issue(GL, dq);
             wgmma_wait<0>();
+            wgmma_hold(dq);
+            dq_store(prev_h, prev_m0, dq);
+            if constexpr (PERSISTENT) mbarrier_arrive(&ds_free[GL & 1]);   // (the next unit's steps reuse it)
         }
-        wgmma_hold(dk_acc);
-        wgmma_hold(dsa);
-        mbarrier_arrive(&bar_free[buf]);   // (this thread's products have read Q and dO)
-        CUK_STEP_STAMP(8);
-        prev_m0 = m0;
-        prev_h = h_step;
-        if (++m_tile == m_first + per_head) {
-            m_tile = m_first;
-            ++h_step;
-        }
-    }
-    if (DQ_ATOMIC && steps > 0) {   // the last step's dQ
-        const int GL = G0 + steps - 1;
-        mbarrier_wait(&ds_full[GL & 1], (GL >> 1) & 1);
-        float dq[32];
-        dq_issue(GL, dq);
-        wgmma_wait<0>();
-        wgmma_hold(dq);
-        dq_store(prev_h, prev_m0, dq);
-        if constexpr (PERSISTENT) mbarrier_arrive(&ds_free[GL & 1]);   // (the next unit's steps reuse it)
-    }
-    if constexpr (DQ_ATOMIC)   // (the reduces have read this block's shared memory: at its end)
-        if (lane == 0 && (!PERSISTENT || u + static_cast<int>(gridDim.x) >= units)) tma_store_wait<0>();
+        if constexpr (DQ_ATOMIC)   // (the reduces have read this block's shared memory: at its end)
+            if (lane == 0 && (!PERSISTENT || u + static_cast<int>(gridDim.x) >= units)) tma_store_wait<0>();
 
-    // dV and dK (scaled), this warpgroup's 64 keys of this (batch, kv head), staged in its own
-    // rows of V and K and written by whole rows (dk and dv are allocated dense in some order of
-    // their dims: 16-byte rows and strides). Only this warpgroup reads its rows of V; K's rows
-    // are read by both warpgroups' dQ products (SPLIT_N), so dK waits for both to be done.
-    const int wg_key0 = n0 + wg * 64;
-    store_tile_staged<T, D, KV_BOX>(dv_acc, 1.f, 1.f, v_s + wg * 64 * 128,
-                                    dv + b * dv_sb + static_cast<long long>(span.k0 + wg_key0) * dv_ss + hk * dv_sh, dv_ss,
-                                    sk - wg_key0, 8 + wg);
-    named_barrier_sync(10, 256);
-    store_tile_staged<T, D, KV_BOX>(dk_acc, scale, scale, k_s + wg * 64 * 128,
-                                    dk + b * dk_sb + static_cast<long long>(span.k0 + wg_key0) * dk_ss + hk * dk_sh, dk_ss,
-                                    sk - wg_key0, 8 + wg);
-    CUK_STAMP(9);
-    if constexpr (PERSISTENT) {
-        mbarrier_arrive(&kv_free);   // (this thread has read its rows of K's and V's buffers)
-        gbase += steps;
-    }
+        // dV and dK (scaled), this warpgroup's 64 keys of this (batch, kv head), staged in its own
+        // rows of V and K and written by whole rows (dk and dv are allocated dense in some order of
+        // their dims: 16-byte rows and strides). Only this warpgroup reads its rows of V; K's rows
+        // are read by both warpgroups' dQ products (SPLIT_N), so dK waits for both to be done.
+        const int wg_key0 = n0 + wg * 64;
+        store_tile_staged<T, D, KV_BOX>(dv_acc, 1.f, 1.f, v_s + wg * 64 * 128,
+                                        dv + b * dv_sb + static_cast<long long>(span.k0 + wg_key0) * dv_ss + hk * dv_sh, dv_ss,
+                                        sk - wg_key0, 8 + wg);
+        named_barrier_sync(10, 256);
+        store_tile_staged<T, D, KV_BOX>(dk_acc, scale, scale, k_s + wg * 64 * 128,
+                                        dk + b * dk_sb + static_cast<long long>(span.k0 + wg_key0) * dk_ss + hk * dk_sh, dk_ss,
+                                        sk - wg_key0, 8 + wg);
+        CUK_STAMP(9);
+        if constexpr (PERSISTENT) {
+            mbarrier_arrive(&kv_free);   // (this thread has read its rows of K's and V's buffers)
+            gbase += steps;
+        }
     }   // (the units)
 #elif defined(__CUDA_ARCH__)
     __trap();   // (built without sm_90a's features: fail loudly, never return an unwritten output)
