@@ -649,9 +649,12 @@ def test_the_persistent_sm90_backward_walks_every_unit(d, shape, blocks, softcap
     k, v = (cupy.asarray(random_host(rng, (b, sk, hkv, d), "bfloat16")) for _ in range(2))
     out, lse = cukern.attention(q, k, v, return_lse=True, softcap=softcap)
     which = "bwd_sm90_softcap" if softcap else "bwd_sm90"
-    base = dataclasses.replace(attn.CONFIGS, use_sm90_bwd=True)
-    walk = dataclasses.replace(base, bwd_sm90_blocks=blocks, **{which: tuple(
-        (dd, dataclasses.replace(c, persistent=True)) for dd, c in getattr(base, which))})
+
+    def configs(persistent, **more):   # (the shipped configs with persistent set either way)
+        return dataclasses.replace(attn.CONFIGS, use_sm90_bwd=True, **more, **{which: tuple(
+            (dd, dataclasses.replace(c, persistent=persistent)) for dd, c in getattr(attn.CONFIGS, which))})
+
+    base, walk = configs(False), configs(True, bwd_sm90_blocks=blocks)
     assert walk.get(which, d).persistent_for(0, False, False)
     got, ref = ([cupy.asnumpy(g) for g in attn._attention_backward(do, q, k, v, out, lse, False, None, False, c,
                                                                    softcap=softcap)] for c in (walk, base))
