@@ -734,13 +734,16 @@ def asv_results(*, warmup: int = 10, reps: int = 100, quick: bool = False) -> di
 
     With ``CUKERN_BENCH_JSON=array.json:torch.json`` (the ``--json`` files of ``python -m cukern
     bench`` and ``bench --torch`` run for the same commit on the same machine) the figures of
-    that run are recorded instead of being measured again."""
+    that run are recorded instead of being measured again (``array.json`` alone, or a ``--filter``
+    run: the cases it lacks are skipped)."""
     import json
     import os
 
     saved = os.environ.get("CUKERN_BENCH_JSON")
     if saved:
-        array, path = (json.loads(open(p).read()) for p in saved.split(":"))
+        files = saved.split(":")
+        array = json.loads(open(files[0]).read())
+        path = json.loads(open(files[1]).read()) if len(files) > 1 else {"results": []}
         return {"skip": None, "device": array["device"], "versions": array["versions"],
                 "copy_gbps": array["copy_gbps"], "matmul_tflops": array["matmul_tflops"],
                 "cases": {r["name"]: r for r in array["results"]},
@@ -783,7 +786,9 @@ def _metric(name: str, unit: str, pretty: str, read: Callable[[dict], Any]) -> C
 
 def _case_value(group: str, case_name: str, key: str):
     def read(measured):
-        r = measured[group][case_name]
+        r = measured[group].get(case_name)
+        if r is None:   # (a run of some cases, ``bench --filter``: the others were not measured)
+            return None
         if r.get("error"):
             raise RuntimeError(f"{case_name}: {r['error']}")
         return r.get(key)

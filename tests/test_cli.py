@@ -318,6 +318,14 @@ def test_asv_benchmarks_cover_every_case_under_their_historic_names():
     with pytest.raises(NotImplementedError):
         mod.setup({"skip": "no GPU"})
     assert tracks["bench_norm.track_copy_gbps"](fake) == 3000.0
+    # a recorded run of some cases (bench --filter attention, no --torch run): the others skip
+    part = {"skip": None, "copy_gbps": 3000.0, "torch_cases": {},
+            "cases": {n: r for n, r in fake["cases"].items() if n.startswith("attention")}}
+    tracks["bench_attention.track_attention_d128_fwd_vs_cudnn_speedup"].setup(part)
+    assert tracks["bench_attention.track_attention_d128_fwd_vs_cudnn_speedup"](part) == pytest.approx(2.0)
+    for name in ("bench_norm.track_layer_norm_fwd_speedup", "bench_torch_norm.track_layer_norm_fwd_bwd_vs_eager"):
+        with pytest.raises(NotImplementedError):
+            tracks[name].setup(part)
 
 
 class _FakeEvent:
