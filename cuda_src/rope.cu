@@ -39,6 +39,76 @@ __device__ __forceinline__ void rotate_pair(float xl, float xh, float cl, float 
     }
 }
 
+// Pairs of 16-bit values in a 32-bit word, with one fma.rn a pair (sm_80+), for T tables with
+// 16-bit T: a product rounded once to T (x * c - 0) and a sum or difference of two T values
+// rounded once (p2 * +-1 + p1) are what PyTorch's float32 arithmetic followed by a rounding to T
+// gives (a product of two T values is exact in float32; a sum is exact in float32 unless its
+// operands are more than 16 binades apart, and then it lies far from any midpoint of T). (Below
+// 2^-126, in bfloat16's subnormals, PyTorch's float32 product is itself rounded first and can
+// land one unit away; the float32 path here flushes those to zero.) 1.5 instructions an output
+// element against ~8 for the float32 round trips (ncu: the kernel was 78% issue-bound, Liger's
+// in-place Triton kernel 13%; docs/notes-rope.md).
+template <typename T> __device__ __forceinline__ unsigned int fma2(unsigned int a, unsigned int b, unsigned int c);
+template <> __device__ __forceinline__ unsigned int fma2<bf16>(unsigned int a, unsigned int b, unsigned int c) {
+    unsigned int d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+template <> __device__ __forceinline__ unsigned int fma2<half>(unsigned int a, unsigned int b, unsigned int c) {
+    unsigned int d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+template <typename T> __device__ __forceinline__ unsigned int mul2(unsigned int a, unsigned int b) {
+    return fma2<T>(a, b, 0x80008000u);   // + (-0, -0): the product's own sign when it is zero
+}
+// (lo, hi) words of +-1: one is 0x3f80 in bfloat16 and 0x3c00 in float16; the sign bit 0x8000
+template <typename T> __device__ __forceinline__ constexpr unsigned int one16();
+template <> __device__ __forceinline__ constexpr unsigned int one16<bf16>() { return 0x3f80u; }
+template <> __device__ __forceinline__ constexpr unsigned int one16<half>() { return 0x3c00u; }
+template <typename T> __device__ __forceinline__ unsigned int signs2(bool lo_neg, bool hi_neg) {
+    return (one16<T>() | (lo_neg ? 0x8000u : 0u)) | ((one16<T>() | (hi_neg ? 0x8000u : 0u)) << 16);
+}
+// A vector's 32-bit words and back
+template <typename T, int N>
+__device__ __forceinline__ void to_words(const Vec<T, N>& v, unsigned int (&w)[N / 2]) {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) w[i] = reinterpret_cast<const unsigned int*>(&v)[i];
+}
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> from_words(const unsigned int (&w)[N / 2]) {
+    Vec<T, N> v;
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) reinterpret_cast<unsigned int*>(&v)[i] = w[i];
+    return v;
+}
+__device__ __forceinline__ unsigned int swap_halves(unsigned int w) { return __byte_perm(w, 0, 0x1032); }
+
+// A vector of x (VEC 16-bit elements, VEC / 2 words) rotated with same-dtype tables.
+// Half-split: xl, cl, sl the lo vectors and xh, ch, sh the hi ones; interleaved: pairs in words
+// (xl the vector, xh unused).
+template <typename T, bool INTERLEAVED, bool BWD, int W>
+__device__ __forceinline__ void rotate_words(unsigned int (&xl)[W], unsigned int (&xh)[W], const unsigned int (&cl)[W],
+                                             const unsigned int (&ch)[W], const unsigned int (&sl)[W],
+                                             const unsigned int (&sh)[W]) {
+#pragma unroll
+    for (int i = 0; i < W; ++i) {
+        if constexpr (INTERLEAVED) {
+            // fwd: (x0 c0 - x1 s0, x1 c1 + x0 s1); bwd: (x0 c0 + x1 s1, x1 c1 - x0 s0)
+            const unsigned int cross = BWD ? swap_halves(mul2<T>(xl[i], sl[i])) : mul2<T>(swap_halves(xl[i]), sl[i]);
+            xl[i] = fma2<T>(cross, signs2<T>(!BWD, BWD), mul2<T>(xl[i], cl[i]));
+        } else {
+            // fwd: lo = xl cl - xh sl, hi = xh ch + xl sh; bwd: lo = xl cl + xh sh, hi = xh ch - xl sl
+            const unsigned int lo = fma2<T>(mul2<T>(xh[i], BWD ? sh[i] : sl[i]), signs2<T>(!BWD, !BWD),
+                                            mul2<T>(xl[i], cl[i]));
+            const unsigned int hi = fma2<T>(mul2<T>(xl[i], BWD ? sl[i] : sh[i]), signs2<T>(BWD, BWD),
+                                            mul2<T>(xh[i], ch[i]));
+            xl[i] = lo;
+            xh[i] = hi;
+        }
+    }
+}
+
 // VEC elements of a cos / sin table as float32, in loads of at most 16 bytes.
 template <typename C, int VEC>
 __device__ __forceinline__ void load_table(const C* __restrict__ p, float (&f)[VEC]) {
@@ -85,7 +155,21 @@ __global__ void __launch_bounds__(THREADS) rope_apply(
         const int h = is_q ? row : row - HQ;
         const T* x = is_q ? q + b * q_sb + h * q_sh + s * q_ss : k + b * k_sb + h * k_sh + s * k_ss;
         T* o = is_q ? q_out + b * qo_sb + h * qo_sh + s * qo_ss : k_out + b * ko_sb + h * ko_sh + s * ko_ss;
-        if constexpr (INTERLEAVED) {
+        if constexpr (sizeof(T) == 2 && !PROMOTED && VEC % 2 == 0) {
+            constexpr int W = VEC / 2;
+            unsigned int xl[W], xh[W], cl[W], ch[W], sl[W], sh[W];
+            to_words<T, VEC>(load_vec<T, VEC>(x + j), xl);
+            to_words<T, VEC>(load_vec<C, VEC>(c + j), cl);
+            to_words<T, VEC>(load_vec<C, VEC>(sn + j), sl);
+            if constexpr (!INTERLEAVED) {
+                to_words<T, VEC>(load_vec<T, VEC>(x + j + D / 2), xh);
+                to_words<T, VEC>(load_vec<C, VEC>(c + j + D / 2), ch);
+                to_words<T, VEC>(load_vec<C, VEC>(sn + j + D / 2), sh);
+            }
+            rotate_words<T, INTERLEAVED, BWD, W>(xl, xh, cl, ch, sl, sh);
+            store_vec<T, VEC>(o + j, from_words<T, VEC>(xl));
+            if constexpr (!INTERLEAVED) store_vec<T, VEC>(o + j + D / 2, from_words<T, VEC>(xh));
+        } else if constexpr (INTERLEAVED) {
             float xv[VEC], cv[VEC], sv[VEC];
             unpack(load_vec<T, VEC>(x + j), xv);
             load_table<C, VEC>(c + j, cv);

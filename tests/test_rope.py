@@ -223,6 +223,56 @@ def test_against_hugging_faces_code(dtype):
     assert torch.equal(o2[0].transpose(1, 2), got[0].detach())
 
 
+def _wide_values(g, shape, tdt):
+    """Random signs and mantissas over many binades (bfloat16: 2^-60 .. 2^40; float16: 2^-26 ..
+    2^12, into its subnormals), some exact zeros of either sign: products and sums of these round
+    where randn's values never would. (bfloat16 products stay normal: below 2^-126 float32 rounds
+    a product before PyTorch rounds it to bfloat16, and the two roundings can differ from one.)"""
+    lo, hi = (-60, 40) if tdt == torch.bfloat16 else (-26, 12)
+    e = torch.randint(lo, hi, shape, device="cuda", generator=g).float()
+    m = 1 + torch.rand(shape, device="cuda", generator=g)
+    sign = torch.randint(0, 2, shape, device="cuda", generator=g).float() * 2 - 1
+    v = sign * m * torch.exp2(e)
+    v[torch.rand(shape, device="cuda", generator=g) < 0.02] = 0.0
+    v[torch.rand(shape, device="cuda", generator=g) < 0.02] = -0.0
+    return v.to(tdt)
+
+
+@gpu
+@needs_torch
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_packed_pairs_round_as_pytorch_over_many_binades(dtype, interleaved):
+    """16-bit q, k and tables run as pairs of values a word (one fma.rn each product, sum and
+    difference): bit for bit PyTorch eager's products and sums in the dtype (float32 arithmetic,
+    each result rounded), forward and backward, on values spread over many binades, with signed
+    zeros (and float16 subnormals)."""
+    tdt = getattr(torch, dtype)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    B, H, S, D = 2, 3, 64, 64
+    q, k, dq, dk = (_wide_values(g, (B, h, S, D), tdt) for h in (H, 2, H, 2))
+    cos, sin = (_wide_values(g, (1, S, D), tdt) for _ in range(2))
+
+    def pairs(x):
+        return (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., : D // 2], x[..., D // 2:])
+
+    def join(lo, hi):
+        return torch.stack((lo, hi), dim=-1).flatten(-2) if interleaved else torch.cat((lo, hi), dim=-1)
+
+    def eager(x, bwd):
+        (xl, xh), (cl, ch), (sl, sh) = pairs(x), pairs(cos[:, None]), pairs(sin[:, None])
+        if bwd:
+            return join(xl * cl + xh * sh, xh * ch - xl * sl)
+        return join(xl * cl - xh * sl, xh * ch + xl * sh)
+
+    got = (*cukern.rope(q, k, cos, sin, interleaved=interleaved),
+           *cukern.rope_backward(dq, dk, cos, sin, interleaved=interleaved))
+    want = (eager(q, False), eager(k, False), eager(dq, True), eager(dk, True))
+    for name, a, e in zip(("q_out", "k_out", "dq", "dk"), got, want):
+        same = (a.view(torch.int16) == e.view(torch.int16)) | (torch.isnan(a) & torch.isnan(e))
+        assert bool(same.all()), f"{name}: {(~same).float().mean().item():.2e} of the elements differ"
+
+
 @gpu
 @needs_torch
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
