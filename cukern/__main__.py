@@ -232,8 +232,10 @@ def _ops(args):
 def cmd_train_demo(args) -> int:
     if (refused := _refuse("train-demo")) is not None:
         return refused
-    from cukern.demo import config, train
+    from cukern.demo import config, deterministic, train
 
+    if args.deterministic:
+        deterministic()
     cfg = config(args)
     rank = int(os.environ.get("RANK", "0"))
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -244,7 +246,8 @@ def cmd_train_demo(args) -> int:
             f"{cfg.norm} norm" if cfg.model == "gpt" else
             f"Hugging Face {cfg.model} ({cfg.layers} layers, dim {cfg.dim}, {cfg.heads} heads, seq {cfg.seq})")
     say(f"train-demo: {what}; batch {args.batch} x accum {args.accum} x {world} rank(s)"
-        f"{' (FSDP2)' if args.fsdp and world > 1 else ''}, {args.steps} steps, bf16 autocast, AdamW", flush=True)
+        f"{' (FSDP2)' if args.fsdp and world > 1 else ''}, {args.steps} steps, bf16 autocast, AdamW"
+        f"{', deterministic algorithms' if args.deterministic else ''}", flush=True)
     runs = {}
     for compiled in compiles:
         for patched in patches:
@@ -274,7 +277,7 @@ def cmd_train_demo(args) -> int:
     if a and b:
         lines.append(f"cukern.patch() eager against PyTorch compiled: {b['tokens_per_s'] / a['tokens_per_s']:.3f}x")
     a, b = runs.get("PyTorch"), runs.get("PyTorch + compile")
-    if a and b:   # the scale of bf16 noise: PyTorch against itself, eager vs compiled
+    if a and b:   # the scale: PyTorch's own numerics (and, unless --deterministic, its run-to-run noise)
         diff = [abs(x - y) for x, y in zip(a["losses"], b["losses"])]
         lines.append(f"for scale, PyTorch eager vs PyTorch compiled: loss difference max {max(diff):.4f}, "
                      f"mean of the last 20 steps {sum(diff[-20:]) / len(diff[-20:]):.4f}")
@@ -383,6 +386,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--patch", choices=("both", "on", "off"), default="both",
                    help="runs with cukern.torch.patch() (on), without (off), or both")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms(True) (and CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set): "
+                        "a run repeats bit for bit, so the loss differences between runs are numerics, not noise; "
+                        "PyTorch's SDPA then runs its deterministic backward, so tokens/s are not the default "
+                        "ones (default: off)")
     p.add_argument("--verbose", action="store_true", help="print the loss every 20 steps")
     p.add_argument("--ops", metavar="A,B", help="the functions patch() routes (default: all of cukern.torch.OPS); "
                                                 "with --model, the parts patch(model) routes (default: all of "

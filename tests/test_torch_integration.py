@@ -139,6 +139,20 @@ def test_demo_model_runs_on_the_cpu_and_categories():
     assert len(top) == 3 and "ampere_gemm" in top[1] and "66.7%" in top[1] and "normalization" in top[2]
 
 
+def test_demo_deterministic_turns_on_pytorchs_deterministic_algorithms(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        demo.deterministic()
+        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")   # a value the user set stays
+        demo.deterministic()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
 def test_demo_batches_repeat_a_pattern_and_need_no_host_sync():
     gen = torch.Generator().manual_seed(5)
     tokens, _ = demo.batch(gen, 3, 300, 1000, "cpu")
@@ -490,6 +504,23 @@ def test_short_training_run_patched_and_unpatched_agree():
     c = runs[1]["counts"]
     assert all(c[n]["cukern"] > 0 and c[n]["torch"] == 0 for n in ("layer_norm", "embedding",
                                                                      "scaled_dot_product_attention"))
+
+
+@gpu
+@needs_cuda
+def test_deterministic_training_runs_repeat_bit_for_bit(monkeypatch):
+    """Under demo.deterministic() a run repeats exactly, patched or not (train-demo --deterministic):
+    PyTorch's SDPA backward and cukern's attention backward both take their deterministic paths."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    before = torch.are_deterministic_algorithms_enabled()
+    cfg = demo.Config(layers=2, dim=256, heads=4, vocab=1000, seq=256)
+    try:
+        demo.deterministic()
+        for patched in (False, True):
+            a, b = (demo.train(cfg, steps=6, batch_size=4, patched=patched, timed_from=2)["losses"] for _ in range(2))
+            assert a == b, (patched, a, b)
+    finally:
+        torch.use_deterministic_algorithms(before)
 
 
 @gpu

@@ -56,6 +56,18 @@ def patch_context(model, cfg: Config, ops):
     return ct.patch(ops) if cfg.model == "gpt" else ct.patch(model, parts=ops)
 
 
+def deterministic() -> None:
+    """Make runs repeat bit for bit: PyTorch's deterministic algorithms, with the cuBLAS workspace
+    they need (``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless set; call before the first matrix
+    product). PyTorch's SDPA then takes its deterministic flash / memory-efficient backward
+    instead of cuDNN's, and cukern's attention backward its deterministic dQ pass; the other
+    cukern kernels are deterministic anyway. Two runs of one configuration then give the same
+    losses, so a difference between two configurations is numerics, not run-to-run noise
+    (PyTorch eager differs from itself from the first steps otherwise)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+
+
 def train(cfg: Config, *, steps: int, batch_size: int, patched: bool, compiled: bool = False, accum: int = 1,
           seed: int = 0, lr: float = 6e-4, timed_from: int = 5, log=None, ops=None, fsdp: bool = False) -> dict:
     """Train ``steps`` optimizer steps (each ``accum`` micro-batches) in bf16 autocast.
