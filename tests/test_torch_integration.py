@@ -517,8 +517,17 @@ def test_deterministic_training_runs_repeat_bit_for_bit(monkeypatch):
     try:
         demo.deterministic()
         for patched in (False, True):
-            a, b = (demo.train(cfg, steps=6, batch_size=4, patched=patched, timed_from=2)["losses"] for _ in range(2))
+            runs = []
+            for _ in range(2):
+                for name in _tools.MIN_SIZE:   # (each run's unpatch restores the thresholds)
+                    _tools.MIN_SIZE[name] = 0
+                runs.append(demo.train(cfg, steps=6, batch_size=4, patched=patched, timed_from=2))
+            a, b = (r["losses"] for r in runs)
             assert a == b, (patched, a, b)
+            if patched:   # (both runs on cukern's kernels, not PyTorch's)
+                for r in runs:
+                    assert all(r["counts"][n]["cukern"] > 0 and r["counts"][n]["torch"] == 0
+                               for n in ("layer_norm", "embedding", "scaled_dot_product_attention")), r["counts"]
     finally:
         torch.use_deterministic_algorithms(before)
 
