@@ -10,8 +10,8 @@ from importlib import import_module
 
 from .options import Config, add_model_args, config
 
-_LAZY = {"GPT": "model", "Block": "model", "batch": "model", "params": "model", "train": "training", "deterministic": "training",
-         "profile_steps": "profiling", "category": "profiling", "format_top": "profiling",
+_LAZY = {"GPT": "model", "Block": "model", "batch": "model", "params": "model", "train": "training",
+         "deterministic": "training", "profile_steps": "profiling", "category": "profiling", "format_top": "profiling",
          "format_shares": "profiling", "chart": "profiling", "CATEGORIES": "profiling"}
 
 __all__ = ["Config", "add_model_args", "config", *_LAZY]
