@@ -27,9 +27,10 @@
 // MASK (common/attn_mask.cuh): 0 none, 1 causal, 2 a window, whose block walks only the query
 // tiles between its keys' window edges. SOFTCAP (t = tanh(s scale / c)): P^T = exp2(c log2(e) t -
 // lse_log2) and dS^T = P^T (dP^T - Dsum) (1 - t^2) (see CAP_LATE for where 1 - t^2 is applied).
-// The unmasked and causal instances' tests are written out as they were before the masks: ptxas
-// lays out KeyMask's form of the same tests differently there, measured 7% slower at d128 causal
-// (and 7% with the softcap, which ran causal as the window (-1, 0) until 2026-11-26). A score's
+// The causal instances' tests are written out as they were before the masks: ptxas lays out
+// KeyMask's form of the same tests differently there, measured 7% slower at d128 causal (and 7%
+// with the softcap, which ran causal as the window (-1, 0) until 2026-11-26). Without a mask, the
+// tests (queries past sq, keys past sk) run only on the tiles that cross those ends. A score's
 // tests are combined by & and |, not && and ||: ptxas's layout of the short-circuit form cost
 // 2-4% at d128 and 11-19% with a window (A/B on an H200, docs/notes-attention.md). Packed causal
 // documents keep the short-circuit form (5% faster there); with a window they take | (9% faster).
@@ -419,8 +420,10 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
                         s[4 * j + e] = p;
                     }
                 }
-            } else {
-                // (no mask or causal: the window's loop written out, see the top)
+            } else if constexpr (VARLEN || CAUSAL) {
+                // (causal: the window's loop written out, see the top; a tile-level branch to the
+                // tests as below measured 3% slower at d128 causal. Packed causal documents: the
+                // && form a score, 5% faster there.)
                 const bool edge = m0 + BM > sq || n0 + BN > sk || (CAUSAL && n0 + BN - 1 > m0 + diag);
 #pragma unroll
                 for (int j = 0; j < BM / 8; ++j) {
@@ -428,7 +431,7 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -(e & 1 ? l.y : l.x)));
-                        if constexpr (VARLEN) {   // (packed causal documents: the && form 5% faster; see the top)
+                        if constexpr (VARLEN) {
                             if (edge) {
                                 const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
                                 if (q >= sq || key >= sk || (CAUSAL && key > q + diag)) p = 0.f;
@@ -439,6 +442,29 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
                         }
                         s[4 * j + e] = p;
                     }
+                }
+            } else {
+                // No mask: P^T for every score, then, on the tiles past sq or sk only, the scores
+                // outside zeroed. (The branch-free test a score that the causal form keeps ran on
+                // every tile here, 3-4 instructions a score a step: 2.5% of the d128 backward.)
+#pragma unroll
+                for (int j = 0; j < BM / 8; ++j) {
+                    const float2 l = *reinterpret_cast<const float2*>(lrow + 8 * j + 2 * t);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[4 * j + e] = fast_exp2(fmaf(s[4 * j + e], scale_log2, -(e & 1 ? l.y : l.x)));
+                }
+                if (m0 + BM > sq || n0 + BN > sk) {
+                    // Score (key row key0 + 8 r, query m0 + 2 t + c, c = 8 j + (e & 1)) is outside
+                    // when the query is past sq or the key past sk: as one bound a row on the
+                    // constant c, c >= q_end[r]
+                    int q_end[2];
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) q_end[r] = key0 + 8 * r >= sk ? -1 : sq - m0 - 2 * t;
+#pragma unroll
+                    for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            if (8 * j + (e & 1) >= q_end[e >> 1]) s[4 * j + e] = 0.f;
                 }
             }
             // dV += P^T dO: P^T's A fragments from the accumulators (the softcap's packed above)
