@@ -275,10 +275,11 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
                         if (window.hidden_bits(row, key, sk)) s[4 * j + e] = neg_inf();
                     }
             } else {
-                // Key n0 + c (c = 8 j + 2 t + (e & 1)) is hidden from row r when it is past the last
-                // key, or past the diagonal: n0 + c > min(sk - 1, r + diag). As one bound a row
-                // on the tile's column, each score costs a compare with a constant and a select
-                // (the key's sum and two tests a score before: 4% of the d64 causal forward).
+                // Key n0 + 2 t + c (c = 8 j + (e & 1), a constant) is hidden from row r when it is
+                // past the last key, or past the diagonal: c > min(sk - 1, r + diag) - n0 - 2 t. As
+                // one bound a row, a score costs a compare with a constant and a select (before: the
+                // key's sum and two tests; the whole mask was 4% of the d64 causal forward, and this
+                // form gained 2% there).
                 int last[2];
 #pragma unroll
                 for (int r = 0; r < 2; ++r)
