@@ -49,6 +49,9 @@ class CompileError(RuntimeError):
         self.log = log
         super().__init__(f"NVRTC failed to compile {instance}:\n{log}")
 
+    def __reduce__(self):   # (pickled whole, e.g. from a worker process of the compile check)
+        return CompileError, (self.instance, self.log)
+
 
 # ---- sources ---------------------------------------------------------------------------------
 

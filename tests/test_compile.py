@@ -5,7 +5,8 @@ Runs with no GPU: NVRTC is driven directly (``cukern._nvrtc``), with the real so
 ``cuda_src/``, and ptxas's resource report (registers, stack frame, spills) is read from the
 program log. The kernels come from the families themselves (``cukern._registry``): a new
 family is checked without touching this file. Each (family, source) is compiled once per
-architecture per session; the compiles run side by side in threads (ctypes releases the GIL).
+architecture per session; the compiles run side by side in worker processes (NVRTC 13.5
+serializes the programs that threads of one process compile: two took 1.75 times one).
 The kernels that take dynamic shared memory check the size their config computes against
 their own with a static_assert, so a disagreement fails the compile.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import functools
+import multiprocessing
 import os
 import re
 
@@ -72,16 +74,16 @@ def nvrtc():
     return _nvrtc
 
 
-def _compile(module: str, source: str, arch: str):
-    return _nvrtc.compile_program(source, [i.name for i in instances_of(module, source, arch)], arch)
-
-
 @pytest.fixture(scope="module")
 def reports(nvrtc):
-    """{(module, source, arch): Future of the list of ResourceUsage}; compiled once, in parallel."""
+    """{(module, source, arch): Future of the compiled Program}; compiled once, in parallel
+    (spawned workers: they import cukern afresh, whatever threads this process runs)."""
     workers = max(1, min(len(PAIRS), len(os.sched_getaffinity(0))))
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        yield {pair: pool.submit(_compile, *pair) for pair in PAIRS}
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        yield {(module, source, arch): pool.submit(_nvrtc.compile_program, source,
+                                                   [i.name for i in instances_of(module, source, arch)], arch)
+               for module, source, arch in PAIRS}
 
 
 def _report(reports, module, source, arch):
@@ -154,6 +156,16 @@ def test_no_performance_warnings(reports, module, source, arch):
     _report(reports, module, source, arch)
     warnings = reports[(module, source, arch)].result().warnings
     assert not warnings, f"{source} for {arch}:\n" + "\n".join(warnings)
+
+
+def test_a_compile_error_crosses_a_process_boundary_whole():
+    """The check's workers hand a CompileError back pickled: its instance and log survive."""
+    import pickle
+
+    e = _kernels.CompileError("k<1>", "the log")
+    back = pickle.loads(pickle.dumps(e))
+    assert type(back) is _kernels.CompileError
+    assert (back.instance, back.log, str(back)) == (e.instance, e.log, str(e))
 
 
 def test_sm90a_instances_are_checked_for_sm90a_alone():
