@@ -41,7 +41,8 @@ def _moved(build, which):
                 before = flat[idx].item()
                 step = torch.tensor(float("inf"), device=p.device, dtype=torch.bfloat16)
                 flat[idx] = torch.nextafter(flat[idx].to(torch.bfloat16), step).float()
-            print(f"  {which}: {name}[{idx}] {before!r} -> {flat[idx].item()!r}", flush=True)
+                after = flat[idx].item()
+            print(f"  {which}: {name}[{idx}] {before!r} -> {after!r}", flush=True)
         return model, loss_of, vocab
     return moved_build
 
