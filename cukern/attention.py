@@ -277,6 +277,9 @@ class Configs:
         (64, Sm90FwdConfig(64, 3, producer=True, pingpong=True, blocks_per_sm=2)),
         (128, Sm90FwdConfig(128, 3, producer=True, pingpong=True, overlap=True)))
     use_sm90: bool = True
+    # The persistent Hopper forward's grid (Sm90FwdConfig.persistent): blocks, 0 for one an SM
+    # (tests set a few, so that every block walks many work tiles)
+    fwd_sm90_blocks: int = 0
     # Causal Hopper forward tiles run the longest first within sections of (batch, head) pairs
     # whose K and V (16-bit) take this much: they stay in L2 (50 MB on H100) while read.
     l2_section_bytes: int = 32 << 20
@@ -608,7 +611,8 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs, w
             cap_in, cap_out = _attention_mask.softcap_log2(mask, scale)
             os_ = _like(qa, q_copied)
             m_tiles = -(-sq // cfg.block_rows)
-            grid = (min(m_tiles * batch * h, _kernels.sm_count(device)), 1) if cfg.persistent else (m_tiles, batch * h)
+            blocks = configs.fwd_sm90_blocks or _kernels.sm_count(device)
+            grid = (min(m_tiles * batch * h, blocks), 1) if cfg.persistent else (m_tiles, batch * h)
             # (causal persistent: work tiles from a counter that starts at zero every call; causal
             # tiles in sections of (batch, head) pairs whose K and V fill l2_section_bytes)
             counter = b.alloc((1,), "int32") if cfg.persistent and causal else None

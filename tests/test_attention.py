@@ -342,13 +342,14 @@ def test_attention_matches_reference(c):
 @settings(max_examples=80)
 @given(c=attn_cases(), layout=st.sampled_from(["contiguous", "packed"]), producer=st.booleans(),
        pingpong=st.booleans(), overlap=st.booleans(), warpgroups=st.sampled_from([2, 3]), persistent=st.booleans(),
-       two_blocks=st.booleans(), section_pairs=st.sampled_from([None, 1, 3]))
+       two_blocks=st.booleans(), section_pairs=st.sampled_from([None, 1, 3]), blocks=st.sampled_from([0, 2]))
 def test_the_sm90_forward_matches_reference(c, layout, producer, pingpong, overlap, warpgroups, persistent,
-                                            two_blocks, section_pairs):
+                                            two_blocks, section_pairs, blocks):
     """The Hopper path (TMA + wgmma, attention_fwd_sm90) on its head dims, forced on, with every
     scheduling option: a producer warpgroup, the warpgroups' turns (pingpong, two warpgroups
     only), the intra-warpgroup overlap, two or three warpgroups of rows, one block an SM
-    walking the work tiles (persistent: with a producer and the overlap), two blocks an SM
+    walking the work tiles (persistent: with a producer and the overlap; one an SM, or two
+    blocks in all so that each walks many), two blocks an SM
     (with a producer and two warpgroups), and causal tiles in L2 sections of 1 or 3 (batch,
     head) pairs as well as the default's."""
     import importlib
@@ -371,7 +372,8 @@ def test_the_sm90_forward_matches_reference(c, layout, producer, pingpong, overl
     cfg = dataclasses.replace(cfg, persistent=persistent)
     if two_blocks and c["d"] == 64 and producer and warpgroups == 2 and not persistent:   # (104 registers: d64)
         cfg = dataclasses.replace(cfg, blocks_per_sm=2)
-    hopper = dataclasses.replace(attn.CONFIGS.replace("fwd_sm90", c["d"], cfg), fwd_sm90_full=(), use_sm90=True)
+    hopper = dataclasses.replace(attn.CONFIGS.replace("fwd_sm90", c["d"], cfg), fwd_sm90_full=(), use_sm90=True,
+                                 fwd_sm90_blocks=blocks)
     if section_pairs is not None:
         hopper = dataclasses.replace(hopper, l2_section_bytes=section_pairs * c["sk"] * c["d"] * 4)
     with pytest.MonkeyPatch.context() as mp:
@@ -622,6 +624,44 @@ def test_attention_backward_is_bitwise_deterministic(d):
     assert [fast[1].tobytes(), fast[2].tobytes()] == runs[0][1:]
     dq = np.frombuffer(runs[0][0], fast[0].dtype).reshape(fast[0].shape).astype(np.float32)
     np.testing.assert_allclose(fast[0].astype(np.float32), dq, rtol=2e-2, atol=2e-2 * float(np.abs(dq).max()))
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(3, 1000, 1000, 8, 2), (2, 300, 1100, 4, 4), (2, 700, 100, 4, 2),
+                                   (1, 2048, 2048, 16, 16)])
+@pytest.mark.parametrize("blocks", [1, 3, 0])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_persistent_sm90_forward_walks_every_tile(shape, blocks, dtype):
+    """The persistent Hopper forward without a mask (d128): one block, a few, or one an SM walk
+    every work tile, the ring's phases, Q's reloads and O's staging buffers running on across
+    tiles (key tiles past the end, one key tile a work tile, rows past sq). out and lse have the
+    bits of one block a work tile (the same sums in the same order) and match the reference."""
+    import importlib
+
+    import cupy
+
+    from cukern import _kernels
+
+    if _kernels.compute_capability(0) != (9, 0):
+        pytest.skip("the Hopper path needs an sm_90 GPU")
+    attn = importlib.import_module("cukern.attention")
+    b, sq, sk, h, hkv = shape
+    rng = np.random.default_rng(sq + sk + blocks)
+    q = random_host(rng, (b, sq, h, 128), dtype)
+    k, v = (random_host(rng, (b, sk, hkv, 128), dtype) for _ in range(2))
+    cfg = attn.CONFIGS.sm90_forward(128, False)
+    assert cfg.persistent and not cfg.pingpong
+    walk = dataclasses.replace(attn.CONFIGS, use_sm90=True, fwd_sm90_blocks=blocks)
+    base = dataclasses.replace(attn.CONFIGS.replace("fwd_sm90_full", 128, dataclasses.replace(cfg, persistent=False)),
+                               use_sm90=True)
+    qd, kd, vd = (cupy.asarray(a) for a in (q, k, v))
+    poison_allocator("cupy", [q.nbytes, b * h * sq * 4])
+    (out, lse), (out_ref, lse_ref) = ([cupy.asnumpy(a) for a in attn._attention(qd, kd, vd, False, None, True, c)]
+                                      for c in (walk, base))
+    assert out.tobytes() == out_ref.tobytes() and lse.tobytes() == lse_ref.tobytes()
+    e_out, e_lse = ref.attention(q, k, v, return_lse=True)
+    assert_close(out, e_out, dtype, "out", tol=TOL[dtype])
+    assert_close(lse, e_lse, "float32", "lse", tol=1e-4)
 
 
 @gpu
