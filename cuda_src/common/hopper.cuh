@@ -372,8 +372,26 @@ __device__ __forceinline__ void wgmma_hold(float (&d)[R]) {
 // above any arithmetic (waiting early is always safe) but not above a shared-memory store, so
 // `v` is stored to this thread's slot of `sink` (never read). The intra-warpgroup overlap needs
 // it: without it the wait for P V lands before the softmax's exponentials.
-__device__ __forceinline__ void keep_before_wait(float* sink, float v) {
-    asm volatile("st.shared.f32 [%0], %1;" :: "r"(shared_address(sink + threadIdx.x)), "f"(v) : "memory");
+__device__ __forceinline__ void keep_before_wait(unsigned int* sink, unsigned int v) {
+    asm volatile("st.shared.u32 [%0], %1;" :: "r"(shared_address(sink + threadIdx.x)), "r"(v) : "memory");
+}
+// Every word of `a` folded into one (exclusive or): a keep_before_wait value that keeps all of
+// them ahead of the wait.
+template <int R, int C>
+__device__ __forceinline__ unsigned int fold_bits(const unsigned int (&a)[R][C]) {
+    unsigned int v = 0;
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+        for (int j = 0; j < C; ++j) v ^= a[i][j];
+    return v;
+}
+template <int R, int C>
+__device__ __forceinline__ void copy_fragments(const unsigned int (&from)[R][C], unsigned int (&to)[R][C]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+        for (int j = 0; j < C; ++j) to[i][j] = from[i][j];
 }
 // Accumulators zeroed and fenced: the start of a batch of wgmma that begins a new product.
 template <int R>
