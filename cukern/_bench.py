@@ -387,17 +387,20 @@ def time_cuda_interleaved(fns: Sequence[Callable], *, warmup: int = 10, reps: in
     """Time several functions as ``time_cuda_detail`` does, each ``reps`` calls, but in
     ``rounds`` blocks taken in turn (the first of a round rotating), so that a drift of the
     device's clocks over the run (a GPU slows as it heats) falls on all of them alike, not on
-    whichever was timed last. One ``Timing`` a function, in the order given."""
+    whichever was timed last. Every block is held for as long as the slowest host needs: the
+    hold idles the device, and a longer idle before one side's blocks raised its clock under
+    the power cap (up to 1% on an H200). One ``Timing`` a function, in the order given."""
     sets = list(input_sets) if input_sets is not None else None
     calls = [_calls(fn, sets) for fn in fns]
     host = [_warm(call, warmup) for call in calls]
+    hold_ms = max(host)
     samples: list[list[float]] = [[] for _ in fns]
     rounds = max(1, min(rounds, reps))
     for r in range(rounds):
         block = reps // rounds + (r < reps % rounds)
         for k in range(len(fns)):
             j = (r + k) % len(fns)
-            samples[j] += _timed(calls[j], 1 + max(1, warmup) + len(samples[j]), block, host[j], True)
+            samples[j] += _timed(calls[j], 1 + max(1, warmup) + len(samples[j]), block, hold_ms, True)
     return [Timing(statistics.median(x), x, h) for x, h in zip(samples, host)]
 
 

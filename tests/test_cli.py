@@ -393,6 +393,18 @@ def test_time_cuda_interleaved_alternates_blocks_and_rotates_the_first(fake_even
     assert a.median_ms == 1.25 and b.median_ms == 4.25 and a.host_ms >= 0
 
 
+def test_time_cuda_interleaved_holds_every_block_as_long_as_the_slowest_host_needs(fake_events, monkeypatch):
+    """The hold before a block idles the device; one side held longer would start its blocks
+    cooler (a higher clock under the power cap), so all take the longest host time's hold."""
+    holds = []
+    monkeypatch.setattr(_bench, "_hold_device", holds.append)
+    host = iter([0.02, 0.05])   # ms a call: the two functions' warm-up
+    monkeypatch.setattr(_bench, "_warm", lambda call, warmup: next(host))
+    a, b = _bench.time_cuda_interleaved([lambda: None, lambda: None], warmup=2, reps=8, rounds=2)
+    assert holds == [1.0 + 1.25 * 0.05 * 4] * 4
+    assert (a.host_ms, b.host_ms) == (0.02, 0.05)   # (each side's own host time is still reported)
+
+
 def test_each_case_runs_in_order_and_an_error_is_recorded_not_raised(monkeypatch):
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(_bench, "l2_bytes", lambda device=0: 1)
