@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
     // Causal work tiles cost different amounts: handed out by an atomic counter, longest first.
     constexpr bool DYNAMIC = PERSISTENT && CAUSAL;
     // OVERLAP, two consumers, no turns: P packed ahead of the P V wait into a second fragment
-    // array (32 registers more; measured 1.9% fewer cycles at d128 without a mask, 0.6% more
+    // array (32 registers more; measured 1.2-1.9% fewer cycles at d128 without a mask, 0.6% more
     // with the turns, and three consumers have no registers for it).
     constexpr bool P_AHEAD = OVERLAP && CONSUMERS == 2 && !PINGPONG;
 #if CUK_SM90A
@@ -417,55 +417,40 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
             }
         }
         CUK_STAMP(3);
-        if constexpr (P_AHEAD) {
-            // P of tile nb is packed as the softmax takes it, into fragments of its own (a_next)
-            // that P V of tile nb - 1 does not read, and kept ahead of that P V's wait (the bits
-            // folded into the store). The next S then follows the wait at once, and P moves to
-            // `a` among that S's products (a loop unrolled by two instead measured 24% slower).
-            unsigned int a_next[BN / 16][4];
+        // P_AHEAD: P of tile nb is packed as the softmax takes it, into fragments of its own
+        // (a_next) that P V of tile nb - 1 does not read, and kept ahead of that P V's wait (the
+        // bits folded into the store). The next S then follows the wait at once, and P moves to
+        // `a` among that S's products (a loop unrolled by two instead measured 24% slower).
+        unsigned int a_next[P_AHEAD ? BN / 16 : 1][4];
 #pragma unroll 1
-            for (int nb = 1; nb < n_blocks; ++nb) {
-                float s[BN / 2];
-                issue_s(nb, s, false);
-                rescale(alpha);
+        for (int nb = 1; nb < n_blocks; ++nb) {
+            float s[BN / 2];
+            issue_s(nb, s, false);
+            rescale(alpha);
+            if constexpr (P_AHEAD) {
                 if (nb > 1) {
                     wgmma_hold(a_next);
                     copy_fragments(a_next, a);
                 }
-                issue_pv(nb - 1, a);
-                wgmma_wait<1>();
-                wgmma_hold(s);
-                if (PERSISTENT && nb == n_blocks - 1) mbarrier_arrive(&bar_q_free);
-                mask(nb, s);
-                softmax(s, alpha, a_next);
-                keep_before_wait(ov_sink, fold_bits(a_next) ^ __float_as_uint(row_sum[0] + row_sum[1]));
-                wgmma_wait<0>();
-                wgmma_hold(a);
-                wgmma_hold(o);
-                mbarrier_arrive(&bar_free[(it0 + nb - 1) % STAGES]);
-                refill(nb - 1);
             }
+            issue_pv(nb - 1, a);
+            if (PINGPONG) named_barrier_arrive(2 - wg, 256);
+            wgmma_wait<1>();
+            wgmma_hold(s);
+            if (PERSISTENT && nb == n_blocks - 1) mbarrier_arrive(&bar_q_free);
+            mask(nb, s);
+            softmax(s, alpha, P_AHEAD ? a_next : nullptr);
+            // (the exponentials, and P_AHEAD's P, before the wait)
+            keep_before_wait(ov_sink, (P_AHEAD ? fold_bits(a_next) : 0u) ^ __float_as_uint(row_sum[0] + row_sum[1]));
+            wgmma_wait<0>();
+            wgmma_hold(a);
+            wgmma_hold(o);
+            mbarrier_arrive(&bar_free[(it0 + nb - 1) % STAGES]);
+            refill(nb - 1);
+            if constexpr (!P_AHEAD) accumulators_to_a<T>(s, a);
+        }
+        if constexpr (P_AHEAD) {
             if (n_blocks > 1) copy_fragments(a_next, a);
-        } else {
-            for (int nb = 1; nb < n_blocks; ++nb) {
-                float s[BN / 2];
-                issue_s(nb, s, false);
-                rescale(alpha);
-                issue_pv(nb - 1, a);
-                if (PINGPONG) named_barrier_arrive(2 - wg, 256);
-                wgmma_wait<1>();
-                wgmma_hold(s);
-                if (PERSISTENT && nb == n_blocks - 1) mbarrier_arrive(&bar_q_free);
-                mask(nb, s);
-                softmax(s, alpha, nullptr);
-                keep_before_wait(ov_sink, __float_as_uint(row_sum[0] + row_sum[1]));   // (the exponentials before the wait)
-                wgmma_wait<0>();
-                wgmma_hold(a);
-                wgmma_hold(o);
-                mbarrier_arrive(&bar_free[(it0 + nb - 1) % STAGES]);
-                refill(nb - 1);
-                accumulators_to_a<T>(s, a);
-            }
         }
         rescale(alpha);
         issue_pv(n_blocks - 1, a);

@@ -389,7 +389,7 @@ def time_cuda_interleaved(fns: Sequence[Callable], *, warmup: int = 10, reps: in
     device's clocks over the run (a GPU slows as it heats) falls on all of them alike, not on
     whichever was timed last. Every block is held for as long as the slowest host needs: the
     hold idles the device, and a longer idle before one side's blocks raised its clock under
-    the power cap (up to 1% on an H200). One ``Timing`` a function, in the order given."""
+    the power cap (about 1% at d128 attention on an H200). One ``Timing`` a function, in the order given."""
     sets = list(input_sets) if input_sets is not None else None
     calls = [_calls(fn, sets) for fn in fns]
     host = [_warm(call, warmup) for call in calls]
