@@ -32,8 +32,10 @@
 //             for releases there, not in warpgroup 0's path); 384 threads, the producer down to
 //             24 registers and the consumers up to 240 (setmaxnreg; PERSISTENT: 40 and 224, or 32 and
 //             160 with three consumers, as its producer decodes work tiles).
-//   BLOCKS    2: two blocks an SM (with a producer and two consumers; 24 and 104 registers), so
-//             that one block's softmax and waits are filled by the other's products.
+//   BLOCKS    2: two blocks an SM of two consumers, so that one block's softmax and waits are
+//             filled by the other's products. Without a producer every thread has 128 registers
+//             (16 warps an SM: four a sub-partition), which hold 128-key tiles at d64; with one,
+//             24 and 104 (the launch gives 80: six warps a sub-partition).
 //   PINGPONG  the warpgroups take turns issuing S = Q K^T (FlashAttention-3's scheduler barriers).
 //   OVERLAP   S of tile j is issued with P V of tile j - 1, and tile j's softmax runs between
 //             their waits (a buffer is released a tile later: STAGES = 3, or PRODUCER).
@@ -67,10 +69,10 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
     static_assert(STAGES >= 2 && STAGES <= 4, "STAGES");
     static_assert((CONSUMERS == 2 || CONSUMERS == 3) && (!PINGPONG || CONSUMERS == 2), "CONSUMERS");
     static_assert(!PERSISTENT || (PRODUCER && OVERLAP), "PERSISTENT: a producer and the overlap");
-    static_assert(BLOCKS == 1 || (BLOCKS == 2 && PRODUCER && CONSUMERS == 2 && !PERSISTENT), "BLOCKS");
+    static_assert(BLOCKS == 1 || (BLOCKS == 2 && CONSUMERS == 2 && !PERSISTENT), "BLOCKS");
     static_assert(!VARLEN || !PERSISTENT, "VARLEN: one work tile a block");
     // The consumers' registers (setmaxnreg): what the producer's give-back allows. Two blocks an SM
-    // launch at 80 a thread; the producer's 24 let the consumers have 104.
+    // with a producer launch at 80 a thread; the producer's 24 let the consumers have 104.
     constexpr int CONSUMER_REGS = BLOCKS == 2 ? 104 : CONSUMERS == 3 ? 160 : PERSISTENT ? 224 : 240;
     // MASK (common/attn_mask.cuh): 0 none, 1 causal, 2 a window (LOCAL: its key tiles only).
     constexpr bool CAUSAL = MASK == cuk::attention::MASK_CAUSAL, LOCAL = MASK == cuk::attention::MASK_LOCAL;
@@ -80,6 +82,13 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
     // array (32 registers more; measured 1.2-1.9% fewer cycles at d128 without a mask, 0.6% more
     // with the turns, and three consumers have no registers for it).
     constexpr bool P_AHEAD = OVERLAP && CONSUMERS == 2 && !PINGPONG;
+    // Without the overlap, P packed as the softmax takes it (the S accumulators die as they go)
+    // where the tile is wider than 64 keys: S, P and O do not fit two blocks' 128 registers at once.
+    constexpr bool PACK_IN_SOFTMAX = !OVERLAP && BN > 64;
+    // Without a producer, the thread that refills the ring: with the turns, the first of warpgroup
+    // 1, which runs behind warpgroup 0, so that its wait for a buffer's release finds it done
+    // (thread 0 waited there for the other warpgroup on every tile: 7% slower at d64).
+    constexpr int REFILLER = PINGPONG ? 128 : 0;
 #if CUK_SM90A
     using namespace cuk;
     extern __shared__ unsigned char smem_raw[];
@@ -337,9 +346,9 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
     auto issue_pv = [&](int nb, unsigned int (&a)[BN / 16][4]) {
         wgmma_rs_mn<T, D>(o, a, v_s + ((it0 + nb) % STAGES) * KV_BYTES, KV_BOX);
     };
-    // Refill the buffer of tile nb (thread 0, without PRODUCER) once every thread released it.
+    // Refill the buffer of tile nb (REFILLER, without PRODUCER) once every thread released it.
     auto refill = [&](int nb) {
-        if (!PRODUCER && threadIdx.x == 0 && nb + STAGES < n_blocks) {
+        if (!PRODUCER && threadIdx.x == REFILLER && nb + STAGES < n_blocks) {
             mbarrier_wait(&bar_free[nb % STAGES], (nb / STAGES) & 1);
             load_kv(nb + STAGES);
         }
@@ -378,10 +387,14 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
             wgmma_wait<0>();
             wgmma_hold(s);
             mask(nb, s);
-            softmax(s, alpha, nullptr);
-            rescale(alpha);
             unsigned int a[BN / 16][4];
-            accumulators_to_a<T>(s, a);
+            if constexpr (PACK_IN_SOFTMAX) {
+                softmax(s, alpha, a);
+            } else {
+                softmax(s, alpha, nullptr);
+                accumulators_to_a<T>(s, a);
+            }
+            rescale(alpha);
             issue_pv(nb, a);
             wgmma_wait<0>();
             wgmma_hold(o);

@@ -96,9 +96,11 @@ class Sm90FwdConfig:
     intra-warpgroup overlap); ``persistent``, one block an SM walks the work tiles (with a
     producer and the overlap; causal tiles, which cost different amounts, are handed out by an
     atomic counter, the longest first; O staged in the last K tile, or in a buffer of its own
-    where that is shorter than the block's rows); ``blocks_per_sm`` 2, two blocks share an SM
-    (with a producer and two consumer warpgroups: launch bounds for two blocks, the consumers up
-    to 104 registers), so that one block's softmax and loads fill the other's gaps."""
+    where that is shorter than the block's rows); ``blocks_per_sm`` 2, two blocks of two
+    warpgroups share an SM, so that one block's softmax and loads fill the other's gaps: without
+    a producer every thread has 128 registers (the first thread of the second warpgroup, which
+    runs behind the first with the turns, refills the ring); with one, the launch gives 80 and
+    the consumers grow to 104, which holds key tiles of at most 64."""
     bn: int
     stages: int = 2
     producer: bool = False
@@ -127,6 +129,12 @@ class Sm90FwdConfig:
         columns a box), and 1 KB to align them (16-bit elements)."""
         return ((2 if self.own_o_buffer else 1) * self.block_rows + 2 * self.stages * self.bn) * d * 2 + 1024
 
+    @property
+    def static_smem(self) -> int:
+        """The kernel's static shared memory: its barriers (two, and two a stage), the overlap's
+        store sink (a word a computing thread), two work tile numbers and 8 bytes of padding."""
+        return 8 * (2 + 2 * self.stages) + 4 * (128 * self.warpgroups if self.overlap else 1) + 16
+
     def instance(self, dtype: str, d: int, mask: int, softcap: bool = False, varlen: bool = False) -> Instance:
         """``mask``: Mask.kind (a bool: causal or not); ``varlen``: packed documents (not persistent)."""
         if varlen and self.persistent:
@@ -139,13 +147,17 @@ class Sm90FwdConfig:
             raise ValueError(f"persistent takes a producer and the overlap (producer={self.producer}, "
                              f"overlap={self.overlap})")
         if self.blocks_per_sm not in (1, 2) or (self.blocks_per_sm == 2 and not (
-                self.producer and self.warpgroups == 2 and not self.persistent)):
-            raise ValueError(f"blocks_per_sm={self.blocks_per_sm}: 1, or 2 with a producer, two warpgroups and "
-                             f"not persistent (producer={self.producer}, warpgroups={self.warpgroups}, "
-                             f"persistent={self.persistent})")
+                self.warpgroups == 2 and not self.persistent)):
+            raise ValueError(f"blocks_per_sm={self.blocks_per_sm}: 1, or 2 with two warpgroups, not "
+                             f"persistent (warpgroups={self.warpgroups}, persistent={self.persistent})")
+        if self.blocks_per_sm == 2 and self.producer and self.bn > 64:
+            raise ValueError(f"blocks_per_sm=2 with a producer takes key tiles of at most 64 keys, not "
+                             f"bn={self.bn}: its consumers have 104 registers (ptxas fails on the S "
+                             "accumulators of wider tiles)")
         smem = self.smem(d)
-        if self.blocks_per_sm > 1 and self.blocks_per_sm * (smem + 1024) > SM90_SMEM_PER_SM:
-            raise ValueError(f"this config takes {smem} bytes of shared memory at head dim {d}; "
+        if self.blocks_per_sm > 1 and self.blocks_per_sm * (smem + self.static_smem + 1024) > SM90_SMEM_PER_SM:
+            raise ValueError(f"this config takes {smem} bytes of shared memory at head dim {d} and "
+                             f"{self.static_smem} of static; "
                              f"{self.blocks_per_sm} blocks of it do not fit an SM's {SM90_SMEM_PER_SM}")
         if smem > SM90_MAX_SMEM:
             raise ValueError(f"this config takes {smem} bytes of shared memory at head dim {d} (bn={self.bn}, "
@@ -255,26 +267,26 @@ class Configs:
     dq: tuple[tuple[int, DqConfig], ...]
     dot_threads: int = 256
     # The forward on sm_90 (H100, H200) by TMA and wgmma, by head dim: key tiles as measured
-    # fastest on an H200 (tools/tune_attention.py; docs/notes-attention.md, the Hopper path);
-    # d64 (causal): two blocks an SM, 394-405 TFLOP/s against 363-374 for one block of (64, 2)
-    # at B16 H32 S2048 on an H100.
+    # fastest on an H200 (tools/tune_attention.py; docs/notes-attention.md, the Hopper path).
+    # d64, every mask: two blocks an SM of 128-key tiles, no producer (128 registers a thread),
+    # two stages (three do not fit two blocks' shared memory); at B16 H32 S2048 on an H200, causal
+    # 424 TFLOP/s against 394 for 64-key tiles with a producer (which issue 24% more
+    # instructions), and without a mask 496 against 448 for three warpgroups with the overlap.
     fwd_sm90: tuple[tuple[int, Sm90FwdConfig], ...] = (
-        (64, Sm90FwdConfig(64, 3, producer=True, pingpong=True, blocks_per_sm=2)),
+        (64, Sm90FwdConfig(128, 2, pingpong=True, blocks_per_sm=2)),
         (128, Sm90FwdConfig(128, 3, producer=True, pingpong=True, overlap=True, persistent=True)),
         (256, Sm90FwdConfig(64, 2, producer=True, pingpong=True)))
-    # ... and where the forward without a causal mask measured faster with another config (d64:
-    # three warpgroups of 64 rows, 128-key tiles, the overlap: 466 against 441 TFLOP/s; d128: the
-    # overlap without the warpgroups' turns, which the causal forward gains 3-5% by).
+    # ... and where the forward without a causal mask measured faster with another config (d128:
+    # the overlap without the warpgroups' turns, which the causal forward gains 3-5% by).
     fwd_sm90_full: tuple[tuple[int, Sm90FwdConfig], ...] = (
-        (64, Sm90FwdConfig(128, 3, producer=True, overlap=True, warpgroups=3)),
-        (128, Sm90FwdConfig(128, 3, producer=True, overlap=True, persistent=True)))
-    # ... and the head dims whose causal forward takes fwd_sm90_full's config from this many keys
-    # on (d64: three warpgroups of rows, 128-key tiles; 469-470 against 426-452 TFLOP/s at 8192
-    # keys, and at 6144 either way, 411-429 against 409-427, on an H100).
-    fwd_sm90_long: tuple[tuple[int, int], ...] = ((64, 8192),)
+        (128, Sm90FwdConfig(128, 3, producer=True, overlap=True, persistent=True)),)
+    # ... and with the softcap, where it differs (d64: the 128-key tiles spill 8-12 bytes with the
+    # softcap's tanh, and measured no faster than 64-key tiles with a producer, 1.005x)
+    fwd_sm90_softcap: tuple[tuple[int, Sm90FwdConfig], ...] = (
+        (64, Sm90FwdConfig(64, 3, producer=True, pingpong=True, blocks_per_sm=2)),)
     # ... and for packed documents (one block a work tile: not persistent; every mask)
     fwd_sm90_varlen: tuple[tuple[int, Sm90FwdConfig], ...] = (
-        (64, Sm90FwdConfig(64, 3, producer=True, pingpong=True, blocks_per_sm=2)),
+        (64, Sm90FwdConfig(128, 2, pingpong=True, blocks_per_sm=2)),
         (128, Sm90FwdConfig(128, 3, producer=True, pingpong=True, overlap=True)))
     use_sm90: bool = True
     # The persistent Hopper forward's grid (Sm90FwdConfig.persistent): blocks, 0 for one an SM
@@ -313,11 +325,11 @@ class Configs:
     def get(self, which: str, d: int):
         return dict(getattr(self, which))[d]
 
-    def sm90_forward(self, d: int, causal: bool, sk: int = 0) -> Sm90FwdConfig:
-        """The Hopper forward's config for head dim ``d`` and ``sk`` keys (``fwd_sm90_full``
-        first when not causal, or causal from ``fwd_sm90_long``'s length on)."""
-        full = not causal or sk >= dict(self.fwd_sm90_long).get(d, sk + 1)
-        return (full and dict(self.fwd_sm90_full).get(d)) or self.get("fwd_sm90", d)
+    def sm90_forward(self, d: int, causal: bool, softcap: bool = False) -> Sm90FwdConfig:
+        """The Hopper forward's config for head dim ``d``: ``fwd_sm90_softcap``'s with the softcap,
+        else ``fwd_sm90_full``'s when not causal, where they have one; else ``fwd_sm90``'s."""
+        return ((softcap and dict(self.fwd_sm90_softcap).get(d)) or (not causal and dict(self.fwd_sm90_full).get(d))
+                or self.get("fwd_sm90", d))
 
     def replace(self, which: str, d: int, config) -> "Configs":
         """A new Configs with ``config`` for head dim ``d`` in table ``which`` (the tuning
@@ -356,10 +368,11 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
     """Every kernel instance the fronts can launch, forward and backward (compile check)."""
     out = [cfg.instance(dt, d, m, cap) for dt in DTYPES for d, cfg in configs.fwd for m in (0, 1, 2)
            for cap in (False, True)]
+    capped = dict(configs.fwd_sm90_softcap)
     out += [cfg.instance(dt, d, m, cap) for dt in DTYPES for d, cfg in configs.fwd_sm90 for m in (0, 1, 2)
-            for cap in (False, True)]
-    out += [cfg.instance(dt, d, m, cap) for dt in DTYPES for d, cfg in configs.fwd_sm90_full
-            for m in ((0, 1, 2) if d in dict(configs.fwd_sm90_long) else (0,)) for cap in (False, True)]
+            for cap in (False, True) if not (cap and d in capped)]
+    out += [cfg.instance(dt, d, m, True) for dt in DTYPES for d, cfg in configs.fwd_sm90_softcap for m in (0, 1, 2)]
+    out += [cfg.instance(dt, d, 0, cap) for dt in DTYPES for d, cfg in configs.fwd_sm90_full for cap in (False, True)]
     out += [cfg.instance(dt, d, m, cap, varlen=True) for dt in DTYPES for d, cfg in configs.fwd_sm90_varlen
             for m in (0, 1, 2) for cap in (False, True)]
     out += [cfg.instance(dt, d, m, det) for dt in DTYPES for d, cfg in configs.bwd_sm90 for m in (0, 1, 2)
@@ -606,7 +619,7 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs, w
             # TMA reads the inputs in place where cp.async can (16-byte rows and strides: _read)
             # (a window takes the causal config; its work tiles are handed out as the unmasked ones)
             causal = mask.causal
-            cfg = configs.sm90_forward(d, mask.kind > 0, sk)
+            cfg = configs.sm90_forward(d, mask.kind > 0, bool(mask.softcap))
             k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, bool(mask.softcap)), device)
             cap_in, cap_out = _attention_mask.softcap_log2(mask, scale)
             os_ = _like(qa, q_copied)

@@ -170,9 +170,9 @@ def test_the_sm90_forward_takes_tensor_maps_of_the_inputs(host_arrays_as_device,
 
 
 def test_the_sm90_forward_config_by_head_dim_and_mask():
-    """The forward without a causal mask may have its own Hopper config (d64: three warpgroups
-    of rows; d128: no turns between the warpgroups); causal, and head dims without one, take
-    fwd_sm90's. Each is compiled by the check."""
+    """The forward without a causal mask may have its own Hopper config (d128: no turns between
+    the warpgroups); causal, and head dims without one, take fwd_sm90's. Each is compiled by the
+    check."""
     import importlib
 
     attn = importlib.import_module("cukern.attention")
@@ -180,7 +180,7 @@ def test_the_sm90_forward_config_by_head_dim_and_mask():
     for d, full in cfgs.fwd_sm90_full:
         assert cfgs.sm90_forward(d, False) == full and cfgs.sm90_forward(d, True) == cfgs.get("fwd_sm90", d)
         assert full.instance("float16", d, False).name in {i.name for i in attn.instances()}
-    assert cfgs.sm90_forward(64, False).warpgroups == 3 and cfgs.sm90_forward(64, False).threads == 512
+    assert cfgs.sm90_forward(64, False) == cfgs.get("fwd_sm90", 64)
     assert not cfgs.sm90_forward(128, False).pingpong and cfgs.sm90_forward(128, True).pingpong
     assert cfgs.sm90_forward(128, False).persistent and cfgs.sm90_forward(128, True).persistent
     assert cfgs.sm90_forward(256, False) == cfgs.get("fwd_sm90", 256)
@@ -202,20 +202,30 @@ def test_the_sm90_forward_config_by_head_dim_and_mask():
     assert three.smem(64) == (2 * 192 + 2 * 3 * 128) * 64 * 2 + 1024
     with pytest.raises(ValueError, match="takes 263168 bytes of shared memory at head dim 256 .* may have 232448"):
         attn.Sm90FwdConfig(64, 2, producer=True, overlap=True, persistent=True).instance("bfloat16", 256, False)
-    # (d64 causal from 8192 keys on: the unmasked config, compiled causal too)
-    assert cfgs.sm90_forward(64, True, 8192) == cfgs.sm90_forward(64, False) != cfgs.sm90_forward(64, True, 8191)
-    assert cfgs.sm90_forward(64, False).instance("bfloat16", 64, True).name in {i.name for i in attn.instances()}
-    assert cfgs.sm90_forward(128, True, 1 << 20) == cfgs.get("fwd_sm90", 128)
-    # (two blocks an SM: the d64 causal forward; launch bounds for two, the consumers' registers)
+    # (two blocks an SM: the d64 forward, 128-key tiles and no producer, so that each thread has
+    # 128 registers; with a producer, 64-key tiles at most)
     two = cfgs.sm90_forward(64, True)
-    assert two.blocks_per_sm == 2 and two.producer
-    assert ", false, 2, 66560, false>" in two.instance("bfloat16", 64, True).name
-    for cfg in (dataclasses.replace(two, producer=False), dataclasses.replace(two, warpgroups=3),
-                dataclasses.replace(two, overlap=True, persistent=True), dataclasses.replace(two, blocks_per_sm=3)):
-        with pytest.raises(ValueError, match=f"blocks_per_sm={cfg.blocks_per_sm}: 1, or 2 with a producer"):
+    assert two.blocks_per_sm == 2 and not two.producer and two.bn == 128 and two.threads == 256
+    assert "<cuk::bf16, 64, 128, 2, 2, 1, false, false, true, false, false, 2, 82944, false>" in \
+        two.instance("bfloat16", 64, True).name
+    assert ", true, true, false, false, 2, 66560, false>" in \
+        dataclasses.replace(two, bn=64, stages=3, producer=True).instance("bfloat16", 64, True).name
+    with pytest.raises(ValueError, match="blocks_per_sm=2 with a producer takes key tiles of at most 64 keys, not bn=128"):
+        dataclasses.replace(two, producer=True).instance("bfloat16", 64, True)
+    for cfg in (dataclasses.replace(two, warpgroups=3), dataclasses.replace(two, producer=True, overlap=True, persistent=True),
+                dataclasses.replace(two, blocks_per_sm=3)):
+        with pytest.raises(ValueError, match=f"blocks_per_sm={cfg.blocks_per_sm}: 1, or 2 with two warpgroups"):
             cfg.instance("bfloat16", 64, True)
     with pytest.raises(ValueError, match="2 blocks of it do not fit an SM's 233472"):
-        dataclasses.replace(two, stages=4).instance("bfloat16", 128, True)
+        dataclasses.replace(two, stages=3).instance("bfloat16", 64, True)
+    # (the softcap at d64: 64-key tiles with a producer, every mask, compiled by the check)
+    capped = cfgs.sm90_forward(64, True, softcap=True)
+    assert capped == cfgs.sm90_forward(64, False, True) == cfgs.get("fwd_sm90_softcap", 64) != two
+    assert capped.bn == 64 and capped.producer and capped.blocks_per_sm == 2
+    names = {i.name for i in attn.instances()}
+    assert all(capped.instance(dt, 64, m, True).name in names for dt in ("bfloat16", "float16") for m in (0, 1, 2))
+    assert two.instance("bfloat16", 64, 1, True).name not in names
+    assert cfgs.sm90_forward(128, True, True) == cfgs.get("fwd_sm90", 128)
 
 
 def test_the_sm80_path_can_be_forced_by_the_environment():
@@ -350,7 +360,7 @@ def test_the_sm90_forward_matches_reference(c, layout, producer, pingpong, overl
     only), the intra-warpgroup overlap, two or three warpgroups of rows, one block an SM
     walking the work tiles (persistent: with a producer and the overlap; one an SM, or two
     blocks in all so that each walks many), two blocks an SM
-    (with a producer and two warpgroups), and causal tiles in L2 sections of 1 or 3 (batch,
+    (two warpgroups; with a producer or without), and causal tiles in L2 sections of 1 or 3 (batch,
     head) pairs as well as the default's."""
     import importlib
 
@@ -362,7 +372,8 @@ def test_the_sm90_forward_matches_reference(c, layout, producer, pingpong, overl
     if c["d"] not in dict(attn.CONFIGS.fwd_sm90):
         c["d"] = 128
     warpgroups = warpgroups if c["d"] <= 128 else 2   # (three: head dims up to 128)
-    cfg = dataclasses.replace(attn.CONFIGS.get("fwd_sm90", c["d"]), producer=producer, blocks_per_sm=1,
+    shipped = attn.CONFIGS.get("fwd_sm90", c["d"])
+    cfg = dataclasses.replace(shipped, producer=producer, blocks_per_sm=1, stages=max(shipped.stages, 3),
                               pingpong=pingpong and warpgroups == 2, overlap=overlap, warpgroups=warpgroups)
     while cfg.smem(c["d"]) > 225 * 1024 and cfg.stages > 2:   # (the ring that fits, as a config would)
         cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
@@ -370,9 +381,11 @@ def test_the_sm90_forward_matches_reference(c, layout, producer, pingpong, overl
     fits = dataclasses.replace(cfg, persistent=True).smem(c["d"]) <= 225 * 1024
     persistent = persistent and producer and overlap and fits
     cfg = dataclasses.replace(cfg, persistent=persistent)
-    if two_blocks and c["d"] == 64 and producer and warpgroups == 2 and not persistent:   # (104 registers: d64)
-        cfg = dataclasses.replace(cfg, blocks_per_sm=2)
-    hopper = dataclasses.replace(attn.CONFIGS.replace("fwd_sm90", c["d"], cfg), fwd_sm90_full=(), use_sm90=True,
+    if two_blocks and c["d"] == 64 and warpgroups == 2 and not persistent:
+        # (two blocks an SM: 128-key tiles without a producer, 64-key tiles with one, 104 registers)
+        cfg = dataclasses.replace(cfg, blocks_per_sm=2, bn=64 if producer else 128, stages=3 if producer else 2)
+    hopper = dataclasses.replace(attn.CONFIGS.replace("fwd_sm90", c["d"], cfg), fwd_sm90_full=(), fwd_sm90_softcap=(),
+                                 use_sm90=True,
                                  fwd_sm90_blocks=blocks)
     if section_pairs is not None:
         hopper = dataclasses.replace(hopper, l2_section_bytes=section_pairs * c["sk"] * c["d"] * 4)
@@ -431,7 +444,8 @@ def test_the_persistent_forward_walks_every_work_tile(b, sq, sk, h, hkv, causal,
         assert cfg.own_o_buffer
 
     def forced(c):
-        return dataclasses.replace(attn.CONFIGS.replace("fwd_sm90", d, c), fwd_sm90_full=(), use_sm90=True)
+        return dataclasses.replace(attn.CONFIGS.replace("fwd_sm90", d, c), fwd_sm90_full=(), fwd_sm90_softcap=(),
+                                   use_sm90=True)
 
     def sections(configs, pairs):   # (causal tiles in L2 sections of `pairs` (batch, head) pairs)
         return dataclasses.replace(configs, l2_section_bytes=pairs * sk * d * 4)
