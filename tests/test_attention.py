@@ -210,10 +210,11 @@ def test_the_sm90_forward_config_by_head_dim_and_mask():
         two.instance("bfloat16", 64, True).name
     assert ", true, true, false, false, 2, 66560, false>" in \
         dataclasses.replace(two, bn=64, stages=3, producer=True).instance("bfloat16", 64, True).name
-    with pytest.raises(ValueError, match="blocks_per_sm=2 with a producer takes key tiles of at most 64 keys, not bn=128"):
+    with pytest.raises(ValueError, match="blocks_per_sm=2 with a producer takes key tiles of at most 64 keys, "
+                                         "not bn=128"):
         dataclasses.replace(two, producer=True).instance("bfloat16", 64, True)
-    for cfg in (dataclasses.replace(two, warpgroups=3), dataclasses.replace(two, producer=True, overlap=True, persistent=True),
-                dataclasses.replace(two, blocks_per_sm=3)):
+    for cfg in (dataclasses.replace(two, warpgroups=3), dataclasses.replace(two, blocks_per_sm=3),
+                dataclasses.replace(two, producer=True, overlap=True, persistent=True)):
         with pytest.raises(ValueError, match=f"blocks_per_sm={cfg.blocks_per_sm}: 1, or 2 with two warpgroups"):
             cfg.instance("bfloat16", 64, True)
     with pytest.raises(ValueError, match="2 blocks of it do not fit an SM's 233472"):
