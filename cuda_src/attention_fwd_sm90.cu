@@ -390,11 +390,12 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
             unsigned int a[BN / 16][4];
             if constexpr (PACK_IN_SOFTMAX) {
                 softmax(s, alpha, a);
+                rescale(alpha);
             } else {
                 softmax(s, alpha, nullptr);
+                rescale(alpha);
                 accumulators_to_a<T>(s, a);
             }
-            rescale(alpha);
             issue_pv(nb, a);
             wgmma_wait<0>();
             wgmma_hold(o);
