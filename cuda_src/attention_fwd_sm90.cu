@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
     constexpr bool PACK_IN_SOFTMAX = !OVERLAP && BN > 64;
     // Without a producer, the thread that refills the ring: with the turns, the first of warpgroup
     // 1, which runs behind warpgroup 0, so that its wait for a buffer's release finds it done
-    // (thread 0 waited there for the other warpgroup on every tile: 7% slower at d64).
+    // (thread 0 waited there for the other warpgroup on every tile: 5-9% slower at d64).
     constexpr int REFILLER = PINGPONG ? 128 : 0;
 #if CUK_SM90A
     using namespace cuk;
@@ -388,14 +388,9 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
             wgmma_hold(s);
             mask(nb, s);
             unsigned int a[BN / 16][4];
-            if constexpr (PACK_IN_SOFTMAX) {
-                softmax(s, alpha, a);
-                rescale(alpha);
-            } else {
-                softmax(s, alpha, nullptr);
-                rescale(alpha);
-                accumulators_to_a<T>(s, a);
-            }
+            softmax(s, alpha, PACK_IN_SOFTMAX ? a : nullptr);
+            rescale(alpha);
+            if constexpr (!PACK_IN_SOFTMAX) accumulators_to_a<T>(s, a);
             issue_pv(nb, a);
             wgmma_wait<0>();
             wgmma_hold(o);
