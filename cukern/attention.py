@@ -368,11 +368,9 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
     """Every kernel instance the fronts can launch, forward and backward (compile check)."""
     out = [cfg.instance(dt, d, m, cap) for dt in DTYPES for d, cfg in configs.fwd for m in (0, 1, 2)
            for cap in (False, True)]
-    capped = dict(configs.fwd_sm90_softcap)
-    out += [cfg.instance(dt, d, m, cap) for dt in DTYPES for d, cfg in configs.fwd_sm90 for m in (0, 1, 2)
-            for cap in (False, True) if not (cap and d in capped)]
-    out += [cfg.instance(dt, d, m, True) for dt in DTYPES for d, cfg in configs.fwd_sm90_softcap for m in (0, 1, 2)]
-    out += [cfg.instance(dt, d, 0, cap) for dt in DTYPES for d, cfg in configs.fwd_sm90_full for cap in (False, True)]
+    # (the Hopper forward's: chosen as the front chooses, by sm90_forward)
+    out += [configs.sm90_forward(d, m > 0, cap).instance(dt, d, m, cap) for dt in DTYPES for d, _ in configs.fwd_sm90
+            for m in (0, 1, 2) for cap in (False, True)]
     out += [cfg.instance(dt, d, m, cap, varlen=True) for dt in DTYPES for d, cfg in configs.fwd_sm90_varlen
             for m in (0, 1, 2) for cap in (False, True)]
     out += [cfg.instance(dt, d, m, det) for dt in DTYPES for d, cfg in configs.bwd_sm90 for m in (0, 1, 2)
