@@ -168,16 +168,21 @@ __device__ __forceinline__ bool grad_vector(float (&f)[VEC], long long c, const 
 
 // MODE 0: loss (and lse) only. MODE 1: loss and gradient (upstream gradient 1). MODE 2: the
 // gradient from the saved lse and the upstream gradient dloss (a scalar, dloss_stride 0, or a
-// value a row, stride 1).
+// value a row, stride 1), rounded once.
 //   loss_rows: float32 a row (0 for ignored rows); lse: float32 a row, written in MODEs 0 and
-//   1 when not null, read in MODE 2; dloss: float32; count: the number of rows not ignored
-//   (reduction "mean": the gradient is divided by it), or null.
-template <typename T, typename IT, int VEC, int THREADS, int MODE>
+//   1 when not null, read in MODE 2; dloss: of the loss's dtype DT (float32 in MODEs 0 and 1,
+//   where it is null); count: the number of rows not ignored (reduction "mean": the gradient is
+//   divided by it), or null.
+//   unit (MODE 2, or null): the gradient the training form wrote for an upstream gradient of 1,
+//   laid out as dlogits. A row whose upstream gradient is exactly 1 takes it as it is (copied,
+//   or left alone where dlogits is unit itself); any other row is computed from the logits, so
+//   that the upstream gradient is applied before the one rounding, not after it.
+template <typename T, typename IT, int VEC, int THREADS, int MODE, typename DT>
 __global__ void __launch_bounds__(THREADS, 2) cross_entropy_rows(
     const T* logits, long long x_stride, const IT* __restrict__ target, long long rows, long long V,
     long long ignore_index, float smoothing, float z_loss, float softcap,
-    float* __restrict__ loss_rows, float* lse, const float* __restrict__ dloss, long long dloss_stride,
-    const float* __restrict__ count, T* dlogits, long long d_stride, long long* fault)
+    float* __restrict__ loss_rows, float* lse, const DT* __restrict__ dloss, long long dloss_stride,
+    const float* __restrict__ count, const T* unit, T* dlogits, long long d_stride, long long* fault)
 {
     using namespace cuk;
     using namespace cuk::cross_entropy;
@@ -191,7 +196,19 @@ __global__ void __launch_bounds__(THREADS, 2) cross_entropy_rows(
     const float inv_cap = softcap > 0.f ? 1.f / softcap : 0.f;
     const float eps_v = smoothing / static_cast<float>(V);
 
+    // (a loss that is not scaled, the common case, costs the read of its gradient alone)
+    if (MODE == 2 && unit == dlogits && dloss_stride == 0 && to_float(dloss[0]) == 1.f) return;
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        if constexpr (MODE == 2) {
+            if (unit && to_float(dloss[row * dloss_stride]) == 1.f) {
+                if (unit != dlogits) {
+                    for (long long c = static_cast<long long>(threadIdx.x) * VEC; c < V; c += THREADS * VEC)
+                        store_vec_global<T, VEC>(dlogits + row * d_stride + c,
+                                                 load_vec<T, VEC>(unit + row * d_stride + c));
+                }
+                continue;
+            }
+        }
         const T* x = logits + row * x_stride;
         const long long t = row_target(target, row, V, ignore_index, fault, MODE != 2 && threadIdx.x == 0);
         float row_lse, base, inv_l = 1.f;
@@ -238,7 +255,7 @@ __global__ void __launch_bounds__(THREADS, 2) cross_entropy_rows(
                 }
                 continue;
             }
-            float g = dloss ? dloss[row * dloss_stride] : 1.f;
+            float g = dloss ? to_float(dloss[row * dloss_stride]) : 1.f;
             if (count) g /= *count;
             // the base in log2 units: b_of(m) after pass 1; a saved lse split into hi + lo exactly
             const float hi = b_of(base);
@@ -308,25 +325,26 @@ __global__ void __launch_bounds__(256) cross_entropy_cast(const float* __restric
     for (long long i = blockIdx.x * 256LL + threadIdx.x; i < n; i += gridDim.x * 256LL) dst[i] = from_float<T>(src[i]);
 }
 
-// dst = src * g a row, g = dloss[row * dloss_stride] (the loss's dtype DT): the upstream
-// gradient applied to a gradient the training form wrote for an upstream gradient of 1. dst
-// may be src; then rows whose g is exactly 1 are left as they are (the common case, a loss
-// that is not scaled, costs a read of g).
-template <typename T, typename DT, int VEC, int THREADS>
+// dst = src * g a row, g = dloss[row * dloss_stride] (the loss's dtype DT), rounded once to
+// dst's dtype T: the upstream gradient applied to a gradient kept unrounded (src float32, S)
+// for an upstream gradient of 1 (the linear cross-entropy's). dst may be src (S = T); then rows
+// whose g is exactly 1 are left as they are (a loss that is not scaled costs a read of g).
+template <typename S, typename T, typename DT, int VEC, int THREADS>
 __global__ void __launch_bounds__(THREADS) cross_entropy_scale(
-    const T* src, T* dst, long long rows, long long V, long long stride,
+    const S* src, T* dst, long long rows, long long V, long long stride,
     const DT* __restrict__ dloss, long long dloss_stride)
 {
     using namespace cuk;
+    const bool in_place = static_cast<const void*>(src) == static_cast<const void*>(dst);
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const float g = to_float(dloss[row * dloss_stride]);
-        if (g == 1.f && src == dst) {
+        if (g == 1.f && in_place) {
             if (dloss_stride == 0) return;
             continue;
         }
         for (long long c = static_cast<long long>(threadIdx.x) * VEC; c < V; c += THREADS * VEC) {
             float f[VEC];
-            unpack(load_vec<T, VEC>(src + row * stride + c), f);
+            unpack(load_vec<S, VEC>(src + row * stride + c), f);
 #pragma unroll
             for (int j = 0; j < VEC; ++j) f[j] *= g;
             store_vec<T, VEC>(dst + row * stride + c, pack<T, VEC>(f));

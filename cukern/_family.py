@@ -36,9 +36,12 @@ class TorchOp:
     None where there is none, the i-th going to input ``grads_to[i]`` (or to each input of a
     tuple there: one gradient for several inputs, as x and the residual of h = x + residual). ``schema`` and
     ``backward_schema`` are the custom ops' schemas; ``fake`` and ``backward_fake`` their
-    shapes for torch.compile. ``eager_backward``, when given, replaces ``backward`` in the eager
-    Function: it may reuse buffers the forward made and saved (write a gradient in place),
-    which a custom op may not (its outputs must not alias its inputs). ``native``: its plans
+    shapes for torch.compile. No backward changes a tensor it is given, with one exception:
+    ``donating_backward``, when given, may write its gradients into the saved buffers the
+    forward made for it (a gradient computed ahead, scaled in place). The eager paths run it
+    only where autograd will not read the saved tensors again (the graph is not retained;
+    ``cukern.torch._tools.saved_used_once``) and ``backward`` otherwise, as the custom op always
+    does (its outputs must not alias its inputs). ``native``: its plans
     depend on nothing but its arguments and ``torch.use_deterministic_algorithms`` (read when
     the forward runs), so the eager path may record them on a signature's first call and
     replay them from C++ after (cukern/torch/_native.py).
@@ -55,7 +58,7 @@ class TorchOp:
     grads_to: tuple[int | tuple[int, ...], ...]
     visible: int = 1
     inference: Callable | None = None
-    eager_backward: Callable | None = None
+    donating_backward: Callable | None = None
     native: bool = False
 
 

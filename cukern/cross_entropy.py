@@ -7,7 +7,7 @@ dtype (as PyTorch's), the log-sum-exp float32.
 
 Options (every function): ``ignore_index`` (rows with that target get loss 0 and no gradient),
 ``label_smoothing`` (PyTorch's), ``z_loss`` (adds z_loss · lse² a row, PaLM), ``softcap``
-(the softmax sees c · tanh(x / c), Gemma 2), ``reduction`` "mean" (over the rows not
+(the softmax sees c · tanh(x / c), Gemma 2; None or 0: none), ``reduction`` "mean" (over the rows not
 ignored; NaN when all are, as PyTorch's), "sum" or "none".
 
 A target outside [0, V) other than ignore_index is recorded on the device, its row ignored, and
@@ -89,9 +89,9 @@ class Configs:
                                 f"{vec}, {threads}, {nv}, {cluster}, {int(threads in self.cluster_stage)}>", threads,
                         cluster=cluster)
 
-    def rows(self, dtype: str, index: str, vec: int, mode: int) -> Instance:
+    def rows(self, dtype: str, index: str, vec: int, mode: int, dloss_dtype: str = "float32") -> Instance:
         return Instance(SOURCE, f"cross_entropy_rows<{_arrays.DTYPES[dtype][0]}, {INDEX_CTYPES[index]}, {vec}, "
-                                f"{self.threads}, {mode}>", self.threads)
+                                f"{self.threads}, {mode}, {_arrays.DTYPES[dloss_dtype][0]}>", self.threads)
 
     def count(self, index: str) -> Instance:
         return Instance(SOURCE, f"cross_entropy_count<{INDEX_CTYPES[index]}, {self.single_threads}>",
@@ -104,9 +104,9 @@ class Configs:
     def cast(self, dtype: str) -> Instance:
         return Instance(SOURCE, f"cross_entropy_cast<{_arrays.DTYPES[dtype][0]}>", 256)
 
-    def scale(self, dtype: str, loss_dtype: str, vec: int) -> Instance:
-        return Instance(SOURCE, f"cross_entropy_scale<{_arrays.DTYPES[dtype][0]}, {_arrays.DTYPES[loss_dtype][0]}, "
-                                f"{vec}, {self.scale_threads}>", self.scale_threads)
+    def scale(self, src_dtype: str, dtype: str, loss_dtype: str, vec: int) -> Instance:
+        return Instance(SOURCE, f"cross_entropy_scale<{_arrays.DTYPES[src_dtype][0]}, {_arrays.DTYPES[dtype][0]}, "
+                                f"{_arrays.DTYPES[loss_dtype][0]}, {vec}, {self.scale_threads}>", self.scale_threads)
 
 
 CONFIGS = Configs()
@@ -116,13 +116,16 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
     """Every kernel instance the fronts can launch (for the compile check)."""
     out = []
     for dtype, (_, itemsize) in _arrays.DTYPES.items():
+        loss_dtypes = sorted({"float32", dtype})
         for vec in sorted({1, 16 // itemsize}):
             for index in INDEX_CTYPES:
-                out += [configs.rows(dtype, index, vec, mode) for mode in (FORWARD, TRAIN, BACKWARD)]
+                out += [configs.rows(dtype, index, vec, mode) for mode in (FORWARD, TRAIN)]
+                out += [configs.rows(dtype, index, vec, BACKWARD, ld) for ld in loss_dtypes]
                 if vec > 1:
                     out += [configs.train_cluster(dtype, index, cluster, threads, nv) for cluster in configs.clusters
                             for threads in configs.cluster_threads for nv in configs.cluster_nv]
-            out += [configs.scale(dtype, ld, vec) for ld in sorted({"float32", dtype})]
+        # (the linear cross-entropy's gradients, kept in float32, scaled into their dtype)
+        out += [configs.scale("float32", dtype, ld, vec) for ld in loss_dtypes for vec in (1, 4)]
         out += [configs.reduce(dtype), configs.cast(dtype)]
     return out + [configs.count(index) for index in INDEX_CTYPES]
 
@@ -147,7 +150,7 @@ def _options(ignore_index, label_smoothing, z_loss, softcap, reduction) -> Optio
     if smoothing > 1.0:
         raise ValueError(f"label_smoothing: must be in [0, 1], got {label_smoothing}")
     z = _checks.eps(z_loss, "z_loss")
-    cap = 0.0 if softcap is None else _checks.positive_float32(softcap, "softcap")
+    cap = _checks.softcap(softcap)
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction: must be one of {', '.join(map(repr, REDUCTIONS))}, got {reduction!r}")
     return Options(ignore, smoothing, z, cap, reduction)
@@ -269,22 +272,29 @@ def cross_entropy_backward(dloss, logits, target, lse, *, ignore_index=-100, lab
         dlogits: the logits' shape and dtype, contiguous.
     """
     opts = _options(ignore_index, label_smoothing, z_loss, softcap, reduction)
+    return _backward(dloss, logits, target, lse, None, opts, donate=False)
+
+
+def _backward(dloss, logits, target, lse, unit, opts: Options, donate: bool):
+    """The backward, given (``unit``, or None) the gradient the training form wrote for an
+    upstream gradient of 1: rows whose upstream gradient is exactly 1 take it, the others are
+    computed from the logits (the upstream gradient applied before the one rounding). With
+    ``donate`` the result is written over ``unit`` (which must then not be read again)."""
     arrays = [_arrays.as_device_array(logits, "logits"), _target(target),
               _arrays.as_device_array(dloss, "dloss"), _arrays.as_device_array(lse, "lse", ("float32",))]
-    return _run(BACKWARD, arrays, opts, (), CONFIGS)[4].obj
+    if unit is not None:
+        arrays.append(_arrays.as_device_array(unit, "unit"))
+    elif donate:
+        raise ValueError("unit: donate writes the gradient over unit, which is absent")
+    n = len(arrays)   # (the plan's buffers: these, then what it allocates)
+    bufs = _run(BACKWARD, arrays, opts, (bool(donate),), CONFIGS)
+    return bufs[4 if donate else n].obj
 
 
 def _run(mode: int, arrays: list, opts: Options, flags: tuple, configs: Configs) -> list:
     key = (mode, opts, flags, configs, *(a.key for a in arrays))
     plan = _PLANS.get(key) or _PLANS.put(key, _plan(mode, arrays, opts, flags, configs))
     return plan(arrays)
-
-
-def _float32(a: DeviceArray) -> DeviceArray:
-    """A float32 copy of a small array (the upstream gradient of a half-precision loss)."""
-    if a.kind == "torch":
-        return _arrays.wrap(a.obj.float().contiguous(), a.name)
-    return _arrays.wrap(a.obj.astype(np.float32, order="C"), a.name)
 
 
 def _check_dloss(da: DeviceArray, la: DeviceArray, shape) -> None:
@@ -294,15 +304,33 @@ def _check_dloss(da: DeviceArray, la: DeviceArray, shape) -> None:
         raise ValueError(f"{da.name}: shape {da.shape} does not match the loss's {tuple(shape)}")
 
 
+def _check_unit(ua: DeviceArray, la: DeviceArray) -> None:
+    if ua.dtype != la.dtype or ua.shape != la.shape or not _arrays.is_contiguous(ua):
+        raise ValueError(f"{ua.name}: must be the training form's gradient, contiguous {la.dtype} of shape "
+                         f"{la.shape}, got {ua.dtype} {ua.shape} strides {ua.strides}")
+
+
+def _dloss_stride(b: Builder, da: DeviceArray, rows: int, none: bool) -> int:
+    """The upstream gradient's stride a row: 0 for a scalar (or one broadcast to every row, as
+    ``loss.sum()`` gives ``none``), 1 for one value a row (a contiguous copy where it is strided)."""
+    if not none or rows <= 1 or all(s == 0 for s in da.strides):
+        return 0
+    if not _arrays.is_contiguous(da):
+        b.fix(2, DeviceArray.contiguous)
+    return 1
+
+
 def _plan(mode: int, arrays: list, opts: Options, flags: tuple, configs: Configs) -> Plan:
-    """Buffers: logits, target[, dloss, lse], then for the forward and the training form: loss,
-    lse (absent unless asked), dlogits (training form, absent in place or in the forward),
-    then scratch; for the backward: dlogits, then scratch."""
+    """Buffers: logits, target[, dloss, lse[, unit]], then for the forward and the training form:
+    loss, lse (absent unless asked), dlogits (training form, absent in place or in the forward),
+    then scratch; for the backward: dlogits (absent where it is written over unit), then scratch."""
     la, ta = arrays[:2]
     _check_rows(la, ta)
     if mode == BACKWARD:
         _check_dloss(arrays[2], la, _loss_shape(ta, opts.reduction))
         _check_backward(arrays[3], ta)
+        if len(arrays) > 4:
+            _check_unit(arrays[4], la)
     device = _arrays.same_device(*arrays)
     rows, v = math.prod(ta.shape), la.shape[-1]
     b = Builder(arrays)
@@ -313,16 +341,19 @@ def _plan(mode: int, arrays: list, opts: Options, flags: tuple, configs: Configs
     if not _arrays.is_contiguous(ta):
         b.fix(1, DeviceArray.contiguous)
     mean, none = opts.reduction == "mean", opts.reduction == "none"
-    dloss = lse = loss = loss_rows = None
+    dloss = lse = loss = loss_rows = unit = None
     dloss_stride, d_stride = 0, 0
     if mode == BACKWARD:
-        if arrays[2].dtype != "float32" or not _arrays.is_contiguous(arrays[2]):
-            b.fix(2, _float32)
-            b.dtypes[2] = "float32"
+        dloss_stride = _dloss_stride(b, arrays[2], rows, none)
         if not _arrays.is_contiguous(arrays[3]):
             b.fix(3, DeviceArray.contiguous)
-        dlogits, d_stride = b.alloc(la.shape, la.dtype), v
-        dloss, dloss_stride, lse = b.slot(2), int(none and rows > 1), b.slot(3)
+        unit = b.slot(4) if len(arrays) > 4 else None
+        if flags[0]:   # donated: written over the training form's gradient
+            dlogits, d_stride = unit, v
+            b.absent()
+        else:
+            dlogits, d_stride = b.alloc(la.shape, la.dtype), v
+        dloss, lse = b.slot(2), b.slot(3)
     else:
         return_lse, inplace, loss_dtype = flags[:3]
         # "none" in float32: the kernel's per-row losses are the output
@@ -352,6 +383,8 @@ def _plan(mode: int, arrays: list, opts: Options, flags: tuple, configs: Configs
         k = _kernels.kernel(configs.count(ta.dtype), device)
         b.launch(k, 1, target=b.slot(1), rows=rows, V=v, ignore_index=opts.ignore_index, count=count)
     vec = _vector_width(la, stride, d_stride)
+    if unit is not None and arrays[4].ptr % 16:
+        vec = 1
     common = dict(logits=b.slot(0), x_stride=stride, target=b.slot(1), rows=rows, V=v,
                   ignore_index=opts.ignore_index, smoothing=opts.smoothing, z_loss=opts.z_loss,
                   softcap=opts.softcap, loss_rows=loss_rows, lse=lse, count=count, dlogits=dlogits,
@@ -366,9 +399,10 @@ def _plan(mode: int, arrays: list, opts: Options, flags: tuple, configs: Configs
             clusters = max(1, min(clusters, k.resident_blocks() // cluster))
         b.launch(k, clusters * cluster, **common)
     else:
-        k = _kernels.kernel(configs.rows(la.dtype, ta.dtype, vec, mode), device)
+        dloss_dtype = arrays[2].dtype if mode == BACKWARD else "float32"
+        k = _kernels.kernel(configs.rows(la.dtype, ta.dtype, vec, mode, dloss_dtype), device)
         grid = configs.blocks_per_sm * _kernels.sm_count(device) if configs.blocks_per_sm else k.resident_blocks()
-        b.launch(k, min(rows, grid), dloss=dloss, dloss_stride=dloss_stride, **common)
+        b.launch(k, min(rows, grid), dloss=dloss, dloss_stride=dloss_stride, unit=unit, **common)
     if mode != BACKWARD and not none:
         k = _kernels.kernel(configs.reduce(flags[2]), device)
         b.launch(k, 1, loss_rows=loss_rows, rows=rows, count=count, out=loss)
@@ -447,11 +481,15 @@ def _addmm(out, a, b) -> None:
 
 
 def _mm_into(out, a, b) -> None:
-    """out[...] = a @ b (torch: written in place by cuBLAS)."""
+    """out[...] = a @ b (torch: written in place by cuBLAS, which rounds its float32 sums once to
+    ``out``'s dtype, float32 too for half inputs)."""
     if hasattr(out, "addmm_"):
         import torch
 
-        torch.matmul(a, b, out=out)
+        if out.dtype == a.dtype:
+            torch.matmul(a, b, out=out)
+        else:
+            torch.mm(a, b, out_dtype=out.dtype, out=out)
     else:
         out[...] = a @ b
 
@@ -571,14 +609,22 @@ def linear_cross_entropy_forward_backward(hidden, weight, target, bias=None, *, 
         (loss, dhidden (*, H), dweight (V, H), dbias (V,) or None).
     """
     opts = _options(ignore_index, label_smoothing, z_loss, softcap, reduction)
-    if reduction == "none":
+    loss, dh, dw, db = _linear_forward_backward(hidden, weight, target, bias, opts, loss_dtype, unrounded=False)
+    return loss, dh, dw, db
+
+
+def _linear_forward_backward(hidden, weight, target, bias, opts: Options, loss_dtype, unrounded: bool):
+    """``linear_cross_entropy_forward_backward``; with ``unrounded`` its gradients stay float32
+    (dhidden made by float32-output products, dweight and dbias their float32 accumulators), for
+    a backward that applies the upstream gradient before rounding them once (``_scale_gradient``)."""
+    if opts.reduction == "none":
         raise ValueError("reduction: the training form of linear_cross_entropy takes 'mean' or 'sum'")
     ha, wa, ta, ba = _linear_inputs(hidden, weight, target, bias)
     out_dtype = _loss_dtype(loss_dtype, ha)
     h, w, t = ha.obj.reshape(-1, ha.shape[-1]), wa.obj, ta.obj.reshape(-1)
     n, v = t.shape[0], wa.shape[0]
-    count = _count_valid(_arrays.wrap(t, "target"), v, opts).obj if reduction == "mean" else None
-    dh = _arrays.empty(ha, (n, ha.shape[-1])).obj
+    count = _count_valid(_arrays.wrap(t, "target"), v, opts).obj if opts.reduction == "mean" else None
+    dh = _arrays.empty(ha, (n, ha.shape[-1]), "float32" if unrounded else None).obj
     dw = _arrays.zeros(wa, wa.shape, "float32").obj
     db = _arrays.zeros(ha, (v,), "float32").obj if ba is not None else None
     rows = []
@@ -593,9 +639,10 @@ def linear_cross_entropy_forward_backward(hidden, weight, target, bias=None, *, 
         if db is not None:
             db += logits.sum(0, dtype=db.dtype)
         del logits   # (else the next chunk's logits are made while this one's are held: twice the memory)
-    loss = _reduce_rows(_concat(rows, ha), count, reduction, ha, out_dtype)
-    dw, db = (None if a is None else a.to(w.dtype) if hasattr(a, "to") else a.astype(w.dtype, copy=False)
-              for a in (dw, db))
+    loss = _reduce_rows(_concat(rows, ha), count, opts.reduction, ha, out_dtype)
+    if not unrounded:
+        dw, db = (None if a is None else a.to(w.dtype) if hasattr(a, "to") else a.astype(w.dtype, copy=False)
+                  for a in (dw, db))
     return loss, dh.reshape(ha.shape), dw, db
 
 
@@ -604,18 +651,20 @@ def linear_cross_entropy_forward_backward(hidden, weight, target, bias=None, *, 
 _SCALE = PlanCache()
 
 
-def _scale_gradient(dloss, dlogits, inplace: bool, configs: Configs = CONFIGS):
-    """``dlogits`` (written by the training form for an upstream gradient of 1), contiguous,
-    times the upstream gradient ``dloss`` (a scalar, or one value a row): in place, where rows
-    whose gradient is exactly 1 are not touched, or into a new array."""
-    arrays = [_arrays.as_device_array(dloss, "dloss"), _arrays.as_device_array(dlogits, "dlogits")]
-    key = (bool(inplace), configs, *(a.key for a in arrays))
-    plan = _SCALE.get(key) or _SCALE.put(key, _plan_scale(arrays, bool(inplace), configs))
+def _scale_gradient(dloss, grad, dtype: str, donate: bool, configs: Configs = CONFIGS):
+    """``grad`` (a gradient for an upstream gradient of 1, float32, contiguous) times the upstream
+    gradient ``dloss`` (a scalar, or one value a row), rounded once to ``dtype``: into a new array,
+    or with ``donate`` and ``dtype`` float32 over ``grad`` itself (rows whose upstream gradient is
+    exactly 1 then cost nothing)."""
+    arrays = [_arrays.as_device_array(dloss, "dloss"), _arrays.as_device_array(grad, "grad", ("float32",))]
+    in_place = bool(donate) and dtype == "float32"
+    key = (in_place, dtype, configs, *(a.key for a in arrays))
+    plan = _SCALE.get(key) or _SCALE.put(key, _plan_scale(arrays, dtype, in_place, configs))
     bufs = plan(arrays)
-    return bufs[1].obj if inplace else bufs[2].obj
+    return bufs[1].obj if in_place else bufs[2].obj
 
 
-def _plan_scale(arrays: list, inplace: bool, configs: Configs) -> Plan:
+def _plan_scale(arrays: list, dtype: str, in_place: bool, configs: Configs) -> Plan:
     da, ga = arrays
     device = _arrays.same_device(da, ga)
     v = ga.shape[-1] if ga.ndim else 1
@@ -623,18 +672,18 @@ def _plan_scale(arrays: list, inplace: bool, configs: Configs) -> Plan:
     if da.size not in (1, rows):
         raise ValueError(f"dloss: shape {da.shape} is neither a scalar nor one value a row of {ga.shape}")
     if not _arrays.is_contiguous(ga):
-        raise ValueError(f"dlogits: must be contiguous (the training form's output), got strides {ga.strides}")
-    if da.dtype not in ("float32", ga.dtype):
-        raise ValueError(f"dloss: dtype {da.dtype} is neither float32 nor the gradient's {ga.dtype}")
+        raise ValueError(f"grad: must be contiguous (the training form's output), got strides {ga.strides}")
+    if da.dtype not in ("float32", dtype):
+        raise ValueError(f"dloss: dtype {da.dtype} is neither float32 nor the gradient's {dtype}")
     b = Builder(arrays)
     if not _arrays.is_contiguous(da):
         b.fix(0, DeviceArray.contiguous)
-    out = b.slot(1) if inplace else b.alloc(ga.shape, ga.dtype)
-    if inplace:
+    out = b.slot(1) if in_place else b.alloc(ga.shape, dtype)
+    if in_place:
         b.absent()
     if rows and v:
-        vec = _vector_width(ga, v, v)
-        k = _kernels.kernel(configs.scale(ga.dtype, da.dtype, vec), device)
+        vec = 4 if v % 4 == 0 and ga.ptr % 16 == 0 else 1
+        k = _kernels.kernel(configs.scale("float32", dtype, da.dtype, vec), device)
         b.launch(k, min(rows, k.resident_blocks()), src=b.slot(1), dst=out, rows=rows, V=v, stride=v,
                  dloss=b.slot(0), dloss_stride=int(da.size == rows and rows > 1))
     return b.plan(device, first=1)
@@ -896,7 +945,8 @@ def _fake(logits, target, ignore_index, smoothing, z_loss, softcap, reduction, f
 
     dtype = torch.float32 if float32_loss else logits.dtype
     loss = logits.new_empty(target.shape if reduction == "none" else (), dtype=dtype)
-    return loss, torch.empty_like(logits, memory_format=torch.contiguous_format)
+    return (loss, torch.empty_like(logits, memory_format=torch.contiguous_format),
+            logits.new_empty(target.shape, dtype=torch.float32))
 
 
 def _kwargs(ignore_index, smoothing, z_loss, softcap, reduction, float32_loss) -> dict:
@@ -905,60 +955,77 @@ def _kwargs(ignore_index, smoothing, z_loss, softcap, reduction, float32_loss) -
                 loss_dtype="float32" if float32_loss else None)
 
 
+def _ce_backward(dloss, unit, logits, target, lse, ignore_index, smoothing, z_loss, softcap, reduction,
+                 donate: bool):
+    opts = _options(ignore_index, smoothing, z_loss, softcap, reduction)
+    return (_backward(dloss, logits, target, lse, unit, opts, donate),)
+
+
 TORCH_OPS = (
     # The forward is the training form: the loss and, for an upstream gradient of 1, its
-    # gradient, kept for the backward, which applies the real upstream gradient (eager: in
-    # place, and no work at all where it is 1, as it is for a loss that is not scaled).
+    # gradient, kept with the logits and lse for the backward. There, rows whose upstream
+    # gradient is exactly 1 take the kept gradient (eager, with the graph not retained: as it
+    # is, no work at all); others are computed again from the logits, so that the upstream
+    # gradient is applied before the one rounding, as PyTorch's own loss does.
     TorchOp("cross_entropy",
             "(Tensor logits, Tensor target, int ignore_index, float label_smoothing, float z_loss, "
-            "float softcap, str reduction, bool float32_loss) -> (Tensor, Tensor)",
-            forward=lambda x, t, *o: cross_entropy_forward_backward(x, t, **_kwargs(*o)),
+            "float softcap, str reduction, bool float32_loss) -> (Tensor, Tensor, Tensor)",
+            forward=lambda x, t, *o: cross_entropy_forward_backward(x, t, return_lse=True, **_kwargs(*o)),
             inference=lambda x, t, *o: cross_entropy(x, t, **_kwargs(*o)),
             fake=_fake,
-            save=lambda inputs, outputs: ((outputs[1],), None),
-            backward_schema="(Tensor dloss, Tensor dlogits) -> Tensor",
-            backward=lambda dloss, dlogits: (_scale_gradient(dloss, dlogits, inplace=False),),
-            eager_backward=lambda dloss, dlogits: (_scale_gradient(dloss, dlogits, inplace=True),),
-            backward_fake=lambda dloss, dlogits: (dlogits.new_empty(dlogits.shape),),
-            backward_args=lambda saved, state, grads, T: (grads[0], saved[0]),
+            save=lambda inputs, outputs: ((outputs[1], inputs[0], inputs[1], outputs[2]), tuple(inputs[2:7])),
+            backward_schema="(Tensor dloss, Tensor unit, Tensor logits, Tensor target, Tensor lse, int ignore_index, "
+                            "float label_smoothing, float z_loss, float softcap, str reduction) -> Tensor",
+            backward=lambda *a: _ce_backward(*a, donate=False),
+            donating_backward=lambda *a: _ce_backward(*a, donate=True),
+            backward_fake=lambda dloss, unit, *a: (unit.new_empty(unit.shape),),
+            backward_args=lambda saved, state, grads, T: (grads[0], *saved, *state),
             grads_to=(0,), native=True),
 )
 
 
 def _lce_forward(h, w, t, b, opts):
-    loss, dh, dw, db = linear_cross_entropy_forward_backward(h, w, t, b, **_kwargs(*opts))
-    return loss, dh, dw, (h.new_empty((0,)) if db is None else db)
+    kw = _kwargs(*opts)
+    loss_dtype = kw.pop("loss_dtype")
+    opts = _options(kw["ignore_index"], kw["label_smoothing"], kw["z_loss"], kw["softcap"], kw["reduction"])
+    loss, dh, dw, db = _linear_forward_backward(h, w, t, b, opts, loss_dtype, unrounded=True)
+    return loss, dh, dw, (h.new_empty((0,), dtype=dw.dtype) if db is None else db)
 
 
 def _lce_fake(h, w, t, b, ignore_index, smoothing, z_loss, softcap, reduction, float32_loss):
     import torch
 
-    loss = h.new_empty((), dtype=torch.float32 if float32_loss else h.dtype)
-    return loss, torch.empty_like(h), torch.empty_like(w), h.new_empty((w.shape[0],) if b is not None else (0,))
+    f32 = torch.float32
+    loss = h.new_empty((), dtype=f32 if float32_loss else h.dtype)
+    return (loss, torch.empty_like(h, dtype=f32), torch.empty_like(w, dtype=f32),
+            h.new_empty((w.shape[0],) if b is not None else (0,), dtype=f32))
 
 
-def _lce_scale(dloss, dh, dw, db, inplace: bool):
-    """The saved gradients (for an upstream gradient of 1) times the real one."""
-    out = tuple(_scale_gradient(dloss, g, inplace=inplace) for g in (dh, dw))
-    return out + ((_scale_gradient(dloss, db, inplace=inplace) if db.numel() else None),)
+def _lce_scale(dloss, dh, dw, db, dtype, donate: bool):
+    """The gradients kept in float32 for an upstream gradient of 1 times the real one, each
+    rounded once to the inputs' ``dtype`` (a torch dtype)."""
+    dt = str(dtype).removeprefix("torch.")
+    out = tuple(_scale_gradient(dloss, g, dt, donate) for g in (dh, dw))
+    return out + ((_scale_gradient(dloss, db, dt, donate) if db.numel() else None),)
 
 
 TORCH_OPS += (
     # Like the cross-entropy's: the forward computes the loss and every gradient for an upstream
-    # gradient of 1 (the logits never exist whole), the backward applies the real one.
+    # gradient of 1 (the logits never exist whole), kept unrounded in float32; the backward
+    # applies the real one and rounds each once.
     TorchOp("linear_cross_entropy",
             "(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, int ignore_index, float label_smoothing, "
             "float z_loss, float softcap, str reduction, bool float32_loss) -> (Tensor, Tensor, Tensor, Tensor)",
             forward=lambda h, w, t, b, *o: _lce_forward(h, w, t, b, o),
             inference=lambda h, w, t, b, *o: linear_cross_entropy(h, w, t, b, **_kwargs(*o)),
             fake=_lce_fake,
-            save=lambda inputs, outputs: (tuple(outputs[1:4]), None),
-            backward_schema="(Tensor dloss, Tensor dhidden, Tensor dweight, Tensor dbias) -> (Tensor, Tensor, Tensor)",
-            backward=lambda dl, dh, dw, db: _lce_scale(dl, dh, dw, db, inplace=False),
-            eager_backward=lambda dl, dh, dw, db: _lce_scale(dl, dh, dw, db, inplace=True),
-            backward_fake=lambda dl, dh, dw, db: (dh.new_empty(dh.shape), dw.new_empty(dw.shape),
-                                                  db.new_empty(db.shape)),
-            backward_args=lambda saved, state, grads, T: (grads[0], *saved),
+            save=lambda inputs, outputs: (tuple(outputs[1:4]), inputs[0].dtype),
+            backward_schema="(Tensor dloss, Tensor dhidden, Tensor dweight, Tensor dbias, ScalarType dtype) "
+                            "-> (Tensor, Tensor, Tensor)",
+            backward=lambda dl, dh, dw, db, dt: _lce_scale(dl, dh, dw, db, dt, donate=False),
+            donating_backward=lambda dl, dh, dw, db, dt: _lce_scale(dl, dh, dw, db, dt, donate=True),
+            backward_fake=lambda dl, dh, dw, db, dt: tuple(g.new_empty(g.shape, dtype=dt) for g in (dh, dw, db)),
+            backward_args=lambda saved, state, grads, T: (grads[0], *saved, state),
             grads_to=(0, 1, 3)),
 )
 

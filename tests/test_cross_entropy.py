@@ -96,13 +96,28 @@ BAD = [
     ((X, T), {"label_smoothing": 1.5}, ValueError, "label_smoothing: must be in"),
     ((X, T), {"label_smoothing": -0.1}, ValueError, "label_smoothing: must be finite and non-negative"),
     ((X, T), {"z_loss": float("inf")}, ValueError, "z_loss"),
-    ((X, T), {"softcap": 0.0}, ValueError, "softcap: must be finite and positive"),
+    ((X, T), {"softcap": -1.0}, ValueError, "softcap: must be finite and non-negative"),
+    ((X, T), {"softcap": 1e-45}, ValueError, "softcap: .* outside float32's normal range"),
     ((X, T), {"reduction": "avg"}, ValueError, "reduction: must be one of"),
     ((X, T), {"ignore_index": 1.0}, TypeError, "ignore_index: expected an int"),
     ((X, T), {"loss_dtype": "float64"}, ValueError, "loss_dtype: must be float32 or the logits' dtype"),
     ((X.astype(np.int32), T), {}, ValueError, "logits: dtype int32 is not supported"),
     (("x", T), {}, TypeError, "logits: expected"),
 ]
+
+
+def test_softcap_none_and_zero_both_mean_none():
+    """One convention everywhere (attention's too): None and 0 leave the logits as they are."""
+    rng = np.random.default_rng(5)
+    x, t = random_host(rng, (5, 12), "float32"), np.array([0, 3, 11, 2, 7])
+    base = ref.cross_entropy_forward_backward(x, t, reduction="none")
+    for cap in (None, 0.0, 0):
+        got = ref.cross_entropy_forward_backward(x, t, reduction="none", softcap=cap)
+        assert all(np.array_equal(a, b) for a, b in zip(got, base))
+    assert ce._options(-100, 0.0, 0.0, 0.0, "mean") == ce._options(-100, 0.0, 0.0, None, "mean")
+    w = random_host(rng, (12, 4), "float32")
+    h = random_host(rng, (5, 4), "float32")
+    assert ref.linear_cross_entropy(h, w, t, softcap=0.0) == ref.linear_cross_entropy(h, w, t, softcap=None)
 
 
 @pytest.fixture
@@ -224,10 +239,10 @@ def test_odd_vocabularies_and_misaligned_rows_take_scalar_loads(dry):
         plan = _plan(lambda: cukern.cross_entropy(x, np.arange(x.shape[0])))
         return next(s[1].name for s in plan.steps if isinstance(s, tuple) and "rows" in s[1].name)
 
-    assert ", 8, 512, 0>" in instance(np.ones((3, 64), np.float16))
-    assert ", 1, 512, 0>" in instance(np.ones((3, 63), np.float16))
-    assert ", 1, 512, 0>" in instance(np.ones((3, 65), np.float16)[:, 1:])
-    assert ", 4, 512, 0>" in instance(np.ones((3, 64), np.float32))
+    assert ", 8, 512, 0, float>" in instance(np.ones((3, 64), np.float16))
+    assert ", 1, 512, 0, float>" in instance(np.ones((3, 63), np.float16))
+    assert ", 1, 512, 0, float>" in instance(np.ones((3, 65), np.float16)[:, 1:])
+    assert ", 4, 512, 0, float>" in instance(np.ones((3, 64), np.float32))
 
 
 def _indices(host: np.ndarray, framework: str):
@@ -421,15 +436,49 @@ def test_matches_pytorch_and_the_drop_in_under_autograd(dtype, reduction):
 
 @gpu
 @needs_torch
-def test_eager_backward_scales_in_place_only_when_the_upstream_gradient_is_not_one():
-    x = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
-    t = torch.randint(0, 256, (8,), device="cuda")
-    loss, d = cukern.cross_entropy_forward_backward(x, t)
-    keep = d.clone()
-    out = ce._scale_gradient(torch.ones((), device="cuda", dtype=torch.bfloat16), d, inplace=True)
-    assert out is d and torch.equal(d, keep)
-    out = ce._scale_gradient(torch.full((), 0.5, device="cuda"), d, inplace=False)
-    assert torch.equal(out, (keep.float() * 0.5).to(torch.bfloat16)) and torch.equal(d, keep)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16] if torch else [])
+def test_backward_takes_the_unit_gradient_only_where_the_upstream_gradient_is_one(dtype):
+    """The PyTorch binding's backward: rows whose upstream gradient is exactly 1 take the training
+    form's gradient as it is (donated: not even read); the others are computed from the logits,
+    as cross_entropy_backward computes them, so the upstream gradient is rounded into the result
+    once; the kept gradient is written only where it is donated."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = (torch.randn(37, 1000, device="cuda", generator=g) * 3).to(dtype)
+    t = torch.randint(0, 1000, (37,), device="cuda", generator=g)
+    t[5] = -100
+    opts = ce._options(-100, 0.1, 1e-3, None, "none")
+    kw = dict(label_smoothing=0.1, z_loss=1e-3, reduction="none")
+    loss, unit, lse = cukern.cross_entropy_forward_backward(x, t, return_lse=True, **kw)
+    keep = unit.clone()
+    up = torch.full((37,), 3.0, device="cuda", dtype=loss.dtype)
+    up[::4] = 1.0
+    got = ce._backward(up, x, t, lse, unit, opts, donate=False)
+    assert torch.equal(unit, keep)
+    expect = cukern.cross_entropy_backward(up, x, t, lse, **kw)
+    ones = up == 1
+    assert torch.equal(got[~ones], expect[~ones]) and torch.equal(got[ones], keep[ones])
+    donated = ce._backward(up, x, t, lse, unit, opts, donate=True)
+    assert donated.data_ptr() == unit.data_ptr() and torch.equal(donated, got)
+    # a scalar upstream gradient of 1, donated: nothing changes
+    _, unit, lse = cukern.cross_entropy_forward_backward(x, t, return_lse=True)
+    keep = unit.clone()
+    one = torch.ones((), device="cuda", dtype=dtype)
+    out = ce._backward(one, x, t, lse, unit, ce._options(-100, 0.0, 0.0, None, "mean"), donate=True)
+    assert out.data_ptr() == unit.data_ptr() and torch.equal(unit, keep)
+
+
+def test_backward_refuses_a_unit_gradient_that_is_not_the_training_forms(host_arrays_as_device):
+    rng = np.random.default_rng(0)
+    x = random_host(rng, (4, 16), "float32")
+    t = np.array([0, 1, 2, 3])
+    lse = np.zeros(4, np.float32)
+    opts, one = ce._options(-100, 0.0, 0.0, None, "mean"), np.array(1.0, np.float32)
+    with pytest.raises(ValueError, match="unit"):
+        ce._backward(one, x, t, lse, random_host(rng, (4, 16), "float16"), opts, donate=False)
+    with pytest.raises(ValueError, match="unit"):
+        ce._backward(one, x, t, lse, random_host(rng, (4, 32), "float32")[:, ::2], opts, donate=False)
+    with pytest.raises(ValueError, match="unit"):
+        ce._backward(one, x, t, lse, None, opts, donate=True)
 
 
 # ---- linear cross-entropy -----------------------------------------------------------------------
@@ -621,8 +670,16 @@ def torch_stand_ins() -> dict:
             grads = torch.autograd.grad(loss, leaves)
         return loss.detach(), grads[0], grads[1], grads[2] if b is not None else h.new_empty((0,))
 
-    return {"cross_entropy": (ce, lambda dloss, d: ((d * dloss if dloss.dim() == 0 else d * dloss[:, None]),)),
-            "linear_cross_entropy": (lce, lambda dl, dh, dw, db: (dh * dl, dw * dl, db * dl if db.numel() else None))}
+    def ce_train(x, t, ignore, smoothing, z, cap, reduction, f32):
+        loss, d = ce(x, t, ignore, smoothing, z, cap, reduction, f32)
+        return loss, d, torch.logsumexp(x.float(), -1)
+
+    def ce_backward(dloss, unit, x, t, lse, ignore, smoothing, z, cap, reduction):
+        return ((unit * dloss if dloss.dim() == 0 else unit * dloss[:, None]),)
+
+    return {"cross_entropy": (ce_train, ce_backward),
+            "linear_cross_entropy": (lce, lambda dl, dh, dw, db, dt: (dh * dl, dw * dl,
+                                                                      db * dl if db.numel() else None))}
 
 
 def torch_wiring_calls(which: str, g) -> list:
@@ -659,8 +716,7 @@ def torch_kernel_cases() -> dict:
     t = torch.randint(0, 1024, (512,), device="cuda")
     one = torch.ones((), device="cuda", dtype=torch.bfloat16)
     return {"cross_entropy": (lambda: torch.autograd.grad(ct.cross_entropy(x, t), (x,), one),
-                              ["cross_entropy_count", "cross_entropy_reduce", "cross_entropy_rows",
-                               "cross_entropy_scale"])}
+                              ["cross_entropy_count", "cross_entropy_reduce", "cross_entropy_rows"])}
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

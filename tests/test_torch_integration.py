@@ -183,7 +183,7 @@ def _cpu_stand_ins():
         for spec in family.torch_ops:
             assert spec.name in fake, f"{spec.name}: its family's test module declares no torch_stand_ins() row"
             fwd, bwd = fake[spec.name]
-            stand_in = dataclasses.replace(spec, forward=fwd, backward=bwd, inference=None, eager_backward=None)
+            stand_in = dataclasses.replace(spec, forward=fwd, backward=bwd, inference=None, donating_backward=None)
             out[spec.name] = _ops._function(stand_in, _ops._arity(spec.schema))
     return out
 

@@ -9,6 +9,7 @@
 // PyTorch's C++ headers and a host compiler are.
 #include <torch/extension.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
@@ -320,6 +321,17 @@ struct PlanFunction : public torch::autograd::Function<PlanFunction> {
         bufs.push_back(saved[r.index]);
       } else {
         bufs.emplace_back();
+      }
+    }
+    // A donating backward (cukern/_family.py, TorchOp) writes its gradients into saved buffers
+    // its forward made: where autograd keeps the graph for another pass, into copies of them.
+    if (torch::autograd::get_current_graph_task_keep_graph()) {
+      std::vector<bool> copied(bufs.size(), false);
+      for (int64_t b : e.gradients) {
+        if (b >= 0 && b < e.backward.inputs && e.backward_inputs[b].from == From::saved && !copied[b]) {
+          bufs[b] = bufs[b].clone();
+          copied[b] = true;
+        }
       }
     }
     bufs = run(e.backward, std::move(bufs), e.device);

@@ -231,13 +231,21 @@ def _backward_parts(ext, bargs, grads, saved, out, grads_to, nargs: int, plans: 
     sources = _sources(bufs, n_in, named)
     gradients = [-1] * nargs
     for r, g in enumerate(out):
-        if g is not None:   # (a given buffer too: a gradient scaled in place into a saved one)
+        if g is not None:   # (a given buffer too: a donating backward's, written into a saved one)
             b = _find(g, bufs)
             if b < 0:
                 return None
             for j in (grads_to[r] if isinstance(grads_to[r], tuple) else (grads_to[r],)):
                 gradients[j] = b
     return (plan, sources, gradients, [list(g.stride()) for g in grads]) if sources is not None else None
+
+
+def retry(ext, key) -> None:
+    """A backward that could not be recorded this time (see RECORD_TRIES): the signature is
+    recorded again by a later call, or declined after too many tries."""
+    tries = _failed_tries[tuple(key)] = _failed_tries.get(tuple(key), 0) + 1
+    if tries >= RECORD_TRIES:
+        ext.decline(key)
 
 
 def register_training(ext, key, fwd, visible: int, bargs: tuple, grads: tuple, saved: tuple, out: tuple,
@@ -256,9 +264,7 @@ def register_training(ext, key, fwd, visible: int, bargs: tuple, grads: tuple, s
         # (what the backward recorded depends on this call's gradients and setting, not only on
         # the signature: a gradient in another layout, e.g. out.sum()'s or a contiguous one for a
         # channels-last output, must not keep later calls off the native path for good)
-        tries = _failed_tries[tuple(key)] = _failed_tries.get(tuple(key), 0) + 1
-        if tries >= RECORD_TRIES:
-            ext.decline(key)
+        retry(ext, key)
         return
     bplan, bsources, gradients, grad_strides = bwd
     ext.add(key, device, tensors, plan, sources, outs, visible, saved_refs, bplan, bsources, gradients, grad_strides)

@@ -100,8 +100,6 @@ def _scatter(spec: TorchOp, n: int, grads, needed, present=None) -> tuple:
 
 
 def _function(spec: TorchOp, n: int):
-    backward = spec.eager_backward or spec.backward
-
     class Function(torch.autograd.Function):
         @staticmethod
         def forward(ctx, *inputs):
@@ -128,14 +126,21 @@ def _function(spec: TorchOp, n: int):
         def backward(ctx, *grads):
             saved = ctx.saved_tensors
             args = spec.backward_args(saved, ctx.state, grads, _tools)
+            # (the saved buffers are written over only where the graph goes with this pass)
+            donate = spec.donating_backward is not None and _tools.saved_used_once()
+            backward = spec.donating_backward if donate else spec.backward
             if ctx.recording is None:
                 out = backward(*args)
             else:
                 (key, fwd), ctx.recording = ctx.recording, None
                 with _plans.record() as plans:
                     out = backward(*args)
-                _native.register_training(_native.module(), key, fwd, spec.visible, args, grads, saved, out,
-                                          spec.grads_to, plans)
+                # (the native node replays the donating form, on copies where the graph is kept)
+                if donate or spec.donating_backward is None:
+                    _native.register_training(_native.module(), key, fwd, spec.visible, args, grads, saved, out,
+                                              spec.grads_to, plans)
+                else:
+                    _native.retry(_native.module(), key)
             return _scatter(spec, n, out, ctx.needs_input_grad)
 
     Function.__name__ = Function.__qualname__ = f"cukern_{spec.name}"

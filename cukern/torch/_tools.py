@@ -55,6 +55,18 @@ def deterministic() -> bool:
     return torch.are_deterministic_algorithms_enabled()
 
 
+# (absent from a torch too old to say: then every graph counts as retained)
+_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)
+
+
+def saved_used_once() -> bool:
+    """Inside a backward: whether autograd frees the graph after this pass (``retain_graph``
+    false), so that the saved tensors will not be read again and a backward may write into the
+    buffers its forward made (``TorchOp.donating_backward``), as PyTorch's own compiled
+    backwards do. False outside a backward pass."""
+    return not _keep_graph()
+
+
 def autocast_dtype(op: str, dtype: torch.dtype) -> torch.dtype:
     """The dtype PyTorch's ``op`` computes in for an input of ``dtype`` under the current CUDA
     autocast (``dtype`` itself when autocast is off). Autocast's cast lists are an
