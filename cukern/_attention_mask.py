@@ -11,7 +11,7 @@ skip the bound. (flash-attn takes right >= sk as unbounded, which hides fewer ke
 documented bound when sq > sk; cukern keeps to the bound.)
 
 ``softcap`` c > 0 replaces each score s (after ``softmax_scale``) by ``c * tanh(s / c)``
-(Gemma 2's logit softcapping); 0 leaves the scores as they are.
+(Gemma 2's logit softcapping); 0 or None leaves the scores as they are.
 """
 from __future__ import annotations
 
@@ -67,11 +67,8 @@ def _window(window) -> tuple[int, int]:
 
 
 def _softcap(softcap) -> float:
-    c = _checks.eps(softcap, "softcap")
-    if c:
-        # (the kernels take c log2(e) as a float32: a normal float32 there too)
-        c = _checks.positive_float32(c, "softcap", log2e=True)
-    return c
+    # (the kernels take c log2(e) as a float32: a normal float32 there too)
+    return _checks.softcap(softcap, log2e=True)
 
 
 def mask_of(causal, window, softcap, sq: int, sk: int) -> Mask:

@@ -13,7 +13,7 @@ import numpy as np
 
 from ._arrays import DeviceArray
 
-__all__ = ["like", "eps", "index", "positive_float32"]
+__all__ = ["like", "eps", "index", "positive_float32", "softcap"]
 
 
 def like(a: DeviceArray | None, ref: DeviceArray, shape) -> DeviceArray | None:
@@ -67,3 +67,12 @@ def positive_float32(value, name: str, *, log2e: bool = False) -> float:
     if not tiny <= s <= top:
         raise ValueError(f"{name}: {value} is outside float32's normal range [{tiny:.3g}, {top:.3g}]")
     return s
+
+
+def softcap(value, name: str = "softcap", *, log2e: bool = False) -> float:
+    """A logit softcap: None and 0 both mean none (0.0), as every function taking one agrees;
+    otherwise a positive number that stays a normal float32 (also times log2(e) when asked)."""
+    if value is None:
+        return 0.0
+    c = eps(value, name)
+    return positive_float32(c, name, log2e=log2e) if c else 0.0

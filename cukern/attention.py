@@ -563,7 +563,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, wi
         window: ``(left, right)``, flash-attn's ``window_size``: query i sees keys j with
             i + Sk - Sq - left <= j <= i + Sk - Sq + right; -1 leaves a side unbounded
             (causal sets right to 0). Key tiles outside a block's window are skipped.
-        softcap: c > 0 replaces each scaled score s by c * tanh(s / c) (Gemma 2); 0: none.
+        softcap: c > 0 replaces each scaled score s by c * tanh(s / c) (Gemma 2); 0 or None: none.
 
     Returns:
         ``out`` (B, Sq, H, D) of q's dtype, laid out like q (its stride order) when q is
@@ -576,7 +576,8 @@ def _mask_key(window, softcap):
     """The plan-cache key of a call's window and softcap, or None where they are not plain
     values (the plan is then built for the call and not kept)."""
     w = tuple(window) if isinstance(window, (tuple, list)) else window
-    plain = (w is None or (isinstance(w, tuple) and all(type(x) is int for x in w))) and type(softcap) in (float, int)
+    plain = ((w is None or (isinstance(w, tuple) and all(type(x) is int for x in w)))
+             and (softcap is None or type(softcap) in (float, int)))
     return (w, softcap) if plain else None
 
 

@@ -199,6 +199,20 @@ def test_bad_window_and_softcap(kwargs, exc, pattern):
         ref.attention_varlen(q[0], k[0], v[0], cu, cu, 6, 6, **kwargs)
 
 
+def test_softcap_none_and_zero_both_mean_none():
+    """One convention everywhere (the cross-entropy's too): None and 0 leave the scores as they are."""
+    q, k, v = (a[None] for a in _packed())
+    base = ref.attention(q, k, v, causal=True, return_lse=True)
+    do = np.random.default_rng(4).standard_normal(q.shape).astype(q.dtype)
+    grads = ref.attention_backward(do, q, k, v, causal=True)
+    for cap in (None, 0.0, 0):
+        got = ref.attention(q, k, v, causal=True, return_lse=True, softcap=cap)
+        assert all(np.array_equal(a, b) for a, b in zip(got, base))
+        assert all(np.array_equal(a, b) for a, b in zip(ref.attention_backward(do, q, k, v, causal=True, softcap=cap),
+                                                        grads))
+        assert M.mask_of(True, None, cap, 10, 10) == M.mask_of(True, None, 0.0, 10, 10)
+
+
 CU = np.array([0, 4, 10], np.int32)
 
 
