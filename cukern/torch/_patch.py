@@ -1,9 +1,15 @@
 """``patch()`` / ``unpatch()``: with a model, route that model's own modules (``_models``:
-Hugging Face GPT-2, LLaMA and Mistral included); without, route the ``torch.nn.functional`` functions that the families
-declare drop-ins for (layer_norm, rms_norm, group_norm, embedding, scaled_dot_product_attention)
-— and so the nn modules that call them (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.Embedding,
-nn.MultiheadAttention's attention) — to cukern for the calls it supports, to PyTorch for the
-others.
+Hugging Face GPT-2, LLaMA and Mistral included); without, route the ``torch.nn.functional``
+functions that the families declare drop-ins for — and so the nn modules that call them — to
+cukern for the calls it supports, to PyTorch for the others. The functions ``patch()`` replaces
+(tests/test_docs.py checks this list against the families' declarations):
+
+* ``F.layer_norm`` (nn.LayerNorm)
+* ``F.rms_norm`` (nn.RMSNorm)
+* ``F.group_norm`` (nn.GroupNorm)
+* ``F.embedding`` (nn.Embedding)
+* ``F.scaled_dot_product_attention`` (nn.MultiheadAttention's attention)
+* ``F.cross_entropy`` (nn.CrossEntropyLoss)
 
 Code that bound a function before patching (``from torch.nn.functional import layer_norm``)
 keeps PyTorch's; ``torch.layer_norm`` and other aliases are not touched.
