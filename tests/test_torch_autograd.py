@@ -306,7 +306,8 @@ def _rel(a, ref) -> float:
     return float((a - ref).norm() / ref.norm().clamp_min(1e-300))
 
 
-# the error allowed above PyTorch's own, and a floor under which a difference is rounding noise
+# the error allowed: RATIO times PyTorch's own plus FLOOR, the rounding noise of the samples'
+# few elements (a bf16 gradient rounded twice errs by about 4x PyTorch's, far above either)
 RATIO = 1.25
 FLOOR = {torch.float32: 2.0**-20, torch.float16: 2.0**-13, torch.bfloat16: 2.0**-10}
 
@@ -321,10 +322,11 @@ def _up64(args):
 def test_an_upstream_gradient_other_than_one_is_rounded_once():
     """Every sample with an upstream gradient of 3: each input gradient's relative error against
     float64 (PyTorch's own computation on the same rounded inputs) is no worse than that of
-    PyTorch's own computation in the inputs' dtype (within RATIO, or under the dtype's FLOOR)."""
+    PyTorch's own computation in the inputs' dtype (within RATIO, plus the dtype's FLOOR)."""
     from cukern.torch._ops import OPS
 
     torch.use_deterministic_algorithms(True)
+    worse = []
     try:
         for op, args in (s for table in family_tables("opcheck_samples") for s in table):
             name = _name(op)
@@ -342,7 +344,9 @@ def test_an_upstream_gradient_other_than_one_is_rounded_once():
                 if r is None or r.abs().max() == 0:
                     continue
                 ea, et = _rel(a, r), _rel(t, r)
-                assert ea <= max(RATIO * et, FLOOR[leaf.dtype]), (
-                    f"{name} {tuple(leaf.shape)} {leaf.dtype}: error {ea:.3g} against float64, PyTorch's own {et:.3g}")
+                if ea > RATIO * et + FLOOR[leaf.dtype]:
+                    worse.append(f"{name} {tuple(leaf.shape)} {leaf.dtype}: error {ea:.3g} against float64, "
+                                 f"PyTorch's own {et:.3g}")
     finally:
         torch.use_deterministic_algorithms(False)
+    assert not worse, "\n".join(worse)
