@@ -261,8 +261,11 @@ def empty(like: DeviceArray, shape, dtype: str | None = None) -> DeviceArray:
 
 
 def stride_order(shape, strides) -> tuple[int, ...]:
-    """The axes from the largest stride to the smallest (ties: the outer axis first)."""
-    return tuple(sorted(range(len(shape)), key=lambda i: (-strides[i], i)))
+    """The axes from the largest stride to the smallest (ties: the outer axis first), an axis
+    broadcast over several elements (stride 0: K and V expanded over the heads) before all of
+    them: it has no place in memory, and ordered by its 0 it would go innermost, past the
+    unit-stride axis the kernels write an output like it with."""
+    return tuple(sorted(range(len(shape)), key=lambda i: (strides[i] != 0 or shape[i] <= 1, -strides[i], i)))
 
 
 def like_strides(shape, strides) -> tuple[int, ...]:

@@ -997,7 +997,7 @@ def _lce_fake(h, w, t, b, ignore_index, smoothing, z_loss, softcap, reduction, f
 
     f32 = torch.float32
     loss = h.new_empty((), dtype=f32 if float32_loss else h.dtype)
-    return (loss, torch.empty_like(h, dtype=f32), torch.empty_like(w, dtype=f32),
+    return (loss, h.new_empty(h.shape, dtype=f32), w.new_empty(w.shape, dtype=f32),
             h.new_empty((w.shape[0],) if b is not None else (0,), dtype=f32))
 
 

@@ -129,6 +129,36 @@ def test_misaligned_contiguous_views_are_copied(host_arrays_as_device):
     assert info.value.plan.fixes == ()
 
 
+@pytest.mark.parametrize("which", ["kv", "q"])
+def test_gradients_of_broadcast_inputs_are_written_densely(host_arrays_as_device, which):
+    """K and V (or q) expanded over the heads (stride 0) are read in place; their gradients are
+    written in a dense layout with a unit-stride head dim: every element once, each pair of
+    columns of a 4-byte store aligned (an output laid out with the broadcast axis innermost had
+    dk's columns 2 apart and stores at odd addresses)."""
+    d = 64
+    q = np.ones((2, 131, 4, d), np.float16)
+    kv = np.ones((2, 131, 2, d), np.float16)
+    if which == "kv":
+        kv = np.broadcast_to(np.ones((2, 131, 1, d), np.float16), (2, 131, 2, d))
+    else:
+        q = np.broadcast_to(np.ones((2, 131, 1, d), np.float16), (2, 131, 4, d))
+    lse = np.zeros((2, 4, 131), np.float32)
+    with pytest.raises(DryRun) as info:
+        cukern.attention_backward(q, q, kv, kv, q, lse, causal=True)
+    args = {}
+    for s in info.value.plan.steps:
+        if isinstance(s, tuple) and s[0] == "launch":
+            args.update(s[4])
+    for name, shape in (("dk", kv.shape), ("dv", kv.shape), ("dq", q.shape)):
+        if f"{name}_sb" not in args:
+            continue
+        sb, ss, sh = args[f"{name}_sb"], args[f"{name}_ss"], args[f"{name}_sh"]
+        b, s_, h, dd = np.meshgrid(*(np.arange(n) for n in shape), indexing="ij")
+        offsets = np.sort((b * sb + s_ * ss + h * sh + dd).ravel())
+        assert np.array_equal(offsets, np.arange(int(np.prod(shape)))), f"{name}: strides {(sb, ss, sh)}"
+        assert sb % 2 == ss % 2 == sh % 2 == 0, f"{name}: strides {(sb, ss, sh)}"
+
+
 def test_the_sm90_forward_takes_tensor_maps_of_the_inputs(host_arrays_as_device, monkeypatch):
     """With the Hopper path on (Configs.use_sm90), an sm_90 device runs attention_fwd_sm90 with
     tensor maps made per call from q, k and v (boxes of 128 query rows, bn keys, 64 columns);

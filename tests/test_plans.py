@@ -153,6 +153,12 @@ def test_like_strides_keep_a_dense_layout_and_order_the_rest():
     assert _arrays.like_strides((2, 3, 4, 5), (60, 5, 15, 1)) == (60, 5, 15, 1)
     assert _arrays.like_strides((2, 16, 4, 64), (16 * 3 * 4 * 64, 3 * 4 * 64, 64, 1)) == (16 * 4 * 64, 4 * 64, 64, 1)
     assert _arrays.like_strides((3, 4), (4, 1)) == (4, 1)
+    # a broadcast axis (K and V expanded over the heads) goes outermost: the unit-stride axis
+    # stays innermost (ordered by its 0 stride, it went innermost, and outputs laid out like
+    # it took the kernels' unit-stride stores at odd addresses)
+    assert _arrays.like_strides((2, 131, 2, 64), (131 * 64, 64, 0, 1)) == (131 * 64, 64, 2 * 131 * 64, 1)
+    assert _arrays.like_strides((2, 5, 3), (0, 3, 1)) == (15, 3, 1)
+    assert _arrays.like_strides((1, 5, 3), (0, 3, 1))[1:] == (3, 1)   # (one element: not broadcast)
 
 
 def test_a_fill_step_fills_the_given_buffers_and_skips_absent_ones():
