@@ -270,7 +270,7 @@ def test_the_optional_flags_are_those_this_sanitizer_takes(tmp_path):
                      "--check-warpgroup-mma=yes"]
     assert note == "flags refused: --check-bulk-copy"
     flags, note = tool.tool_flags(str(fake), "initcheck", listed, dict(os.environ), "pass")
-    assert flags[-2:] == ["--show-backtrace=device", "--track-unused-memory=no"] and note is None
+    assert flags[-1:] == ["--show-backtrace=device"] and note is None   # (initcheck: no options of its own)
     flags, note = tool.tool_flags(str(fake), "racecheck", listed, dict(os.environ, FAKE_UNSUPPORTED="1"), "pass")
     assert flags is None and "cannot check this device (========= Error: Device not supported)" in note
 
