@@ -411,7 +411,12 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_bwd(
             bco[j] = -rstd[j] * rstd[j] * s[2 * j + 1] * inv_m;
             cco[j] = -rstd[j] * s[2 * j] * inv_m;
         }
-        const float bl = pick<GT>(bco, jl), cl = pick<GT>(cco, jl);
+        // A group of one element: y = b whatever x, so dx is exactly 0 (as a LayerNorm row of
+        // one); the form below would leave the rounding of rstd*w*dy against rstd*S1. The case
+        // is block-uniform and costs nothing an element: the coefficients are zeroed.
+        const bool single = inv_m == 1.f;   // (M == 1; inv_m is live here anyway, M is not)
+        const float bl = single ? 0.f : pick<GT>(bco, jl), cl = single ? 0.f : pick<GT>(cco, jl);
+        const float al = single ? 0.f : rl;
 
         // Pass 2: dx.
         T* dxg = dx + base;
@@ -419,7 +424,7 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_bwd(
             float a[CL ? VEC : 1];
 #pragma unroll
             for (int j = 0; j < (CL ? VEC : 1); ++j)
-                a[j] = w ? rl * to_float(w[min(c0 + ch + j, geo.C - 1)]) : rl;
+                a[j] = w ? al * to_float(w[min(c0 + ch + j, geo.C - 1)]) : al;
             for_each_pair<T, VEC, U>(dyg, xg, off, stride, count, [&](int u, float (&fd)[VEC], const float (&fx)[VEC]) {
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {

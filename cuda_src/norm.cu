@@ -22,6 +22,12 @@ __device__ __forceinline__ float weight_value(float w, float offset) {
     return OFFSET ? w + offset : w;
 }
 
+// a * b; ROUNDED: rounded on its own (__fmul_rn), never fused into an FMA with what follows.
+template <bool ROUNDED>
+__device__ __forceinline__ float times(float a, float b) {
+    return ROUNDED ? __fmul_rn(a, b) : a * b;
+}
+
 // Casting modes (CAST, RMSNorm's, as Liger's casting_mode; float inputs are unaffected):
 //   0 "gemma": float32 throughout, y rounded once (torch.nn.functional.rms_norm);
 //   1 "llama": xhat = x * rstd rounded to T before the weight (Hugging Face's LlamaRMSNorm:
@@ -361,8 +367,14 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_bwd(
                 for (int r = 0; r < R; ++r) {
                     const long long row = row0 + r;
                     if (row < rows) {
-                        // rstd * (g - mean(g) - xhat * mean(g * xhat)) as two FMAs an element
-                        const float ka = RMS ? 0.f : -rs[r] * (s[2 * r] * inv_cols);
+                        // rstd * (g - mean(g) - xhat * mean(g * xhat)). RMS: rstd * g + xhat * kc.
+                        // LayerNorm: rstd * ((g - mean(g)) + (x - mean) * kc), the difference first:
+                        // a row of one element (g == mean(g), x == mean) then gives exactly 0, as
+                        // PyTorch; rstd * g + (-rstd * mean(g)) left the rounding of rstd * g. For
+                        // that, g = dy * w is rounded on its own (__fmul_rn): fused into g - mean(g)
+                        // as an FMA, the product's rounding error would remain. No more operations
+                        // an element than the two-FMA form.
+                        const float ma = s[2 * r] * inv_cols;
                         const float kc = -rs[r] * (s[2 * r + 1] * inv_cols);
                         Vec<T, VEC> rv = {};
                         if (dres) rv = load_stream<T, VEC>(dres + row * dres_stride + col);
@@ -370,9 +382,11 @@ __global__ void __launch_bounds__(THREADS, MINB) norm_bwd(
 #pragma unroll
                         for (int j = 0; j < VEC; ++j) {
                             const float d = element(gv[r][i], j);
-                            const float xh = (element(xv[r][i], j) - mu[r]) * rs[r];
-                            const float g = w ? cast_round<T, CAST>(d * weight_value<OFFSET>(element(wv, j), w_offset)) : d;
-                            float v = fmaf(rs[r], g, RMS ? xh * kc : fmaf(xh, kc, ka));
+                            const float xm = element(xv[r][i], j) - mu[r];
+                            const float xh = xm * rs[r];
+                            const float g = w ? cast_round<T, CAST>(times<!RMS>(
+                                                    d, weight_value<OFFSET>(element(wv, j), w_offset))) : d;
+                            float v = RMS ? fmaf(rs[r], g, xh * kc) : rs[r] * fmaf(xm, kc, g - ma);
                             if (dres) v += element(rv, j);
                             o[j] = v;
                         }
@@ -417,6 +431,7 @@ __global__ void __launch_bounds__(THREADS, 1) norm_fwd_loop(
     AmaxBits am;
     using Reduce = GroupReduce<THREADS, 1>;
     __shared__ typename Reduce::TempStorage scratch;
+    __shared__ float first;   // LayerNorm: the row's first element (of h), from thread 0
     constexpr int CHUNK = THREADS * VEC;
     const float inv_cols = 1.f / static_cast<float>(cols);
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -438,24 +453,38 @@ __global__ void __launch_bounds__(THREADS, 1) norm_fwd_loop(
                 s[0] += RMS ? f * f : f;
             }
         }
-        Reduce::sum(s, scratch);
+        if (!RMS && threadIdx.x == 0) first = to_float(src[0]);   // (a line this thread just read)
+        Reduce::sum(s, scratch);   // (its barriers publish `first`)
         float mean = 0.f, rstd;
         if (RMS) {
             rstd = rsqrtf(s[0] * inv_cols + eps);
             if (CAST == 2) rstd = round_to<T>(rstd);
         } else {
             mean = s[0] * inv_cols;
+            const unsigned int kb = __float_as_uint(first);
+            unsigned int other = 0u;   // the bits in which elements differ from the first
             float q[1] = {0.f};
             for (int col = threadIdx.x * VEC; col < cols; col += CHUNK) {
                 const Vec<T, VEC> v = *reinterpret_cast<const Vec<T, VEC>*>(src + col);
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
-                    const float d = to_float(v.v[j]) - mean;
+                    const float f = to_float(v.v[j]);
+                    const float d = f - mean;
                     q[0] += d * d;
+                    other |= __float_as_uint(f) ^ kb;
                 }
             }
             Reduce::sum(q, scratch);
             rstd = rsqrtf(q[0] * inv_cols + eps);
+            // A row of equal elements: its mean and variance exactly (sum(x) / D rounds), as
+            // norm_fwd's shifted sums give them, so x_hat = 0 and y = b. Other rows keep these
+            // statistics: shifting this kernel's sums by the first element instead was slower
+            // on wide rows (docs/notes-norm.md). (kb, not `first`: thread 0 may be writing the
+            // next row's once past the barrier.)
+            if (!__syncthreads_or(other != 0u)) {
+                mean = __uint_as_float(kb);
+                rstd = rsqrtf(eps);
+            }
         }
         for (int col = threadIdx.x * VEC; col < cols; col += CHUNK) {
             const Vec<T, VEC> v = *reinterpret_cast<const Vec<T, VEC>*>(src + col);

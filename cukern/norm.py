@@ -908,8 +908,11 @@ def _torch_norm(rms, x, shape, w, b, eps, offset, cast):
             r = r.to(x.dtype).float()
         y = h * r
     else:
-        mu = h.mean(dims, keepdim=True)
-        y = (h - mu) * torch.rsqrt((h - mu).pow(2).mean(dims, keepdim=True) + eps)
+        # The mean shifted by the row's first element, as the kernels do: a row of equal elements
+        # has mean == that element and variance 0 exactly (a float32 sum / D rounds).
+        k = h[(...,) + (slice(0, 1),) * len(dims)]
+        d = h - (k + (h - k).mean(dims, keepdim=True))
+        y = d * torch.rsqrt(d.pow(2).mean(dims, keepdim=True) + eps)
     if cast:
         y = y.to(x.dtype).float()
     if w is not None:

@@ -2,6 +2,8 @@
 and against torch (GPU), on contiguous and channels-last layouts."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -54,6 +56,56 @@ def test_reference_matches_torch_cpu_float64(shape, groups):
     np.testing.assert_allclose(y, yt.detach().numpy(), rtol=1e-12, atol=1e-12)
     for got, t in zip(ref.group_norm_backward(dy, x, groups, w, mean, rstd), (xt, wt, bt)):
         np.testing.assert_allclose(got, t.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+# ---- degenerate groups: one element, or all elements equal -----------------------------------
+# On such a group the mean is the element itself and the variance 0, so x_hat is exactly 0: y
+# is the bias, the group adds exactly 0 to dweight, and a group of one element has dx exactly 0.
+
+# ((C, groups), spatial): groups of one element (C = groups, no or unit spatial extent), and of
+# 14 to 16·256 elements, on the contiguous and channels-last traversals.
+DEGENERATE_GROUPS = [((4, 4), ()), ((8, 8), (1, 1)), ((6, 3), (7,)), ((32, 4), (8, 8)), ((64, 2), (5, 3)),
+                     ((512, 32), (16, 16)), ((520, 2), (7,))]
+
+
+def constant_groups(rng, shape, groups: int, dtype: str) -> np.ndarray:
+    """x of ``shape`` and dtype whose every group is one random value repeated, a different
+    one a group (away from zero, so that a float32 sum of the group rounds)."""
+    n, c = shape[:2]
+    v = random_host(rng, (n, groups, 1), dtype, scale=3.0, offset=1.5)
+    return np.ascontiguousarray(np.broadcast_to(v, (n, groups, c // groups * math.prod(shape[2:])))).reshape(shape)
+
+
+def same_bits(out, expect, name: str) -> None:
+    """The same values and signs (float64 holds every float32/16-bit value exactly)."""
+    out, expect = np.asarray(out, np.float64), np.broadcast_to(np.asarray(expect, np.float64), np.shape(out))
+    bad = (out != expect) | (np.signbit(out) != np.signbit(expect))
+    assert not bad.any(), (f"{name}: {int(bad.sum())} of {bad.size} differ; first at {np.argwhere(bad)[0]}: "
+                           f"{out[bad][0]!r} vs {expect[bad][0]!r}")
+
+
+@pytest.mark.parametrize("cg, spatial", DEGENERATE_GROUPS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_reference_constant_groups_give_exact_zeros(dtype, cg, spatial):
+    (c, g), n = cg, 3
+    shape = (n, c) + spatial
+    m = c // g * math.prod(spatial)
+    rng = np.random.default_rng(c + m)
+    x = constant_groups(rng, shape, g, dtype)
+    w, b = random_host(rng, (c,), dtype), random_host(rng, (c,), dtype)
+    bias = np.broadcast_to(b.astype(np.float64).reshape((1, c) + (1,) * len(spatial)), shape)
+    y, mean, rstd = ref.group_norm(x, g, w, b, 1e-5, return_stats=True)
+    np.testing.assert_array_equal(mean, x.reshape(n, g, -1)[:, :, 0].astype(np.float64))
+    np.testing.assert_array_equal(rstd, 1.0 / np.sqrt(1e-5))   # (the variance is exactly 0)
+    same_bits(y, bias, "y")
+    same_bits(ref.group_norm(x, g), 0.0, "y, no weight")
+    dy = random_host(rng, shape, dtype)
+    m32, s32 = mean.astype(np.float32), rstd.astype(np.float32)   # (as the kernels return them)
+    dx, dw, _ = ref.group_norm_backward(dy, x, g, w, m32, s32)
+    np.testing.assert_array_equal(dw, 0.0)
+    if m == 1:
+        same_bits(dx, 0.0, "dx")
+        same_bits(ref.group_norm_backward(dy, x, g, None, m32, s32)[0], 0.0, "dx, no weight")
 
 
 def test_reference_rejects_non_dividing_groups():
@@ -295,6 +347,71 @@ def test_against_torch_forward_and_autograd(shape, groups, layout, dtype):
     assert_close(y, to_host(y_t), dtype, "y", tol=tol)
     for name, a, e in zip(["dx", "dweight", "dbias"], grads, grads_t):
         assert_close(a, to_host(e), dtype, name, tol=max(tol, 1e-4))
+
+
+def torch_bits(t) -> np.ndarray:
+    """A torch tensor's bit patterns (in its logical order), as integers of its element's width."""
+    return t.detach().contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()]).cpu().numpy()
+
+
+@gpu
+@needs_torch
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("cg, spatial", DEGENERATE_GROUPS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_constant_groups_are_exact(dtype, cg, spatial, layout):
+    """Every second group one random value (every group when a group has one element), the
+    others random, in one launch. On the constant groups: y is the bias bit for bit and the
+    mean the value, as the reference; without weight and bias y is 0, as torch's F.group_norm.
+    A group of one element has dx exactly 0; constant groups add exactly 0 to dweight. The
+    random groups and the gradients still match the reference."""
+    F = torch.nn.functional
+    (c, g), n = cg, 3
+    shape = (n, c) + spatial
+    m = c // g * math.prod(spatial)
+    rng = np.random.default_rng(c + m)
+    const = slice(None) if m == 1 else slice(0, None, 2)   # (groups, in each sample)
+    xv = random_host(rng, shape, dtype, offset=1.5).reshape(n, g, m)
+    xv[:, const] = constant_groups(rng, shape, g, dtype).reshape(n, g, m)[:, const]
+    x = xv.reshape(shape)
+    w, b = random_host(rng, (c,), dtype), random_host(rng, (c,), dtype)
+    dy = random_host(rng, shape, dtype)
+    dev = lambda a: None if a is None else to_device(a, "torch")  # noqa: E731
+    per_group = lambda a: to_host(a).reshape(n, g, m)[:, const]  # noqa: E731
+
+    xd = _on_device(x, "torch", layout)
+    y, mean, rstd = cukern.group_norm(xd, g, dev(w), dev(b), 1e-5, return_stats=True)
+    ey, _, _ = ref.group_norm(x, g, w, b, 1e-5, return_stats=True)
+    same_bits(per_group(y), ey.reshape(n, g, m)[:, const], "y")
+    np.testing.assert_array_equal(to_host(mean)[:, const], xv[:, const, 0].astype(np.float64))
+    assert_close(y, ey, dtype, "y")
+    y0 = cukern.group_norm(xd, g, None, None, 1e-5)
+    same_bits(per_group(y0), 0.0, "y, no weight")
+    # torch, where it is exact: (x - mean) * rstd without weight and bias, and with both where
+    # the spatial size is 1 (its Welford mean is x). On larger groups with a weight or a bias it
+    # computes x * a + (b - mean * a), a = rstd * w, which leaves the rounding of x * a (rstd is
+    # 1/sqrt(eps) there): torch 2.11's y is off the bias by up to about an ulp of x * a.
+    bits = lambda a: torch_bits(a).reshape(n, g, m)[:, const]  # noqa: E731
+    np.testing.assert_array_equal(bits(y0), bits(F.group_norm(xd, g, None, None, 1e-5)))
+    if math.prod(spatial) == 1:
+        np.testing.assert_array_equal(bits(y), bits(F.group_norm(xd, g, dev(w), dev(b), 1e-5)))
+
+    dyd = _on_device(dy, "torch", layout)
+    dx, dw, db = cukern.group_norm_backward(dyd, xd, g, dev(w), mean, rstd)
+    edx, edw, edb = ref.group_norm_backward(dy, x, g, w, to_host(mean), to_host(rstd))
+    rs = np.repeat(to_host(rstd), c // g, axis=1).reshape((n, c) + (1,) * len(spatial))
+    gw = dy.astype(np.float64) * w.astype(np.float64).reshape((1, c) + (1,) * len(spatial))
+    assert_close(dx, edx, dtype, "dx", scale=float(np.sqrt(np.mean((rs * gw) ** 2))))
+    assert_close(dw, edw, dtype, "dweight")
+    assert_close(db, edb, dtype, "dbias")
+    if m == 1:
+        same_bits(to_host(dx), 0.0, "dx")
+        same_bits(to_host(cukern.group_norm_backward(dyd, xd, g, None, mean, rstd)[0]), 0.0, "dx, no weight")
+
+    # every group constant: dweight exactly 0
+    xc = _on_device(constant_groups(rng, shape, g, dtype), "torch", layout)
+    _, mc, sc = cukern.group_norm(xc, g, dev(w), dev(b), 1e-5, return_stats=True)
+    np.testing.assert_array_equal(to_host(cukern.group_norm_backward(dyd, xc, g, dev(w), mc, sc)[1]), 0.0)
 
 
 # ---- bad inputs and degenerate shapes (GPU: they need device arrays) -----------------------------

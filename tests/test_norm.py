@@ -148,6 +148,95 @@ def test_reference_fp8_output_saturates_rounds_and_writes_amax():
     np.testing.assert_array_equal(y, ref.rms_norm(x).astype(ml_dtypes.float8_e5m2))
 
 
+# ---- degenerate rows: D = 1 and rows of equal elements ----------------------------------------
+# On such a row the mean is the element itself and the variance 0, so x_hat is exactly 0: y is
+# the bias, the row adds exactly 0 to dweight, and with D = 1 dx is exactly 0. PyTorch gives
+# these values (its Welford mean stays exactly x on a constant row); a mean taken as sum / D
+# rounds, and so did rstd * g - rstd * mean(g) in the backward.
+
+# (1 and 7: scalar loads, the looped kernel for the fp8 output; 8200: the looped backward;
+# 16385 and 20000: the looped forward)
+DEGENERATE_WIDTHS = [1, 7, 33, 4096, 8200, 16385, 20000]
+# The widths at which torch's F.layer_norm itself gives these exact values: its vectorized kernel
+# merges the threads' Welford means as nA·mA + nB·mB, which rounds unless the counts are equal
+# (torch 2.11 on an H200: y != b on some constant rows of 8200 and 20000 columns).
+TORCH_EXACT_WIDTHS = (1, 7, 33, 4096, 16385)
+
+
+def constant_rows(rng, rows: int, cols: int, dtype: str) -> np.ndarray:
+    """(rows, cols) of dtype, each row one random value repeated, a different one a row (away
+    from zero, so that a float32 sum of the row rounds)."""
+    return np.repeat(random_host(rng, (rows, 1), dtype, scale=3.0, offset=1.5), cols, axis=1)
+
+
+def same_bits(out, expect, name: str) -> None:
+    """The same values and signs (float64 holds every float32/16-bit value exactly)."""
+    out, expect = np.asarray(out, np.float64), np.broadcast_to(np.asarray(expect, np.float64), np.shape(out))
+    bad = (out != expect) | (np.signbit(out) != np.signbit(expect))
+    assert not bad.any(), (f"{name}: {int(bad.sum())} of {bad.size} differ; first at {np.argwhere(bad)[0]}: "
+                           f"{out[bad][0]!r} vs {expect[bad][0]!r}")
+
+
+@pytest.mark.parametrize("cols", DEGENERATE_WIDTHS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_reference_constant_rows_give_exact_zeros(dtype, cols):
+    import ml_dtypes
+
+    rng = np.random.default_rng(cols)
+    x, r = constant_rows(rng, 9, cols, dtype), constant_rows(rng, 9, cols, dtype)
+    w, b = random_host(rng, (cols,), dtype), random_host(rng, (cols,), dtype)
+    bias = np.broadcast_to(b.astype(np.float64), x.shape)
+    y, mean, rstd = ref.layer_norm(x, w, b, 1e-5, return_stats=True)
+    np.testing.assert_array_equal(mean, x[:, 0].astype(np.float64))
+    np.testing.assert_array_equal(rstd, 1.0 / np.sqrt(1e-5))   # (the variance is exactly 0)
+    same_bits(y, bias, "y")
+    same_bits(ref.layer_norm(x, w, b, 1e-5, offset=1.0), bias, "y, offset")
+    same_bits(ref.layer_norm(x, None, None, 1e-5), 0.0, "y, no weight")
+    np.testing.assert_array_equal(ref.layer_norm(x, w, None, 1e-5), 0.0)   # (0 times w: either sign)
+    y, h, hmean, _ = ref.layer_norm(x, w, b, 1e-5, residual=r, return_stats=True)   # (h's rows: constant)
+    np.testing.assert_array_equal(hmean, h[:, 0])
+    same_bits(y, bias, "y, residual")
+    y8 = ref.layer_norm(x, w, b, 1e-5, out_dtype="float8_e4m3fn", scale=np.array([64.0], np.float32))
+    np.testing.assert_array_equal(y8.view(np.uint8), np.clip(bias * 64.0, -448, 448).astype(
+        ml_dtypes.float8_e4m3fn).view(np.uint8))
+
+    # the backward, from the statistics as the kernels return them (float32)
+    dy, dres = random_host(rng, x.shape, dtype), random_host(rng, x.shape, dtype)
+    m32, s32 = mean.astype(np.float32), rstd.astype(np.float32)
+    dx, dw, _ = ref.layer_norm_backward(dy, x, w, m32, s32)
+    np.testing.assert_array_equal(dw, 0.0)
+    # rstd * (g - mean(g)): the true dx of a constant row, no x_hat term
+    g = dy.astype(np.float64) * w.astype(np.float64)
+    np.testing.assert_array_equal(dx, s32.astype(np.float64)[:, None] * (g - g.sum(-1, keepdims=True) / cols))
+    if cols == 1:
+        same_bits(dx, 0.0, "dx")
+        same_bits(ref.layer_norm_backward(dy, x, w, m32, s32, dresidual=dres)[0], dres, "dx, dresidual")
+        same_bits(ref.layer_norm_backward(dy, x, None, m32, s32, offset=0.0)[0], 0.0, "dx, no weight")
+
+
+@needs_torch
+@pytest.mark.parametrize("cols", [1, 7, 33, 1000])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_torch_ops_path_constant_rows_give_exact_zeros(dtype, cols):
+    """The variants in PyTorch's own ops (tensors the kernels do not take, here CPU ones, and
+    torch.compile): y is the bias and dweight 0 on constant rows, dx 0 when D = 1."""
+    import cukern.torch as ct
+
+    rng = np.random.default_rng(cols)
+    tdt = getattr(torch, dtype)
+    t = lambda a: torch.tensor(a.astype(np.float32)).to(tdt)  # noqa: E731
+    x = t(constant_rows(rng, 9, cols, dtype)).requires_grad_(True)
+    r = t(constant_rows(rng, 9, cols, dtype))
+    w = t(random_host(rng, (cols,), dtype)).requires_grad_(True)
+    b = t(random_host(rng, (cols,), dtype))
+    y, h = ct.fused_add_layer_norm(x, r, w, b, 1e-5, offset=1.0)
+    same_bits(y.detach().double().numpy(), b.double().numpy(), "y")
+    dx, dw = torch.autograd.grad(y, (x, w), t(random_host(rng, (9, cols), dtype)))
+    np.testing.assert_array_equal(dw.double().numpy(), 0.0)
+    if cols == 1:
+        same_bits(dx.double().numpy(), 0.0, "dx")
+
+
 # ---- argument checking that needs no GPU ------------------------------------------------------
 
 @pytest.mark.parametrize("op", [cukern.layer_norm, cukern.rms_norm])
@@ -669,6 +758,110 @@ def test_llama_casting_matches_hugging_faces_llama_rms_norm(dtype, cols):
     gdx, gdw = cukern.rms_norm_backward(dy, x.detach(), w.detach(), rstd, casting_mode="llama")
     assert_close(gdx, to_host(dx), dtype, "dx")
     assert_close(gdw, to_host(dw), dtype, "dweight")
+
+
+# ---- degenerate rows against the reference and torch (GPU) ---------------------------------------
+
+def torch_bits(t) -> np.ndarray:
+    """A torch tensor's bit patterns, as integers of its element's width."""
+    return t.detach().contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()]).cpu().numpy()
+
+
+@gpu
+@needs_torch
+@pytest.mark.parametrize("form", ["affine", "residual", "offset", "plain"])
+@pytest.mark.parametrize("cols", DEGENERATE_WIDTHS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_layer_norm_constant_rows_are_exact(dtype, cols, form):
+    """Every second row one random value (every row when D = 1), the others random, in one
+    launch. On the constant rows: y is the bias bit for bit (0 times the weight without one) and
+    the mean the value, as the reference (and torch's F.layer_norm where it is exact); they add
+    exactly 0 to dweight; with D = 1 dx is exactly 0 (dresidual with a residual), as torch's
+    autograd. The random rows and the gradients still match the reference."""
+    F = torch.nn.functional
+    rng = np.random.default_rng(cols + len(form))
+    rows = 38
+    const = slice(None) if cols == 1 else slice(0, None, 2)
+    nconst = len(range(rows)[const])
+    x = random_host(rng, (rows, cols), dtype, offset=1.5)
+    x[const] = constant_rows(rng, nconst, cols, dtype)
+    r = dr = None
+    if form == "residual":   # (h = x + r: constant where both are)
+        r, dr = random_host(rng, (rows, cols), dtype), random_host(rng, (rows, cols), dtype)
+        r[const] = constant_rows(rng, nconst, cols, dtype)
+    w = None if form == "plain" else random_host(rng, (cols,), dtype)
+    b = random_host(rng, (cols,), dtype) if form in ("affine", "residual") else None
+    woff = 1.0 if form == "offset" else 0.0
+    dy = random_host(rng, (rows, cols), dtype)
+    dev = lambda a: None if a is None else to_device(a, "torch")  # noqa: E731
+
+    xd = dev(x)
+    out = cukern.layer_norm(xd, dev(w), dev(b), 1e-5, residual=dev(r), return_stats=True, offset=woff)
+    expect = ref.layer_norm(x, w, b, 1e-5, residual=r, return_stats=True, offset=woff)
+    y, mean, rstd = out[0], out[-2], out[-1]
+    xin, xin_host = (out[1], expect[1]) if r is not None else (xd, x)
+    same_bits(to_host(y)[const], expect[0][const], "y")
+    np.testing.assert_array_equal(to_host(mean)[const], np.asarray(xin_host[const][:, 0], np.float64))
+    assert_close(y, expect[0], dtype, "y")
+    assert_close(rstd, expect[-1], "float32", "rstd", tol=2e-5)
+    # torch from the same h (its add: the same bits) and parameters; its weight + offset is
+    # rounded to the dtype, which only the sign of a zero y could show
+    if r is not None:
+        assert torch.equal(xin, xd + dev(r))
+    if cols in TORCH_EXACT_WIDTHS:
+        yt = F.layer_norm(xin, (cols,), None if w is None else dev(w) + woff, dev(b), 1e-5)
+        if b is not None:
+            np.testing.assert_array_equal(torch_bits(y)[const], torch_bits(yt)[const])
+        np.testing.assert_array_equal(to_host(y)[const], to_host(yt)[const])
+
+    grads = cukern.layer_norm_backward(dev(dy), xin, dev(w), mean, rstd, dresidual=dev(dr), offset=woff)
+    stats = [to_host(mean), to_host(rstd)]
+    expect_g = ref.layer_norm_backward(dy, xin_host, w, *stats, dresidual=dr, offset=woff)
+    g = dy.astype(np.float64) * (w.astype(np.float64) + woff if w is not None else 1.0)
+    assert_close(grads[0], expect_g[0], dtype, "dx", scale=float(np.sqrt(np.mean((stats[1][:, None] * g) ** 2))))
+    if cols == 1:
+        same_bits(to_host(grads[0]), 0.0 if dr is None else dr, "dx")
+    for name, o, e in zip(["dweight", "dbias"], grads[1:], expect_g[1:]):
+        assert (o is None) == (e is None), name
+        if e is not None:
+            assert_close(o, e, dtype, name)
+
+    # the constant rows alone: dweight exactly 0, dx 0 when D = 1; torch's autograd the same
+    xc = xin[const].detach().clone().requires_grad_(True)
+    dyc = dev(dy[const])
+    dx, dw, _ = cukern.layer_norm_backward(dyc, xc.detach(), dev(w), mean[const], rstd[const], offset=woff)
+    if w is not None:
+        np.testing.assert_array_equal(to_host(dw), 0.0)
+    if cols == 1:
+        same_bits(to_host(dx), 0.0, "dx")
+    if cols in TORCH_EXACT_WIDTHS:
+        wl = None if w is None else dev(w).requires_grad_(True)
+        want = torch.autograd.grad(F.layer_norm(xc, (cols,), None if w is None else wl + woff, dev(b), 1e-5),
+                                   (xc,) if w is None else (xc, wl), dyc)
+        if w is not None:
+            np.testing.assert_array_equal(to_host(want[1]), 0.0)
+        if cols == 1:
+            np.testing.assert_array_equal(torch_bits(dx), torch_bits(want[0]))
+
+
+@gpu
+@needs_torch
+@pytest.mark.parametrize("cols", [1, 7, 4096, 20000])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_layer_norm_fp8_of_constant_rows_is_the_scaled_bias(dtype, cols):
+    """The fp8 output of constant rows: the bias times the scale, rounded (a power-of-two scale:
+    the float32 product is exact, so the codes are the reference's), and amax = max |bias|."""
+    rng = np.random.default_rng(cols + 1)
+    x = constant_rows(rng, 37, cols, dtype)
+    w, b = random_host(rng, (cols,), dtype), random_host(rng, (cols,), dtype)
+    dev = lambda a: to_device(a, "torch")  # noqa: E731
+    scale = np.array([64.0], np.float32)
+    for fmt in FP8:
+        amax, amax_ref = dev(np.array([1e30], np.float32)), np.zeros(1, np.float32)
+        y = cukern.layer_norm(dev(x), dev(w), dev(b), 1e-5, out_dtype=fmt, scale=dev(scale), amax=amax)
+        expect = ref.layer_norm(x, w, b, 1e-5, out_dtype=fmt, scale=scale, amax=amax_ref)
+        np.testing.assert_array_equal(fp8_codes(y), expect.view(np.uint8))
+        assert to_host(amax)[0] == amax_ref[0] == np.abs(b.astype(np.float32)).max()
 
 
 # ---- cukern.torch: the variants' modules and the fused residual ---------------------------------------
