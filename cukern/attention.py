@@ -1175,7 +1175,7 @@ def bench_cases(quick: bool) -> list:
     return cases + mask_bench_cases(quick)
 
 
-# Issue 15's cases (masks, packed documents), each at the shape of the case it is measured against:
+# The masks' and packed documents' cases, each at the shape of the case it is measured against:
 # documents of random lengths summing to 32768 tokens (16 of them, H32 d128, causal) against
 # FlashAttention-2's varlen kernel; the same tokens as 16 documents of 2048 against the dense
 # causal kernel on (16, 2048) (the same work: the packed path's own cost); a window of 1024 at
