@@ -42,6 +42,35 @@ HALF_DTYPES = ("float16", "bfloat16")
 # the sm_80 attention kernels on a Hopper GPU take a process of their own.
 VARIANTS = {"sm80": ({"CUKERN_ATTENTION_SM80": "1"}, ("attention",))}
 
+# Environment a tool's processes get (their warm-up too), read by configure_for_tool().
+# initcheck: compute-sanitizer's initcheck (2025.3.1, H200) does not register every global write
+# of a TMA store (cp.async.bulk.tensor): a cudaMemcpy of an O that the persistent Hopper forward
+# stored that way reads as uninitialized in full, and attention_bwd_dot's loads of it flag a
+# scattered few rows of it (256 of 4288 vectors at B2 Sq67 H4 d128, different rows run to run),
+# where the same forward with O by st.global (not persistent) gives none. So the initcheck
+# processes run the Hopper forward that way; that the persistent forward writes every element
+# of O is what the poisoned-output tests check (tests/test_attention*.py).
+TOOL_ENV = {"initcheck": {"CUKERN_SANITIZE_O_BY_STORES": "1"}}
+TOOL_ENV_FAMILIES = {"initcheck": ("attention",)}
+
+
+def configure_for_tool() -> None:
+    """In a process that TOOL_ENV marks, what it asks for (see there)."""
+    import os
+
+    if os.environ.get("CUKERN_SANITIZE_O_BY_STORES", "0") != "1":
+        return
+    import dataclasses
+
+    attn = _attention_module()
+
+    def by_stores(table):
+        return tuple((d, dataclasses.replace(c, persistent=False)) for d, c in table)
+
+    attn.CONFIGS = dataclasses.replace(attn.CONFIGS, fwd_sm90=by_stores(attn.CONFIGS.fwd_sm90),
+                                       fwd_sm90_full=by_stores(attn.CONFIGS.fwd_sm90_full))
+
+
 # The dtypes a family's custom ops take, where not every float dtype.
 TORCH_DTYPES = {"attention": HALF_DTYPES}
 

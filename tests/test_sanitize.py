@@ -221,6 +221,12 @@ def test_the_summary_parser_reads_compute_sanitizers_lines():
                            "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n"
                            "========= ERROR SUMMARY: 0 errors\n")
     assert quiet.hazards == (0, 0, 0) and tool.clean("racecheck", [quiet])
+    # (racecheck of compute-sanitizer 2025.3 prints its own summary alone: its errors count)
+    alone = tool.parse_log("[sanitize] done 1 cases, 0 failed, 0 kernels compiled, 0.1 s\n"
+                           "========= RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)\n")
+    assert alone.errors == 1 and alone.hazards == (2, 1, 1) and not tool.clean("racecheck", [alone])
+    assert tool.parse_log("========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n"
+                          "[sanitize] done 1 cases, 0 failed, 0 kernels compiled, 0.1 s\n").errors == 0
 
 
 FAKE_SANITIZER = """\
@@ -313,3 +319,30 @@ def test_a_whole_run_with_a_stand_in_sanitizer(tmp_path):
     assert p.returncode == 1 and time.monotonic() - t0 < 50, out
     assert re.search(r"^synccheck: \? errors \(0 cases, \d+ s\); synccheck-0 stopped after \d+ s at case 0/\?", out,
                      re.M), out
+
+
+def test_initcheck_processes_store_o_without_tma(monkeypatch):
+    """initcheck's processes (and their warm-up) run the Hopper forward with O by st.global:
+    the tool does not register every write of a TMA store (sanitize_cases.TOOL_ENV)."""
+    import dataclasses
+
+    attn = importlib.import_module("cukern.attention")
+    shipped = attn.CONFIGS
+    assert any(c.persistent for _, c in shipped.fwd_sm90 + shipped.fwd_sm90_full)
+    assert sc.TOOL_ENV["initcheck"] == {"CUKERN_SANITIZE_O_BY_STORES": "1"}
+    monkeypatch.setattr(attn, "CONFIGS", shipped)
+    monkeypatch.delenv("CUKERN_SANITIZE_O_BY_STORES", raising=False)
+    sc.configure_for_tool()
+    assert attn.CONFIGS is shipped
+    monkeypatch.setenv("CUKERN_SANITIZE_O_BY_STORES", "1")
+    sc.configure_for_tool()
+    changed = attn.CONFIGS
+    assert not any(c.persistent for _, c in changed.fwd_sm90 + changed.fwd_sm90_full)
+    for which in ("fwd_sm90", "fwd_sm90_full"):   # (only persistence changes; every instance still valid)
+        for (d, c), (_, s) in zip(getattr(changed, which), getattr(shipped, which)):
+            assert dataclasses.replace(s, persistent=False) == c
+            for dt in ("float16", "bfloat16"):
+                c.instance(dt, d, 1)
+                c.instance(dt, d, 0)
+    tool = _tool()
+    assert tool._tool_env("initcheck") == sc.TOOL_ENV["initcheck"] and tool._tool_env("memcheck") == {}

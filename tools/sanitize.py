@@ -112,6 +112,8 @@ def parse_log(text: str) -> RunLog:
     m = RACECHECK_SUMMARY.findall(text)
     if m:
         log.hazards = tuple(int(v) for v in m[-1])
+        if log.errors is None:   # (racecheck of compute-sanitizer 2025.3 prints no ERROR SUMMARY)
+            log.errors = log.hazards[1]
     case = "(before the first case)"
     pending = None
     for line in text.splitlines():
@@ -459,6 +461,13 @@ def warm_up(args, families, variants, env, work: Path, out: Path, deadline: floa
         n = per_variant[v]
         procs += [Proc(f"warm-up {v or 'default'} {i}/{n}", work / f"warmup-{v or 'default'}-{i}.log",
                        child_cmd(families, v, (i, n), args.dry), venv) for i in range(n)]
+    import sanitize_cases as sc
+
+    for tool, tenv in sc.TOOL_ENV.items():   # (what a tool's own environment compiles besides)
+        fams = [f for f in families if f in sc.TOOL_ENV_FAMILIES.get(tool, families)]
+        if tool in args.tool_list and fams:
+            procs.append(Proc(f"warm-up {tool}", work / f"warmup-{tool}.log", child_cmd(fams, None, (0, 1), args.dry),
+                              dict(env, CUKERN_NATIVE="0", **tenv)))
     native = None
     if not args.dry and env.get("CUKERN_NATIVE", "1") != "0" and importlib.util.find_spec("torch") is not None:
         code = ("import sys\nfrom cukern.torch import _native\n"
@@ -492,6 +501,12 @@ def warm_up(args, families, variants, env, work: Path, out: Path, deadline: floa
         lines.append("  cukern.torch's native extension did not build (warmup.log): the torch cases run the "
                      "Python path (CUKERN_NATIVE=0)")
     return ok, native_ok, lines
+
+
+def _tool_env(tool: str) -> dict:
+    import sanitize_cases as sc
+
+    return dict(sc.TOOL_ENV.get(tool, {}))
 
 
 def _variant_env(variant: str | None) -> dict:
@@ -535,6 +550,7 @@ def main(argv=None) -> int:
     start = time.monotonic()
     deadline = start + args.budget
     tools = [t.strip() for t in args.tools.split(",") if t.strip()]
+    args.tool_list = tools
     bad = [t for t in tools if t not in TOOLS]
     if bad or not tools:
         _say(f"--tools: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(TOOLS)}")
@@ -602,7 +618,8 @@ def _run_tools(args, families, variants, tools, sanitizer, help_text, env, work,
             for i in range(shards):
                 label = tool + (f"-{v}" if v else "") + (f"-{i}" if shards > 1 else "")
                 cmd = [sanitizer, "--tool", tool, *tflags, *child_cmd(families, v, (i, shards), args.dry)]
-                procs.append(Proc(label, work / f"{label}.log", cmd, dict(sanitized, **_variant_env(v)), tool))
+                procs.append(Proc(label, work / f"{label}.log", cmd,
+                                  dict(sanitized, **_variant_env(v), **_tool_env(tool)), tool))
     if not procs:
         head += [f"{t}: {'; '.join(notes[t])}" for t in tools]
         _say(*head[-len(tools):])
@@ -738,6 +755,7 @@ def run_cases(families, args) -> int:
 
     index, count = (int(v) for v in args.shard.split("/"))
     cases = sc.selected(families, args.variant)[index::count]
+    sc.configure_for_tool()
     if args.dry:
         cases = [c for c in cases if c.host]
     print(f"{MARK} {len(cases)} cases ({args.variant or 'default'} process, shard {index}/{count})", flush=True)
