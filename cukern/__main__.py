@@ -45,13 +45,13 @@ def _gpu_lines() -> list[str]:
     except Exception:  # noqa: BLE001
         cupy = None
     if cupy is not None:
+        from cukern._environment import gpu_unavailable_reason
+
         rt = cupy.cuda.runtime
-        try:
-            count = rt.getDeviceCount()
-        except Exception as e:  # noqa: BLE001 - no driver or no device
-            return [f"GPU:          no CUDA GPU found ({type(e).__name__}: {e})"]
-        if count == 0:
-            return ["GPU:          no CUDA GPU found (the CUDA runtime reports 0 devices)"]
+        reason = gpu_unavailable_reason()
+        if reason is not None:
+            return [f"GPU:          no CUDA GPU found: {reason}"]
+        count = rt.getDeviceCount()
         lines = []
         try:
             d = rt.driverGetVersion()
@@ -350,6 +350,8 @@ def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m cukern", formatter_class=fmt,
         description="cukern: hand-written CUDA kernels for transformer training.")
+    from cukern._version import __version__
+    parser.add_argument("--version", action="version", version=f"cukern {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser("info", help="versions, GPU, NVRTC and the kernel cache (no GPU needed)", formatter_class=fmt,
                        description="What cukern finds here: its version and sources, Python, NumPy, CuPy, "

@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["CompileError", "Instance", "Slot", "MapSlot", "Kernel", "Launch", "source_dir", "load_source", "kernel",
-           "signature", "sm_count", "compute_capability", "COMPILE_OPTIONS"]
+           "signature", "sm_count", "compute_capability", "check_capability", "UnsupportedDeviceError",
+           "MIN_CAPABILITY", "COMPILE_OPTIONS"]
 
 # -std=c++17 for `if constexpr`. -default-device: NVRTC 13.0 takes a generic lambda in device
 # code (cross_entropy's with_options) for a host function unless unannotated functions default
@@ -257,6 +258,7 @@ def function(source: str, instance: str, device: int, arch: str | None = None):
     fn = _functions.get(key)
     if fn is not None:
         return fn
+    check_capability(device)
     import cupy
 
     with _lock:
@@ -329,6 +331,33 @@ def compute_capability(device: int) -> tuple[int, int]:
         p = cupy.cuda.runtime.getDeviceProperties(device)
         cc = _capabilities[device] = (int(p["major"]), int(p["minor"]))
     return cc
+
+
+# The oldest GPUs the kernels are written for: bf16 tensor-core mma, cp.async and 164 KB (or
+# 99 KB) of shared memory a block are sm_80's.
+MIN_CAPABILITY = (8, 0)
+
+
+class UnsupportedDeviceError(RuntimeError):
+    """The GPU is older than the kernels need (compute capability below MIN_CAPABILITY)."""
+
+
+def check_capability(device: int) -> None:
+    """Raise UnsupportedDeviceError when ``device`` is older than MIN_CAPABILITY."""
+    cc = compute_capability(device)
+    if cc >= MIN_CAPABILITY:
+        return
+    try:
+        import cupy
+
+        name = cupy.cuda.runtime.getDeviceProperties(device)["name"]
+        name = f" ({name.decode() if isinstance(name, bytes) else name})"
+    except Exception:  # noqa: BLE001 - the name is only for the message
+        name = ""
+    raise UnsupportedDeviceError(
+        f"cukern's kernels need a GPU of compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer "
+        f"(A100, A10, RTX 30 and 40 series, L4, L40, H100, H200, ...); device {device}{name} has "
+        f"{cc[0]}.{cc[1]}")
 
 
 def sm_count(device: int) -> int:

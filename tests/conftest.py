@@ -1,6 +1,7 @@
 """The `gpu` marker and the hypothesis profiles shared by every test module.
 
-Tests marked `gpu` are skipped, with the reason shown, where no CUDA device is visible.
+Tests marked `gpu` are skipped, with the reason shown once for all of them, where no CUDA
+device is visible.
 hypothesis profiles: `ci` (derandomized, no deadline) and `dev` (random, no deadline, since
 the first call of a kernel instance compiles it); choose with HYPOTHESIS_PROFILE.
 """
@@ -20,26 +21,20 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 @functools.lru_cache(maxsize=None)
 def gpu_unavailable_reason() -> str | None:
-    """None when a CUDA device can be used, else why not."""
-    try:
-        import cupy
-    except ImportError as e:
-        return f"CuPy is not installed ({e})"
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # noqa: BLE001 - no driver, no device: the same answer
-        return f"no CUDA device ({type(e).__name__}: {e})"
-    return None if n > 0 else "no CUDA device"
+    """None when a CUDA device can be used, else why not (no CuPy, no driver, a driver too old)."""
+    from cukern._environment import gpu_unavailable_reason as reason
+
+    return reason()
 
 
-def pytest_collection_modifyitems(config, items):
-    reason = gpu_unavailable_reason()
-    if reason is None:
-        return
-    skip = pytest.mark.skip(reason=f"needs a GPU: {reason}")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+@pytest.hookimpl(tryfirst=True)   # (before the skipif marks: every GPU test skips with this one)
+def pytest_runtest_setup(item):
+    # A skip raised here, not a skip mark (reported at each test's own line), has one location and
+    # reason for all GPU tests, so `-ra` prints one line for them, "SKIPPED [N] tests/conftest.py:..."
+    if "gpu" in item.keywords:
+        reason = gpu_unavailable_reason()
+        if reason is not None:
+            pytest.skip(f"needs a GPU: {reason}")
 
 
 class DryRun(Exception):
