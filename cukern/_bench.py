@@ -239,9 +239,11 @@ def unavailable_reason() -> str | None:
     try:
         import cupy
     except Exception as e:  # noqa: BLE001
+        from ._environment import INSTALL_HINT
+
         cupy = None
-        problems.append(f"CuPy is not installed ({type(e).__name__}: {e}); cukern launches its "
-                        "kernels through it (pip install cupy-cuda12x or cupy-cuda13x)")
+        problems.append(f"CuPy is not installed ({type(e).__name__}: {e}); cukern launches its kernels "
+                        f"through it: {INSTALL_HINT}, which brings CuPy with [ctk] (NVRTC and the CUDA headers)")
     gpu = None
     if cupy is not None:
         try:

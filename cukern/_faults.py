@@ -43,8 +43,13 @@ def check_errors() -> None:
     """Synchronize every device cukern has used and raise ``IndexError`` if a kernel met an
     out-of-range index (an embedding index, a cross-entropy target) since the last check. The
     record is cleared, so the next check passes unless new faults occur."""
-    import cupy
+    try:
+        import cupy
+    except ImportError as e:
+        from ._environment import INSTALL_HINT
 
+        raise ModuleNotFoundError(f"check_errors: needs CuPy, which is not installed ({e}); {INSTALL_HINT}, "
+                                  "which brings CuPy with [ctk] (NVRTC and the CUDA headers)", name="cupy") from e
     for device, rec in sorted(_records.items()):
         with cupy.cuda.Device(device):
             cupy.cuda.Device(device).synchronize()

@@ -431,7 +431,8 @@ def _check_like_q(a: DeviceArray, ref: DeviceArray) -> None:
     _check_rank(a)
     if a.shape != ref.shape:
         raise ValueError(f"{a.name}: shape {a.shape} does not match {ref.name}'s {ref.shape}")
-    if a.dtype != ref.dtype:
+    if a.dtype != ref.dtype and not (a.kind == "numpy" and "float64" in (a.dtype, ref.dtype)):
+        # (the references take float64 beside any dtype: their own results feed their backwards)
         raise ValueError(f"{a.name}: dtype {a.dtype} differs from {ref.name}'s {ref.dtype}")
 
 
@@ -977,9 +978,15 @@ def _dot_lanes(d: int) -> int:
 
 # ---- NumPy references ------------------------------------------------------------------------
 
-def _host_qkv(q, k, v, head_dims=None):
+def _ref_head_dims(qa: DeviceArray, head_dims):
+    """The kernels' head dims for the kernels' dtypes; any for float64, which no kernel takes
+    (the tests' exact oracle, at head dims small enough for many hypothesis examples)."""
+    return None if qa.dtype == "float64" else head_dims
+
+
+def _host_qkv(q, k, v, head_dims, which: str = ""):
     qa, ka, va = (_arrays.as_host_array(a, n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
-    _check_qkv(qa, ka, va, head_dims, "")
+    _check_qkv(qa, ka, va, _ref_head_dims(qa, head_dims), which)
     return qa, ka, va
 
 
@@ -994,13 +1001,16 @@ def _ref_scores(q, k, scale, mask: Mask):
     sc = _attention_mask.capped(s, mask)
     if mask.any:
         sc = np.where(_attention_mask.visible(mask, sq, sk)[None, None], sc, -np.inf)
-    with np.errstate(invalid="ignore", divide="ignore"):
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         m = sc.max(axis=-1, keepdims=True) if sk else np.full(sc.shape[:-1] + (1,), -np.inf)
         m_safe = np.where(np.isfinite(m), m, 0.0)
         p = np.exp(sc - m_safe)
         l_ = p.sum(axis=-1, keepdims=True)
-        p = np.where(l_ > 0, p / np.where(l_ > 0, l_, 1.0), 0.0)
-        lse = np.where(l_[..., 0] > 0, np.log(np.where(l_[..., 0] > 0, l_[..., 0], 1.0)) + m_safe[..., 0], np.inf)
+        # (l_ == 0 only where no key is seen; a NaN score makes l_ NaN, and NaN goes on into p
+        # and lse, as in torch.softmax)
+        none = l_ == 0
+        p = np.where(none, 0.0, p / np.where(none, 1.0, l_))
+        lse = np.where(none, np.inf, np.log(np.where(none, 1.0, l_)) + m_safe)[..., 0]
     return p, lse, s
 
 
@@ -1027,8 +1037,9 @@ def _ref_backward(dof, qf, kf, vf, scale, mask: Mask):
 def reference_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, window=(-1, -1),
                         softcap=0.0):
     """``attention`` in float64: out (B, Sq, H, D) [, lse (B, H, Sq)]; the mask aligned to the
-    bottom right; a query that sees no key gives zeros and lse = +inf (as the kernel)."""
-    qa, ka, va = _host_qkv(q, k, v)
+    bottom right; a query that sees no key gives zeros and lse = +inf (as the kernel), one whose
+    scores hold a NaN gives NaN (as torch.softmax)."""
+    qa, ka, va = _host_qkv(q, k, v, CONFIGS.head_dims)
     mask = _attention_mask.mask_of(causal, window, softcap, qa.shape[1], ka.shape[1])
     qf, kf, vf = (a.obj.astype(np.float64) for a in (qa, ka, va))
     out, lse = _ref_forward(qf, kf, vf, _scale(softmax_scale, qa.shape[-1]), mask)
@@ -1039,7 +1050,7 @@ def reference_attention_backward(dout, q, k, v, out=None, lse=None, *, causal=Fa
                                  deterministic=False, window=(-1, -1), softcap=0.0):
     """``attention_backward`` in float64: (dq, dk, dv), dk and dv summed over the query heads
     sharing a K/V head. ``out`` and ``lse`` are recomputed (given ones are shape-checked)."""
-    qa, ka, va = _host_qkv(q, k, v)
+    qa, ka, va = _host_qkv(q, k, v, CONFIGS.bwd_head_dims, " by the backward")
     mask = _attention_mask.mask_of(causal, window, softcap, qa.shape[1], ka.shape[1])
     da = _arrays.as_host_array(dout, "dout")
     _check_like_q(da, qa)
@@ -1051,11 +1062,12 @@ def reference_attention_backward(dout, q, k, v, out=None, lse=None, *, causal=Fa
     return _ref_backward(dof, qf, kf, vf, _scale(softmax_scale, qa.shape[-1]), mask)
 
 
-def _host_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+def _host_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, head_dims, which: str = ""):
     qa, ka, va = (_arrays.as_host_array(a, n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
     cq, ck = (_arrays.as_host_array(a, n, ("int32",)) for a, n in ((cu_seqlens_q, "cu_seqlens_q"),
                                                                   (cu_seqlens_k, "cu_seqlens_k")))
-    max_q, max_k = _check_varlen(qa, ka, va, cq, ck, max_seqlen_q, max_seqlen_k, None, "")
+    max_q, max_k = _check_varlen(qa, ka, va, cq, ck, max_seqlen_q, max_seqlen_k, _ref_head_dims(qa, head_dims),
+                                 which)
     _check_cu_values(cq.obj, "cu_seqlens_q", qa.shape[0], max_q)
     _check_cu_values(ck.obj, "cu_seqlens_k", ka.shape[0], max_k)
     return qa, ka, va, cq.obj, ck.obj
@@ -1065,7 +1077,8 @@ def reference_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
                                softmax_scale=None, return_lse=False, window=(-1, -1), softcap=0.0):
     """``attention_varlen`` in float64: out (total_q, H, D) [, lse (H, total_q)]; each document
     attends to its own keys only, the mask aligned to the bottom right of each document."""
-    qa, ka, va, cq, ck = _host_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    qa, ka, va, cq, ck = _host_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      CONFIGS.head_dims)
     scale = _scale(softmax_scale, qa.shape[-1])
     out = np.zeros(qa.shape)
     lse = np.full((qa.shape[1], qa.shape[0]), np.inf)
@@ -1082,7 +1095,8 @@ def reference_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, c
                                         window=(-1, -1), softcap=0.0):
     """``attention_varlen_backward`` in float64: (dq, dk, dv) of the packed documents. ``out``
     and ``lse`` are recomputed (given ones are shape-checked)."""
-    qa, ka, va, cq, ck = _host_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    qa, ka, va, cq, ck = _host_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      CONFIGS.bwd_head_dims, " by the backward")
     da = _arrays.as_host_array(dout, "dout")
     _checks.like(da, qa, qa.shape)
     if out is not None:
@@ -1487,6 +1501,8 @@ def _torch_api(T, ops) -> dict:
             raise ValueError("block_table: cukern's attention has no paged KV cache")
 
     def _flags(q, softmax_scale, window_size, softcap):
+        if not hasattr(q, "shape"):   # (the default scale reads q before the op checks it)
+            _arrays.as_device_array(q, "q")
         wl, wr = window_size if window_size is not None else (-1, -1)
         s = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
         return s, int(wl), int(wr), float(softcap or 0.0)

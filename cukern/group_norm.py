@@ -339,6 +339,7 @@ def group_norm_backward(dy, x, num_groups, weight, mean, rstd):
 # ---- NumPy references ------------------------------------------------------------------------
 
 def _host(obj, name, dtypes=_arrays.FLOATS):
+    """An optional array (weight, bias): None stays None."""
     return None if obj is None else _arrays.as_host_array(obj, name, dtypes)
 
 
@@ -353,7 +354,7 @@ def _per_channel(p, shape):
 
 def reference_group_norm(x, num_groups, weight=None, bias=None, eps=1e-5, *, return_stats=False):
     """``group_norm`` in float64: y, or (y, mean, rstd) with stats (N, num_groups)."""
-    xa, wa, ba = _host(x, "x"), _host(weight, "weight"), _host(bias, "bias")
+    xa, wa, ba = _arrays.as_host_array(x, "x"), _host(weight, "weight"), _host(bias, "bias")
     g, e = _check_forward(xa, num_groups, wa, ba, eps)
     shape = xa.shape
     v = _f64(xa).reshape(shape[0], g, -1)
@@ -370,8 +371,8 @@ def reference_group_norm(x, num_groups, weight=None, bias=None, eps=1e-5, *, ret
 
 def reference_group_norm_backward(dy, x, num_groups, weight, mean, rstd):
     """``group_norm_backward`` in float64: (dx, dweight or None, dbias)."""
-    da, xa, wa = _host(dy, "dy"), _host(x, "x"), _host(weight, "weight")
-    ma, sa = _host(mean, "mean", ("float32",)), _host(rstd, "rstd", ("float32",))
+    da, xa, wa = _arrays.as_host_array(dy, "dy"), _arrays.as_host_array(x, "x"), _host(weight, "weight")
+    ma, sa = _arrays.as_host_array(mean, "mean", ("float32",)), _arrays.as_host_array(rstd, "rstd", ("float32",))
     g = _check_backward(da, xa, num_groups, wa, ma, sa)
     shape = xa.shape
     n = shape[0]

@@ -473,6 +473,7 @@ def rms_norm_backward(dy, x, weight, rstd, *, dresidual=None, offset=0.0, castin
 # ---- NumPy references (float64; the oracle of the tests) -------------------------------------
 
 def _host(obj, name, dtypes=_arrays.FLOATS):
+    """An optional array (weight, bias, residual): None stays None."""
     return None if obj is None else _arrays.as_host_array(obj, name, dtypes)
 
 
@@ -512,7 +513,8 @@ def reference_layer_norm(x, weight=None, bias=None, eps=1e-5, *, residual=None, 
     """``layer_norm`` in float64 from the given (rounded) values: the same arguments, checks
     and outputs (float64 arrays; an fp8 y as an ml_dtypes array, its amax written into
     ``amax``, a NumPy array of one float32)."""
-    xa, wa, ba, ra = _host(x, "x"), _host(weight, "weight"), _host(bias, "bias"), _host(residual, "residual")
+    xa, ra = _arrays.as_host_array(x, "x"), _host(residual, "residual")
+    wa, ba = _host(weight, "weight"), _host(bias, "bias")
     e = _check_forward(xa, wa, ba, ra, eps)
     off = _offset(offset, weight)
     v, h = _ref_input(xa, ra)
@@ -541,7 +543,7 @@ def reference_rms_norm(x, weight=None, eps=1e-6, *, residual=None, return_stats=
                        casting_mode="gemma", out_dtype=None, scale=None, amax=None):
     """``rms_norm`` in float64 (see ``reference_layer_norm``); the casting modes round to x's
     dtype where the kernels do."""
-    xa, wa, ra = _host(x, "x"), _host(weight, "weight"), _host(residual, "residual")
+    xa, wa, ra = _arrays.as_host_array(x, "x"), _host(weight, "weight"), _host(residual, "residual")
     e = _check_forward(xa, wa, None, ra, eps)
     off = _offset(offset, weight)
     cast = _casting(casting_mode, True)
@@ -559,9 +561,9 @@ def reference_rms_norm(x, weight=None, eps=1e-6, *, residual=None, return_stats=
 
 
 def _ref_backward(rms, dy, x, weight, mean, rstd, dresidual, offset=0.0, casting_mode="gemma"):
-    da, xa, wa = _host(dy, "dy"), _host(x, "x"), _host(weight, "weight")
-    ma = None if rms else _host(mean, "mean", ("float32",))
-    sa, dra = _host(rstd, "rstd", ("float32",)), _host(dresidual, "dresidual")
+    da, xa, wa = _arrays.as_host_array(dy, "dy"), _arrays.as_host_array(x, "x"), _host(weight, "weight")
+    ma = None if rms else _arrays.as_host_array(mean, "mean", ("float32",))
+    sa, dra = _arrays.as_host_array(rstd, "rstd", ("float32",)), _host(dresidual, "dresidual")
     _check_backward(da, xa, wa, ma, sa, dra, rms)
     off = _offset(offset, weight)
     rnd = _rounder(xa, _casting(casting_mode, rms))

@@ -109,7 +109,8 @@ def test_references_match_torch_autograd(sq, sk, heads, causal, window, softcap,
     np.testing.assert_allclose(out, o_t.detach().numpy(), rtol=1e-10, atol=1e-12)
     np.testing.assert_array_equal(np.isinf(lse), np.isinf(lse_t.detach().numpy()))
     seen = np.isfinite(lse)
-    np.testing.assert_allclose(lse[seen], lse_t.detach().numpy()[seen], rtol=1e-12)
+    # (atol: an lse near 0 carries the float64 rounding of its terms)
+    np.testing.assert_allclose(lse[seen], lse_t.detach().numpy()[seen], rtol=1e-12, atol=1e-14)
     assert (lse[~seen] == np.inf).all()
     o_t.backward(torch.tensor(dout))
     grads = ref.attention_backward(dout, q, k, v, out, lse.astype(np.float32), **kw)
@@ -168,7 +169,7 @@ def test_varlen_reference_is_the_dense_one_per_document(docs, causal, window, so
             assert (dk[ks] == 0).all() and (dv[ks] == 0).all()
 
 
-def _packed(total_q=10, total_k=10, h=2, hkv=1, d=8, dtype=np.float16):
+def _packed(total_q=10, total_k=10, h=2, hkv=1, d=32, dtype=np.float16):
     rng = np.random.default_rng(3)
     return (rng.standard_normal((total_q, h, d)).astype(dtype), rng.standard_normal((total_k, hkv, d)).astype(dtype),
             rng.standard_normal((total_k, hkv, d)).astype(dtype))

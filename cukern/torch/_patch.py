@@ -20,6 +20,7 @@ import threading
 
 import torch.nn.functional as F
 
+from .. import _checks
 from . import _models, _tools
 from ._functional import DEFAULT_MIN_SIZE, DROPINS, ORIGINAL
 
@@ -67,17 +68,15 @@ def patch(model=None, *, ops=None, parts=None, min_size=None) -> _Patched:
     global _depth, _routed
     if isinstance(model, (str, tuple, list)):
         model, ops = None, model
-    if min_size is not None and not isinstance(min_size, (int, dict)):
-        raise TypeError(f"min_size: expected an int or a dict of ints, got {type(min_size).__name__}")
+    sizes = _min_sizes(min_size)
     if model is not None:
         if ops is not None:
             raise ValueError("ops: choose the parts of a model with parts=, not ops=")
         _tools.prepare()
         _models.patch_model(model, parts)
         with _lock:
-            if _depth == 0 and not _models.any_patched_but(model) and min_size is not None:
-                _tools.MIN_SIZE.update(min_size if isinstance(min_size, dict)
-                                       else dict.fromkeys(_tools.MIN_SIZE, int(min_size)))
+            if _depth == 0 and not _models.any_patched_but(model) and sizes is not None:
+                _tools.MIN_SIZE.update(sizes)
         return _Patched(model)
     if parts is not None:
         raise ValueError("parts: only with a model (patch(model, parts=...))")
@@ -91,11 +90,29 @@ def patch(model=None, *, ops=None, parts=None, min_size=None) -> _Patched:
             _routed = names
             for name in names:
                 setattr(F, name, DROPINS[name])
-            if min_size is not None and not _models.any_patched_but(None):
-                _tools.MIN_SIZE.update(min_size if isinstance(min_size, dict)
-                                       else dict.fromkeys(_tools.MIN_SIZE, int(min_size)))
+            if sizes is not None and not _models.any_patched_but(None):
+                _tools.MIN_SIZE.update(sizes)
         _depth += 1
     return _Patched()
+
+
+def _min_sizes(min_size) -> dict[str, int] | None:
+    """``patch``'s min_size as {function: size}, each an int >= 0, checked before anything is patched."""
+    if min_size is None:
+        return None
+    if not isinstance(min_size, dict):
+        return dict.fromkeys(OPS, _size(min_size, "min_size"))
+    unknown = sorted(set(min_size) - set(OPS))
+    if unknown:
+        raise ValueError(f"min_size: unknown {unknown}; choose from {list(OPS)}")
+    return {name: _size(size, f"min_size[{name!r}]") for name, size in min_size.items()}
+
+
+def _size(value, name: str) -> int:
+    n = _checks.index(value, name)
+    if n < 0:
+        raise ValueError(f"{name}: must be >= 0, got {n}")
+    return n
 
 
 def unpatch(model=None) -> None:
