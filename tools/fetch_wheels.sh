@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Collect, on a machine that can reach PyPI, the wheels an offline GPU host (x86-64 Linux,
-# Python 3.12, torch/CuPy/pytest/hypothesis already installed) lacks for cukern's benchmarks:
-# asv and what it imports, pytest-xdist, and Liger-Kernel (a peer of the bench). Extra package
-# names given as arguments are collected too (e.g. transformers and its needs).
+# Collect, on a machine that can reach PyPI, the wheels that a GPU machine without network access
+# (x86-64 Linux, Python 3.12, torch/CuPy/pytest/hypothesis already installed) lacks for cukern's
+# tests and benchmarks: asv and what it imports, pytest-xdist, and Liger-Kernel (a peer of the
+# bench). Extra package names given as arguments are collected too (e.g. transformers and its
+# needs).
 #
 #   bash tools/fetch_wheels.sh [NAME ...]      # -> .whl/*.whl and .whl/install.sh
 #
-# On the GPU host, from the project root:  bash .whl/install.sh && export PYTHONPATH=/tmp/site:$PWD
+# On the GPU machine, from the project root:  bash .whl/install.sh && export PYTHONPATH=/tmp/site:$PWD
+# (tools/gpu_check.sh does this itself)
 # .whl/ is in .gitignore. docs/development.md has the whole recipe.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -27,7 +29,7 @@ python3 -m pip download --quiet --no-deps --only-binary=:all: --implementation c
 cat > "$dest/install.sh" <<'SCRIPT'
 #!/usr/bin/env bash
 # Install the wheels beside this script into /tmp/site: offline, no dependency resolution
-# (the host's own packages stay as they are). Then: export PYTHONPATH=/tmp/site:$PWD
+# (the machine's own packages stay as they are). Then: export PYTHONPATH=/tmp/site:$PWD
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 python3 -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ./*.whl

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The GPU host's whole job in one call: the test suite, the two bench tables and asv for HEAD.
-#   bash tools/gpu_host_run.sh [tests] [tests_sm80] [bench] [torch] [asv]   (default: all five)
+# A GPU machine's whole check in one call: the test suite, the two bench tables and asv for HEAD.
+#   bash tools/gpu_check.sh [tests] [tests_sm80] [bench] [torch] [asv]   (default: all five)
 # (tests_sm80: the suite again with CUKERN_ATTENTION_SM80=1, attention's sm_80 kernels on Hopper too)
-# Logs and results go to $OUT (or ./gpu-out). The wheels the host lacks (asv, pytest-xdist,
-# liger-kernel) come from tools/fetch_wheels.sh as .whl/ (docs/development.md); .whl/repo.bundle
-# (git bundle create .whl/repo.bundle main) restores the history where the copied tree has no .git.
+# Logs and results go to the log directory: LOG_DIR, default ./gpu-out (OUT is read too, when
+# LOG_DIR is not set). On a machine without network access, the wheels its environment lacks
+# (asv, pytest-xdist, liger-kernel) come from tools/fetch_wheels.sh as .whl/ (docs/development.md);
+# .whl/repo.bundle (git bundle create .whl/repo.bundle main) restores the history where the
+# copied tree has no .git.
 set -uo pipefail
-out=${OUT:-$PWD/gpu-out}; mkdir -p "$out"
+out=${LOG_DIR:-${OUT:-$PWD/gpu-out}}; mkdir -p "$out"
 steps=${*:-tests tests_sm80 bench torch asv}
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci} CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-cache}
 if [ -d .whl ]; then bash .whl/install.sh && export PYTHONPATH=/tmp/site:$PWD; else export PYTHONPATH=$PWD; fi
