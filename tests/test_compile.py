@@ -20,6 +20,8 @@ import functools
 import multiprocessing
 import os
 import re
+import threading
+import time
 
 import pytest
 
@@ -74,16 +76,35 @@ def nvrtc():
     return _nvrtc
 
 
+def _progress(config, total: int):
+    """A callback for each compiled program that prints how far the check is: the first test
+    waits minutes for its program, and a run that prints nothing that long looks hung."""
+    writer = config.pluginmanager.get_plugin("terminalreporter")
+    lock, done, t0 = threading.Lock(), [0], time.monotonic()
+
+    def report(future):
+        with lock:
+            done[0] += 1
+            if writer is not None and (done[0] == 1 or done[0] % 5 == 0 or done[0] == total):
+                writer.write_line(f"[compile check] {done[0]}/{total} programs compiled by NVRTC "
+                                  f"({time.monotonic() - t0:.0f} s)")
+    return report
+
+
 @pytest.fixture(scope="module")
-def reports(nvrtc):
+def reports(nvrtc, pytestconfig):
     """{(module, source, arch): Future of the compiled Program}; compiled once, in parallel
     (spawned workers: they import cukern afresh, whatever threads this process runs)."""
     workers = max(1, min(len(PAIRS), len(os.sched_getaffinity(0))))
     context = multiprocessing.get_context("spawn")
+    progress = _progress(pytestconfig, len(PAIRS))
     with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        yield {(module, source, arch): pool.submit(_nvrtc.compile_program, source,
-                                                   [i.name for i in instances_of(module, source, arch)], arch)
-               for module, source, arch in PAIRS}
+        futures = {(module, source, arch): pool.submit(_nvrtc.compile_program, source,
+                                                       [i.name for i in instances_of(module, source, arch)], arch)
+                   for module, source, arch in PAIRS}
+        for f in futures.values():
+            f.add_done_callback(progress)
+        yield futures
 
 
 def _report(reports, module, source, arch):
