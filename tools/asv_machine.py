@@ -1,6 +1,6 @@
 """Write asv_bench/results/<machine>/machine.json with what the host is: the GPU, the CPU, the
 OS, the RAM and the CPU count (asv's own ``asv machine`` records only the name when the
-machine is named on the command line). Run it on the GPU host after ``asv run``.
+machine is named on the command line). Run it on the GPU machine after ``asv run``.
 
     python tools/asv_machine.py [--machine gpu-h200]     # default: gpu-<h100|h200|...> from the GPU's name
 """

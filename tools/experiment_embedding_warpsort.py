@@ -1,4 +1,4 @@
-"""Experiment (GPU host): does sorting the lookup indices within each warp speed up the
+"""Experiment (on a GPU): does sorting the lookup indices within each warp speed up the
 embedding forward? (The seed's idea; measured, not shipped: docs/notes-embedding.md.)
 
     python3 tools/experiment_embedding_warpsort.py

@@ -1,4 +1,4 @@
-"""Probe attention on the GPU host: each kernel's device time (torch.profiler) in our forward
+"""Probe attention on a GPU: each kernel's device time (torch.profiler) in our forward
 and backward and in FlashAttention-2's (torch SDPA FLASH_ATTENTION), or (mode ncu) one call of
 each for Nsight Compute.
 

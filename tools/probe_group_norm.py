@@ -1,4 +1,4 @@
-"""Probe GroupNorm on the GPU host: device times at several groupings of the same bytes,
+"""Probe GroupNorm on a GPU: device times at several groupings of the same bytes,
 channels-last tile sizes, and (mode ncu) one forward and backward a layout for Nsight Compute.
 
     python3 tools/probe_group_norm.py time

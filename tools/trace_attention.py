@@ -1,4 +1,4 @@
-"""Where a Hopper attention block's time goes (GPU host): attention_fwd_sm90 (or, with
+"""Where a Hopper attention block's time goes (on a GPU): attention_fwd_sm90 (or, with
 --backward, attention_bwd_sm90) built with CUK_TRACE (cuda_src/common/trace.cuh), run once, and
 its per-block clock stamps read back.
 

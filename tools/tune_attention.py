@@ -1,4 +1,4 @@
-"""Time attention forward configurations against torch's SDPA backends (GPU host).
+"""Time attention forward configurations against torch's SDPA backends (on a GPU).
 
     python3 tools/tune_attention.py [HEAD_DIM ...] [--sm90-only]
 

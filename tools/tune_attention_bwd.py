@@ -1,4 +1,4 @@
-"""Time attention backward configurations against torch's SDPA backends (GPU host).
+"""Time attention backward configurations against torch's SDPA backends (on a GPU).
 
     python3 tools/tune_attention_bwd.py [--quick] [--default]
 

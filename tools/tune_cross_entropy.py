@@ -1,4 +1,4 @@
-"""Time the cross-entropy training form's kernels at several vocabularies (GPU host).
+"""Time the cross-entropy training form's kernels at several vocabularies (on a GPU).
 
     python3 tools/tune_cross_entropy.py [--tokens 16384] [--vocab 128256 32000 50304] [--dtype bfloat16]
 

@@ -1,4 +1,4 @@
-"""Time embedding forward configurations at the workload shape (GPU host).
+"""Time embedding forward configurations at the workload shape (on a GPU).
 
     python3 tools/tune_embedding.py
 

@@ -1,4 +1,4 @@
-"""Time GroupNorm configurations at one shape against torch, in one process (GPU host).
+"""Time GroupNorm configurations at one shape against torch, in one process (on a GPU).
 
     python3 tools/tune_group_norm.py [--shape 16,512,64,64] [--groups 32] [--dtype bfloat16]
 

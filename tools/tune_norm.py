@@ -1,4 +1,4 @@
-"""Time LayerNorm / RMSNorm row configurations at one shape against torch, in one process (GPU host).
+"""Time LayerNorm / RMSNorm row configurations at one shape against torch, in one process (on a GPU).
 
     python3 tools/tune_norm.py [CANDIDATES.txt] [--rows 65536] [--cols 4096]
 
