@@ -89,6 +89,14 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
     // 1, which runs behind warpgroup 0, so that its wait for a buffer's release finds it done
     // (thread 0 waited there for the other warpgroup on every tile: 5-9% slower at d64).
     constexpr int REFILLER = PINGPONG ? 128 : 0;
+    // VARLEN without the overlap, under NVRTC 12: V's rows past the document are zeroed after the
+    // softmax, where S's registers are free, rather than before the mask (ptxas 12.9 spilled 4
+    // bytes at d64 with a window and the softcap, 128 registers a thread; NVRTC 13 keeps the order)
+#if __CUDACC_VER_MAJOR__ < 13
+    constexpr bool ZERO_V_LATE = VARLEN && !OVERLAP;
+#else
+    constexpr bool ZERO_V_LATE = false;
+#endif
 #if CUK_SM90A
     using namespace cuk;
     extern __shared__ unsigned char smem_raw[];
@@ -257,20 +265,23 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
         if (PINGPONG && ends_turn) named_barrier_arrive(2 - wg, 256);
     };
 
-    // SOFTCAP: the scores become tanh(s scale / c) before the mask, and the softmax scales them
-    // by cap_out = c log2(e) as it does scores by scale_log2 without it (cap_in = scale / c; one
-    // multiply a score fewer than c tanh first: 3-5% of the softcap's forward). Keys past the
-    // end and, causal, past the diagonal masked (only tiles that have any).
-    auto mask = [&](int nb, float (&s)[BN / 2]) {
+    // VARLEN: the tile's V rows past the document are the next document's: zeroed before P V reads
+    // them (P is 0 there, but 0 x Inf is NaN: a document's results never depend on another's)
+    auto zero_v_past_doc = [&](int nb) {
         if constexpr (VARLEN) {
-            // The tile's V rows past the document are the next document's: zeroed before P V reads
-            // them (P is 0 there, but 0 x Inf is NaN: a document's results never depend on another's)
             const int valid = sk - (kb0 + nb) * BN;
             if (valid < BN) {
                 unsigned char* const v_tile = v_s + ((it0 + nb) % STAGES) * KV_BYTES;
                 zero_tile_rows(v_tile, v_tile, DB, KV_BOX, max(valid, 0), BN, 12 + wg);   // (V alone: a = b)
             }
         }
+    };
+    // SOFTCAP: the scores become tanh(s scale / c) before the mask, and the softmax scales them
+    // by cap_out = c log2(e) as it does scores by scale_log2 without it (cap_in = scale / c; one
+    // multiply a score fewer than c tanh first: 3-5% of the softcap's forward). Keys past the
+    // end and, causal, past the diagonal masked (only tiles that have any).
+    auto mask = [&](int nb, float (&s)[BN / 2]) {
+        if constexpr (!ZERO_V_LATE) zero_v_past_doc(nb);
         if constexpr (SOFTCAP) {
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) s[i] = attention::tanh_approx(s[i] * cap_in);
@@ -391,6 +402,7 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
             softmax(s, alpha, PACK_IN_SOFTMAX ? a : nullptr);
             rescale(alpha);
             if constexpr (!PACK_IN_SOFTMAX) accumulators_to_a<T>(s, a);
+            if constexpr (ZERO_V_LATE) zero_v_past_doc(nb);
             issue_pv(nb, a);
             wgmma_wait<0>();
             wgmma_hold(o);
