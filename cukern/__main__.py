@@ -218,7 +218,7 @@ def _refuse(command: str) -> int | None:
     if reason:
         print(f"cukern {command}: cannot run here: {reason}", file=sys.stderr)
         print(f"cukern {command} needs a CUDA GPU, a CUDA build of PyTorch and CuPy with its CUDA libraries "
-              "(pip install \".[cuda13,torch]\" or \".[cuda12,torch]\"); `python -m cukern info` shows what "
+              "(pip install \".[torch-cuda13]\" or \".[torch-cuda12]\"); `python -m cukern info` shows what "
               "is found.", file=sys.stderr)
         return EXIT_UNAVAILABLE
     return None

@@ -106,7 +106,8 @@ def test_wheel_metadata(dists):
     assert meta["Name"] == "cukern"
     assert meta["Version"] == cukern.__version__
     assert meta["Requires-Python"] == ">=3.10"
-    assert set(meta.get_all("Provides-Extra")) == {"cuda12", "cuda13", "torch", "bench", "hf", "dev"}
+    assert set(meta.get_all("Provides-Extra")) == {"cuda12", "cuda13", "torch-cuda12", "torch-cuda13", "torch",
+                                                   "bench", "hf", "dev"}
     assert meta["License-Expression"] == "BSD-3-Clause"
     assert meta["Description-Content-Type"] == "text/markdown" and "# cukern" in meta.get_payload()
     assert meta.get_all("Project-URL") and any("Python :: 3.12" in c for c in meta.get_all("Classifier"))
@@ -117,6 +118,13 @@ def test_wheel_metadata(dists):
     assert any(r.startswith("cupy-cuda13x[ctk]") and 'extra == "cuda13"' in r for r in requires)
     assert any(r.startswith("cupy-cuda12x[ctk]") and 'extra == "cuda12"' in r for r in requires)
     assert not [r for r in requires if 'extra == "dev"' in r and ("cupy" in r or "nvidia" in r or "torch" in r)]
+    # A torch flavour takes CuPy without [ctk] (torch's CUDA libraries serve it; a second toolkit
+    # requirement makes pip backtrack torch to a build for the other CUDA major) and a torch
+    # range of that major alone; ninja builds cukern.torch's extension.
+    for major, torch_range in (("13", "torch>=2.11"), ("12", "torch<2.11,>=2.4")):
+        mine = sorted(r.split(";")[0].strip() for r in requires if f'extra == "torch-cuda{major}"' in r)
+        assert mine == sorted([f"cupy-cuda{major}x>=14", "ml-dtypes", torch_range, "ninja"]), mine
+    assert any(r.startswith("ninja") and 'extra == "torch"' in r for r in requires)
 
 
 @pytest.mark.packaging
@@ -171,7 +179,11 @@ def test_readme_install_lines_name_extras_that_exist():
     named = [e.strip() for group in _readme_installs() for e in group.split(",")]
     assert named, "the README has no pip install line with extras"
     assert set(named) <= defined, f"the README names undefined extras: {sorted(set(named) - defined)}"
-    assert {"cuda12", "cuda13", "torch", "dev"} <= set(named)
+    assert {"cuda12", "cuda13", "torch-cuda12", "torch-cuda13", "dev"} <= set(named)
+    # (a CUDA flavour beside a PyPI torch is the pairing that backtracks torch: never in one line)
+    for group in _readme_installs():
+        names = {e.strip() for e in group.split(",")}
+        assert not (names & {"cuda12", "cuda13"} and names & {"torch", "torch-cuda12", "torch-cuda13"}), group
 
 
 def test_readme_test_command_and_marker_agree_with_pyproject():
