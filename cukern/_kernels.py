@@ -19,77 +19,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import re
 import struct
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
+
+from . import _sources
+# (re-exported; the compiles call _sources.load_source, the one place a tool swaps the text)
+from ._sources import COMPILE_OPTIONS, CompileError, load_source, source_dir  # noqa: F401
 
 __all__ = ["CompileError", "Instance", "Slot", "MapSlot", "Kernel", "Launch", "source_dir", "load_source", "kernel",
            "signature", "sm_count", "compute_capability", "check_capability", "UnsupportedDeviceError",
            "MIN_CAPABILITY", "COMPILE_OPTIONS"]
-
-# -std=c++17 for `if constexpr`. -default-device: NVRTC 13.0 takes a generic lambda in device
-# code (cross_entropy's with_options) for a host function unless unannotated functions default
-# to __device__ (13.5 infers it); every function here is device code. CUKERN_EXTRA_NVRTC_OPTIONS
-# (space-separated) adds options for experiments, e.g. -DCUK_STREAM_HINTS; they are part of
-# CuPy's cache key.
-COMPILE_OPTIONS = ("--std=c++17", "-default-device", *os.environ.get("CUKERN_EXTRA_NVRTC_OPTIONS", "").split())
-
-_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
-
-
-class CompileError(RuntimeError):
-    """NVRTC rejected a kernel instance. ``log`` holds NVRTC's log, ``instance`` the name."""
-
-    def __init__(self, instance: str, log: str):
-        self.instance = instance
-        self.log = log
-        super().__init__(f"NVRTC failed to compile {instance}:\n{log}")
-
-    def __reduce__(self):   # (pickled whole, e.g. from a worker process of the compile check)
-        return CompileError, (self.instance, self.log)
-
-
-# ---- sources ---------------------------------------------------------------------------------
-
-def source_dir() -> Path:
-    """The ``cuda_src`` directory: inside the installed package, else in the source checkout."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "cuda_src", here.parent / "cuda_src"):
-        if (candidate / "common").is_dir():
-            return candidate
-    raise FileNotFoundError(
-        f"cukern's CUDA sources (cuda_src/) were found neither in {here} nor beside it; "
-        "the installation is incomplete")
-
-
-@functools.lru_cache(maxsize=None)
-def load_source(name: str) -> str:
-    """Text of ``cuda_src/<name>`` with its local includes expanded (each header once)."""
-    root = source_dir()
-    seen: set[Path] = set()
-
-    def expand(path: Path) -> str:
-        path = path.resolve()
-        if path in seen:  # every header is `#pragma once`
-            return ""
-        seen.add(path)
-        text = path.read_text()
-
-        def include(m: re.Match) -> str:
-            target = path.parent / m.group(1)
-            if not target.is_file():
-                raise FileNotFoundError(f"{path.name}: included file {m.group(1)} not found")
-            return f"// ---- {m.group(1)}\n{expand(target)}\n// ---- end {m.group(1)}"
-
-        return _INCLUDE.sub(include, text).replace("#pragma once", "")
-
-    return expand(root / name)
-
 
 # ---- instances and their declared signatures -------------------------------------------------
 
@@ -176,7 +119,7 @@ def _parse_param(text: str, where: str) -> Param:
 def declarations(source: str) -> dict[str, Declaration]:
     """Every ``__global__`` function of ``cuda_src/<source>`` by name, read from its text."""
     found = {}
-    for m in _GLOBAL.finditer(_strip_comments(load_source(source))):
+    for m in _GLOBAL.finditer(_strip_comments(_sources.load_source(source))):
         tpl = tuple(tuple(p.rsplit(None, 1)) for p in _split_args(m.group("tpl") or ""))
         params = tuple(_parse_param(p, f"{source}: {m.group('name')}") for p in _split_args(m.group("params")))
         found[m.group("name")] = Declaration(m.group("name"), tpl, params)
@@ -268,7 +211,7 @@ def function(source: str, instance: str, device: int, arch: str | None = None):
         elif fn is None:
             with cupy.cuda.Device(device):
                 try:  # CuPy may compile in the constructor or at the first lookup
-                    module = cupy.RawModule(code=load_source(source), options=COMPILE_OPTIONS,
+                    module = cupy.RawModule(code=_sources.load_source(source), options=COMPILE_OPTIONS,
                                             name_expressions=[instance])
                     fn = module.get_function(instance)
                 except cupy.cuda.compiler.CompileException as e:

@@ -16,7 +16,7 @@ import re
 import threading
 from dataclasses import dataclass
 
-from . import _kernels
+from . import _sources
 
 __all__ = ["library", "version", "compile_instances", "compile_program", "Program", "ResourceUsage"]
 
@@ -53,7 +53,7 @@ def _check(status: int, what: str, log: str = "") -> None:
         lib = library()
         lib.nvrtcGetErrorString.restype = ctypes.c_char_p
         msg = lib.nvrtcGetErrorString(status).decode()
-        raise _kernels.CompileError(what, f"{msg}\n{log}".strip())
+        raise _sources.CompileError(what, f"{msg}\n{log}".strip())
 
 
 @dataclass(frozen=True)
@@ -111,14 +111,14 @@ def compile_program(source: str, instances: list[str], arch: str = "sm_90",
 
 def _compile_instances(source, instances, arch, extra_options) -> Program:
     lib = library()
-    src = _kernels.load_source(source).encode()
+    src = _sources.load_source(source).encode()
     prog = ctypes.c_void_p()
     _check(lib.nvrtcCreateProgram(ctypes.byref(prog), src, source.encode(), 0, None, None),
            "nvrtcCreateProgram")
     try:
         for inst in instances:
             _check(lib.nvrtcAddNameExpression(prog, inst.encode()), f"name expression {inst}")
-        opts = [*_kernels.COMPILE_OPTIONS, "-ftz=true", f"-arch={arch}", "--ptxas-options=-v",
+        opts = [*_sources.COMPILE_OPTIONS, "-ftz=true", f"-arch={arch}", "--ptxas-options=-v",
                 *extra_options]
         c_opts = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
         status = lib.nvrtcCompileProgram(prog, len(opts), c_opts)

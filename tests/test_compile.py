@@ -26,7 +26,7 @@ import time
 import pytest
 
 import cukern
-from cukern import _kernels, _nvrtc, _registry
+from cukern import _kernels, _nvrtc, _registry, _sources
 
 ARCHS = ("sm_80", "sm_90")
 
@@ -247,7 +247,7 @@ def test_unknown_instance_raises_compile_error(nvrtc):
 def test_broken_source_raises_compile_error(nvrtc, monkeypatch):
     """A syntax error in the source: CompileError with NVRTC's log pointing at it."""
     broken = "template <int N> __global__ void k(float* p) { p[0] = N }\n"
-    monkeypatch.setattr(_kernels, "load_source", lambda name: broken)
+    monkeypatch.setattr(_sources, "load_source", lambda name: broken)
     with pytest.raises(cukern.CompileError) as excinfo:
         nvrtc.compile_instances("broken.cu", ["k<1>"], "sm_80")
     err = excinfo.value

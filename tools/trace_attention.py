@@ -24,12 +24,12 @@ def main():
     import cupy
     import torch
 
-    from cukern import _driver, _kernels
+    from cukern import _driver, _kernels, _sources
 
     backward = "--backward" in sys.argv
     traced = "attention_bwd_sm90.cu" if backward else "attention_fwd_sm90.cu"
-    load = _kernels.load_source
-    _kernels.load_source = lambda name: ("#define CUK_TRACE 1\n" + load(name)) if name == traced else load(name)
+    load = _sources.load_source
+    _sources.load_source = lambda name: ("#define CUK_TRACE 1\n" + load(name)) if name == traced else load(name)
     import importlib
     attn = importlib.import_module("cukern.attention")
 
