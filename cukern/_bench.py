@@ -29,15 +29,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from ._bench_cases import (ITEMSIZE, SHORT_DTYPE, Case, TorchCase, _shape_label, elements_bytes,  # noqa: F401
+                           generator, randn)
 from ._version import __version__
 
 __all__ = ["Case", "TorchCase", "Timing", "cases", "torch_cases", "time_cuda", "time_cuda_detail",
            "time_cuda_interleaved", "host_us",
            "copy_bandwidth", "matmul_rate", "run_cases", "run_case", "run_torch_cases", "summarize",
            "format_table", "format_torch_table", "unavailable_reason", "asv_results", "asv_benchmarks"]
-
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-SHORT_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 # Rotate among input sets until one round touches at least this many times the L2 size.
 L2_FACTOR = 4
@@ -49,63 +48,6 @@ AGREE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2}
 
 
 # ---- cases ----------------------------------------------------------------------------------
-
-def _shape_label(shape) -> str:
-    return "x".join(str(n) for n in shape)
-
-
-@dataclass(frozen=True)
-class Case:
-    """One benchmark: cukern and torch doing the same work on the same inputs.
-
-    ``make(seed)`` builds one input set (a dict of random torch CUDA tensors); ``cukern_fn``
-    and ``torch_fn`` take that dict and return the output tensor or a tuple of outputs in the
-    same order (compared once, outside the timing). ``nbytes`` is the floor of bytes that must
-    move; ``flops`` is set for FLOP-bound cases, which are then reported in TFLOP/s against the
-    matrix rate instead of GB/s against the copy bandwidth.
-    """
-    name: str
-    family: str
-    shape: tuple[int, ...]
-    dtype: str
-    nbytes: int
-    make: Callable[[int], dict]
-    cukern_fn: Callable[[dict], Any]
-    torch_fn: Callable[[dict], Any]
-    flops: int | None = None
-
-    shape_label = property(lambda self: _shape_label(self.shape))
-
-
-@dataclass(frozen=True)
-class TorchCase:
-    """One op as a PyTorch user runs it: ``forward(F, t)`` calls the op through ``F`` — the
-    namespace of ``torch.nn.functional`` or of ``cukern.torch`` (the drop-ins) — on the autograd
-    leaves ``t["leaves"]`` of an input set ``make(seed)``; with ``backward`` the step is the
-    forward and ``torch.autograd.grad`` of it with ``t["dy"]``, else the forward under
-    ``torch.no_grad``. ``array(t)`` does the same work through the array API; ``liger(t)``, if
-    given, the forward through Liger-Kernel (timed when liger-kernel is installed)."""
-    name: str
-    family: str
-    shape: tuple[int, ...]
-    dtype: str
-    nbytes: int
-    make: Callable[[int], dict]
-    forward: Callable[[Any, dict], Any]
-    array: Callable[[dict], Any]
-    liger: Callable[[dict], Any] | None = None
-    backward: bool = True
-    # Liger's function writes into its inputs: it takes leaves of its own, t["liger_leaves"]
-    liger_leaves: bool = False
-    flops: int | None = None
-
-    shape_label = property(lambda self: _shape_label(self.shape))
-
-
-def elements_bytes(shape: Sequence[int], dtype: str, passes: int | float = 1) -> int:
-    """Bytes of ``passes`` full reads or writes of an array of ``shape`` and ``dtype``."""
-    return int(passes * math.prod(shape) * ITEMSIZE[dtype])
-
 
 def slug(name: str) -> str:
     """A case name as an identifier: ``"layer_norm fwd+bwd"`` -> ``"layer_norm_fwd_bwd"``."""
@@ -125,22 +67,6 @@ def torch_cases(quick: bool = False, family: str | None = None) -> list[TorchCas
 
     return [c for f in families() if f.torch_bench and family in (None, f.name) for c in f.torch_bench(quick)]
 
-
-def generator(seed: int):
-    import torch
-
-    gen = torch.Generator(device="cuda")
-    gen.manual_seed(1234 + seed)
-    return gen
-
-
-def randn(shape, dtype: str, gen):
-    import torch
-
-    return torch.randn(shape, dtype=getattr(torch, dtype), device="cuda", generator=gen)
-
-
-# ---- pure arithmetic (no GPU) ----------------------------------------------------------------
 
 def gbps(nbytes: int, ms: float) -> float:
     """Bytes moved in ``ms`` milliseconds, in GB/s (10^9 bytes a second)."""

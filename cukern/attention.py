@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _arrays, _attention_mask, _bench, _checks, _faults, _kernels
+from . import _arrays, _attention_mask, _checks, _faults, _kernels
+from ._bench_cases import Case, TorchCase, elements_bytes, generator, randn
 from ._arrays import DeviceArray
 from ._attention_mask import Mask
 from ._family import DropIn, Family, TorchOp
@@ -1128,11 +1129,11 @@ WORKLOAD = {"full": [(32, 16, 2048, 128, False), (32, 16, 2048, 128, True), (4, 
 
 def _inputs(B, H, S, D, dtype, seed, *, grad=False, sdpa=False) -> dict:
     """q, k, v (B, S, H, D); with ``sdpa`` the PyTorch-path layout instead: (B, H, S, D) leaves."""
-    gen = _bench.generator(seed)
+    gen = generator(seed)
     shape = (B, H, S, D) if sdpa else (B, S, H, D)
-    t = {n: _bench.randn(shape, dtype, gen) for n in ("q", "k", "v")}
+    t = {n: randn(shape, dtype, gen) for n in ("q", "k", "v")}
     if grad:
-        t["do"] = t["dy"] = _bench.randn(shape, dtype, gen)
+        t["do"] = t["dy"] = randn(shape, dtype, gen)
         t["leaves"] = tuple(t[n].detach().requires_grad_(True) for n in ("q", "k", "v"))
     return t
 
@@ -1176,13 +1177,13 @@ def bench_cases(quick: bool) -> list:
         tag = f"attention{' causal' if causal else ''}{long} d{D}"
         make = functools.partial(_inputs, B, H, S, D, dt)
         for backend in ("flash", "cudnn"):
-            cases.append(_bench.Case(f"{tag} fwd vs {backend}", "attention", (B, H, S, D), dt,
-                                     _bench.elements_bytes((4 * B, S, H, D), dt), make,
+            cases.append(Case(f"{tag} fwd vs {backend}", "attention", (B, H, S, D), dt,
+                                     elements_bytes((4 * B, S, H, D), dt), make,
                                      functools.partial(_fwd, causal=causal),
                                      functools.partial(_sdpa, causal=causal, backend=backend), flops=flops))
         for backend in ("flash", "cudnn"):
-            cases.append(_bench.Case(f"{tag} fwd+bwd vs {backend}", "attention", (B, H, S, D), dt,
-                                     _bench.elements_bytes((8 * B, S, H, D), dt), functools.partial(make, grad=True),
+            cases.append(Case(f"{tag} fwd+bwd vs {backend}", "attention", (B, H, S, D), dt,
+                                     elements_bytes((8 * B, S, H, D), dt), functools.partial(make, grad=True),
                                      functools.partial(_fwd_bwd, causal=causal),
                                      functools.partial(_torch_fwd_bwd, causal=causal, backend=backend),
                                      flops=int(3.5 * flops)))
@@ -1215,13 +1216,13 @@ def _doc_lengths(docs: int, tokens: int, seed: int = 0) -> list[int]:
 def _packed_inputs(lengths, H, D, dtype, seed, *, grad=False) -> dict:
     import torch
 
-    gen = _bench.generator(seed)
+    gen = generator(seed)
     total = sum(lengths)
-    t = {n: _bench.randn((total, H, D), dtype, gen) for n in ("q", "k", "v")}
+    t = {n: randn((total, H, D), dtype, gen) for n in ("q", "k", "v")}
     t["cu"] = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device="cuda")
     t["max"] = max(lengths)
     if grad:
-        t["do"] = _bench.randn((total, H, D), dtype, gen)
+        t["do"] = randn((total, H, D), dtype, gen)
     return t
 
 
@@ -1288,18 +1289,18 @@ def mask_bench_cases(quick: bool) -> list:
     cases = []
     lengths = _doc_lengths(w["docs"], w["tokens"])
     flops = sum(4 * H * L * L * D // 2 for L in lengths)
-    nbytes = _bench.elements_bytes((4 * w["tokens"], H, D), dt)
+    nbytes = elements_bytes((4 * w["tokens"], H, D), dt)
     make = functools.partial(_packed_inputs, lengths, H, D, dt)
     shape = (w["docs"], H, w["tokens"] // w["docs"], D)
-    cases.append(_bench.Case("attention varlen causal d128 fwd vs flash", "attention", shape, dt, nbytes, make,
+    cases.append(Case("attention varlen causal d128 fwd vs flash", "attention", shape, dt, nbytes, make,
                              _varlen_fwd, _fa2_varlen, flops=flops))
-    cases.append(_bench.Case("attention varlen causal d128 fwd+bwd vs flash", "attention", shape, dt, 2 * nbytes,
+    cases.append(Case("attention varlen causal d128 fwd+bwd vs flash", "attention", shape, dt, 2 * nbytes,
                              functools.partial(make, grad=True), _varlen_fwd_bwd,
                              functools.partial(_fa2_varlen, backward=True), flops=int(3.5 * flops)))
     even = [w["tokens"] // w["docs"]] * w["docs"]
     S = even[0]
     flops_even = w["docs"] * 4 * H * S * S * D // 2
-    cases.append(_bench.Case("attention varlen equal causal d128 fwd+bwd vs dense", "attention", shape, dt,
+    cases.append(Case("attention varlen equal causal d128 fwd+bwd vs dense", "attention", shape, dt,
                              2 * nbytes, functools.partial(_packed_inputs, even, H, D, dt, grad=True),
                              _varlen_fwd_bwd, functools.partial(_as_dense_fwd_bwd, batch=w["docs"]),
                              flops=int(3.5 * flops_even)))
@@ -1311,13 +1312,13 @@ def mask_bench_cases(quick: bool) -> list:
              functools.partial(_fa2_varlen, window=window), wflops),
             ("fwd+bwd", functools.partial(_window_fwd_bwd, window=window),
              functools.partial(_fa2_varlen, window=window, backward=True), int(3.5 * wflops))):
-        cases.append(_bench.Case(f"attention causal window long d128 {label} vs flash", "attention",
-                                 (B, HL, SL, D), dt, _bench.elements_bytes((8 * B, SL, HL, D), dt),
+        cases.append(Case(f"attention causal window long d128 {label} vs flash", "attention",
+                                 (B, HL, SL, D), dt, elements_bytes((8 * B, SL, HL, D), dt),
                                  functools.partial(_inputs, B, HL, SL, D, dt, grad=label != "fwd"), fn, peer, flops=f))
     B, HD, SD = w["dense"]
     cflops = 4 * B * HD * SD * SD * D // 2
-    cases.append(_bench.Case("attention causal softcap50 d128 fwd+bwd vs no softcap", "attention", (B, HD, SD, D), dt,
-                             _bench.elements_bytes((8 * B, SD, HD, D), dt),
+    cases.append(Case("attention causal softcap50 d128 fwd+bwd vs no softcap", "attention", (B, HD, SD, D), dt,
+                             elements_bytes((8 * B, SD, HD, D), dt),
                              functools.partial(_inputs, B, HD, SD, D, dt, grad=True),
                              functools.partial(_softcap_fwd_bwd, softcap=50.0),
                              functools.partial(_softcap_fwd_bwd, softcap=0.0), flops=int(3.5 * cflops)))
@@ -1386,24 +1387,24 @@ def torch_bench_cases(quick: bool) -> list:
     B, H, S, D, causal = WORKLOAD["quick" if quick else "full"][1]
     dt = WORKLOAD["dtype"]
     flops = int(3.5 * 4 * B * H * S * S * D // 2)
-    cases = [_bench.TorchCase(f"sdpa causal d{D} fwd+bwd", "attention", (B, H, S, D), dt,
-                              _bench.elements_bytes((8 * B, S, H, D), dt),
+    cases = [TorchCase(f"sdpa causal d{D} fwd+bwd", "attention", (B, H, S, D), dt,
+                              elements_bytes((8 * B, S, H, D), dt),
                               functools.partial(_inputs, B, H, S, D, dt, grad=True, sdpa=True),
                               functools.partial(_sdpa_forward_on, causal=causal),
                               functools.partial(_sdpa_array, causal=causal), flops=flops)]
     w = MASK_WORKLOAD["quick" if quick else "full"]
     lengths = _doc_lengths(w["docs"], w["tokens"])
     H, D = w["heads"], w["d"]
-    cases.append(_bench.TorchCase(
+    cases.append(TorchCase(
         f"flash_attn_varlen_func causal d{D} fwd+bwd", "attention", (w["docs"], H, w["tokens"] // w["docs"], D), dt,
-        2 * _bench.elements_bytes((4 * w["tokens"], H, D), dt),
+        2 * elements_bytes((4 * w["tokens"], H, D), dt),
         functools.partial(_with_leaves, functools.partial(_packed_inputs, lengths, H, D, dt, grad=True)),
         _flash_forward_on, _varlen_fwd_bwd, flops=int(3.5 * sum(4 * H * L * L * D // 2 for L in lengths))))
     B, HL, SL = w["long"]
     window = (w["window"], 0)
-    cases.append(_bench.TorchCase(
+    cases.append(TorchCase(
         f"flash_attn_func causal window d{D} fwd+bwd", "attention", (B, HL, SL, D), dt,
-        _bench.elements_bytes((8 * B, SL, HL, D), dt),
+        elements_bytes((8 * B, SL, HL, D), dt),
         functools.partial(_inputs, B, HL, SL, D, dt, grad=True),
         functools.partial(_flash_forward_on, window=window), functools.partial(_window_fwd_bwd, window=window),
         flops=int(3.5 * _window_flops(B, HL, SL, D, w["window"]))))

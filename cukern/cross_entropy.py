@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _arrays, _bench, _checks, _faults, _kernels
+from . import _arrays, _checks, _faults, _kernels
+from ._bench_cases import Case, TorchCase, elements_bytes, generator, randn
 from ._arrays import DeviceArray
 from ._family import DropIn, Family, TorchOp
 from ._kernels import Instance
@@ -821,8 +822,8 @@ WORKLOAD = {"full": (16384, 128256), "quick": (4096, 32000), "dtype": "bfloat16"
 def _inputs(T, V, dtype, seed, *, grad=False) -> dict:
     import torch
 
-    gen = _bench.generator(seed)
-    t = {"x": _bench.randn((T, V), dtype, gen) * 4, "target": torch.randint(0, V, (T,), device="cuda", generator=gen)}
+    gen = generator(seed)
+    t = {"x": randn((T, V), dtype, gen) * 4, "target": torch.randint(0, V, (T,), device="cuda", generator=gen)}
     t["target"][::97] = -100   # a few ignored rows, as padding gives
     if grad:
         t["dy"] = torch.ones((), device="cuda", dtype=t["x"].dtype)
@@ -865,15 +866,15 @@ def bench_cases(quick: bool) -> list:
     (T, V), dt = WORKLOAD["quick" if quick else "full"], WORKLOAD["dtype"]
     (lt, lv, lh), ldt = LINEAR_WORKLOAD["quick" if quick else "full"], LINEAR_WORKLOAD["dtype"]
     make = functools.partial(_inputs, T, V, dt)
-    one, two = _bench.elements_bytes((T, V), dt), _bench.elements_bytes((T, V), dt, 2)
+    one, two = elements_bytes((T, V), dt), elements_bytes((T, V), dt, 2)
     return [
-        _bench.Case("cross_entropy fwd", "cross_entropy", (T, V), dt, one, make, _fwd, _torch_fwd),
-        _bench.Case("cross_entropy fwd+bwd", "cross_entropy", (T, V), dt, two, functools.partial(make, grad=True),
+        Case("cross_entropy fwd", "cross_entropy", (T, V), dt, one, make, _fwd, _torch_fwd),
+        Case("cross_entropy fwd+bwd", "cross_entropy", (T, V), dt, two, functools.partial(make, grad=True),
                     _train, _torch_train),
-        _bench.Case("cross_entropy fwd+bwd vs fp32 upcast", "cross_entropy", (T, V), dt, two,
+        Case("cross_entropy fwd+bwd vs fp32 upcast", "cross_entropy", (T, V), dt, two,
                     functools.partial(make, grad=True), _train, functools.partial(_torch_train, upcast=True)),
-        _bench.Case("linear_cross_entropy fwd+bwd", "cross_entropy", (lt, lv, lh), ldt,
-                    _bench.elements_bytes((lt, lv), ldt, 2), functools.partial(_linear_bench_inputs, lt, lv, lh, ldt),
+        Case("linear_cross_entropy fwd+bwd", "cross_entropy", (lt, lv, lh), ldt,
+                    elements_bytes((lt, lv), ldt, 2), functools.partial(_linear_bench_inputs, lt, lv, lh, ldt),
                     _linear_train, _linear_torch_train, flops=6 * lt * lv * lh),
     ]
 
@@ -891,8 +892,8 @@ LINEAR_WORKLOAD = {"full": (16384, 128256, 4096), "quick": (4096, 32000, 1024), 
 def _linear_bench_inputs(T, V, H, dtype, seed) -> dict:
     import torch
 
-    gen = _bench.generator(seed)
-    t = {"h": _bench.randn((T, H), dtype, gen), "w": _bench.randn((V, H), dtype, gen) * 0.02,
+    gen = generator(seed)
+    t = {"h": randn((T, H), dtype, gen), "w": randn((V, H), dtype, gen) * 0.02,
          "target": torch.randint(0, V, (T,), device="cuda", generator=gen)}
     t["leaves"] = (t["h"].detach().requires_grad_(True), t["w"].detach().requires_grad_(True))
     t["dy"] = torch.ones((), device="cuda", dtype=t["h"].dtype)
@@ -929,11 +930,11 @@ def _linear_liger(t):
 def torch_bench_cases(quick: bool) -> list:
     (T, V), dt = WORKLOAD["quick" if quick else "full"], WORKLOAD["dtype"]
     (lt, lv, lh), ldt = LINEAR_WORKLOAD["quick" if quick else "full"], LINEAR_WORKLOAD["dtype"]
-    return [_bench.TorchCase("cross_entropy fwd+bwd", "cross_entropy", (T, V), dt,
-                             _bench.elements_bytes((T, V), dt, 2), functools.partial(_inputs, T, V, dt, grad=True),
+    return [TorchCase("cross_entropy fwd+bwd", "cross_entropy", (T, V), dt,
+                             elements_bytes((T, V), dt, 2), functools.partial(_inputs, T, V, dt, grad=True),
                              _forward_on, _train, liger=_liger),
-            _bench.TorchCase("linear_cross_entropy fwd+bwd", "cross_entropy", (lt, lv, lh), ldt,
-                             _bench.elements_bytes((lt, lv), ldt, 2),
+            TorchCase("linear_cross_entropy fwd+bwd", "cross_entropy", (lt, lv, lh), ldt,
+                             elements_bytes((lt, lv), ldt, 2),
                              functools.partial(_linear_bench_inputs, lt, lv, lh, ldt), _linear_forward_on,
                              _linear_train, liger=_linear_liger, flops=6 * lt * lv * lh)]
 

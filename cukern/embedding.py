@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _arrays, _bench, _checks, _faults, _kernels
+from . import _arrays, _checks, _faults, _kernels
+from ._bench_cases import Case, TorchCase, elements_bytes, generator, randn
 from ._arrays import DeviceArray
 from ._family import DropIn, Family, ModuleSpec, TorchOp
 from ._kernels import Instance
@@ -328,15 +329,15 @@ WORKLOAD = {"full": (65536, 128256, 4096), "quick": (8192, 32000, 4096), "dtype"
 def _inputs(T, V, D, dtype, seed, *, grad=False, zipf=False) -> dict:
     import torch
 
-    gen = _bench.generator(seed)
+    gen = generator(seed)
     if zipf:  # a Zipf-like token distribution, as in real text (a few very hot tokens)
         ranks = np.random.default_rng(seed).zipf(1.2, T) % V
         idx = torch.from_numpy(ranks.astype(np.int64)).cuda()
     else:
         idx = torch.randint(0, V, (T,), device="cuda", generator=gen)
-    t = {"idx": idx, "w": _bench.randn((V, D), dtype, gen)}
+    t = {"idx": idx, "w": randn((V, D), dtype, gen)}
     if grad:
-        t["dy"] = _bench.randn((T, D), dtype, gen)
+        t["dy"] = randn((T, D), dtype, gen)
         t["leaves"] = (t["w"].detach().requires_grad_(True),)
     return t
 
@@ -383,15 +384,15 @@ def bench_cases(quick: bool) -> list:
     T grad rows, write the V·D table gradient ((T + V)·D)."""
     (T, V, D), dt = WORKLOAD["quick" if quick else "full"], WORKLOAD["dtype"]
     make = functools.partial(_inputs, T, V, D, dt)
-    fwd_bytes, bwd_bytes = _bench.elements_bytes((2 * T, D), dt), _bench.elements_bytes((T + V, D), dt)
+    fwd_bytes, bwd_bytes = elements_bytes((2 * T, D), dt), elements_bytes((T + V, D), dt)
     shape = (T, V, D)
     return [
-        _bench.Case("embedding fwd", "embedding", shape, dt, fwd_bytes, make, _fwd, _torch_fwd),
-        _bench.Case("embedding bwd", "embedding", shape, dt, bwd_bytes, functools.partial(make, grad=True), _bwd,
+        Case("embedding fwd", "embedding", shape, dt, fwd_bytes, make, _fwd, _torch_fwd),
+        Case("embedding bwd", "embedding", shape, dt, bwd_bytes, functools.partial(make, grad=True), _bwd,
                     _torch_bwd),
-        _bench.Case("embedding bwd zipf", "embedding", shape, dt, bwd_bytes,
+        Case("embedding bwd zipf", "embedding", shape, dt, bwd_bytes,
                     functools.partial(make, grad=True, zipf=True), _bwd, _torch_bwd),
-        _bench.Case("embedding fwd+bwd", "embedding", shape, dt, fwd_bytes + bwd_bytes,
+        Case("embedding fwd+bwd", "embedding", shape, dt, fwd_bytes + bwd_bytes,
                     functools.partial(make, grad=True), _fwd_bwd, _torch_fwd_bwd),
     ]
 
@@ -404,8 +405,8 @@ def _liger(t):
 
 def torch_bench_cases(quick: bool) -> list:
     (T, V, D), dt = WORKLOAD["quick" if quick else "full"], WORKLOAD["dtype"]
-    nbytes = _bench.elements_bytes((2 * T, D), dt) + _bench.elements_bytes((T + V, D), dt)
-    return [_bench.TorchCase("embedding fwd+bwd", "embedding", (T, V, D), dt, nbytes,
+    nbytes = elements_bytes((2 * T, D), dt) + elements_bytes((T + V, D), dt)
+    return [TorchCase("embedding fwd+bwd", "embedding", (T, V, D), dt, nbytes,
                              functools.partial(_inputs, T, V, D, dt, grad=True), _forward_on, _fwd_bwd,
                              liger=_liger)]
 

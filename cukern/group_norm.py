@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _arrays, _bench, _checks, _kernels, _partials
+from . import _arrays, _checks, _kernels, _partials
+from ._bench_cases import Case, TorchCase, elements_bytes, generator, randn
 from ._arrays import DeviceArray
 from ._family import DropIn, Family, ModuleSpec, TorchOp
 from ._kernels import Instance
@@ -396,14 +397,14 @@ WORKLOAD = {"full": (16, 512, 64, 64), "quick": (4, 512, 64, 64), "groups": 32, 
 
 
 def _inputs(shape, dtype, groups, seed, *, channels_last=False, grad=False) -> dict:
-    gen = _bench.generator(seed)
-    x = _bench.randn(shape, dtype, gen)
+    gen = generator(seed)
+    x = randn(shape, dtype, gen)
     if channels_last:  # (N, C, *S) stored as (N, *S, C)
         x = x.movedim(1, -1).contiguous().movedim(-1, 1)
     c = shape[1]
-    t = {"x": x, "w": _bench.randn((c,), dtype, gen), "b": _bench.randn((c,), dtype, gen), "g": groups}
+    t = {"x": x, "w": randn((c,), dtype, gen), "b": randn((c,), dtype, gen), "g": groups}
     if grad:
-        dy = _bench.randn(shape, dtype, gen)
+        dy = randn(shape, dtype, gen)
         t["dy"] = dy.movedim(1, -1).contiguous().movedim(-1, 1) if channels_last else dy
         t["leaves"] = tuple(a.detach().requires_grad_(True) for a in (t["x"], t["w"], t["b"]))
     return t
@@ -447,9 +448,9 @@ def bench_cases(quick: bool) -> list:
         make = functools.partial(_inputs, shape, dt, groups, channels_last=cl)
         tag = " channels_last" if cl else ""
         cases += [
-            _bench.Case(f"group_norm{tag} fwd", "group_norm", shape, dt, _bench.elements_bytes(shape, dt, 2),
+            Case(f"group_norm{tag} fwd", "group_norm", shape, dt, elements_bytes(shape, dt, 2),
                         make, _fwd, _torch_fwd),
-            _bench.Case(f"group_norm{tag} fwd+bwd", "group_norm", shape, dt, _bench.elements_bytes(shape, dt, 5),
+            Case(f"group_norm{tag} fwd+bwd", "group_norm", shape, dt, elements_bytes(shape, dt, 5),
                         functools.partial(make, grad=True), _fwd_bwd, _torch_fwd_bwd),
         ]
     return cases
@@ -466,8 +467,8 @@ def torch_bench_cases(quick: bool) -> list:
     shape, dt, groups = WORKLOAD["quick" if quick else "full"], WORKLOAD["dtype"], WORKLOAD["groups"]
     out = []
     for cl in (False, True):
-        out.append(_bench.TorchCase(f"group_norm{' channels_last' if cl else ''} fwd+bwd", "group_norm", shape, dt,
-                                    _bench.elements_bytes(shape, dt, 5),
+        out.append(TorchCase(f"group_norm{' channels_last' if cl else ''} fwd+bwd", "group_norm", shape, dt,
+                                    elements_bytes(shape, dt, 5),
                                     functools.partial(_inputs, shape, dt, groups, channels_last=cl, grad=True),
                                     _forward_on, _fwd_bwd, liger=None if cl else _liger))
     return out

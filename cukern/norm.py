@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _arrays, _bench, _checks, _kernels, _partials
+from . import _arrays, _checks, _kernels, _partials
+from ._bench_cases import Case, TorchCase, elements_bytes, generator, randn
 from ._arrays import DeviceArray
 from ._family import DropIn, Family, ModuleSpec, TorchOp
 from ._kernels import Instance, Slot
@@ -601,14 +602,14 @@ WORKLOAD = {"full": (65536, 4096), "quick": (8192, 4096), "dtype": "bfloat16"}
 
 
 def _inputs(shape, dtype, seed, *, bias, grad=False, residual=False) -> dict:
-    gen = _bench.generator(seed)
+    gen = generator(seed)
     d = shape[-1]
-    t = {"x": _bench.randn(shape, dtype, gen), "w": _bench.randn((d,), dtype, gen),
-         "b": _bench.randn((d,), dtype, gen) if bias else None}
+    t = {"x": randn(shape, dtype, gen), "w": randn((d,), dtype, gen),
+         "b": randn((d,), dtype, gen) if bias else None}
     if residual:
-        t["r"] = _bench.randn(shape, dtype, gen)
+        t["r"] = randn(shape, dtype, gen)
     if grad:
-        t["dy"] = _bench.randn(shape, dtype, gen)
+        t["dy"] = randn(shape, dtype, gen)
         t["leaves"] = tuple(a.detach().requires_grad_(True) for a in (t["x"], t["w"]) + ((t["b"],) if bias else ()))
     return t
 
@@ -695,17 +696,17 @@ def bench_cases(quick: bool) -> list:
     for rms, name in ((False, "layer_norm"), (True, "rms_norm")):
         make = p(_inputs, nd, dt, bias=not rms)
         cases += [
-            _bench.Case(f"{name} fwd", "norm", nd, dt, _bench.elements_bytes(nd, dt, 2), make, p(_fwd, rms),
+            Case(f"{name} fwd", "norm", nd, dt, elements_bytes(nd, dt, 2), make, p(_fwd, rms),
                         p(_torch_fwd, rms)),
-            _bench.Case(f"{name} fwd+bwd", "norm", nd, dt, _bench.elements_bytes(nd, dt, 5), p(make, grad=True),
+            Case(f"{name} fwd+bwd", "norm", nd, dt, elements_bytes(nd, dt, 5), p(make, grad=True),
                         p(_fwd_bwd, rms), p(_torch_fwd_bwd, rms)),
         ]
     for rms, name in ((False, "layer_norm"), (True, "rms_norm")):
-        cases.append(_bench.Case(f"{name} +residual fwd", "norm", nd, dt, _bench.elements_bytes(nd, dt, 4),
+        cases.append(Case(f"{name} +residual fwd", "norm", nd, dt, elements_bytes(nd, dt, 4),
                                  p(_inputs, nd, dt, bias=not rms, residual=True), p(_res, rms), p(_torch_res, rms)))
     # fp8 output (e4m3 with its amax): read 2 bytes an element, write 1
     for rms, name in ((False, "layer_norm"), (True, "rms_norm")):
-        cases.append(_bench.Case(f"{name} fwd fp8", "norm", nd, dt, _bench.elements_bytes(nd, dt, 1.5),
+        cases.append(Case(f"{name} fwd fp8", "norm", nd, dt, elements_bytes(nd, dt, 1.5),
                                  p(_fp8_inputs, nd, dt, bias=not rms), p(_fp8, rms), p(_torch_fp8, rms)))
     # (the order of the table as before: fwd, fwd, fwd+bwd, fwd+bwd, residual, residual)
     return [cases[0], cases[2], cases[1], cases[3], cases[4], cases[5], cases[6], cases[7]]
@@ -729,9 +730,9 @@ def torch_bench_cases(quick: bool) -> list:
     cases = []
     for rms, name in ((False, "layer_norm"), (True, "rms_norm")):
         make = p(_inputs, nd, dt, bias=not rms, grad=True)
-        cases.append(_bench.TorchCase(f"{name} fwd+bwd", "norm", nd, dt, _bench.elements_bytes(nd, dt, 5), make,
+        cases.append(TorchCase(f"{name} fwd+bwd", "norm", nd, dt, elements_bytes(nd, dt, 5), make,
                                       p(_forward_on, rms=rms), p(_fwd_bwd, rms), liger=p(_liger, rms)))
-    cases.append(_bench.TorchCase("rms_norm fwd", "norm", nd, dt, _bench.elements_bytes(nd, dt, 2),
+    cases.append(TorchCase("rms_norm fwd", "norm", nd, dt, elements_bytes(nd, dt, 2),
                                   p(_inputs, nd, dt, bias=False, grad=True), p(_forward_on, rms=True),
                                   p(_fwd, True), liger=p(_liger, True), backward=False))
     return cases

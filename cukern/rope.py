@@ -25,7 +25,8 @@ import math
 
 import numpy as np
 
-from . import _arrays, _bench, _kernels
+from . import _arrays, _kernels
+from ._bench_cases import Case, TorchCase, elements_bytes, generator, randn
 from ._arrays import DeviceArray
 from ._family import Family, TorchOp
 from ._kernels import Instance
@@ -289,16 +290,16 @@ def _inputs(dims, dtype, seed, *, grad=False) -> dict:
     import torch
 
     B, S, HQ, HK, D = dims
-    gen = _bench.generator(seed)
-    q = _bench.randn((B, S, HQ, D), dtype, gen).transpose(1, 2)
-    k = _bench.randn((B, S, HK, D), dtype, gen).transpose(1, 2)
+    gen = generator(seed)
+    q = randn((B, S, HQ, D), dtype, gen).transpose(1, 2)
+    k = randn((B, S, HK, D), dtype, gen).transpose(1, 2)
     inv = torch.tensor(rope_inv_freq(D, 500000.0), device="cuda", dtype=torch.float32)
     f = torch.outer(torch.arange(S, device="cuda", dtype=torch.float32), inv)
     emb = torch.cat((f, f), dim=-1)[None]
     t = {"q": q, "k": k, "cos": emb.cos().to(q.dtype), "sin": emb.sin().to(q.dtype)}
     if grad:
-        t["dq"] = _bench.randn((B, S, HQ, D), dtype, gen).transpose(1, 2)
-        t["dk"] = _bench.randn((B, S, HK, D), dtype, gen).transpose(1, 2)
+        t["dq"] = randn((B, S, HQ, D), dtype, gen).transpose(1, 2)
+        t["dk"] = randn((B, S, HK, D), dtype, gen).transpose(1, 2)
         t["leaves"] = tuple(x.detach().requires_grad_(True) for x in (q, k))
         t["liger_leaves"] = tuple(x.detach().clone().requires_grad_(True) for x in (q, k))
     return t
@@ -343,9 +344,9 @@ def bench_cases(quick: bool) -> list:
     B, S, HQ, HK, D = dims
     shape = (B, HQ + HK, S, D)
     p = functools.partial
-    return [_bench.Case("rope fwd", "rope", shape, dt, _bench.elements_bytes(shape, dt, 2), p(_inputs, dims, dt),
+    return [Case("rope fwd", "rope", shape, dt, elements_bytes(shape, dt, 2), p(_inputs, dims, dt),
                         _fwd, _torch_fwd),
-            _bench.Case("rope fwd+bwd", "rope", shape, dt, _bench.elements_bytes(shape, dt, 4),
+            Case("rope fwd+bwd", "rope", shape, dt, elements_bytes(shape, dt, 4),
                         p(_inputs, dims, dt, grad=True), _fwd_bwd, _torch_fwd_bwd)]
 
 
@@ -374,7 +375,7 @@ def torch_bench_cases(quick: bool) -> list:
         t = _inputs(dims, dt, seed, grad=True)
         t["dy"] = (t["dq"], t["dk"])
         return t
-    return [_bench.TorchCase("rope fwd+bwd", "rope", shape, dt, _bench.elements_bytes(shape, dt, 4), make,
+    return [TorchCase("rope fwd+bwd", "rope", shape, dt, elements_bytes(shape, dt, 4), make,
                              _forward_on, _fwd_bwd, liger=_liger, liger_leaves=True)]
 
 

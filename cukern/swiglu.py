@@ -20,7 +20,8 @@ import math
 
 import numpy as np
 
-from . import _arrays, _bench, _kernels
+from . import _arrays, _kernels
+from ._bench_cases import Case, TorchCase, elements_bytes, generator, randn
 from ._arrays import DeviceArray
 from ._family import Family, TorchOp
 from ._kernels import Instance
@@ -252,10 +253,10 @@ WORKLOAD = {"full": (16384, 14336), "quick": (2048, 14336), "dtype": "bfloat16"}
 
 
 def _inputs(shape, dtype, seed, *, grad=False, liger=False) -> dict:
-    gen = _bench.generator(seed)
-    t = {"a": _bench.randn(shape, dtype, gen), "b": _bench.randn(shape, dtype, gen)}
+    gen = generator(seed)
+    t = {"a": randn(shape, dtype, gen), "b": randn(shape, dtype, gen)}
     if grad:
-        t["dy"] = _bench.randn(shape, dtype, gen)
+        t["dy"] = randn(shape, dtype, gen)
         t["leaves"] = tuple(x.detach().requires_grad_(True) for x in (t["a"], t["b"]))
     if liger:   # (Liger's backward writes its gradients into its inputs: copies of its own, so that
         # the others keep reading the random values; read after Liger's writes, the same
@@ -299,9 +300,9 @@ def bench_cases(quick: bool) -> list:
     8 (+ dy, gate, up in; dgate, dup out)."""
     shape, dt = WORKLOAD["quick" if quick else "full"], WORKLOAD["dtype"]
     p = functools.partial
-    return [_bench.Case("swiglu fwd", "swiglu", shape, dt, _bench.elements_bytes(shape, dt, 3), p(_inputs, shape, dt),
+    return [Case("swiglu fwd", "swiglu", shape, dt, elements_bytes(shape, dt, 3), p(_inputs, shape, dt),
                         _fwd, _torch_fwd),
-            _bench.Case("swiglu fwd+bwd", "swiglu", shape, dt, _bench.elements_bytes(shape, dt, 8),
+            Case("swiglu fwd+bwd", "swiglu", shape, dt, elements_bytes(shape, dt, 8),
                         p(_inputs, shape, dt, grad=True), _fwd_bwd, _torch_fwd_bwd)]
 
 
@@ -314,7 +315,7 @@ def _liger(t):
 def torch_bench_cases(quick: bool) -> list:
     """swiglu through cukern.torch with autograd against PyTorch eager, torch.compile and Liger."""
     shape, dt = WORKLOAD["quick" if quick else "full"], WORKLOAD["dtype"]
-    return [_bench.TorchCase("swiglu fwd+bwd", "swiglu", shape, dt, _bench.elements_bytes(shape, dt, 8),
+    return [TorchCase("swiglu fwd+bwd", "swiglu", shape, dt, elements_bytes(shape, dt, 8),
                              functools.partial(_inputs, shape, dt, grad=True, liger=True), _forward_on, _fwd_bwd,
                              liger=_liger, liger_leaves=True)]
 
