@@ -15,16 +15,14 @@ drop-in functions and modules, and ``patch()`` to route an unchanged model's cal
 Needs torch (a CUDA build for the kernels; on other tensors everything falls back). The
 functions, ops and modules are those the kernel families declare (cukern._registry).
 """
-from .._registry import families as _families
-from . import _tools
+from ._api import api as _api
 from ._functional import DROPINS as _DROPINS, counts, reset_counts
-from ._ops import OPS as _BUILT
 from ._models import PARTS
 from ._patch import OPS, is_patched, patch, unpatch
 from .modules import MODULES as _MODULES
 
 # the families' own functions and modules (linear_cross_entropy, ...)
-_API = {name: obj for f in _families() if f.torch_api is not None for name, obj in f.torch_api(_tools, _BUILT).items()}
+_API = _api()
 
 globals().update(_DROPINS)
 globals().update(_MODULES)

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _tools
+from ._api import api
 from ._functional import DROPINS
 from ._ops import OPS
 
@@ -71,9 +72,7 @@ class _Record:
 
 
 def _api(name: str):
-    import cukern.torch as ct   # (at call time: cukern.torch imports this module)
-
-    return getattr(ct, name)
+    return api()[name]
 
 
 # ---- the module forwards ------------------------------------------------------------------------
