@@ -184,6 +184,9 @@ def cmd_bench(args) -> int:
         print(f"matmul rate: {matmul:.0f} TFLOP/s (bf16 8192^3, torch)", flush=True)
     print(flush=True)
 
+    if args.torch:   # (the native path timed from the first case, not the Python path while it builds)
+        from cukern.torch import _native
+        _native.wait()
     progress = _Progress()
     run = _bench.run_torch_cases if args.torch else _bench.run_cases
     try:
@@ -320,6 +323,33 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_warmup(args) -> int:
+    """Build the C++ extension and, for a model, compile its kernels, ahead of a run."""
+    from cukern import _bench
+
+    try:
+        from cukern.torch import _warmup
+    except ImportError as e:
+        print(f"cukern warmup: needs PyTorch ({type(e).__name__}: {e})", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+
+    status = 0
+    if args.native:
+        ok, line = _warmup.build_native()
+        print(f"cukern warmup: {line}", flush=True)
+        status = 0 if ok else 1
+    if args.model is None and args.config is None:
+        return status
+    reason = _bench.unavailable_reason()
+    if reason:
+        print(f"cukern warmup: kernels: not compiled here ({reason}); CuPy compiles them for the GPU it finds, "
+              "so run warmup where the GPU is (the first training step compiles them otherwise)", file=sys.stderr)
+        return status or EXIT_UNAVAILABLE
+    print("cukern warmup: " + _warmup.warm_model(args.model, args.config, dim=args.dim, heads=args.heads,
+                                                   seq=args.seq, batch=args.batch, dtype=args.dtype), flush=True)
+    return status
+
+
 def _positive(text: str) -> int:
     try:
         n = int(text)
@@ -401,6 +431,27 @@ def parser() -> argparse.ArgumentParser:
                                                        "instead of DistributedDataParallel")
     p.add_argument("--json", metavar="PATH", help="also write losses and figures to PATH (default: no file)")
     p.set_defaults(func=cmd_train_demo)
+    p = sub.add_parser(
+        "warmup", help="build cukern.torch's C++ extension and a model's kernels ahead of a run", formatter_class=fmt,
+        description="Fill the caches a run's first steps would fill: build cukern.torch's C++ extension (a C++ "
+                    "compiler and ninja; no GPU needed; a failure recorded earlier is tried again) and, with "
+                    "--model or --config, compile the kernels of a one-layer copy of the model at the run's "
+                    "sequence length, batch and dtype (needs the GPU: CuPy compiles for the device it finds). "
+                    "The caches: CUKERN_CACHE_DIR (default ~/.cache/cukern) and CUPY_CACHE_DIR (default "
+                    "~/.cupy/kernel_cache); every process and rank on the machine shares them.")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--model", choices=("gpt2", "llama", "mistral"),
+                   help="a model type, built from a config at --dim and --heads (default: none)")
+    g.add_argument("--config", metavar="NAME_OR_PATH",
+                   help="a transformers config: a local folder or file, or a hub name (default: none)")
+    p.add_argument("--dim", type=_positive, default=1024, help="model width, with --model")
+    p.add_argument("--heads", type=_positive, default=16, help="attention heads, with --model")
+    p.add_argument("--seq", type=_positive, default=2048, help="sequence length of the run")
+    p.add_argument("--batch", type=_positive, default=1, help="sequences a micro-batch")
+    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="the autocast dtype")
+    p.add_argument("--no-native", dest="native", action="store_false",
+                   help="skip the C++ extension (default: build it)")
+    p.set_defaults(func=cmd_warmup)
     p = sub.add_parser(
         "profile", help="GPU time by kernel category of the demo's training steps, with and without patch()" + gpu,
         formatter_class=fmt,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _sources
+from . import _cache, _sources
 # (re-exported; the compiles call _sources.load_source, the one place a tool swaps the text)
 from ._sources import COMPILE_OPTIONS, CompileError, load_source, source_dir  # noqa: F401
 
@@ -209,10 +209,13 @@ def function(source: str, instance: str, device: int, arch: str | None = None):
         if fn is None and arch is not None:
             fn = _arch_function(source, instance, arch, device)
         elif fn is None:
-            with cupy.cuda.Device(device):
+            code = _sources.load_source(source)
+            # (under a lock a kernel: processes starting at once on an empty cache compile it
+            # once; the others wait, then find it in CuPy's cache)
+            with _cache.lock(_cache.directory() / "locks" / (_cache.key(
+                    code, instance, COMPILE_OPTIONS, compute_capability(device)) + ".lock")), cupy.cuda.Device(device):
                 try:  # CuPy may compile in the constructor or at the first lookup
-                    module = cupy.RawModule(code=_sources.load_source(source), options=COMPILE_OPTIONS,
-                                            name_expressions=[instance])
+                    module = cupy.RawModule(code=code, options=COMPILE_OPTIONS, name_expressions=[instance])
                     fn = module.get_function(instance)
                 except cupy.cuda.compiler.CompileException as e:
                     raise CompileError(instance, str(e)) from None
@@ -248,10 +251,10 @@ def _arch_function(source: str, instance: str, arch: str, device: int) -> _ArchF
     major, minor = compute_capability(device)
     if arch != f"sm_{major}{minor}a":
         raise RuntimeError(f"{instance} is built for {arch} alone; device {device} is sm_{major}{minor}")
-    program = _nvrtc.compile_program(source, [instance], arch)
+    cubin, lowered = _nvrtc.cached_program(source, [instance], arch)
     with cupy.cuda.Device(device):
         cupy.cuda.runtime.free(0)   # (the device's primary context made current: the cubin loads into it)
-        return _ArchFunction(_driver.load_function(program.cubin, program.lowered[instance]))
+        return _ArchFunction(_driver.load_function(cubin, lowered[instance]))
 
 
 def cached_instances() -> list[tuple[str, str, int]]:

@@ -12,13 +12,15 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import json
 import re
 import threading
 from dataclasses import dataclass
 
 from . import _sources
 
-__all__ = ["library", "version", "compile_instances", "compile_program", "Program", "ResourceUsage"]
+__all__ = ["library", "version", "compile_instances", "compile_program", "cached_program", "Program",
+           "ResourceUsage"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,6 +109,39 @@ def compile_program(source: str, instances: list[str], arch: str = "sm_90",
     """``compile_instances``, with the cubin, the lowered names and ptxas's C75xx warnings."""
     with _compile_lock:
         return _compile_instances(source, instances, arch, extra_options)
+
+
+def cached_program(source: str, instances: list[str], arch: str) -> tuple[bytes, dict]:
+    """(cubin, {instance: lowered name}) of ``instances`` of ``cuda_src/<source>`` for ``arch``,
+    from cukern's cache (``_cache``), else compiled and kept there. The compile runs under a
+    lock, so processes starting at once compile it once: the others wait, then read it."""
+    from . import _cache
+
+    k = _cache.key(version(), _sources.load_source(source), list(instances), arch, _sources.COMPILE_OPTIONS)
+    folder = _cache.directory() / "cubin"
+    hit = _read_cached(folder, k)
+    if hit is not None:
+        return hit
+    with _cache.lock(_cache.directory() / "locks" / f"{k}.lock"):
+        hit = _read_cached(folder, k)
+        if hit is not None:
+            return hit
+        program = compile_program(source, instances, arch)
+        try:   # (the names first: a cubin on disk means its names are there)
+            _cache.write_atomic(folder / f"{k}.json", json.dumps(program.lowered).encode())
+            _cache.write_atomic(folder / f"{k}.cubin", program.cubin)
+        except OSError:   # (a cache that cannot be written: compiled again next time)
+            pass
+    return program.cubin, program.lowered
+
+
+def _read_cached(folder, k: str) -> tuple[bytes, dict] | None:
+    try:
+        cubin = (folder / f"{k}.cubin").read_bytes()
+        names = json.loads((folder / f"{k}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return (cubin, names) if cubin and isinstance(names, dict) else None
 
 
 def _compile_instances(source, instances, arch, extra_options) -> Program:

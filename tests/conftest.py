@@ -18,6 +18,10 @@ settings.register_profile("dev", deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
+# The tests of cukern.torch's native path expect it from an op's first call: its extension is
+# built (or loaded) then, not in the background as in a user's process.
+os.environ.setdefault("CUKERN_NATIVE", "wait")
+
 
 @functools.lru_cache(maxsize=None)
 def gpu_unavailable_reason() -> str | None:

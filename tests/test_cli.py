@@ -94,6 +94,30 @@ def test_the_gpu_commands_refuse_alike_without_a_gpu():
     assert "python -m cukern info" in hints.pop()
 
 
+def test_warmup_builds_the_extension_without_a_gpu_and_says_where_the_kernels_compile(tmp_path):
+    pytest.importorskip("torch")
+    if gpu_present():
+        pytest.skip("a GPU is present (the GPU test runs warmup whole)")
+    p = run_cli("warmup", "--no-native", "--model", "llama", "--seq", "64")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert p.stdout == "" and "kernels: not compiled here" in p.stderr and "where the GPU is" in p.stderr
+    p = run_cli("warmup", "--no-native")
+    assert p.returncode == 0 and p.stdout == "" and p.stderr == "", p.stderr
+
+
+@pytest.mark.gpu
+def test_warmup_compiles_a_models_kernels_into_the_caches(tmp_path):
+    pytest.importorskip("transformers")
+    if not gpu_present():
+        pytest.skip("needs a GPU")
+    p = run_cli("warmup", "--model", "llama", "--dim", "256", "--heads", "4", "--seq", "256", "--batch", "2",
+                timeout=600)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.strip().splitlines()
+    assert lines[0].startswith("cukern warmup: C++ extension: built") and "kernels: llama" in lines[1], p.stdout
+    assert int(lines[1].split(" ran ")[1].split()[0]) > 5
+
+
 def test_info():
     p = run_cli("info")
     assert p.returncode == 0, p.stderr

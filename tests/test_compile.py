@@ -76,39 +76,60 @@ def nvrtc():
     return _nvrtc
 
 
-def _progress(config, total: int):
-    """A callback for each compiled program that prints how far the check is: the first test
-    waits minutes for its program, and a run that prints nothing that long looks hung."""
-    writer = config.pluginmanager.get_plugin("terminalreporter")
-    lock, done, t0 = threading.Lock(), [0], time.monotonic()
+class _Reports:
+    """The compile futures, and a line of progress while a test waits on one: the first test
+    waits minutes for its program, and a run that prints nothing that long looks hung. The line
+    is written from the main thread with pytest's capture suspended (a write from the pool's
+    thread would land in the captured output)."""
 
-    def report(future):
-        with lock:
-            done[0] += 1
-            if writer is not None and (done[0] == 1 or done[0] % 5 == 0 or done[0] == total):
-                writer.write_line(f"[compile check] {done[0]}/{total} programs compiled by NVRTC "
-                                  f"({time.monotonic() - t0:.0f} s)")
-    return report
+    WAIT_S = 30
+
+    def __init__(self, futures: dict, config):
+        self.futures, self.config = futures, config
+        self.t0, self.done, self.lock = time.monotonic(), [0], threading.Lock()
+        for f in futures.values():
+            f.add_done_callback(self._count)
+
+    def _count(self, _future) -> None:
+        with self.lock:
+            self.done[0] += 1
+
+    def _say(self, line: str) -> None:
+        writer = self.config.pluginmanager.get_plugin("terminalreporter")
+        capture = self.config.pluginmanager.get_plugin("capturemanager")
+        if writer is None:
+            return
+        if capture is None:
+            writer.write_line(line)
+            return
+        with capture.global_and_fixture_disabled():
+            writer.write_line(line)
+
+    def result(self, key):
+        future = self.futures[key]
+        while True:
+            try:
+                return future.result(timeout=self.WAIT_S)  # re-raises a CompileError here
+            except concurrent.futures.TimeoutError:
+                self._say(f"[compile check] {self.done[0]}/{len(self.futures)} programs compiled "
+                          f"by NVRTC ({time.monotonic() - self.t0:.0f} s)")
 
 
 @pytest.fixture(scope="module")
 def reports(nvrtc, pytestconfig):
-    """{(module, source, arch): Future of the compiled Program}; compiled once, in parallel
-    (spawned workers: they import cukern afresh, whatever threads this process runs)."""
+    """The compiled Program of each (module, source, arch); compiled once, in parallel (spawned
+    workers: they import cukern afresh, whatever threads this process runs)."""
     workers = max(1, min(len(PAIRS), len(os.sched_getaffinity(0))))
     context = multiprocessing.get_context("spawn")
-    progress = _progress(pytestconfig, len(PAIRS))
     with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         futures = {(module, source, arch): pool.submit(_nvrtc.compile_program, source,
                                                        [i.name for i in instances_of(module, source, arch)], arch)
                    for module, source, arch in PAIRS}
-        for f in futures.values():
-            f.add_done_callback(progress)
-        yield futures
+        yield _Reports(futures, pytestconfig)
 
 
 def _report(reports, module, source, arch):
-    return reports[(module, source, arch)].result().usages  # re-raises a CompileError here
+    return reports.result((module, source, arch)).usages
 
 
 def test_nvrtc_loads_in_ci():
@@ -175,7 +196,7 @@ def test_no_performance_warnings(reports, module, source, arch):
     """ptxas reports no C75xx warning: wgmma serialized (C7515, C7511: accumulators touched
     between its fence and its wait, or registers short), setmaxnreg ignored (C7508), ..."""
     _report(reports, module, source, arch)
-    warnings = reports[(module, source, arch)].result().warnings
+    warnings = reports.result((module, source, arch)).warnings
     assert not warnings, f"{source} for {arch}:\n" + "\n".join(warnings)
 
 

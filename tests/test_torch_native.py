@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import cukern.torch as ct  # noqa: E402
-from cukern.torch import _native, _tools  # noqa: E402
+from cukern.torch import _native, _native_build, _tools  # noqa: E402
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA build of torch and a GPU")
@@ -32,10 +32,10 @@ def _route_every_size(monkeypatch):
 
 @pytest.fixture(scope="module")
 def ext():
-    """The extension on the CPU, not bound to a driver: PyTorch's cached build, which
-    cpp_extension rebuilds when the source or its flags change (built into a fresh directory,
-    it was rebuilt on every run: most of a CPU run without the compile check)."""
-    return _native.load_extension()
+    """The extension on the CPU, not bound to a driver: the build in cukern's cache, made once
+    for this source and this PyTorch (built into a fresh directory, it was rebuilt on every run:
+    most of a CPU run without the compile check)."""
+    return _native_build.ensure(retry=True)
 
 
 # ---- CPU: the build and the call signature ----------------------------------------------------
@@ -230,7 +230,7 @@ def test_replayed_calls_give_the_python_paths_bits(case, dtype, monkeypatch):
 def _replays_match(case, dtype, monkeypatch):
     inputs, call = CASES[case](dtype)
     expect = _python_path(monkeypatch, lambda: _run(call, inputs))
-    ext = _native.module()
+    ext = _native.wait()
     assert ext is not None, "the native path did not build"
     _equal(_run(call, inputs), expect)        # the first call: the Python path, recorded
     before = ext.hits()
@@ -251,7 +251,7 @@ def _replays_match(case, dtype, monkeypatch):
 def test_a_gradient_in_another_layout_is_read_right(monkeypatch):
     inputs, call = CASES["layer_norm"](torch.bfloat16)
     expect = _python_path(monkeypatch, lambda: _run(call, inputs))
-    ext = _native.module()
+    ext = _native.wait()
     _run(call, inputs)                                   # recorded with a contiguous gradient
     before = ext.hits()
     _equal(_run(call, inputs, dy_layout="transposed"), expect)
@@ -264,7 +264,7 @@ def test_a_first_gradient_with_gaps_leaves_the_signature_to_later_calls(monkeypa
     """A backward the recorder cannot take because of that call's gradient is retried by later
     calls, and the signature declined only after RECORD_TRIES such calls (under pytest-xdist, a
     test elsewhere that met a signature first with such a gradient kept this file's replays off)."""
-    ext = _native.module()
+    ext = _native.wait()
     call = lambda x, w: ct.rms_norm(x, (40,), w)   # (a shape no other test uses)
     inputs = (_leaf((5, 3, 40), torch.bfloat16, 0), _leaf((40,), torch.bfloat16, 1))
     expect = _python_path(monkeypatch, lambda: _run(call, inputs))
@@ -290,7 +290,7 @@ def test_a_saved_input_changed_in_place_is_an_error():
     x, s, w = inputs
     for _ in range(2):
         _run(call, inputs)
-    ext = _native.module()
+    ext = _native.wait()
     before = ext.hits()
     xc = x.detach().clone().requires_grad_(True)
     h = xc * 1.0
@@ -317,7 +317,7 @@ def test_replays_run_on_a_thread_that_has_made_no_cuda_call():
 @gpu
 @needs_cuda
 def test_ops_that_are_not_native_and_declined_signatures_keep_the_python_path(monkeypatch):
-    ext = _native.module()
+    ext = _native.wait()
     h = _leaf((24, 64), torch.bfloat16, 0)
     w = _leaf((100, 64), torch.bfloat16, 1)
     before = ext.hits()

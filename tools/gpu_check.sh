@@ -24,9 +24,8 @@ echo "commit: $(git rev-parse HEAD 2>/dev/null)"
 for step in $steps; do case $step in
   # The NVRTC compile check runs on its own, in one process: under pytest-xdist, with NVRTC 13,
   # ptxas's -v report was twice missing from the logs (seen 2026-11-21; cause not established).
-  # (cukern.torch's native extension built once first: twelve workers building it at once on a
-  # cold cache left one without it, seen 2026-11-24)
-  tests) python3 -c "from cukern.torch import _native; assert _native.module() is not None" 2>&1 | tail -3
+  # (cukern.torch's native extension built once first, then loaded by every worker)
+  tests) python3 -c "from cukern.torch import _native; assert _native.wait() is not None" 2>&1 | tail -3
          python3 -m pytest -q -n 12 -p no:cacheprovider -m "not compile" 2>&1 | tee "$out/tests.log" | tail -15
          python3 -m pytest -q -p no:cacheprovider -m compile tests/test_compile.py 2>&1 | tee -a "$out/tests.log" | tail -3 ;;
   tests_sm80) CUKERN_ATTENTION_SM80=1 python3 -m pytest -q -n 12 -p no:cacheprovider -m "not compile" 2>&1 |

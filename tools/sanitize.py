@@ -13,7 +13,7 @@ kernels) and in one with CUKERN_ATTENTION_SM80=1 (its sm_80 kernels).
 
 Steps: (1) a warm-up runs every case once without the sanitizer, in parallel processes: it
 compiles every kernel into CuPy's cache (CUPY_CACHE_DIR, shared by every process here; the
-sm_90a kernels, which CuPy does not build, into cukern-arch/ in it) and builds
+sm_90a kernels, which CuPy does not build, into cukern's own, CUKERN_CACHE_DIR) and builds
 cukern.torch's native extension, so that nothing is compiled under the sanitizer; a case that
 fails there stops the run (unless --keep-going). (2) Each tool runs the cases in processes of
 its own, all tools at once, with exact allocations (PYTORCH_NO_CUDA_MEMORY_CACHING=1, CuPy
@@ -386,6 +386,7 @@ def base_env(cache_dir: Path) -> dict:
                                                                     else []))
     env["CUPY_CACHE_DIR"] = str(cache_dir)
     env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("CUKERN_NATIVE", "wait")   # (the cases run the native path from their first call)
     return env
 
 
@@ -471,7 +472,7 @@ def warm_up(args, families, variants, env, work: Path, out: Path, deadline: floa
     native = None
     if not args.dry and env.get("CUKERN_NATIVE", "1") != "0" and importlib.util.find_spec("torch") is not None:
         code = ("import sys\nfrom cukern.torch import _native\n"
-                "sys.exit(0 if _native.module() is not None else 3)")
+                "sys.exit(0 if _native.wait() is not None else 3)")
         native = Proc("native extension", work / "warmup-native.log", [sys.executable, "-c", code], env)
         procs.append(native)
     t0 = time.monotonic()
@@ -695,41 +696,17 @@ def _run_tools(args, families, variants, tools, sanitizer, help_text, env, work,
 _COMPILED = [0]
 
 
-def _cache_arch_programs(directory: Path) -> None:
-    """Keep the cubins NVRTC builds for one architecture's own features (sm_90a: cukern compiles
-    them itself, and CuPy's cache does not hold them) in ``directory``, keyed by everything they
-    are built from: so the sanitized processes load what the warm-up built."""
-    import hashlib
-    import pickle
-
-    from cukern import _kernels, _nvrtc
+def _count_arch_compiles() -> None:
+    """Count the kernels NVRTC builds for sm_90a in this process (cukern's cubin cache's misses)."""
+    from cukern import _nvrtc
 
     original = _nvrtc.compile_program
 
-    def compile_program(source, instances, arch="sm_90", extra_options=()):
-        key = repr((_nvrtc.version(), _kernels.load_source(source), list(instances), arch,
-                    tuple(_kernels.COMPILE_OPTIONS), tuple(extra_options)))
-        path = directory / (hashlib.sha256(key.encode()).hexdigest()[:40] + ".pickle")
-        try:
-            with open(path, "rb") as f:
-                program = pickle.load(f)
-            if program.cubin and program.lowered:
-                return program
-        except Exception:  # noqa: BLE001 - absent, partial or from another version: build it
-            pass
-        program = original(source, instances, arch, extra_options)
+    def counted(*a, **k):
         _COMPILED[0] += 1
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            with open(tmp, "wb") as f:
-                pickle.dump(program, f)
-            os.replace(tmp, path)
-        except OSError:
-            pass
-        return program
+        return original(*a, **k)
 
-    _nvrtc.compile_program = compile_program
+    _nvrtc.compile_program = counted
 
 
 def _count_cupy_compiles() -> None:
@@ -768,8 +745,7 @@ def run_cases(families, args) -> int:
 
         cupy.cuda.set_allocator(None)   # (exact allocations: an access past a buffer's end is outside any)
         cupy.cuda.set_pinned_memory_allocator(None)
-        _cache_arch_programs(Path(os.environ.get("CUPY_CACHE_DIR") or Path.home() / ".cupy" / "kernel_cache")
-                             / "cukern-arch")
+        _count_arch_compiles()
         _count_cupy_compiles()
         p = cupy.cuda.runtime.getDeviceProperties(0)
         name = p["name"].decode() if isinstance(p["name"], bytes) else p["name"]

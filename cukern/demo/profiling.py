@@ -49,6 +49,9 @@ def profile_steps(cfg: Config, *, steps: int, batch_size: int, patched: bool, wa
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     gen = torch.Generator(device=device).manual_seed(0)
     ctx = patch_context(model, cfg, ops) if patched else contextlib.nullcontext()
+    if patched:
+        from cukern.torch import _native
+        _native.wait()
 
     def step():
         tokens, targets = batch(gen, batch_size, cfg.seq, vocab, device)

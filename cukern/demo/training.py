@@ -82,6 +82,9 @@ def train(cfg: Config, *, steps: int, batch_size: int, patched: bool, compiled: 
     inner = model
     # (patched before wrapping: FSDP2 changes the classes patch(model) recognises)
     ctx = patch_context(inner, cfg, ops) if patched else contextlib.nullcontext()
+    if patched:   # (timed on the native path, not on the Python path while its extension builds)
+        from cukern.torch import _native
+        _native.wait()
     if world > 1 and fsdp:
         from torch.distributed.fsdp import fully_shard
         for layer in _layers(model):

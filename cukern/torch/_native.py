@@ -9,10 +9,14 @@ those are handed to the extension (``_native.cpp``), and later calls of the sign
 straight to C++: key, lookup, allocations, driver launches, and a C++ node whose backward
 runs the backward plan with no Python and no hand-off of the GIL.
 
-The extension is built with ``torch.utils.cpp_extension`` (a host C++ compiler and ninja;
-about 30 s once, then cached by PyTorch) the first time a native op runs on CUDA tensors.
-``CUKERN_NATIVE=0`` keeps every call on the Python path; where the build fails, cukern warns once
-and does the same. A signature whose calls the recorder cannot replay (a plan that copies an
+The extension (``_native_build``: a host C++ compiler and ninja, about 30 s, once a machine) is
+never waited for by default: the first native op call on CUDA tensors starts its build in a
+process of its own, calls take the Python path meanwhile, and the first call after the build is
+done switches over. ``CUKERN_NATIVE=wait`` waits for it at the first call instead;
+``CUKERN_NATIVE=0`` keeps every call on the Python path. Where the build fails or cannot run
+(no compiler, no ninja), the process that started it warns once; the failure is recorded, and
+later processes take the Python path without trying again (``python -m cukern warmup`` tries
+again). A signature whose calls the recorder cannot replay (a plan that copies an
 input first, a step other than a kernel launch, a fill or a sort, more than one plan, empty
 buffers) is declined and stays on the Python path. A backward that cannot be recorded for a
 reason of that call alone (a gradient with gaps in its layout, or in a layout the backward
@@ -24,53 +28,104 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 import warnings
-from pathlib import Path
 
-__all__ = ["module", "enabled", "begin", "take", "forward_parts", "register_inference", "register_training"]
+__all__ = ["module", "wait", "enabled", "begin", "take", "forward_parts", "register_inference", "register_training"]
 
-SOURCE = Path(__file__).with_name("_native.cpp")
-
-_module = None       # the extension, or False once it failed or was turned off
+_PENDING = object()   # a build runs (this process's or another's); calls take the Python path
+_module = None       # the extension, _PENDING, or False once it failed or was turned off
+_state_lock = threading.Lock()
+_next_look = 0.0     # (monotonic) when a pending build is looked at next
+_builder = None      # the build process this process started (it warns when that one fails)
+LOOK_S = 1.0         # how often a call looks whether a pending build is done
 _local = threading.local()   # .recording: the key of the signature the next Function.forward records
 RECORD_TRIES = 4     # recordings of one signature whose backward could not be taken, before declining it
 _failed_tries: dict[tuple, int] = {}
 
 
+def _mode() -> str:
+    """"off", "wait" or "background" (the default), from ``CUKERN_NATIVE``."""
+    value = os.environ.get("CUKERN_NATIVE", "1").strip().lower()
+    return "off" if value == "0" else "wait" if value == "wait" else "background"
+
+
 def enabled() -> bool:
     """Whether the native path is on (``CUKERN_NATIVE`` is not 0) and has not failed."""
-    return _module is not False and os.environ.get("CUKERN_NATIVE", "1") != "0"
+    return _module is not False and _mode() != "off"
 
 
 def module():
-    """The extension (built and initialised on first use), or None where it is off."""
-    global _module
-    if _module is None:
-        if os.environ.get("CUKERN_NATIVE", "1") == "0":
+    """The extension (bound to the driver), or None where it is off, failed, or still being
+    built (the first call starts the build; see the module's docstring)."""
+    m = _module
+    if m is not None and m is not _PENDING:
+        return m or None
+    if m is _PENDING and time.monotonic() < _next_look:
+        return None
+    return _resolve(_mode() == "wait")
+
+
+def wait():
+    """The extension, built here or waited for if it is not built yet (None where it is off or
+    its build failed): what a benchmark calls before it times the native path."""
+    m = _module
+    if m is not None and m is not _PENDING:
+        return m or None
+    return _resolve(True)
+
+
+def _resolve(wait_for_it: bool):
+    global _module, _next_look, _builder
+    from . import _native_build
+
+    with _state_lock:
+        if _module is not None and _module is not _PENDING:
+            return _module or None
+        if _mode() == "off":
             _module = False
-        else:
-            try:
-                _module = _build()
-            except Exception as e:   # no compiler, no ninja, an ABI it cannot build against
-                warnings.warn(f"cukern.torch: the native eager path is off, its build failed ({type(e).__name__}: "
-                              f"{str(e)[:300]}); calls take the Python path. CUKERN_NATIVE=0 skips the build.",
-                              RuntimeWarning, stacklevel=3)
-                _module = False
+            return None
+        _next_look = time.monotonic() + LOOK_S
+        try:
+            where = _native_build.folder()
+            if wait_for_it:
+                ext = _native_build.ensure(where)
+            else:
+                st = _native_build.state(where)
+                if st == "failed":
+                    if _builder is not None:   # (a failure recorded earlier stays quiet: reported once)
+                        _warn(_native_build.failure(where))
+                    _module = False
+                    return None
+                if st == "absent" and _builder is not None and _builder.poll() is not None:
+                    _warn(f"its build process ended with status {_builder.returncode} and no result; "
+                          f"see {where / 'build.log'}")
+                    _module = False
+                    return None
+                if st != "built":
+                    if st == "absent" and _builder is None:
+                        _builder = _native_build.start(where)
+                    _module = _PENDING
+                    return None
+                ext = _native_build.load(where)
+            _module = _bind(ext)
+        except Exception as e:  # noqa: BLE001 - no compiler, no ninja, an ABI it cannot build against
+            _warn(f"{type(e).__name__}: {str(e)[:300]}")
+            _module = False
     return _module or None
 
 
-def load_extension(build_directory: str | None = None):
-    """Build (or load PyTorch's cached build of) the extension; not yet bound to the driver."""
-    from torch.utils import cpp_extension
+def _warn(reason: str) -> None:
+    warnings.warn(f"cukern.torch: the native eager path is off, its C++ extension could not be built ({reason}); "
+                  "calls take the Python path. The failure is recorded and not retried; "
+                  "`python -m cukern warmup` tries again, CUKERN_NATIVE=0 skips the build.",
+                  RuntimeWarning, stacklevel=4)
 
-    return cpp_extension.load(name="cukern_native", sources=[str(SOURCE)], extra_cflags=["-O2"],
-                              build_directory=build_directory, verbose=False)
 
-
-def _build():
+def _bind(ext):
+    """Hand the extension the driver entry points it launches through."""
     from .. import _driver
 
-    ext = load_extension()
     lib = _driver.library()
 
     def address(fn) -> int:
