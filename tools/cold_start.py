@@ -43,6 +43,20 @@ def child(args) -> None:
     from cukern.torch import _native
 
     import_s = time.perf_counter() - t_import
+    from cukern import _kernels
+
+    compiles = []   # (instance, seconds) of each kernel made ready (compiled or loaded from a cache)
+    ready = _kernels.function
+
+    def timed(source, instance, device, arch=None):
+        if (source, instance, device) in _kernels._functions:
+            return ready(source, instance, device, arch)
+        t = time.perf_counter()
+        fn = ready(source, instance, device, arch)
+        compiles.append((instance[:90], round(time.perf_counter() - t, 3)))
+        return fn
+
+    _kernels.function = timed
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if "LOCAL_RANK" in os.environ:
@@ -76,7 +90,8 @@ def child(args) -> None:
         steps.append(time.perf_counter() - t)
         native.append(_native._module not in (None, False, _native._PENDING))
     out = {"rank": rank, "import_s": import_s, "setup_s": setup_s, "steps": steps, "native": native,
-           "process_s": time.perf_counter() - T_START, "loss": float(loss)}
+           "process_s": time.perf_counter() - T_START, "loss": float(loss.detach()),
+           "kernels": compiles}
     print("COLD_START " + json.dumps(out), flush=True)
     if world > 1 or "LOCAL_RANK" in os.environ:
         import torch.distributed as dist
@@ -174,6 +189,7 @@ def main() -> int:
         print(lines[-1], flush=True)
 
     scenario("unpatched", me, base)
+    scenario("unpatched-again", me, base)
     scenario("empty", me + ["--patch"], base, empty)
 
     def drop_extension():
