@@ -538,7 +538,7 @@ def test_deterministic_training_runs_repeat_bit_for_bit(monkeypatch):
 def test_ddp_on_two_gpus_patched_and_unpatched_agree(tmp_path):
     out = tmp_path / "ddp.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "cukern",
-           "train-demo", "--layers", "2", "--dim", "256", "--heads", "4", "--vocab", "1000", "--seq", "256",
+           "train-demo", "--layers", "2", "--dim", "256", "--heads", "4", "--vocab", "1000", "--seq", "1024",
            "--batch", "4", "--steps", "30", "--json", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})

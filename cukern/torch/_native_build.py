@@ -182,7 +182,9 @@ def start(where: Path | None = None):
 
 
 # (-c rather than -m: the package imports this module, and runpy warns of a second copy)
-_CHILD = "import sys; from cukern.torch._native_build import main; sys.exit(main(sys.argv[1:]))"
+# (niced: the build must not take CPU time from the training step that started it)
+_CHILD = ("import os, sys; os.nice(19); from cukern.torch._native_build import main; "
+          "sys.exit(main(sys.argv[1:]))")
 
 
 def main(argv: list[str]) -> int:

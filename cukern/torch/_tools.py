@@ -92,8 +92,17 @@ def prepare() -> None:
                     _policy[(op, dt, ac)] = _probe(op, dt, ac)
 
 
-@torch.compiler.disable
 def _probe(op: str, dtype: torch.dtype, ac: torch.dtype) -> torch.dtype:
+    global _probe_eager
+    if _probe_eager is None:   # (decorated at the first call: torch.compiler.disable imports
+        _probe_eager = torch.compiler.disable(_run_probe)   # torch._dynamo, seconds of an import)
+    return _probe_eager(op, dtype, ac)
+
+
+_probe_eager = None
+
+
+def _run_probe(op: str, dtype: torch.dtype, ac: torch.dtype) -> torch.dtype:
     x = torch.ones((2, 4, 2, 8), dtype=dtype, device=torch.device("cuda", torch.cuda.current_device()))
     with torch.autocast("cuda", dtype=ac):
         return PROBES[op](ORIGINAL[op], x).dtype
