@@ -31,6 +31,18 @@ def gpu_unavailable_reason() -> str | None:
     return reason()
 
 
+COLLECTED: dict[str, int] = {}   # the whole collection, before -m and -k deselect (test_readme_figures)
+
+
+@pytest.hookimpl(tryfirst=True)   # (before the -m / -k deselection)
+def pytest_collection_modifyitems(config, items):
+    here = os.path.dirname(os.path.abspath(__file__))
+    args = [os.path.abspath(str(a).split("::")[0]) for a in (config.args or ["tests"])]
+    if all(a in (here, os.path.dirname(here)) for a in args):   # (the whole suite was collected)
+        COLLECTED["total"] = len(items)
+        COLLECTED["gpu"] = sum(1 for i in items if i.get_closest_marker("gpu") is not None)
+
+
 @pytest.hookimpl(tryfirst=True)   # (before the skipif marks: every GPU test skips with this one)
 def pytest_runtest_setup(item):
     # A skip raised here, not a skip mark (reported at each test's own line), has one location and

@@ -28,6 +28,32 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
+class Ran:
+    """What a command run in this process returned and printed (as a CompletedProcess has it)."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+@pytest.fixture
+def cli(capsys):
+    """Run ``python -m cukern ARGS`` in this process (the interpreter's start and torch's import
+    are paid once for the file, not once a command: a subprocess each cost seconds)."""
+    from cukern.__main__ import main
+
+    def run(*args: str) -> Ran:
+        capsys.readouterr()
+        try:
+            rc = main(list(args))
+        except Exception as e:  # noqa: BLE001 - reported as a traceback would be
+            import traceback
+            rc = 1
+            print("Traceback\n" + "".join(traceback.format_exception(e)), file=sys.stderr)
+        out, err = capsys.readouterr()
+        return Ran(rc, out, err)
+    return run
+
+
 @functools.lru_cache(maxsize=None)
 def gpu_present() -> bool:
     try:
@@ -80,12 +106,12 @@ def test_the_gpu_commands_say_so_alike():
     assert "no GPU needed" in helps["info"]
 
 
-def test_the_gpu_commands_refuse_alike_without_a_gpu():
+def test_the_gpu_commands_refuse_alike_without_a_gpu(cli):
     if gpu_present():
         pytest.skip("a GPU is present")
     hints = set()
     for args in (("bench", "--quick"), ("train-demo", "--steps", "1"), ("profile", "--steps", "1")):
-        p = run_cli(*args)
+        p = cli(*args)
         assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
         lines = p.stderr.strip().splitlines()
         assert lines[0].startswith(f"cukern {args[0]}: cannot run here: ")
@@ -94,14 +120,14 @@ def test_the_gpu_commands_refuse_alike_without_a_gpu():
     assert "python -m cukern info" in hints.pop()
 
 
-def test_warmup_builds_the_extension_without_a_gpu_and_says_where_the_kernels_compile(tmp_path):
+def test_warmup_without_a_gpu_says_where_the_kernels_compile(cli):
     pytest.importorskip("torch")
     if gpu_present():
         pytest.skip("a GPU is present (the GPU test runs warmup whole)")
-    p = run_cli("warmup", "--no-native", "--model", "llama", "--seq", "64")
+    p = cli("warmup", "--no-native", "--model", "llama", "--seq", "64")
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert p.stdout == "" and "kernels: not compiled here" in p.stderr and "where the GPU is" in p.stderr
-    p = run_cli("warmup", "--no-native")
+    p = cli("warmup", "--no-native")
     assert p.returncode == 0 and p.stdout == "" and p.stderr == "", p.stderr
 
 
@@ -118,8 +144,8 @@ def test_warmup_compiles_a_models_kernels_into_the_caches(tmp_path):
     assert int(lines[1].split(" ran ")[1].split()[0]) > 5
 
 
-def test_info():
-    p = run_cli("info")
+def test_info(cli):
+    p = cli("info")
     assert p.returncode == 0, p.stderr
     assert "Traceback" not in p.stdout + p.stderr
     lines = p.stdout.splitlines()
@@ -129,10 +155,10 @@ def test_info():
     assert any(line.startswith("CUDA sources:") for line in lines), p.stdout
 
 
-def test_bench_without_gpu_fails_cleanly():
+def test_bench_without_gpu_fails_cleanly(cli):
     if gpu_present():
         pytest.skip("a GPU is present: bench would run")
-    p = run_cli("bench", "--quick")
+    p = cli("bench", "--quick")
     assert p.returncode == 2, (p.stdout, p.stderr)
     assert "Traceback" not in p.stdout + p.stderr
     assert "cannot run here" in p.stderr

@@ -290,10 +290,20 @@ def test_a_whole_run_with_a_stand_in_sanitizer(tmp_path):
     base = [sys.executable, str(TOOL), "--dry", "--sanitizer", str(fake), "--family", "swiglu,rope",
             "--tools", "memcheck,racecheck", "--jobs", "1", "--shards", "2"]
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    p = subprocess.run(base + ["--out", str(tmp_path / "ok")], capture_output=True, text=True, timeout=600, cwd=ROOT,
-                       env=env)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, out
+    # (the three runs at once: each is mostly processes starting)
+    t0 = time.monotonic()
+    runs = {name: subprocess.Popen(base + ["--out", str(tmp_path / name), *extra], stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=dict(env, **more))
+            for name, extra, more in (
+                ("ok", [], {}),
+                ("bad", ["--tools", "memcheck", "--no-warmup"], {"FAKE_ERRORS": "2"}),
+                # (processes past their time: stopped, and said so)
+                ("slow", ["--tools", "synccheck", "--no-warmup", "--timeout", "2"], {"FAKE_SLEEP": "60"}))}
+    outs = {name: (p.communicate(timeout=600)[0], p.returncode) for name, p in runs.items()}
+    elapsed = time.monotonic() - t0
+
+    out, rc = outs["ok"]
+    assert rc == 0, out
     n = len([c for name in ("swiglu", "rope") for c in sc.cases(name) if c.host])
     assert re.search(rf"^warm-up: {n} cases", out, re.M), out
     assert re.search(rf"^memcheck: 0 errors \({n} cases, \d+ s\)$", out, re.M), out
@@ -303,20 +313,13 @@ def test_a_whole_run_with_a_stand_in_sanitizer(tmp_path):
                                                                  "warmup.log"]
     assert "#### memcheck-1 (exit code 0" in (tmp_path / "ok" / "memcheck.log").read_text()
 
-    p = subprocess.run(base + ["--out", str(tmp_path / "bad"), "--tools", "memcheck", "--no-warmup"],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT, env=dict(env, FAKE_ERRORS="2"))
-    out = p.stdout + p.stderr
-    assert p.returncode == 1, out
+    out, rc = outs["bad"]
+    assert rc == 1, out
     assert re.search(r"^memcheck: 4 errors \(", out, re.M), out   # (two processes, two each)
     assert "Invalid __global__ write of size 4 bytes" in out and "at void glu_fwd<float" in out
 
-    # (processes past their time: stopped, and said so)
-    t0 = time.monotonic()
-    p = subprocess.run(base + ["--out", str(tmp_path / "slow"), "--tools", "synccheck", "--no-warmup",
-                               "--timeout", "2"], capture_output=True, text=True, timeout=600, cwd=ROOT,
-                       env=dict(env, FAKE_SLEEP="60"))
-    out = p.stdout + p.stderr
-    assert p.returncode == 1 and time.monotonic() - t0 < 50, out
+    out, rc = outs["slow"]
+    assert rc == 1 and elapsed < 50, out
     assert re.search(r"^synccheck: \? errors \(0 cases, \d+ s\); synccheck-0 stopped after \d+ s at case 0/\?", out,
                      re.M), out
 
