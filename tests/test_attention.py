@@ -771,42 +771,21 @@ def test_attention_backward_against_torch_autograd(d, causal, deterministic):
         assert_close(got, to_host(t.grad), "bfloat16", name, tol=2 * TOL["bfloat16"], scale=sc)
 
 
-@gpu
-def test_attention_backward_bad_inputs():
-    import cupy
+# ---- bad inputs ------------------------------------------------------------------------------------
 
-    q = cupy.ones((2, 8, 4, 64), np.float16)
-    kv = cupy.ones((2, 8, 2, 64), np.float16)
-    lse = cupy.zeros((2, 4, 8), np.float32)
-    cases = [
-        (lambda: cukern.attention_backward(q[:, :4], q, kv, kv, q, lse), ValueError, "^dout: shape"),
-        (lambda: cukern.attention_backward(q, q, kv, kv, q.astype(ml_bf16()), lse), ValueError, "^out: dtype"),
-        (lambda: cukern.attention_backward(q, q, kv, kv, q, lse[:, :2]), ValueError, r"^lse: shape \(2, 2, 8\)"),
-        (lambda: cukern.attention_backward(q, q, kv, kv, q, lse.astype(np.float16)), ValueError, "^lse: dtype"),
-        (lambda: cukern.attention_backward(*(cupy.ones((1, 4, 2, 80), np.float16) for _ in range(5)),
-                                           cupy.zeros((1, 2, 4), np.float32)),
-         ValueError, "^q: head_dim 80 is not supported by the backward"),
-    ]
-    for call, exc, pattern in cases:
-        with pytest.raises(exc, match=pattern):
-            call()
-
-
-# ---- bad inputs (GPU: they need device arrays) ---------------------------------------------------
-
-@gpu
-def test_bad_inputs_name_the_argument():
-    import cupy
-
-    q = cupy.ones((2, 8, 4, 64), np.float16)
-    kv = cupy.ones((2, 8, 2, 64), np.float16)
+def bad_input_cases(xp):
+    """(call, exception, message pattern) of bad arguments, forward and backward
+    (tests/test_bad_inputs.py runs them)."""
+    q = xp.ones((2, 8, 4, 64), np.float16)
+    kv = xp.ones((2, 8, 2, 64), np.float16)
+    lse = xp.zeros((2, 4, 8), np.float32)
     cases = [
         (lambda: cukern.attention(q.astype(np.float32), kv, kv), ValueError, r"^q: float32 is not supported"),
         (lambda: cukern.attention(q, kv.astype(np.float64), kv), ValueError, "^k: dtype float64"),
         (lambda: cukern.attention(q[0], kv, kv), ValueError, r"^q: expected \(batch, seqlen, heads, head_dim\)"),
         (lambda: cukern.attention(q, kv, kv[:, :4]), ValueError, "^v: shape"),
         (lambda: cukern.attention(q, kv[:1], kv[:1]), ValueError, "^k: batch 1 does not match"),
-        (lambda: cukern.attention(q, cupy.ones((2, 8, 3, 64), np.float16), cupy.ones((2, 8, 3, 64), np.float16)),
+        (lambda: cukern.attention(q, xp.ones((2, 8, 3, 64), np.float16), xp.ones((2, 8, 3, 64), np.float16)),
          ValueError, "^k: 3 kv heads do not divide q's 4 heads"),
         (lambda: cukern.attention(q, kv[..., :32], kv[..., :32]), ValueError, "^k: head_dim 32 does not match"),
         (lambda: cukern.attention(q[..., :48], kv[..., :48], kv[..., :48]), ValueError,
@@ -814,11 +793,17 @@ def test_bad_inputs_name_the_argument():
         (lambda: cukern.attention(q, kv.astype(ml_bf16()), kv), ValueError, "^k: dtype bfloat16 differs"),
         (lambda: cukern.attention(q, kv, kv, softmax_scale="x"), TypeError, "^softmax_scale"),
         (lambda: cukern.attention(q, kv, kv, softmax_scale=float("inf")), ValueError, "^softmax_scale"),
-        (lambda: cukern.attention(q, np.ones((2, 8, 2, 64), np.float16), kv), TypeError, "^k: a host"),
+        (lambda: cukern.attention_backward(q[:, :4], q, kv, kv, q, lse), ValueError, "^dout: shape"),
+        (lambda: cukern.attention_backward(q, q, kv, kv, q.astype(ml_bf16()), lse), ValueError, "^out: dtype"),
+        (lambda: cukern.attention_backward(q, q, kv, kv, q, lse[:, :2]), ValueError, r"^lse: shape \(2, 2, 8\)"),
+        (lambda: cukern.attention_backward(q, q, kv, kv, q, lse.astype(np.float16)), ValueError, "^lse: dtype"),
+        (lambda: cukern.attention_backward(*(xp.ones((1, 4, 2, 80), np.float16) for _ in range(5)),
+                                           xp.zeros((1, 2, 4), np.float32)),
+         ValueError, "^q: head_dim 80 is not supported by the backward"),
     ]
-    for call, exc, pattern in cases:
-        with pytest.raises(exc, match=pattern):
-            call()
+    if xp is not np:   # (on the CPU, host arrays stand in for device ones)
+        cases.append((lambda: cukern.attention(q, np.ones((2, 8, 2, 64), np.float16), kv), TypeError, "^k: a host"))
+    return cases
 
 
 def ml_bf16():
