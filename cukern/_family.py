@@ -95,7 +95,8 @@ class ModuleSpec:
 
     ``options``: (name, default) pairs the constructor also takes, keyword-only (variants
     that ``torch.nn.<base>`` lacks; kept as attributes of the same names). With any of them
-    not at its default the forward is ``variant(module, input)``, and ``init(module)`` runs
+    not at its default the forward is ``variant(T, ops, module, input)`` (T: cukern.torch._tools,
+    ops: the TorchOps by name, as ``Family.torch_api`` gets them), and ``init(module)`` runs
     once after the base constructor (the parameters' start values for the variant)."""
     name: str
     base: str
@@ -119,7 +120,9 @@ class Family:
     torch_ops: tuple[TorchOp, ...] = ()
     dropins: tuple[DropIn, ...] = ()
     modules: tuple[ModuleSpec, ...] = ()
-    # torch_api(T, ops) -> {name: function or nn.Module class} that cukern.torch exports beside
-    # the drop-ins (functions with no torch.nn.functional counterpart); T is cukern.torch._tools,
-    # ops the built TorchOps by name (each callable eagerly, .compiled inside torch.compile).
+    # torch_api(T, ops, modules) -> {name: function or nn.Module class} that cukern.torch exports
+    # beside the drop-ins (functions with no torch.nn.functional counterpart); T is
+    # cukern.torch._tools, ops the built TorchOps by name (each callable eagerly, .compiled inside
+    # torch.compile), modules the drop-in module classes by name. A family never imports
+    # cukern.torch itself (it sits below it).
     torch_api: Callable | None = None

@@ -1486,7 +1486,7 @@ TORCH_OPS = (
 TORCH_OPS += (dataclasses.replace(TORCH_OPS[0], name="attention_lse", visible=2, inference=None, native=False),)
 
 
-def _torch_api(T, ops) -> dict:
+def _torch_api(T, ops, modules) -> dict:
     """``cukern.torch.flash_attn_func`` and ``flash_attn_varlen_func``: flash-attn's functions
     (its signatures, (batch, seqlen, heads, head_dim) and packed (tokens, heads, head_dim)
     layouts, the lse it returns with ``return_attn_probs``), so that a flash-attn user switches

@@ -1048,7 +1048,7 @@ def _torch_fallback(hidden, weight, target, bias, ignore_index, label_smoothing,
     return loss.reshape(target.shape) if reduction == "none" else loss
 
 
-def _torch_api(T, ops) -> dict:
+def _torch_api(T, ops, modules) -> dict:
     """``cukern.torch.linear_cross_entropy`` and ``cukern.torch.LinearCrossEntropyLoss``."""
     import torch
     from torch import nn

@@ -925,10 +925,9 @@ def _torch_norm(rms, x, shape, w, b, eps, offset, cast):
     return y.to(x.dtype)
 
 
-def _norm_call(T, rms, x, residual, shape, w, b, eps, offset, cast):
-    """y, or (y, h) with a residual (h = x + residual), on the kernels where they take the call."""
-    from cukern.torch._ops import OPS
-
+def _norm_call(T, ops, rms, x, residual, shape, w, b, eps, offset, cast):
+    """y, or (y, h) with a residual (h = x + residual), on the kernels where they take the call
+    (``T``: cukern.torch._tools, ``ops``: the TorchOps by name)."""
     op = "rms_norm" if rms else "layer_norm"
     if eps is None:
         eps = T.FLOAT32_EPS
@@ -949,10 +948,10 @@ def _norm_call(T, rms, x, residual, shape, w, b, eps, offset, cast):
         return _torch_norm(rms, h, shape, w, b, float(eps), offset, cast), h
     tail = (float(eps), float(offset)) + ((int(cast),) if rms else ())
     if residual is None:
-        out = OPS[op](xk, *params, *tail)
+        out = ops[op](xk, *params, *tail)
         return out if post is None else post(out)
     rk = residual if post is None else residual.reshape(xk.shape)
-    y, h = OPS[op + "_residual"](xk, rk, *params, *tail)
+    y, h = ops[op + "_residual"](xk, rk, *params, *tail)
     return (y, h) if post is None else (post(y), post(h))
 
 
@@ -974,38 +973,35 @@ def _init_variant(m) -> None:
 
 
 def _module_forward(rms: bool):
-    def forward(m, x, residual=None):
-        from cukern.torch import _tools as T
-
+    def forward(T, ops, m, x, residual=None):
         off, cast = _options(m, rms)
-        return _norm_call(T, rms, x, residual, m.normalized_shape, m.weight, None if rms else m.bias, m.eps, off,
+        return _norm_call(T, ops, rms, x, residual, m.normalized_shape, m.weight, None if rms else m.bias, m.eps, off,
                           cast)
     return forward
 
 
-def _torch_api(T, ops) -> dict:
-    """``FusedAddRMSNorm`` / ``FusedAddLayerNorm`` and ``fused_add_rms_norm`` / ``fused_add_layer_norm``."""
-    from cukern.torch.modules import MODULES
-
+def _torch_api(T, ops, modules) -> dict:
+    """``FusedAddRMSNorm`` / ``FusedAddLayerNorm`` (subclasses of the drop-in modules) and
+    ``fused_add_rms_norm`` / ``fused_add_layer_norm``."""
     def fused_add_rms_norm(x, residual, weight=None, eps=None, *, offset=0.0, casting_mode="gemma"):
         """``h = x + residual`` (rounded to the dtype) and ``rms_norm(h)`` in one pass: ``(y, h)``,
         with autograd (dx reaches x and residual alike) and torch.compile. x, residual (*, D);
         weight (D,) or None; offset and casting_mode as ``cukern.rms_norm``."""
         off = _offset(offset, weight)
-        return _norm_call(T, True, x, residual, x.shape[-1:], weight, None, eps, off, _casting(casting_mode, True))
+        return _norm_call(T, ops, True, x, residual, x.shape[-1:], weight, None, eps, off, _casting(casting_mode, True))
 
     def fused_add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5, *, offset=0.0):
         """``h = x + residual`` and ``layer_norm(h)`` in one pass: ``(y, h)``; see
         ``fused_add_rms_norm``."""
         off = _offset(offset, weight)
-        return _norm_call(T, False, x, residual, x.shape[-1:], weight, bias, eps, off, 0)
+        return _norm_call(T, ops, False, x, residual, x.shape[-1:], weight, bias, eps, off, 0)
 
     def fused(name: str, rms: bool) -> type:
-        base = MODULES[name]
+        base = modules[name]
         fwd = _module_forward(rms)
 
         def forward(self, x, residual):
-            return fwd(self, x, residual)
+            return fwd(T, ops, self, x, residual)
 
         doc = (f"``cukern.torch.{name}`` whose ``forward(x, residual)`` returns ``(y, h)``: ``h = x + residual`` "
                f"(the residual stream, rounded to the dtype) and y its norm, in one pass, with autograd (dx "

@@ -428,7 +428,7 @@ def _why_not(T, q, k, cos, sin):
     return None
 
 
-def _torch_api(T, ops) -> dict:
+def _torch_api(T, ops, modules) -> dict:
     """``cukern.torch.apply_rotary_pos_emb``: Hugging Face's function, on the kernels."""
 
     def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):

@@ -373,7 +373,7 @@ def _call(T, ops, gate, up, act: str):
     return _torch_glu(gate, up, act) if reason is not None else ops["glu"](gate, up, ACTS[act])
 
 
-def _torch_api(T, ops) -> dict:
+def _torch_api(T, ops, modules) -> dict:
     """``cukern.torch.swiglu`` and ``cukern.torch.geglu``."""
 
     def swiglu(gate, up):

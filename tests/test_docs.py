@@ -175,7 +175,7 @@ def _public_attention_functions() -> dict[str, object]:
         return fns
     from cukern.torch import _ops, _tools
 
-    fns.update({f"cukern.torch.{name}": fn for name, fn in attention.torch_api(_tools, _ops.OPS).items()})
+    fns.update({f"cukern.torch.{name}": fn for name, fn in attention.torch_api(_tools, _ops.OPS, {}).items()})
     return fns
 
 

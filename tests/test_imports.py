@@ -81,3 +81,17 @@ def test_a_planted_cycle_is_found(tmp_path):
     assert graph["cukern.a"] == {"cukern.sub.b"} and graph["cukern.sub.b"] == {"cukern.a"}
     assert graph["cukern.c"] == {"cukern.a"}
     assert cycles(graph) == [["cukern.a", "cukern.sub.b"]]
+
+
+def test_no_family_imports_the_torch_layer_above_it():
+    """The layers, bottom up: the shared mechanisms (``cukern._*``), the families, then
+    ``cukern.torch``, which builds on the families' declarations (a family gets cukern.torch's
+    tools, ops and modules handed to its ``torch_api`` and module variants); the command line,
+    the bench driver and the demo sit on top. Nothing below cukern.torch imports it."""
+    mods = modules()
+    graph = import_graph(mods)
+    top = {"cukern.__main__", "cukern._bench"}
+    below = [m for m in mods if not m.startswith(("cukern.torch", "cukern.demo")) and m not in top and m != "cukern"]
+    upward = {m: sorted(t for t in graph[m] if t.startswith(("cukern.torch", "cukern.demo"))) for m in below}
+    assert not {m: t for m, t in upward.items() if t}, upward
+    assert "cukern.norm" in below and "cukern._kernels" in below

@@ -8,9 +8,11 @@ import functools
 from .._registry import families
 from . import _tools
 from ._ops import OPS
+from .modules import MODULES
 
 
 @functools.cache
 def api() -> dict:
     """{name: function or module} of every family's ``torch_api``, in registry order."""
-    return {name: obj for f in families() if f.torch_api is not None for name, obj in f.torch_api(_tools, OPS).items()}
+    return {name: obj for f in families() if f.torch_api is not None
+            for name, obj in f.torch_api(_tools, OPS, MODULES).items()}

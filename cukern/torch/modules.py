@@ -7,7 +7,9 @@ from __future__ import annotations
 from torch import nn
 
 from .._registry import families
+from . import _tools
 from ._functional import DROPINS
+from ._ops import OPS
 
 
 def _module(spec) -> type:
@@ -28,7 +30,7 @@ def _module(spec) -> type:
 
     def forward_with_options(self, input):
         if self._variant:
-            return variant(self, input)
+            return variant(_tools, OPS, self, input)
         return fn(*args(self, input))
 
     def extra_repr(self):
