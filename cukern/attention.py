@@ -268,11 +268,10 @@ class Configs:
     dq: tuple[tuple[int, DqConfig], ...]
     dot_threads: int = 256
     # The forward on sm_90 (H100, H200) by TMA and wgmma, by head dim: key tiles as measured
-    # fastest on an H200 (tools/tune_attention.py; docs/notes-attention.md, the Hopper path).
+    # fastest (tools/tune_attention.py; the figures: docs/notes-attention.md, the Hopper path).
     # d64, every mask: two blocks an SM of 128-key tiles, no producer (128 registers a thread),
-    # two stages (three do not fit two blocks' shared memory); at B16 H32 S2048 on an H200, causal
-    # 424 TFLOP/s against 394 for 64-key tiles with a producer (which issue 24% more
-    # instructions), and without a mask 496 against 448 for three warpgroups with the overlap.
+    # two stages (three do not fit two blocks' shared memory); 64-key tiles with a producer issue
+    # more instructions.
     fwd_sm90: tuple[tuple[int, Sm90FwdConfig], ...] = (
         (64, Sm90FwdConfig(128, 2, pingpong=True, blocks_per_sm=2)),
         (128, Sm90FwdConfig(128, 3, producer=True, pingpong=True, overlap=True, persistent=True)),
@@ -281,8 +280,8 @@ class Configs:
     # the overlap without the warpgroups' turns, which the causal forward gains 3-5% by).
     fwd_sm90_full: tuple[tuple[int, Sm90FwdConfig], ...] = (
         (128, Sm90FwdConfig(128, 3, producer=True, overlap=True, persistent=True)),)
-    # ... and with the softcap, where it differs (d64: the 128-key tiles spill 8-12 bytes with the
-    # softcap's tanh, and measured no faster than 64-key tiles with a producer, 1.005x)
+    # ... and with the softcap, where it differs (d64: the 128-key tiles spill with the softcap's
+    # tanh, and measured no faster than 64-key tiles with a producer)
     fwd_sm90_softcap: tuple[tuple[int, Sm90FwdConfig], ...] = (
         (64, Sm90FwdConfig(64, 3, producer=True, pingpong=True, blocks_per_sm=2)),)
     # ... and for packed documents (one block a work tile: not persistent; every mask)
@@ -301,9 +300,8 @@ class Configs:
     # this many bytes.
     bwd_l2_section_bytes: int = 32 << 20
     # The backward's dK/dV (and dQ-atomic) kernel on sm_90 by TMA and wgmma, by head dim: query
-    # tiles as measured fastest on an H200 (d64: 128 rows 288 TFLOP/s against 64 rows 235).
-    # Without a mask, persistent: 3.224 -> 3.174 ms at d64 B16 H32 S2048, 5.748 -> 5.661 at d128 B32
-    # H16 S2048, 5.515 -> 5.400 at d128 B8 H16 S4096 (H200, 7 rotated rounds).
+    # tiles as measured fastest, persistent (the figures: docs/notes-attention.md, the Hopper
+    # backward).
     bwd_sm90: tuple[tuple[int, Sm90BwdConfig], ...] = ((64, Sm90BwdConfig(128, producer=True, persistent=True)),
                                                        (128, Sm90BwdConfig(64, producer=True, persistent=True)))
     # ... with the softcap (its P^T and dS^T pass holds more: 128-row tiles at d64 spill)
