@@ -29,7 +29,7 @@ namespace attention {
 // Dynamic shared memory of attention_fwd: element offsets of its tiles from the aligned base,
 // and smem_bytes, the launch's byte count, which adds 1 KB of slack for the kernel to align
 // its base to 1 KB. The kernel's SMEM template argument must equal smem_bytes: the front
-// computes the same number for the launch (cukern/attention.py), so the two cannot drift.
+// computes the same number for the launch (cukern/attention/configs.py), so the two cannot drift.
 template <typename T, int D, int WARPS, int MT, int BN>
 struct FwdTiles {
     static constexpr int BM = 16 * MT * WARPS;

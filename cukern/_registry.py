@@ -1,5 +1,6 @@
 """The kernel families cukern has: adding a family adds its name here, and nothing else
-outside its own files (``cuda_src/<name>.cu``, ``cukern/<name>.py``, ``tests/test_<name>.py``,
+outside its own files (``cuda_src/<name>.cu``, ``cukern/<name>.py`` or the package
+``cukern/<name>/``, ``tests/test_<name>.py``,
 ``docs/<name>.md``). Exports, references, the compile check, the bench, asv and
 ``cukern.torch`` all read this list."""
 from __future__ import annotations

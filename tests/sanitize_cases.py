@@ -67,8 +67,8 @@ def configure_for_tool() -> None:
     def by_stores(table):
         return tuple((d, dataclasses.replace(c, persistent=False)) for d, c in table)
 
-    attn.CONFIGS = dataclasses.replace(attn.CONFIGS, fwd_sm90=by_stores(attn.CONFIGS.fwd_sm90),
-                                       fwd_sm90_full=by_stores(attn.CONFIGS.fwd_sm90_full))
+    attn.configs.CONFIGS = dataclasses.replace(attn.configs.CONFIGS, fwd_sm90=by_stores(attn.configs.CONFIGS.fwd_sm90),
+                                       fwd_sm90_full=by_stores(attn.configs.CONFIGS.fwd_sm90_full))
 
 
 # The dtypes a family's custom ops take, where not every float dtype.

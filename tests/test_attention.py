@@ -168,8 +168,8 @@ def test_the_sm90_forward_takes_tensor_maps_of_the_inputs(host_arrays_as_device,
     from cukern import _kernels
 
     attn = importlib.import_module("cukern.attention")
-    monkeypatch.setattr(attn, "CONFIGS", attn.Configs(attn.CONFIGS.fwd, attn.CONFIGS.bwd, attn.CONFIGS.dq,
-                                                      use_sm90=True))
+    shipped = attn.configs.CONFIGS
+    monkeypatch.setattr(attn.configs, "CONFIGS", attn.Configs(shipped.fwd, shipped.bwd, shipped.dq, use_sm90=True))
 
     def launches(d, cc):
         monkeypatch.setattr(_kernels, "compute_capability", lambda device: cc)
@@ -206,7 +206,7 @@ def test_the_sm90_forward_config_by_head_dim_and_mask():
     import importlib
 
     attn = importlib.import_module("cukern.attention")
-    cfgs = attn.CONFIGS
+    cfgs = attn.configs.CONFIGS
     for d, full in cfgs.fwd_sm90_full:
         assert cfgs.sm90_forward(d, False) == full and cfgs.sm90_forward(d, True) == cfgs.get("fwd_sm90", d)
         assert full.instance("float16", d, False).name in {i.name for i in attn.instances()}
@@ -265,7 +265,7 @@ def test_the_sm80_path_can_be_forced_by_the_environment():
     import subprocess
     import sys
 
-    code = "import importlib; c = importlib.import_module('cukern.attention').CONFIGS; " \
+    code = "import importlib; c = importlib.import_module('cukern.attention').configs.CONFIGS; " \
            "print(c.use_sm90, c.use_sm90_bwd)"
     for value, expect in (("1", "False False"), ("0", "True True"), (None, "True True")):
         env = {k: v for k, v in os.environ.items() if k != "CUKERN_ATTENTION_SM80"}
@@ -285,7 +285,8 @@ def test_the_sm90_backward_takes_tensor_maps_of_the_inputs(host_arrays_as_device
     from cukern import _kernels
 
     attn = importlib.import_module("cukern.attention")
-    monkeypatch.setattr(attn, "CONFIGS", dataclasses.replace(attn.CONFIGS, use_sm90_bwd=True))   # (env or not)
+    # (env or not)
+    monkeypatch.setattr(attn.configs, "CONFIGS", dataclasses.replace(attn.configs.CONFIGS, use_sm90_bwd=True))
 
     def launches(d, cc, deterministic=False, kv_heads=2):
         monkeypatch.setattr(_kernels, "compute_capability", lambda device: cc)
@@ -304,7 +305,7 @@ def test_the_sm90_backward_takes_tensor_maps_of_the_inputs(host_arrays_as_device
     assert [s[1].name.split("<")[0] for s in steps] == ["attention_bwd_dot", "attention_bwd_sm90",
                                                         "attention_bwd_dq_convert"]
     _, inst, grid, _, _, slots = steps[1]
-    cfg = attn.CONFIGS.get("bwd_sm90", 128)
+    cfg = attn.configs.CONFIGS.get("bwd_sm90", 128)
     assert inst.name.startswith(f"attention_bwd_sm90<cuk::half, 128, 64, {cfg.stages}, 1, false, true, ")
     # (causal: (batch, kv head) groups a section, key blocks, sections; 32 MB holds all four groups)
     assert inst.arch == "sm_90a" and inst.threads == cfg.threads(False) and grid == (4, 3, 1)
@@ -317,14 +318,14 @@ def test_the_sm90_backward_takes_tensor_maps_of_the_inputs(host_arrays_as_device
     assert (alloc.shape, alloc.dtype) == ((2, 200, 4, 128), "float32")
     steps = launches(64, (9, 0), deterministic=True)
     assert [s[1].name.split("<")[0] for s in steps] == ["attention_bwd_dot", "attention_bwd_sm90", "attention_bwd_dq"]
-    cfg = attn.CONFIGS.get("bwd_sm90", 64)
+    cfg = attn.configs.CONFIGS.get("bwd_sm90", 64)
     assert steps[1][1].name.startswith(f"attention_bwd_sm90<cuk::half, 64, {cfg.block_rows}, {cfg.stages}, 1, false, "
                                        "false, false, ")   # (no producer warpgroup when deterministic)
     assert steps[1][1].threads == 256
     assert launches(128, (8, 0))[1][1].name.startswith("attention_bwd_dkdv<")          # A100
     assert launches(256, (9, 0))[1][1].name.startswith("attention_bwd_dkdv<")          # no Hopper config
     assert launches(128, (9, 0), kv_heads=1)[1][1].name.startswith("attention_bwd_dkdv<")   # stride-0 heads
-    monkeypatch.setattr(attn, "CONFIGS", dataclasses.replace(attn.CONFIGS, use_sm90_bwd=False))
+    monkeypatch.setattr(attn.configs, "CONFIGS", dataclasses.replace(attn.configs.CONFIGS, use_sm90_bwd=False))
     assert launches(128, (9, 0))[1][1].name.startswith("attention_bwd_dkdv<")          # switched off
     attn._BWD.clear()
 
@@ -400,10 +401,10 @@ def test_the_sm90_forward_matches_reference(c, layout, producer, pingpong, overl
     if _kernels.compute_capability(0) != (9, 0):
         pytest.skip("the Hopper path needs an sm_90 GPU")
     attn = importlib.import_module("cukern.attention")
-    if c["d"] not in dict(attn.CONFIGS.fwd_sm90):
+    if c["d"] not in dict(attn.configs.CONFIGS.fwd_sm90):
         c["d"] = 128
     warpgroups = warpgroups if c["d"] <= 128 else 2   # (three: head dims up to 128)
-    shipped = attn.CONFIGS.get("fwd_sm90", c["d"])
+    shipped = attn.configs.CONFIGS.get("fwd_sm90", c["d"])
     cfg = dataclasses.replace(shipped, producer=producer, blocks_per_sm=1, stages=max(shipped.stages, 3),
                               pingpong=pingpong and warpgroups == 2, overlap=overlap, warpgroups=warpgroups)
     while cfg.smem(c["d"]) > 225 * 1024 and cfg.stages > 2:   # (the ring that fits, as a config would)
@@ -415,13 +416,14 @@ def test_the_sm90_forward_matches_reference(c, layout, producer, pingpong, overl
     if two_blocks and c["d"] == 64 and warpgroups == 2 and not persistent:
         # (two blocks an SM: 128-key tiles without a producer, 64-key tiles with one, 104 registers)
         cfg = dataclasses.replace(cfg, blocks_per_sm=2, bn=64 if producer else 128, stages=3 if producer else 2)
-    hopper = dataclasses.replace(attn.CONFIGS.replace("fwd_sm90", c["d"], cfg), fwd_sm90_full=(), fwd_sm90_softcap=(),
+    hopper = dataclasses.replace(attn.configs.CONFIGS.replace("fwd_sm90", c["d"], cfg), fwd_sm90_full=(),
+                                 fwd_sm90_softcap=(),
                                  use_sm90=True,
                                  fwd_sm90_blocks=blocks)
     if section_pairs is not None:
         hopper = dataclasses.replace(hopper, l2_section_bytes=section_pairs * c["sk"] * c["d"] * 4)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(attn, "CONFIGS", hopper)
+        mp.setattr(attn.configs, "CONFIGS", hopper)
         _run_case(c, layout)
 
 
@@ -468,15 +470,15 @@ def test_the_persistent_forward_walks_every_work_tile(b, sq, sk, h, hkv, causal,
         pytest.skip("the Hopper path needs an sm_90 GPU")
     attn = importlib.import_module("cukern.attention")
     if d == 128:
-        cfg = attn.CONFIGS.sm90_forward(128, causal)
+        cfg = attn.configs.CONFIGS.sm90_forward(128, causal)
         assert cfg.persistent
     else:
         cfg = attn.Sm90FwdConfig(128, 3, producer=True, overlap=True, warpgroups=3, persistent=True)
         assert cfg.own_o_buffer
 
     def forced(c):
-        return dataclasses.replace(attn.CONFIGS.replace("fwd_sm90", d, c), fwd_sm90_full=(), fwd_sm90_softcap=(),
-                                   use_sm90=True)
+        return dataclasses.replace(attn.configs.CONFIGS.replace("fwd_sm90", d, c), fwd_sm90_full=(),
+                                   fwd_sm90_softcap=(), use_sm90=True)
 
     def sections(configs, pairs):   # (causal tiles in L2 sections of `pairs` (batch, head) pairs)
         return dataclasses.replace(configs, l2_section_bytes=pairs * sk * d * 4)
@@ -618,7 +620,7 @@ def test_the_sm80_backward_matches_reference_everywhere(c):
 
     attn = importlib.import_module("cukern.attention")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(attn, "CONFIGS", dataclasses.replace(attn.CONFIGS, use_sm90_bwd=False))
+        mp.setattr(attn.configs, "CONFIGS", dataclasses.replace(attn.configs.CONFIGS, use_sm90_bwd=False))
         _run_backward_case(c)
 
 
@@ -643,12 +645,12 @@ def test_the_sm90_backward_matches_reference(c, sk, rows, producer, sections, pe
     c["d"] = c["d"] if c["d"] in (64, 128) else 128
     c["sk"] = sk
     cfg = attn.Sm90BwdConfig(rows if c["d"] == 64 else 64, producer=producer, persistent=persistent)
-    configs = dataclasses.replace(attn.CONFIGS, bwd_sm90=((c["d"], cfg),), use_sm90_bwd=True, bwd_sm90_blocks=2)
+    configs = dataclasses.replace(attn.configs.CONFIGS, bwd_sm90=((c["d"], cfg),), use_sm90_bwd=True, bwd_sm90_blocks=2)
     if sections is not None:
         group_bytes = c["h"] // c["hkv"] * c["sq"] * c["d"] * 8
         configs = dataclasses.replace(configs, bwd_l2_section_bytes=sections * group_bytes)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(attn, "CONFIGS", configs)
+        mp.setattr(attn.configs, "CONFIGS", configs)
         _run_backward_case(c)
 
 
@@ -694,11 +696,11 @@ def test_the_persistent_sm90_forward_walks_every_tile(shape, blocks, dtype):
     rng = np.random.default_rng(sq + sk + blocks)
     q = random_host(rng, (b, sq, h, 128), dtype)
     k, v = (random_host(rng, (b, sk, hkv, 128), dtype) for _ in range(2))
-    cfg = attn.CONFIGS.sm90_forward(128, False)
+    cfg = attn.configs.CONFIGS.sm90_forward(128, False)
     assert cfg.persistent and not cfg.pingpong
-    walk = dataclasses.replace(attn.CONFIGS, use_sm90=True, fwd_sm90_blocks=blocks)
-    base = dataclasses.replace(attn.CONFIGS.replace("fwd_sm90_full", 128, dataclasses.replace(cfg, persistent=False)),
-                               use_sm90=True)
+    walk = dataclasses.replace(attn.configs.CONFIGS, use_sm90=True, fwd_sm90_blocks=blocks)
+    one_a_tile = dataclasses.replace(cfg, persistent=False)
+    base = dataclasses.replace(attn.configs.CONFIGS.replace("fwd_sm90_full", 128, one_a_tile), use_sm90=True)
     qd, kd, vd = (cupy.asarray(a) for a in (q, k, v))
     poison_allocator("cupy", [q.nbytes, b * h * sq * 4])
     (out, lse), (out_ref, lse_ref) = ([cupy.asnumpy(a) for a in attn._attention(qd, kd, vd, False, None, True, c)]
@@ -736,8 +738,8 @@ def test_the_persistent_sm90_backward_walks_every_unit(d, shape, blocks, softcap
     which = "bwd_sm90_softcap" if softcap else "bwd_sm90"
 
     def configs(persistent, **more):   # (the shipped configs with persistent set either way)
-        return dataclasses.replace(attn.CONFIGS, use_sm90_bwd=True, **more, **{which: tuple(
-            (dd, dataclasses.replace(c, persistent=persistent)) for dd, c in getattr(attn.CONFIGS, which))})
+        return dataclasses.replace(attn.configs.CONFIGS, use_sm90_bwd=True, **more, **{which: tuple(
+            (dd, dataclasses.replace(c, persistent=persistent)) for dd, c in getattr(attn.configs.CONFIGS, which))})
 
     base, walk = configs(False), configs(True, bwd_sm90_blocks=blocks)
     assert walk.get(which, d).persistent_for(0, False, False)
@@ -927,8 +929,8 @@ def torch_kernel_cases() -> dict:
     import importlib
 
     attn = importlib.import_module("cukern.attention")
-    hopper = attn.CONFIGS.use_sm90 and torch.cuda.get_device_capability() == (9, 0)
-    hopper_bwd = attn.CONFIGS.use_sm90_bwd and torch.cuda.get_device_capability() == (9, 0)
+    hopper = attn.configs.CONFIGS.use_sm90 and torch.cuda.get_device_capability() == (9, 0)
+    hopper_bwd = attn.configs.CONFIGS.use_sm90_bwd and torch.cuda.get_device_capability() == (9, 0)
     return {"sdpa": (lambda: torch.autograd.grad(ct.scaled_dot_product_attention(q, k, v, is_causal=True),
                                                  (q, k, v), do),
                      ["attention_bwd_sm90" if hopper_bwd else "attention_bwd_dkdv", "attention_bwd_dot",

@@ -487,7 +487,7 @@ def test_the_forward_passes_the_window_and_softcap(host_arrays_as_device, monkey
     assert ", 1, false, " in _launch(info)[1].name
 
     attn = importlib.import_module("cukern.attention")
-    hopper_on = dataclasses.replace(attn.CONFIGS, use_sm90=True)
+    hopper_on = dataclasses.replace(attn.configs.CONFIGS, use_sm90=True)
     monkeypatch.setattr(_kernels, "compute_capability", lambda device: (9, 0))
     for kw, hopper in ((dict(causal=True), True), (dict(window=(-1, 0)), True), (dict(softcap=1.0), True),
                        (dict(window=(8, -1)), True)):
@@ -538,13 +538,14 @@ def test_the_varlen_forward_plan(host_arrays_as_device, monkeypatch):
     # (Hopper: attention_fwd_sm90's VARLEN instance over the same grid, TMA boxes of one more
     # axis than the packed arrays, the offsets and the fault record)
     monkeypatch.setattr(_kernels, "compute_capability", lambda device: (9, 0))
-    monkeypatch.setattr(attn, "CONFIGS", dataclasses.replace(attn.CONFIGS, use_sm90=True))   # (CUKERN_ATTENTION_SM80)
+    # (CUKERN_ATTENTION_SM80 or not)
+    monkeypatch.setattr(attn.configs, "CONFIGS", dataclasses.replace(attn.configs.CONFIGS, use_sm90=True))
     attn._FWD_VARLEN.clear()   # (plans are kept by call signature, not by device)
     for kw, kind in ((dict(causal=True), 1), (dict(window=(7, 0), softcap=2.0), 2)):
         with pytest.raises(DryRun) as info:
             cukern.attention_varlen(q, k, v, cu_q, cu_k, 20, 25, return_lse=True, **kw)
         _, inst, grid, _, args, slots = _launch(info)
-        cfg = attn.CONFIGS.get("fwd_sm90_varlen", 128)
+        cfg = attn.configs.CONFIGS.get("fwd_sm90_varlen", 128)
         assert inst.name == cfg.instance("float16", 128, kind, "softcap" in kw, varlen=True).name
         assert inst.name.endswith(", true>") and grid == (1, 8)
         assert (args["Sq"], args["Sk"], args["max_q"], args["max_k"], args["tiles"]) == (30, 40, 20, 25, 8)
@@ -605,7 +606,7 @@ def test_the_backward_plans(host_arrays_as_device, monkeypatch):
     # (Hopper: the causal mask (with or without the softcap) and a window on attention_bwd_sm90)
     attn = importlib.import_module("cukern.attention")
     monkeypatch.setattr(_kernels, "compute_capability", lambda device: (9, 0))
-    hopper_on = dataclasses.replace(attn.CONFIGS, use_sm90_bwd=True)
+    hopper_on = dataclasses.replace(attn.configs.CONFIGS, use_sm90_bwd=True)
     for kw, name in ((dict(), "attention_bwd_sm90<cuk::half, 128, 64, 2, 1, false, "),
                      (dict(window=(5, 0)), "attention_bwd_sm90<cuk::half, 128, 64, 2, 2, false, "),
                      (dict(softcap=3.0), "attention_bwd_sm90<cuk::half, 128, 64, 2, 1, true, ")):
@@ -616,7 +617,7 @@ def test_the_backward_plans(host_arrays_as_device, monkeypatch):
     # (Hopper, packed documents: lse and Dsum as each document's query tiles, then the VARLEN
     # instance over (key blocks of the longest document, documents x kv heads), the dense
     # configs; with the softcap too)
-    monkeypatch.setattr(attn, "CONFIGS", hopper_on)
+    monkeypatch.setattr(attn.configs, "CONFIGS", hopper_on)
     attn._BWD_VARLEN.clear()
     with pytest.raises(DryRun) as info:
         cukern.attention_varlen_backward(qp, qp, kp, vp, qp, np.ones((4, 30), np.float32), cu_q, cu_k, 20, 25,
@@ -698,11 +699,11 @@ def test_the_sm90_backward_with_windows_and_softcap(c, sq, sk, d, rows, producer
     c.update(sq=sq, sk=sk, d=d)
     cfg = attn.Sm90BwdConfig(rows if d == 64 else 64, producer=producer)
     with pytest.MonkeyPatch.context() as mp:
-        configs = dataclasses.replace(attn.CONFIGS, bwd_sm90=((d, cfg),), bwd_sm90_softcap=((d, cfg),),
+        configs = dataclasses.replace(attn.configs.CONFIGS, bwd_sm90=((d, cfg),), bwd_sm90_softcap=((d, cfg),),
                                       use_sm90_bwd=True)
         if sections is not None:
             configs = dataclasses.replace(configs, bwd_l2_section_bytes=c["h"] // c["hkv"] * sq * d * 8)
-        mp.setattr(attn, "CONFIGS", configs)
+        mp.setattr(attn.configs, "CONFIGS", configs)
         _backward_case(c, deterministic)
 
 

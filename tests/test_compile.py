@@ -208,7 +208,7 @@ def test_two_blocks_an_sm_fit_the_hopper_forwards_shared_memory(reports):
     import importlib
 
     attention = importlib.import_module("cukern.attention")   # (cukern.attention is the function)
-    configs = attention.CONFIGS
+    configs = attention.configs.CONFIGS
     usages = {u.instance: u for u in _report(reports, "attention", "attention_fwd_sm90.cu", "sm_90a")}
     tables = configs.fwd_sm90 + configs.fwd_sm90_full + configs.fwd_sm90_varlen
     checked = 0
@@ -247,7 +247,7 @@ def test_a_wrong_shared_memory_size_fails_the_compile(nvrtc):
     import importlib
 
     attention = importlib.import_module("cukern.attention")   # (cukern.attention is the function)
-    inst = attention.CONFIGS.get("fwd", 64).instance("bfloat16", 64, False)
+    inst = attention.configs.CONFIGS.get("fwd", 64).instance("bfloat16", 64, False)
     wrong = re.sub(r", (\d+)>$", lambda m: f", {int(m.group(1)) + 16}>", inst.name)
     with pytest.raises(cukern.CompileError) as info:
         nvrtc.compile_instances(inst.source, [wrong], "sm_80")

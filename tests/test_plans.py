@@ -65,7 +65,7 @@ def test_attention_reads_sdpa_layout_and_packed_qkv_without_copies(host_arrays_a
     b, h, s, d = 2, 4, 16, 64
     if cc == (9, 0):
         # (the Hopper path on, as shipped, even where CUKERN_ATTENTION_SM80=1 turned it off)
-        monkeypatch.setattr(attn, "CONFIGS", dataclasses.replace(attn.CONFIGS, use_sm90=True))
+        monkeypatch.setattr(attn.configs, "CONFIGS", dataclasses.replace(attn.configs.CONFIGS, use_sm90=True))
         sdpa = np.ones((b, h, s, d), np.float16).transpose(0, 2, 1, 3)
         qkv = np.ones((b, s, 3, h, d), np.float16)
         for q, k, v in ((sdpa, sdpa, sdpa), (qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])):

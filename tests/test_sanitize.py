@@ -330,16 +330,16 @@ def test_initcheck_processes_store_o_without_tma(monkeypatch):
     import dataclasses
 
     attn = importlib.import_module("cukern.attention")
-    shipped = attn.CONFIGS
+    shipped = attn.configs.CONFIGS
     assert any(c.persistent for _, c in shipped.fwd_sm90 + shipped.fwd_sm90_full)
     assert sc.TOOL_ENV["initcheck"] == {"CUKERN_SANITIZE_O_BY_STORES": "1"}
-    monkeypatch.setattr(attn, "CONFIGS", shipped)
+    monkeypatch.setattr(attn.configs, "CONFIGS", shipped)
     monkeypatch.delenv("CUKERN_SANITIZE_O_BY_STORES", raising=False)
     sc.configure_for_tool()
-    assert attn.CONFIGS is shipped
+    assert attn.configs.CONFIGS is shipped
     monkeypatch.setenv("CUKERN_SANITIZE_O_BY_STORES", "1")
     sc.configure_for_tool()
-    changed = attn.CONFIGS
+    changed = attn.configs.CONFIGS
     assert not any(c.persistent for _, c in changed.fwd_sm90 + changed.fwd_sm90_full)
     for which in ("fwd_sm90", "fwd_sm90_full"):   # (only persistence changes; every instance still valid)
         for (d, c), (_, s) in zip(getattr(changed, which), getattr(shipped, which)):

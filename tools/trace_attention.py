@@ -38,15 +38,16 @@ def main():
     causal = "--causal" in sys.argv
     q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     if backward:
-        cfg = attn.CONFIGS.get("bwd_sm90", D)
+        cfg = attn.configs.CONFIGS.get("bwd_sm90", D)
         out, lse = attn.attention(q, k, v, causal=causal, return_lse=True)
         run = lambda: attn.attention_backward(do, q, k, v, out, lse, causal=causal)   # noqa: E731
         inst = cfg.instance("bfloat16", D, causal, False)
     else:
         # (a persistent config is traced in its one-block-a-work-tile form: the record is a block's)
-        cfg = dataclasses.replace(attn.CONFIGS.sm90_forward(D, causal), persistent=False)
-        configs = attn.CONFIGS.replace("fwd_sm90_full" if not causal and D in dict(attn.CONFIGS.fwd_sm90_full)
-                                       else "fwd_sm90", D, cfg)
+        cfg = dataclasses.replace(attn.configs.CONFIGS.sm90_forward(D, causal), persistent=False)
+        shipped = attn.configs.CONFIGS
+        configs = shipped.replace("fwd_sm90_full" if not causal and D in dict(shipped.fwd_sm90_full) else "fwd_sm90",
+                                  D, cfg)
         run = lambda: attn._attention(q, k, v, causal, None, True, configs)   # noqa: E731
         inst = cfg.instance("bfloat16", D, causal)
     for _ in range(10):

@@ -48,10 +48,10 @@ def main():
         expect = run().transpose(1, 2).float()
         print(f"\nB{B} H{H} S{S} d{D}{' causal' if causal else ''}: flash {flops / ref['flash'] / 1e9:.0f} "
               f"TFLOP/s, cudnn {flops / ref['cudnn'] / 1e9:.0f} TFLOP/s")
-        candidates = [(cfg, dataclasses.replace(attn.CONFIGS.replace("fwd", D, cfg), use_sm90=False))
-                      for cfg in CANDIDATES.get(D, [attn.CONFIGS.get("fwd", D)]) if not sm90_only]
+        candidates = [(cfg, dataclasses.replace(attn.configs.CONFIGS.replace("fwd", D, cfg), use_sm90=False))
+                      for cfg in CANDIDATES.get(D, [attn.configs.CONFIGS.get("fwd", D)]) if not sm90_only]
         if torch.cuda.get_device_capability() == (9, 0):
-            candidates += [(cfg, dataclasses.replace(attn.CONFIGS, use_sm90=True, fwd_sm90=((D, cfg),),
+            candidates += [(cfg, dataclasses.replace(attn.configs.CONFIGS, use_sm90=True, fwd_sm90=((D, cfg),),
                                                      fwd_sm90_full=()))
                            for cfg in SM90_CANDIDATES.get(D, [])]
         for cfg, configs in candidates:

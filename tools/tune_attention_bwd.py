@@ -52,12 +52,12 @@ def main():
               f"{flops / ref['flash'] / 1e9:.0f} TFLOP/s, cudnn {flops / ref['cudnn'] / 1e9:.0f} TFLOP/s")
         hopper = torch.cuda.get_device_capability() == (9, 0) and D in SM90_CANDIDATES
         if "--default" in sys.argv:
-            cands = [attn.CONFIGS.get("bwd_sm90" if hopper else "bwd", D)]
+            cands = [attn.configs.CONFIGS.get("bwd_sm90" if hopper else "bwd", D)]
         else:
             cands = CANDIDATES[D] + (SM90_CANDIDATES[D] if hopper else [])
         for cfg in cands:
-            configs = (dataclasses.replace(attn.CONFIGS, bwd_sm90=((D, cfg),)) if isinstance(cfg, S90) else
-                       dataclasses.replace(attn.CONFIGS.replace("bwd", D, cfg), use_sm90_bwd=False))
+            configs = (dataclasses.replace(attn.configs.CONFIGS, bwd_sm90=((D, cfg),)) if isinstance(cfg, S90) else
+                       dataclasses.replace(attn.configs.CONFIGS.replace("bwd", D, cfg), use_sm90_bwd=False))
             for det in (False, True):
                 def ours(det=det, configs=configs):
                     out, lse = attn._attention(q, k, v, causal, None, True, configs)

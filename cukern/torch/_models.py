@@ -185,12 +185,20 @@ def _dense_mask(pad, q_length, causal, window):
     return keep[None, None] & pad[:, None, None, :]
 
 
+@functools.cache
+def _sdpa_route():
+    """The route the attention family registered for SDPA's drop-in (through the registry: no
+    family's private names here)."""
+    from .._registry import families
+
+    return next(d.route for f in families() for d in f.dropins if d.replaces == "scaled_dot_product_attention")
+
+
 def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                   sliding_window=None, softcap=None, **kwargs):
     """transformers' attention interface for "cukern": q (B, H, Sq, D), k and v (B, Hkv, Sk, D)
     in, (B, Sq, H, D) out. Causal or not, key padding (as varlen), a sliding window and a
     softcap on the kernels; dropout, other masks and decoding on PyTorch's SDPA."""
-    from cukern.attention import _route
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
@@ -214,7 +222,7 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     elif pad is not None and window is not None:
         reason = "key padding with a sliding window"
     if reason is None:
-        r = _route(_tools, query, key, value, is_causal=causal, scale=scaling, enable_gqa=True)
+        r = _sdpa_route()(_tools, query, key, value, is_causal=causal, scale=scaling, enable_gqa=True)
         if isinstance(r, str):
             reason = r
     if reason != "compiling":

@@ -1,0 +1,219 @@
+"""The backward's array functions and launch plans, dense and packed documents."""
+from __future__ import annotations
+
+from .. import _arrays, _attention_mask, _checks, _faults, _kernels
+from .._arrays import DeviceArray
+from .._kernels import MapSlot
+from .._plans import Builder, Plan, PlanCache
+from . import configs as _cfg
+from .checks import _check_like_q, _check_lse, _check_qkv, _check_varlen, _like, _read, _scale, _strides3, _tma_readable
+from .configs import LOG2E, Configs
+from .forward import _mask_key, _offsets, _qkv, _varlen_cacheable
+
+# ---- backward -------------------------------------------------------------------------------
+
+_BWD = PlanCache()
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, deterministic=False,
+                       window=(-1, -1), softcap=0.0):
+    """Gradients of ``attention``: ``(dq, dk, dv)``.
+
+    Args:
+        dout: (B, Sq, H, D) gradient of ``out``, q's dtype, any batch/sequence/head strides.
+        q, k, v, causal, softmax_scale, window, softcap: as given to the forward.
+        out, lse: the forward's output and log-sum-exp (``return_lse=True``).
+        deterministic: False (default, as FlashAttention): dQ is summed over key tiles with
+            float32 atomics (5 matrix products a tile pair; the last bits of dq may differ run
+            to run). True: dQ has its own pass (7 products, about 1.3x the backward's time)
+            and every gradient has the same bits on every call. dk and dv are deterministic
+            either way (a fixed-order sum over query tiles and heads).
+
+    Returns:
+        dq (B, Sq, H, D), dk and dv (B, Sk, Hkv, D) — dk and dv summed over the query heads
+        that share each K/V head — of q's dtype, each laid out like its input (q, k, v) when
+        that input is dense, else contiguous.
+    """
+    return _attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, _cfg.CONFIGS, window,
+                               softcap)
+
+
+def _bwd_arrays(dout, q, k, v, out, lse) -> list:
+    return [_arrays.as_device_array(dout, "dout", _arrays.FLOATS), *_qkv(q, k, v),
+            _arrays.as_device_array(out, "out", _arrays.FLOATS), _arrays.as_device_array(lse, "lse", ("float32",))]
+
+
+def _attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, configs: Configs,
+                        window=(-1, -1), softcap=0.0):
+    arrays = _bwd_arrays(dout, q, k, v, out, lse)
+    mkey = _mask_key(window, softcap)
+    plain = (softmax_scale is None or type(softmax_scale) in (float, int)) and mkey is not None
+    key = (bool(causal), softmax_scale, bool(deterministic), configs, mkey, *(a.key for a in arrays))
+    plan = _BWD.get(key) if plain else None
+    if plan is None:
+        plan = _plan_backward(arrays, bool(causal), softmax_scale, bool(deterministic), configs, window, softcap)
+        if plain:
+            _BWD.put(key, plan)
+    bufs = plan(arrays)   # (the given arrays, then dq, dk, dv)
+    return bufs[6].obj, bufs[7].obj, bufs[8].obj
+
+
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                              causal=False, softmax_scale=None, deterministic=False, window=(-1, -1), softcap=0.0):
+    """Gradients of ``attention_varlen``: ``(dq, dk, dv)`` of the packed documents.
+
+    Args:
+        dout: (total_q, H, D) gradient of ``out``.
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+            window, softcap: as given to the forward.
+        out, lse: the forward's output and log-sum-exp (H, total_q) (``return_lse=True``).
+        deterministic: as for ``attention_backward``.
+
+    Bad offsets are reported by ``cukern.check_errors()`` as for the forward; the gradients of
+    such a call are not valid (a bad document's are not written).
+
+    Returns:
+        dq (total_q, H, D), dk and dv (total_k, Hkv, D) of q's dtype.
+    """
+    arrays = [*_bwd_arrays(dout, q, k, v, out, lse), *_offsets(cu_seqlens_q, cu_seqlens_k)]
+    mkey = _mask_key(window, softcap)
+    plain = _varlen_cacheable(softmax_scale, mkey, max_seqlen_q, max_seqlen_k)
+    key = (bool(causal), softmax_scale, bool(deterministic), _cfg.CONFIGS, mkey, max_seqlen_q, max_seqlen_k,
+           *(a.key for a in arrays))
+    plan = _BWD_VARLEN.get(key) if plain else None
+    if plan is None:
+        plan = _plan_backward(arrays, bool(causal), softmax_scale, bool(deterministic), _cfg.CONFIGS, window, softcap,
+                              (max_seqlen_q, max_seqlen_k))
+        if plain:
+            _BWD_VARLEN.put(key, plan)
+    bufs = plan(arrays)   # (the given arrays with the offsets, then dq, dk, dv)
+    return bufs[8].obj, bufs[9].obj, bufs[10].obj
+
+
+_BWD_VARLEN = PlanCache()
+
+
+def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Configs, window=(-1, -1), softcap=0.0,
+                   varlen: tuple | None = None) -> Plan:
+    """The backward's plan; ``varlen`` = (max_seqlen_q, max_seqlen_k) for packed documents,
+    whose offsets are arrays 6 and 7 (the kernels then see one batch of all the tokens)."""
+    da, qa, ka, va, oa, la = arrays[:6]
+    if varlen is None:
+        _check_qkv(qa, ka, va, configs.bwd_head_dims, " by the backward")
+        _check_like_q(da, qa)
+        _check_like_q(oa, qa)
+        _check_lse(la, qa)
+        batch, sq, h, d = qa.shape
+        sk, hkv = ka.shape[1], ka.shape[2]
+        groups, rows_q, rows_k = batch, sq, sk
+        mask = _attention_mask.mask_of(causal, window, softcap, sq, sk)
+        strides_of = _read
+        like = _like
+    else:
+        rows_q, rows_k = _check_varlen(qa, ka, va, arrays[6], arrays[7], *varlen, configs.bwd_head_dims,
+                                       " by the backward")
+        _checks.like(da, qa, qa.shape)
+        _checks.like(oa, qa, qa.shape)
+        if la.shape != (qa.shape[1], qa.shape[0]):
+            raise ValueError(f"lse: shape {la.shape} does not match (heads, total_q) = {(qa.shape[1], qa.shape[0])}")
+        batch, (sq, h, d), (sk, hkv) = 1, qa.shape, ka.shape[:2]
+        groups = arrays[6].shape[0] - 1
+        mask = _attention_mask.mask_of(causal, window, softcap, rows_q, rows_k)
+
+        def strides_of(b, i, a):   # (packed: batch stride 0)
+            return (0, *_read(b, i, a))
+
+        def like(a, copied):
+            return (0, *_like(a, copied))
+    scale = _scale(softmax_scale, d)
+    device = _arrays.same_device(*arrays)
+    b = Builder(arrays)
+    ds, qs, ks, vs, os_ = (strides_of(b, i, a) for i, a in enumerate(arrays[:5]))
+    for i in range(5, len(arrays)):
+        if not _arrays.is_contiguous(arrays[i]):
+            b.fix(i, DeviceArray.contiguous)
+    copied = {i for i, _ in b.fixes}
+    dq = b.alloc(qa.shape, qa.dtype, "contiguous" if 1 in copied else "like", 1)
+    dk = b.alloc(ka.shape, qa.dtype, "contiguous" if 2 in copied else "like", 2)
+    dv = b.alloc(va.shape, qa.dtype, "contiguous" if 3 in copied else "like", 3)
+    if batch * h * sq == 0 or sk == 0:
+        b.fill(0.0, dq, dk, dv)
+        return b.plan(device, first=1)
+    dqs, dks, dvs = like(qa, 1 in copied), like(ka, 2 in copied), like(va, 3 in copied)
+    dsum = b.alloc((batch, h, sq), "float32")
+    # deterministic=False: dQ's float32 partial sums (B, Sq, H, D), zeroed by the Dsum kernel,
+    # then added to by atomics (or TMA reduce-add).
+    dq_accum = None if deterministic else b.alloc((batch, sq, h, d), "float32")
+    tail = dict(H=h, Hkv=hkv, Sq=sq, Sk=sk, scale=scale, scale_log2=scale * LOG2E)
+    cap_in, cap_out = _attention_mask.softcap_log2(mask, scale)
+    masked = dict(win_left=mask.left, win_right=mask.right, cap_in=cap_in, cap_out=cap_out,
+                  cu_q=b.slot(6) if varlen else None, cu_k=b.slot(7) if varlen else None,
+                  max_q=rows_q if varlen else 0, max_k=rows_k if varlen else 0,
+                  fault=_arrays.wrap(_faults.record(device), "fault record") if varlen else None)
+    strided = {**{f"q_{n}": s for n, s in _strides3(qs).items()}, **{f"k_{n}": s for n, s in _strides3(ks).items()},
+               **{f"v_{n}": s for n, s in _strides3(vs).items()}, **{f"d_{n}": s for n, s in _strides3(ds).items()}}
+    out_strides = {**{f"dk_{n}": s for n, s in _strides3(dks).items()},
+                   **{f"dv_{n}": s for n, s in _strides3(dvs).items()}}
+    hopper = (configs.use_sm90_bwd and d in dict(configs.bwd_sm90) and _kernels.compute_capability(device) == (9, 0)
+              and all(i in copied or _tma_readable(a) for i, a in enumerate(arrays[:4])))
+    # The Hopper kernel loads lse * log2(e) and Dsum by TMA, a query tile's [2][rows] at once.
+    which = "bwd_sm90_softcap" if mask.softcap else "bwd_sm90"
+    cfg_sm90 = configs.get(which, d) if hopper else None
+    tile = cfg_sm90.block_rows if hopper else 0
+    # (packed documents: each document's tiles apart, document d's from q0 / tile + d)
+    rows = None if not hopper else b.alloc(
+        (batch, h, -(-sq // tile) + (groups if varlen else 0), 2, tile), "float32")
+    threads = configs.dot_threads
+    k = _kernels.kernel(configs.dot(qa.dtype, d), device)
+    b.launch(k, min(-(-(batch * sq * h * _dot_lanes(d)) // threads), 65535), dout=b.slot(0), out=b.slot(4),
+             **{f"d_{n}": s for n, s in _strides3(ds).items()}, **{f"o_{n}": s for n, s in _strides3(os_).items()},
+             dsum=dsum, lse=b.slot(5), rows=None if varlen else rows, tile=tile, dq_accum=dq_accum, B=batch, Sq=sq,
+             H=h)
+    if hopper and varlen:
+        b.launch(_kernels.kernel(cfg_sm90.rows_instance(), device), (-(-rows_q // tile), groups * h), lse=b.slot(5),
+                 dsum=dsum, rows=rows, cu_q=b.slot(6), H=h, total_q=sq)
+    if hopper:
+        # dK, dV (and dQ's float32 partial sums, by TMA reduce-add) by TMA and wgmma; dQ's
+        # conversion or pass as below. (deterministic: no dQ here, the dq_map is unused)
+        cfg = cfg_sm90
+        k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, deterministic, bool(mask.softcap), varlen is not None),
+                            device)
+        qbox, kbox = (1, cfg.block_rows, 1, 64), (1, cfg.block_keys, 1, 64)
+        dq_map = bytes(128) if deterministic else MapSlot(dq_accum.index, (1, 16, 1, 32))
+        kblocks, pairs = -(-rows_k // cfg.block_keys), groups * hkv
+        if cfg.persistent_for(mask.kind, deterministic, varlen is not None):   # (one block an SM walks the units)
+            grid = (min(kblocks * pairs, configs.bwd_sm90_blocks or _kernels.sm_count(device)), 1)
+        elif varlen is None and mask.kind in (1, 2):   # (causal or a window: see the kernel)
+            per = min(pairs, max(1, configs.bwd_l2_section_bytes // (h // hkv * rows_q * d * 8)))
+            grid = (per, kblocks, -(-pairs // per))
+        else:
+            grid = (kblocks, pairs)
+        b.launch(k, grid, q_map=MapSlot(1, qbox), k_map=MapSlot(2, kbox),
+                 v_map=MapSlot(3, kbox), do_map=MapSlot(0, qbox), dq_map=dq_map, rows=rows, dk=dk, dv=dv,
+                 **out_strides, **tail, win_left=mask.left, win_right=mask.right, cap_in=cap_in, cap_out=cap_out,
+                 **{n: masked[n] for n in ("cu_q", "cu_k", "max_q", "max_k", "fault")},
+                 groups=pairs)
+    else:
+        cfg = configs.get("bwd", d)
+        k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, deterministic, bool(mask.softcap)), device)
+        b.launch(k, (-(-rows_k // cfg.bn), groups * hkv), q=b.slot(1), k=b.slot(2), v=b.slot(3), dout=b.slot(0),
+                 lse=b.slot(5), dsum=dsum, dk=dk, dv=dv, dq_accum=dq_accum, **strided, **out_strides, **tail,
+                 **masked)
+    if deterministic:
+        qcfg = configs.get("dq", d)
+        k = _kernels.kernel(qcfg.instance(qa.dtype, d, mask.kind, bool(mask.softcap)), device)
+        b.launch(k, (-(-rows_q // (16 * qcfg.warps)), groups * h), q=b.slot(1), k=b.slot(2), v=b.slot(3),
+                 dout=b.slot(0), lse=b.slot(5), dsum=dsum, dq=dq, **strided,
+                 **{f"dq_{n}": s for n, s in _strides3(dqs).items()}, **tail, **masked)
+    else:
+        k = _kernels.kernel(configs.convert(qa.dtype, d), device)
+        n8 = batch * sq * h * d // 8
+        b.launch(k, min(-(-n8 // threads), 65535 * 16), acc=dq_accum, dq=dq, B=batch, Sq=sq, H=h,
+                 **{f"dq_{n}": s for n, s in _strides3(dqs).items()}, scale=scale)
+    return b.plan(device, first=1)
+
+
+def _dot_lanes(d: int) -> int:
+    """attention_bwd_dot's lanes a row: the largest power of two up to 16 that divides d / 8."""
+    v = d // 8
+    return next(n for n in (16, 8, 4, 2, 1) if v % n == 0)

@@ -1,0 +1,371 @@
+"""Attention's kernel configurations: the sources, the tile configurations by head dim and
+path (sm_80; Hopper forward and backward), the shipped ``CONFIGS`` and the kernel instances.
+
+The functions read ``configs.CONFIGS`` when they are called, so a tool or a test that tries
+other configurations replaces it here."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .. import _arrays
+from .._kernels import Instance
+
+SOURCE = "attention_fwd.cu"
+SM90_SOURCE = "attention_fwd_sm90.cu"
+BWD_SOURCE = "attention_bwd.cu"
+SM90_BWD_SOURCE = "attention_bwd_sm90.cu"
+DTYPES = ("float16", "bfloat16")
+LOG2E = 1.4426950408889634
+
+
+def row_elems(d: int) -> int:
+    """Shared-memory row length of the kernels (row_elems in cuda_src/common/attn_tile.cuh):
+    head_dim padded to a multiple of 64 elements."""
+    return 64 if d <= 64 else -(-d // 64) * 64
+
+
+def _ctype(dtype: str) -> str:
+    return _arrays.DTYPES[dtype][0]
+
+
+def _b(flag: bool) -> str:
+    return "true" if flag else "false"
+
+
+# ---- kernel configurations --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """attention_fwd: ``warps`` a block, ``mt`` 16-row m-tiles a warp, ``bn`` keys a staged
+    tile, ``bnc`` keys a compute sub-tile, ``qreg``: Q fragments kept in registers."""
+    warps: int
+    mt: int
+    bn: int
+    bnc: int
+    qreg: bool
+
+    @property
+    def block_rows(self) -> int:
+        return 16 * self.mt * self.warps
+
+    def smem(self, d: int, itemsize: int) -> int:
+        """Q, two K and two V tiles, and 1 KB to align the tiles."""
+        return (self.block_rows + 4 * self.bn) * row_elems(d) * itemsize + 1024
+
+    def instance(self, dtype: str, d: int, mask: int, softcap: bool = False) -> Instance:
+        """``mask``: Mask.kind (a bool: causal or not)."""
+        smem = self.smem(d, _arrays.DTYPES[dtype][1])
+        return Instance(SOURCE, f"attention_fwd<{_ctype(dtype)}, {d}, {self.warps}, {self.mt}, {self.bn}, "
+                                f"{self.bnc}, {_b(self.qreg)}, {int(mask)}, {_b(softcap)}, {smem}>", 32 * self.warps,
+                        smem)
+
+
+SM90_MAX_SMEM = 227 * 1024   # (a block's opt-in shared memory on H100 and H200)
+SM90_SMEM_PER_SM = 228 * 1024   # (an SM's, of which each block also takes 1 KB)
+
+
+@dataclass(frozen=True)
+class Sm90FwdConfig:
+    """attention_fwd_sm90 (TMA + wgmma, sm_90a): ``warpgroups`` (2 or 3) of 64 query rows a
+    block, ``bn`` keys a tile, a ring of ``stages`` K and V tiles in shared memory. Scheduling:
+    ``producer``, one more warpgroup issues the loads (setmaxnreg: 240 registers for two others,
+    160 for three); ``pingpong``, two warpgroups take turns issuing Q K^T; ``overlap``, a tile's
+    softmax runs while the tensor cores finish the previous tile's P V (FlashAttention-3's
+    intra-warpgroup overlap); ``persistent``, one block an SM walks the work tiles (with a
+    producer and the overlap; causal tiles, which cost different amounts, are handed out by an
+    atomic counter, the longest first; O staged in the last K tile, or in a buffer of its own
+    where that is shorter than the block's rows); ``blocks_per_sm`` 2, two blocks of two
+    warpgroups share an SM, so that one block's softmax and loads fill the other's gaps: without
+    a producer every thread has 128 registers (the first thread of the second warpgroup, which
+    runs behind the first with the turns, refills the ring); with one, the launch gives 80 and
+    the consumers grow to 104, which holds key tiles of at most 64."""
+    bn: int
+    stages: int = 2
+    producer: bool = False
+    pingpong: bool = False
+    overlap: bool = False
+    warpgroups: int = 2
+    persistent: bool = False
+    blocks_per_sm: int = 1
+
+    @property
+    def block_rows(self) -> int:
+        return 64 * self.warpgroups
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.warpgroups + self.producer)
+
+    @property
+    def own_o_buffer(self) -> bool:
+        """Persistent with key tiles shorter than the block's rows: O is staged in a buffer of
+        its own (it does not fit the last K tile)."""
+        return self.persistent and self.bn < self.block_rows
+
+    def smem(self, d: int) -> int:
+        """Q, the ring of K and V tiles (and O's own buffer, if any), 128-byte rows (64 head-dim
+        columns a box), and 1 KB to align them (16-bit elements)."""
+        return ((2 if self.own_o_buffer else 1) * self.block_rows + 2 * self.stages * self.bn) * d * 2 + 1024
+
+    @property
+    def static_smem(self) -> int:
+        """The kernel's static shared memory: its barriers (two, and two a stage), the overlap's
+        store sink (a word a computing thread), two work tile numbers and 8 bytes of padding."""
+        return 8 * (2 + 2 * self.stages) + 4 * (128 * self.warpgroups if self.overlap else 1) + 16
+
+    def instance(self, dtype: str, d: int, mask: int, softcap: bool = False, varlen: bool = False) -> Instance:
+        """``mask``: Mask.kind (a bool: causal or not); ``varlen``: packed documents (not persistent)."""
+        if varlen and self.persistent:
+            raise ValueError("varlen: packed documents take a config that is not persistent")
+        if self.warpgroups == 3 and d > 128:
+            raise ValueError(f"warpgroups=3 takes head dims up to 128, not {d}: the O accumulators of "
+                             "64 rows x d do not fit a thread's share of the registers "
+                             "(128 with a producer, 168 without)")
+        if self.persistent and not (self.producer and self.overlap):
+            raise ValueError(f"persistent takes a producer and the overlap (producer={self.producer}, "
+                             f"overlap={self.overlap})")
+        if self.blocks_per_sm not in (1, 2) or (self.blocks_per_sm == 2 and not (
+                self.warpgroups == 2 and not self.persistent)):
+            raise ValueError(f"blocks_per_sm={self.blocks_per_sm}: 1, or 2 with two warpgroups, not "
+                             f"persistent (warpgroups={self.warpgroups}, persistent={self.persistent})")
+        if self.blocks_per_sm == 2 and self.producer and self.bn > 64:
+            raise ValueError(f"blocks_per_sm=2 with a producer takes key tiles of at most 64 keys, not "
+                             f"bn={self.bn}: its consumers have 104 registers (ptxas fails on the S "
+                             "accumulators of wider tiles)")
+        smem = self.smem(d)
+        if self.blocks_per_sm > 1 and self.blocks_per_sm * (smem + self.static_smem + 1024) > SM90_SMEM_PER_SM:
+            raise ValueError(f"this config takes {smem} bytes of shared memory at head dim {d} and "
+                             f"{self.static_smem} of static; "
+                             f"{self.blocks_per_sm} blocks of it do not fit an SM's {SM90_SMEM_PER_SM}")
+        if smem > SM90_MAX_SMEM:
+            raise ValueError(f"this config takes {smem} bytes of shared memory at head dim {d} (bn={self.bn}, "
+                             f"stages={self.stages}{', O in a buffer of its own' if self.own_o_buffer else ''}); "
+                             f"a block on sm_90 may have {SM90_MAX_SMEM}")
+        return Instance(SM90_SOURCE, f"attention_fwd_sm90<{_ctype(dtype)}, {d}, {self.bn}, {self.stages}, "
+                        f"{self.warpgroups}, {int(mask)}, {_b(softcap)}, {_b(self.producer)}, {_b(self.pingpong)}, "
+                        f"{_b(self.overlap)}, {_b(self.persistent)}, {self.blocks_per_sm}, {smem}, {_b(varlen)}>",
+                        self.threads, smem, "sm_90a")
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """attention_bwd_dkdv, FlashAttention-2's backward block: ``bm`` queries a step, ``bn`` keys
+    a block, ``warps``, and the warps over queries in S = Q K^T (``wm_s``), over keys in dK/dV
+    (``wn_kv``) and over queries in dQ (``wm_q``)."""
+    bm: int
+    bn: int
+    warps: int
+    wm_s: int
+    wn_kv: int
+    wm_q: int
+
+    def smem(self, d: int, itemsize: int) -> int:
+        """K, V, Q and dO (double-buffered), P and dS, lse and Dsum (double-buffered), and
+        1 KB to align the tiles."""
+        return ((2 * self.bn + 4 * self.bm) * row_elems(d) * itemsize + 2 * self.bm * row_elems(self.bn) * itemsize
+                + 4 * self.bm * 4 + 1024)
+
+    def instance(self, dtype: str, d: int, mask: int, deterministic: bool, softcap: bool = False) -> Instance:
+        """``mask``: Mask.kind (a bool: causal or not)."""
+        smem = self.smem(d, _arrays.DTYPES[dtype][1])
+        return Instance(BWD_SOURCE, f"attention_bwd_dkdv<{_ctype(dtype)}, {d}, {self.bm}, {self.bn}, {self.warps}, "
+                                    f"{self.wm_s}, {self.wn_kv}, {self.wm_q}, {int(mask)}, {_b(softcap)}, "
+                                    f"{_b(not deterministic)}, {smem}>", 32 * self.warps, smem)
+
+
+@dataclass(frozen=True)
+class Sm90BwdConfig:
+    """attention_bwd_sm90 (TMA + wgmma, sm_90a): two warpgroups of 64 keys a block, query tiles
+    of ``block_rows`` (64 or 128) in a ring of ``stages`` Q and dO buffers. ``producer``: a third
+    warpgroup issues the loads and the two others get 240 registers (setmaxnreg), with dQ by
+    atomics only (deterministic=False; the deterministic instance would spill). Replaces
+    attention_bwd_dkdv. ``persistent``: without a mask (dense, dQ by atomics, with a producer),
+    one block an SM walks the (batch, kv head, key block) units, a unit's first loads issued as
+    the one before ends."""
+    block_rows: int = 64
+    stages: int = 2
+    producer: bool = False
+    persistent: bool = False
+    block_keys = 128
+
+    def persistent_for(self, mask: int, deterministic: bool, varlen: bool) -> bool:
+        """Whether the instance for these arguments walks units (see the class)."""
+        return self.persistent and self.threads(deterministic) == 384 and int(mask) == 0 and not varlen
+
+    def threads(self, deterministic: bool) -> int:
+        return 384 if self.producer and not deterministic else 256
+
+    def smem(self, d: int, deterministic: bool) -> int:
+        """K, V, the Q and dO rings (128-byte rows, 64 head-dim columns a box); unless
+        deterministic, two dS^T buffers of 128 keys x 64 queries and dQ's staging boxes (16 rows
+        x 32 floats, two a warp); a ring of lse_log2 and Dsum rows; and 1 KB to align them."""
+        ds = 0 if deterministic else 2 * self.block_rows // 64 * self.block_keys * 128
+        dq = 0 if deterministic else 8 * 2 * 16 * 128
+        rows = self.stages * 2 * self.block_rows * 4
+        return (2 * self.block_keys + 2 * self.stages * self.block_rows) * d * 2 + ds + dq + rows + 1024
+
+    def instance(self, dtype: str, d: int, mask: int, deterministic: bool, softcap: bool = False,
+                 varlen: bool = False) -> Instance:
+        """``mask``: Mask.kind (a bool: causal or not); ``varlen``: packed documents."""
+        smem = self.smem(d, deterministic)
+        producer = self.threads(deterministic) == 384
+        return Instance(SM90_BWD_SOURCE, f"attention_bwd_sm90<{_ctype(dtype)}, {d}, {self.block_rows}, {self.stages}, "
+                        f"{int(mask)}, {_b(softcap)}, {_b(not deterministic)}, {_b(producer)}, {smem}, "
+                        f"{_b(varlen)}, {_b(self.persistent_for(mask, deterministic, varlen))}>",
+                        self.threads(deterministic), smem, "sm_90a")
+
+    def rows_instance(self) -> Instance:
+        """attention_bwd_rows_varlen: lse and Dsum as this config's query tiles of packed documents."""
+        return Instance(SM90_BWD_SOURCE, f"attention_bwd_rows_varlen<{self.block_rows}>", self.block_rows, 0,
+                        "sm_90a")
+
+
+@dataclass(frozen=True)
+class DqConfig:
+    """attention_bwd_dq (deterministic=True): ``warps`` of 16 queries, ``bn`` keys a tile."""
+    warps: int
+    bn: int
+
+    def smem(self, d: int, itemsize: int) -> int:
+        return (2 * 16 * self.warps + 4 * self.bn) * row_elems(d) * itemsize
+
+    def instance(self, dtype: str, d: int, mask: int, softcap: bool = False) -> Instance:
+        """``mask``: Mask.kind (a bool: causal or not)."""
+        smem = self.smem(d, _arrays.DTYPES[dtype][1])
+        return Instance(BWD_SOURCE, f"attention_bwd_dq<{_ctype(dtype)}, {d}, {self.warps}, {self.bn}, {int(mask)}, "
+                                    f"{_b(softcap)}, {smem}>", 32 * self.warps, smem)
+
+
+@dataclass(frozen=True, eq=False)   # (hashed by identity: plans are keyed by it, on every call)
+class Configs:
+    """Configurations by head dim (measured: docs/notes-attention.md). ``dot_threads``: the
+    Dsum and dQ-conversion kernels' blocks."""
+    fwd: tuple[tuple[int, FwdConfig], ...]
+    bwd: tuple[tuple[int, BwdConfig], ...]
+    dq: tuple[tuple[int, DqConfig], ...]
+    dot_threads: int = 256
+    # The forward on sm_90 (H100, H200) by TMA and wgmma, by head dim: key tiles as measured
+    # fastest (tools/tune_attention.py; the figures: docs/notes-attention.md, the Hopper path).
+    # d64, every mask: two blocks an SM of 128-key tiles, no producer (128 registers a thread),
+    # two stages (three do not fit two blocks' shared memory); 64-key tiles with a producer issue
+    # more instructions.
+    fwd_sm90: tuple[tuple[int, Sm90FwdConfig], ...] = (
+        (64, Sm90FwdConfig(128, 2, pingpong=True, blocks_per_sm=2)),
+        (128, Sm90FwdConfig(128, 3, producer=True, pingpong=True, overlap=True, persistent=True)),
+        (256, Sm90FwdConfig(64, 2, producer=True, pingpong=True)))
+    # ... and where the forward without a causal mask measured faster with another config (d128:
+    # the overlap without the warpgroups' turns, which the causal forward gains 3-5% by).
+    fwd_sm90_full: tuple[tuple[int, Sm90FwdConfig], ...] = (
+        (128, Sm90FwdConfig(128, 3, producer=True, overlap=True, persistent=True)),)
+    # ... and with the softcap, where it differs (d64: the 128-key tiles spill with the softcap's
+    # tanh, and measured no faster than 64-key tiles with a producer)
+    fwd_sm90_softcap: tuple[tuple[int, Sm90FwdConfig], ...] = (
+        (64, Sm90FwdConfig(64, 3, producer=True, pingpong=True, blocks_per_sm=2)),)
+    # ... and for packed documents (one block a work tile: not persistent; every mask)
+    fwd_sm90_varlen: tuple[tuple[int, Sm90FwdConfig], ...] = (
+        (64, Sm90FwdConfig(128, 2, pingpong=True, blocks_per_sm=2)),
+        (128, Sm90FwdConfig(128, 3, producer=True, pingpong=True, overlap=True)))
+    use_sm90: bool = True
+    # The persistent Hopper forward's grid (Sm90FwdConfig.persistent): blocks, 0 for one an SM
+    # (tests set a few, so that every block walks many work tiles)
+    fwd_sm90_blocks: int = 0
+    # Causal Hopper forward tiles run the longest first within sections of (batch, head) pairs
+    # whose K and V (16-bit) take this much: they stay in L2 (50 MB on H100) while read.
+    l2_section_bytes: int = 32 << 20
+    # Causal (and windowed) Hopper backward blocks run the longest first within sections of
+    # (batch, kv head) groups whose Q, dO and dQ's float32 sums (8 bytes a query element) fill
+    # this many bytes.
+    bwd_l2_section_bytes: int = 32 << 20
+    # The backward's dK/dV (and dQ-atomic) kernel on sm_90 by TMA and wgmma, by head dim: query
+    # tiles as measured fastest, persistent (the figures: docs/notes-attention.md, the Hopper
+    # backward).
+    bwd_sm90: tuple[tuple[int, Sm90BwdConfig], ...] = ((64, Sm90BwdConfig(128, producer=True, persistent=True)),
+                                                       (128, Sm90BwdConfig(64, producer=True, persistent=True)))
+    # ... with the softcap (its P^T and dS^T pass holds more: 128-row tiles at d64 spill)
+    bwd_sm90_softcap: tuple[tuple[int, Sm90BwdConfig], ...] = ((64, Sm90BwdConfig(64, producer=True)),
+                                                               (128, Sm90BwdConfig(64, producer=True)))
+    # (packed documents take the same configs: their span is kept in uniform registers)
+    use_sm90_bwd: bool = True
+    # The persistent backward's grid (Sm90BwdConfig.persistent): blocks, 0 for one an SM (tests
+    # set a few, so that every block walks many units)
+    bwd_sm90_blocks: int = 0
+
+    @property
+    def head_dims(self) -> tuple[int, ...]:
+        return tuple(d for d, _ in self.fwd)
+
+    @property
+    def bwd_head_dims(self) -> tuple[int, ...]:
+        return tuple(d for d, _ in self.bwd)
+
+    def get(self, which: str, d: int):
+        return dict(getattr(self, which))[d]
+
+    def sm90_forward(self, d: int, causal: bool, softcap: bool = False) -> Sm90FwdConfig:
+        """The Hopper forward's config for head dim ``d``: ``fwd_sm90_softcap``'s with the softcap,
+        else ``fwd_sm90_full``'s when not causal, where they have one; else ``fwd_sm90``'s."""
+        return ((softcap and dict(self.fwd_sm90_softcap).get(d)) or (not causal and dict(self.fwd_sm90_full).get(d))
+                or self.get("fwd_sm90", d))
+
+    def replace(self, which: str, d: int, config) -> "Configs":
+        """A new Configs with ``config`` for head dim ``d`` in table ``which`` (the tuning
+        tools try candidates this way; the shipped CONFIGS never changes)."""
+        import dataclasses
+
+        table = tuple((k, config if k == d else c) for k, c in getattr(self, which))
+        return dataclasses.replace(self, **{which: table})
+
+    def dot(self, dtype: str, d: int) -> Instance:
+        return Instance(BWD_SOURCE, f"attention_bwd_dot<{_ctype(dtype)}, {d}>", self.dot_threads)
+
+    def convert(self, dtype: str, d: int) -> Instance:
+        return Instance(BWD_SOURCE, f"attention_bwd_dq_convert<{_ctype(dtype)}, {d}>", self.dot_threads)
+
+
+# CUKERN_ATTENTION_SM80=1 (read at import): Hopper runs the sm_80 kernels too, forward and backward
+# (to compare the two paths, or to rule the Hopper kernels out when something looks wrong).
+SM80_ONLY = os.environ.get("CUKERN_ATTENTION_SM80", "0") not in ("", "0")
+CONFIGS = Configs(
+    fwd=((32, FwdConfig(4, 2, 64, 64, True)), (64, FwdConfig(4, 2, 64, 64, True)), (96, FwdConfig(4, 2, 32, 32, False)),
+         (128, FwdConfig(4, 2, 32, 32, False)), (256, FwdConfig(4, 1, 32, 32, False))),
+    # Register budget of the backward: the dK and dV accumulators (keys x D) spread over all warps.
+    bwd=((32, BwdConfig(128, 128, 8, 4, 8, 4)), (64, BwdConfig(128, 128, 8, 4, 4, 4)),
+         (96, BwdConfig(64, 128, 8, 2, 4, 4)), (128, BwdConfig(64, 128, 8, 2, 4, 2)),
+         (256, BwdConfig(64, 64, 8, 4, 2, 2))),
+    dq=((32, DqConfig(4, 64)), (64, DqConfig(4, 64)), (96, DqConfig(4, 64)), (128, DqConfig(4, 64)),
+        (256, DqConfig(4, 32))),
+    use_sm90=not SM80_ONLY, use_sm90_bwd=not SM80_ONLY,
+)
+HEAD_DIMS = CONFIGS.head_dims
+BWD_HEAD_DIMS = CONFIGS.bwd_head_dims
+
+
+def instances(configs: Configs = CONFIGS) -> list[Instance]:
+    """Every kernel instance the fronts can launch, forward and backward (compile check)."""
+    out = [cfg.instance(dt, d, m, cap) for dt in DTYPES for d, cfg in configs.fwd for m in (0, 1, 2)
+           for cap in (False, True)]
+    # (the Hopper forward's: chosen as the front chooses, by sm90_forward)
+    out += [configs.sm90_forward(d, m > 0, cap).instance(dt, d, m, cap) for dt in DTYPES for d, _ in configs.fwd_sm90
+            for m in (0, 1, 2) for cap in (False, True)]
+    out += [cfg.instance(dt, d, m, cap, varlen=True) for dt in DTYPES for d, cfg in configs.fwd_sm90_varlen
+            for m in (0, 1, 2) for cap in (False, True)]
+    out += [cfg.instance(dt, d, m, det) for dt in DTYPES for d, cfg in configs.bwd_sm90 for m in (0, 1, 2)
+            for det in (False, True)]
+    out += [cfg.instance(dt, d, m, det, True) for dt in DTYPES for d, cfg in configs.bwd_sm90_softcap
+            for m in (0, 1, 2) for det in (False, True)]
+    out += [cfg.instance(dt, d, m, det, varlen=True) for dt in DTYPES for d, cfg in configs.bwd_sm90
+            for m in (0, 1, 2) for det in (False, True)]
+    out += [cfg.instance(dt, d, m, det, True, varlen=True) for dt in DTYPES for d, cfg in configs.bwd_sm90_softcap
+            for m in (0, 1, 2) for det in (False, True)]
+    out += list({cfg.rows_instance().name: cfg.rows_instance()
+                 for _, cfg in configs.bwd_sm90 + configs.bwd_sm90_softcap}.values())
+    for dt in DTYPES:
+        for d, cfg in configs.bwd:
+            out.append(configs.dot(dt, d))
+            out.append(configs.convert(dt, d))
+            for m in (0, 1, 2):
+                for cap in (False, True):
+                    out += [cfg.instance(dt, d, m, det, cap) for det in (False, True)]
+                    out.append(configs.get("dq", d).instance(dt, d, m, cap))
+    return out

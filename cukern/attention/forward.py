@@ -1,0 +1,240 @@
+"""The forward's array functions and launch plans: dense (``attention``) and packed documents
+(``attention_varlen``), on the sm_80 kernels or the Hopper ones."""
+from __future__ import annotations
+
+from .. import _arrays, _attention_mask, _faults, _kernels
+from .._arrays import DeviceArray
+from .._attention_mask import Mask
+from .._kernels import MapSlot
+from .._plans import Builder, Plan, PlanCache
+from . import configs as _cfg
+from .checks import _check_qkv, _check_varlen, _like, _read, _scale, _strides3, _tma_readable
+from .configs import LOG2E, Configs
+
+# ---- forward --------------------------------------------------------------------------------
+
+_FWD = PlanCache()
+
+
+def _qkv(q, k, v) -> list:
+    return [_arrays.as_device_array(q, "q", _arrays.FLOATS), _arrays.as_device_array(k, "k", _arrays.FLOATS),
+            _arrays.as_device_array(v, "v", _arrays.FLOATS)]
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, window=(-1, -1), softcap=0.0):
+    """softmax(q k^T * softmax_scale [+ mask]) v, fused (FlashAttention-2 style).
+
+    Args:
+        q: (B, Sq, H, D) float16 or bfloat16 (CuPy array or torch CUDA tensor), unit stride
+            over D; any batch, sequence and head strides (SDPA's (B, H, S, D) transposed, a
+            slice of a packed qkv tensor) are read in place.
+        k, v: (B, Sk, Hkv, D) of q's dtype; Hkv divides H (GQA / MQA).
+        causal: mask keys after the query, aligned to the bottom right when Sq != Sk
+            (query i sees keys j <= i + Sk - Sq); a query that sees no key outputs zeros.
+        softmax_scale: positive; defaults to 1 / sqrt(D).
+        return_lse: also return the log-sum-exp (B, H, Sq) float32 (natural log; +inf for a
+            query that sees no key).
+        window: ``(left, right)``, flash-attn's ``window_size``: query i sees keys j with
+            i + Sk - Sq - left <= j <= i + Sk - Sq + right; -1 leaves a side unbounded
+            (causal sets right to 0). Key tiles outside a block's window are skipped.
+        softcap: c > 0 replaces each scaled score s by c * tanh(s / c) (Gemma 2); 0 or None: none.
+
+    Returns:
+        ``out`` (B, Sq, H, D) of q's dtype, laid out like q (its stride order) when q is
+        dense, else contiguous; with ``return_lse`` ``(out, lse)``.
+    """
+    return _attention(q, k, v, causal, softmax_scale, return_lse, _cfg.CONFIGS, window, softcap)
+
+
+def _mask_key(window, softcap):
+    """The plan-cache key of a call's window and softcap, or None where they are not plain
+    values (the plan is then built for the call and not kept)."""
+    w = tuple(window) if isinstance(window, (tuple, list)) else window
+    plain = ((w is None or (isinstance(w, tuple) and all(type(x) is int for x in w)))
+             and (softcap is None or type(softcap) in (float, int)))
+    return (w, softcap) if plain else None
+
+
+def _attention(q, k, v, causal, softmax_scale, return_lse, configs: Configs, window=(-1, -1), softcap=0.0):
+    arrays = _qkv(q, k, v)
+    mkey = _mask_key(window, softcap)
+    plain = (softmax_scale is None or type(softmax_scale) in (float, int)) and mkey is not None
+    key = (bool(causal), softmax_scale, bool(return_lse), configs, mkey, *(a.key for a in arrays))
+    plan = _FWD.get(key) if plain else None
+    if plan is None:
+        plan = _plan_forward(arrays, bool(causal), softmax_scale, bool(return_lse), configs, window, softcap)
+        if plain:
+            _FWD.put(key, plan)
+    bufs = plan(arrays)
+    return (bufs[3].obj, bufs[4].obj) if return_lse else bufs[3].obj
+
+
+def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs, window=(-1, -1),
+                  softcap=0.0) -> Plan:
+    qa, ka, va = arrays
+    _check_qkv(qa, ka, va, configs.head_dims, "")
+    batch, sq, h, d = qa.shape
+    sk, hkv = ka.shape[1], ka.shape[2]
+    scale = _scale(softmax_scale, d)
+    mask = _attention_mask.mask_of(causal, window, softcap, sq, sk)
+    device = _arrays.same_device(qa, ka, va)
+    b = Builder(arrays)
+    qs, ks, vs = (_read(b, i, a) for i, a in enumerate(arrays))
+    q_copied = any(i == 0 for i, _ in b.fixes)
+    out = b.alloc(qa.shape, qa.dtype, "contiguous" if q_copied else "like", 0)
+    lse = b.alloc((batch, h, sq), "float32") if return_lse else None
+    if batch * h * sq:
+        if sk == 0:  # no keys: zeros, lse = +inf
+            b.fill(0.0, out)
+            b.fill(float("inf"), lse)
+        elif (configs.use_sm90 and d in dict(configs.fwd_sm90) and _kernels.compute_capability(device) == (9, 0)
+              and all(i in {j for j, _ in b.fixes} or _tma_readable(a) for i, a in enumerate(arrays))):
+            # TMA reads the inputs in place where cp.async can (16-byte rows and strides: _read)
+            # (a window takes the causal config; its work tiles are handed out as the unmasked ones)
+            causal = mask.causal
+            cfg = configs.sm90_forward(d, mask.kind > 0, bool(mask.softcap))
+            k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, bool(mask.softcap)), device)
+            cap_in, cap_out = _attention_mask.softcap_log2(mask, scale)
+            os_ = _like(qa, q_copied)
+            m_tiles = -(-sq // cfg.block_rows)
+            blocks = configs.fwd_sm90_blocks or _kernels.sm_count(device)
+            grid = (min(m_tiles * batch * h, blocks), 1) if cfg.persistent else (m_tiles, batch * h)
+            # (causal persistent: work tiles from a counter that starts at zero every call; causal
+            # tiles in sections of (batch, head) pairs whose K and V fill l2_section_bytes)
+            counter = b.alloc((1,), "int32") if cfg.persistent and causal else None
+            if counter is not None:
+                b.fill(0.0, counter)
+            section_pairs = max(1, configs.l2_section_bytes // (sk * d * 4)) if causal else 1
+            b.launch(k, grid, q_map=MapSlot(0, (1, cfg.block_rows, 1, 64)),
+                     k_map=MapSlot(1, (1, cfg.bn, 1, 64)), v_map=MapSlot(2, (1, cfg.bn, 1, 64)),
+                     o_map=MapSlot(out.index, (1, 64, 1, 64)) if cfg.persistent else bytes(128), out=out, lse=lse,
+                     **{f"o_{n}": s for n, s in _strides3(os_).items()},
+                     H=h, Hkv=hkv, Sq=sq, Sk=sk, scale_log2=scale * LOG2E, tiles=m_tiles * batch * h,
+                     tile_counter=counter, section_pairs=section_pairs, cap_in=cap_in, cap_out=cap_out,
+                     win_left=mask.left, win_right=mask.right, cu_q=None, cu_k=None, max_q=0, max_k=0, fault=None)
+        else:
+            _launch_forward_sm80(b, configs, qa, (qs, ks, vs), _like(qa, q_copied), out, lse, mask, scale,
+                                 grid_rows=sq, batches=batch, sq=sq, sk=sk, hkv=hkv, device=device)
+    return b.plan(device)
+
+
+def _launch_forward_sm80(b: Builder, configs: Configs, qa: DeviceArray, strides, os_, out, lse, mask: Mask,
+                         scale: float, *, grid_rows: int, batches: int, sq: int, sk: int, hkv: int, device: int,
+                         varlen: tuple | None = None) -> None:
+    """attention_fwd over ``batches`` (batch, head) groups of ``grid_rows`` query rows (packed:
+    ``varlen`` = (cu_q slot, cu_k slot, max_q, max_k), and sq, sk the token totals)."""
+    d, h = qa.shape[-1], qa.shape[-2]
+    cfg = configs.get("fwd", d)
+    k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, bool(mask.softcap)), device)
+    cap_in, cap_out = _attention_mask.softcap_log2(mask, scale)
+    cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
+    fault = _arrays.wrap(_faults.record(device), "fault record") if varlen is not None else None
+    b.launch(k, (-(-grid_rows // cfg.block_rows), batches * h), q=b.slot(0), k=b.slot(1), v=b.slot(2), out=out,
+             lse=lse, **{f"{x}_{n}": s for x, st in zip("qkvo", (*strides, os_)) for n, s in _strides3(st).items()},
+             H=h, Hkv=hkv, Sq=sq, Sk=sk, scale_log2=scale * LOG2E, win_left=mask.left, win_right=mask.right,
+             cap_in=cap_in, cap_out=cap_out, cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k, fault=fault)
+
+
+# ---- packed documents (varlen) ----------------------------------------------------------------
+
+_FWD_VARLEN = PlanCache()
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                     softmax_scale=None, return_lse=False, window=(-1, -1), softcap=0.0):
+    """``attention`` over documents packed into one sequence with no padding (flash-attn's
+    ``flash_attn_varlen_func``): each document attends to its own tokens only.
+
+    Args:
+        q: (total_q, H, D) float16 or bfloat16, the documents' queries one after another.
+        k, v: (total_k, Hkv, D) of q's dtype.
+        cu_seqlens_q, cu_seqlens_k: (B + 1,) int32 offsets of each document's first token,
+            from 0 to total_q (total_k), none decreasing (a document may be empty).
+        max_seqlen_q, max_seqlen_k: ints at least the longest document's length (the grid
+            covers that many rows).
+        causal, softmax_scale, window, softcap: as for ``attention``, each document's mask
+            aligned to its own bottom right.
+        return_lse: also return the log-sum-exp (H, total_q) float32.
+
+    Offsets are read on the device: bad ones (decreasing, not from 0 to the total, a document
+    longer than its max_seqlen) leave that document uncomputed (and documents that overlap it
+    may be wrong) and are reported by ``cukern.check_errors()``, as an out-of-range embedding
+    index is: the call's outputs are then not valid.
+
+    Returns:
+        ``out`` (total_q, H, D) of q's dtype; with ``return_lse`` ``(out, lse)``.
+    """
+    return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                             return_lse, window, softcap, _cfg.CONFIGS)
+
+
+def _offsets(cu_seqlens_q, cu_seqlens_k) -> list:
+    return [_arrays.as_device_array(cu_seqlens_q, "cu_seqlens_q", ("int32",)),
+            _arrays.as_device_array(cu_seqlens_k, "cu_seqlens_k", ("int32",))]
+
+
+def _varlen_cacheable(softmax_scale, mkey, max_seqlen_q, max_seqlen_k) -> bool:
+    """Whether a packed call's plan may be kept by its arguments (plain numbers, a known mask)."""
+    return ((softmax_scale is None or type(softmax_scale) in (float, int)) and mkey is not None
+            and type(max_seqlen_q) is int and type(max_seqlen_k) is int)
+
+
+def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                      return_lse, window, softcap, configs: Configs):
+    arrays = [*_qkv(q, k, v), *_offsets(cu_seqlens_q, cu_seqlens_k)]
+    mkey = _mask_key(window, softcap)
+    plain = _varlen_cacheable(softmax_scale, mkey, max_seqlen_q, max_seqlen_k)
+    key = (bool(causal), softmax_scale, bool(return_lse), configs, mkey, max_seqlen_q, max_seqlen_k,
+           *(a.key for a in arrays))
+    plan = _FWD_VARLEN.get(key) if plain else None
+    if plan is None:
+        plan = _plan_forward_varlen(arrays, max_seqlen_q, max_seqlen_k, bool(causal), softmax_scale,
+                                    bool(return_lse), window, softcap, configs)
+        if plain:
+            _FWD_VARLEN.put(key, plan)
+    bufs = plan(arrays)
+    return (bufs[5].obj, bufs[6].obj) if return_lse else bufs[5].obj
+
+
+def _plan_forward_varlen(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_scale, return_lse, window, softcap,
+                         configs: Configs) -> Plan:
+    qa, ka, va, cq, ck = arrays
+    max_q, max_k = _check_varlen(qa, ka, va, cq, ck, max_seqlen_q, max_seqlen_k, configs.head_dims, "")
+    total_q, h, d = qa.shape
+    total_k, hkv = ka.shape[0], ka.shape[1]
+    docs = cq.shape[0] - 1
+    scale = _scale(softmax_scale, d)
+    # (the window's sides normalized against the longest documents: exact for every shorter one)
+    mask = _attention_mask.mask_of(causal, window, softcap, max_q, max_k)
+    device = _arrays.same_device(*arrays)
+    b = Builder(arrays)
+    qs, ks, vs = ((0, *_read(b, i, a)) for i, a in enumerate(arrays[:3]))   # (no batch stride)
+    for i in (3, 4):
+        if not _arrays.is_contiguous(arrays[i]):
+            b.fix(i, DeviceArray.contiguous)
+    q_copied = any(i == 0 for i, _ in b.fixes)
+    out = b.alloc(qa.shape, qa.dtype, "contiguous" if q_copied else "like", 0)
+    lse = b.alloc((h, total_q), "float32") if return_lse else None
+    if total_q * h and max_q:
+        os_ = (0, *_like(qa, q_copied))
+        if (configs.use_sm90 and d in dict(configs.fwd_sm90_varlen) and total_k
+                and _kernels.compute_capability(device) == (9, 0)
+                and all(i in {j for j, _ in b.fixes} or _tma_readable(a) for i, a in enumerate(arrays[:3]))):
+            # attention_fwd_sm90 over (query tiles of the longest document, documents x heads);
+            # the packed arrays read by TMA as one batch (a box of one more axis than they have)
+            cfg = configs.get("fwd_sm90_varlen", d)
+            k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, bool(mask.softcap), varlen=True), device)
+            cap_in, cap_out = _attention_mask.softcap_log2(mask, scale)
+            m_tiles = -(-max_q // cfg.block_rows)
+            b.launch(k, (m_tiles, docs * h), q_map=MapSlot(0, (1, cfg.block_rows, 1, 64)),
+                     k_map=MapSlot(1, (1, cfg.bn, 1, 64)), v_map=MapSlot(2, (1, cfg.bn, 1, 64)), o_map=bytes(128),
+                     out=out, lse=lse, **{f"o_{n}": s for n, s in _strides3(os_).items()},
+                     H=h, Hkv=hkv, Sq=total_q, Sk=total_k, scale_log2=scale * LOG2E, tiles=m_tiles * docs * h,
+                     tile_counter=None, section_pairs=1, cap_in=cap_in, cap_out=cap_out, win_left=mask.left,
+                     win_right=mask.right, cu_q=b.slot(3), cu_k=b.slot(4), max_q=max_q, max_k=max_k,
+                     fault=_arrays.wrap(_faults.record(device), "fault record"))
+        else:
+            _launch_forward_sm80(b, configs, qa, (qs, ks, vs), os_, out, lse, mask, scale, grid_rows=max_q,
+                                 batches=docs, sq=total_q, sk=total_k, hkv=hkv, device=device,
+                                 varlen=(b.slot(3), b.slot(4), max_q, max_k))
+    return b.plan(device)

@@ -1,0 +1,150 @@
+"""Attention's NumPy references (float64): forward and backward, dense and packed documents."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _arrays, _attention_mask, _checks
+from .._arrays import DeviceArray
+from .._attention_mask import Mask
+from . import configs as _cfg
+from .checks import _check_cu_values, _check_like_q, _check_lse, _check_qkv, _check_varlen, _scale
+
+# ---- NumPy references ------------------------------------------------------------------------
+
+def _ref_head_dims(qa: DeviceArray, head_dims):
+    """The kernels' head dims for the kernels' dtypes; any for float64, which no kernel takes
+    (the tests' exact oracle, at head dims small enough for many hypothesis examples)."""
+    return None if qa.dtype == "float64" else head_dims
+
+
+def _host_qkv(q, k, v, head_dims, which: str = ""):
+    qa, ka, va = (_arrays.as_host_array(a, n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
+    _check_qkv(qa, ka, va, _ref_head_dims(qa, head_dims), which)
+    return qa, ka, va
+
+
+def _ref_scores(q, k, scale, mask: Mask):
+    """(p, lse, s): softmax probabilities (B, H, Sq, Sk) with rows that see no key all zero,
+    the log-sum-exp (+inf for those rows) and the scaled scores before the softcap."""
+    batch, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    _attention_mask.softcap_log2(mask, scale)   # (its range checked as the kernels' fronts check it)
+    kh = np.repeat(k, h // hkv, axis=2)  # (B, Sk, H, D): query head h reads kv head h // rep
+    s = np.einsum("bqhd,bkhd->bhqk", q, kh) * scale
+    sc = _attention_mask.capped(s, mask)
+    if mask.any:
+        sc = np.where(_attention_mask.visible(mask, sq, sk)[None, None], sc, -np.inf)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        m = sc.max(axis=-1, keepdims=True) if sk else np.full(sc.shape[:-1] + (1,), -np.inf)
+        m_safe = np.where(np.isfinite(m), m, 0.0)
+        p = np.exp(sc - m_safe)
+        l_ = p.sum(axis=-1, keepdims=True)
+        # (l_ == 0 only where no key is seen; a NaN score makes l_ NaN, and NaN goes on into p
+        # and lse, as in torch.softmax)
+        none = l_ == 0
+        p = np.where(none, 0.0, p / np.where(none, 1.0, l_))
+        lse = np.where(none, np.inf, np.log(np.where(none, 1.0, l_)) + m_safe)[..., 0]
+    return p, lse, s
+
+
+def _ref_forward(qf, kf, vf, scale, mask: Mask):
+    p, lse, _ = _ref_scores(qf, kf, scale, mask)
+    vh = np.repeat(vf, qf.shape[2] // kf.shape[2], axis=2)
+    return np.einsum("bhqk,bkhd->bqhd", p, vh), lse
+
+
+def _ref_backward(dof, qf, kf, vf, scale, mask: Mask):
+    batch, sq, h, d = qf.shape
+    sk, hkv = kf.shape[1], kf.shape[2]
+    rep = h // hkv
+    p, _, s = _ref_scores(qf, kf, scale, mask)
+    kh, vh = np.repeat(kf, rep, axis=2), np.repeat(vf, rep, axis=2)
+    dvh = np.einsum("bhqk,bqhd->bkhd", p, dof)
+    dp = np.einsum("bqhd,bkhd->bhqk", dof, vh)
+    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True)) * _attention_mask.softcap_grad(s, mask)
+    dq = np.einsum("bhqk,bkhd->bqhd", ds, kh) * scale
+    dkh = np.einsum("bhqk,bqhd->bkhd", ds, qf) * scale
+    return dq, dkh.reshape(batch, sk, hkv, rep, d).sum(axis=3), dvh.reshape(batch, sk, hkv, rep, d).sum(axis=3)
+
+
+def reference_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, window=(-1, -1),
+                        softcap=0.0):
+    """``attention`` in float64: out (B, Sq, H, D) [, lse (B, H, Sq)]; the mask aligned to the
+    bottom right; a query that sees no key gives zeros and lse = +inf (as the kernel), one whose
+    scores hold a NaN gives NaN (as torch.softmax)."""
+    qa, ka, va = _host_qkv(q, k, v, _cfg.CONFIGS.head_dims)
+    mask = _attention_mask.mask_of(causal, window, softcap, qa.shape[1], ka.shape[1])
+    qf, kf, vf = (a.obj.astype(np.float64) for a in (qa, ka, va))
+    out, lse = _ref_forward(qf, kf, vf, _scale(softmax_scale, qa.shape[-1]), mask)
+    return (out, lse) if return_lse else out
+
+
+def reference_attention_backward(dout, q, k, v, out=None, lse=None, *, causal=False, softmax_scale=None,
+                                 deterministic=False, window=(-1, -1), softcap=0.0):
+    """``attention_backward`` in float64: (dq, dk, dv), dk and dv summed over the query heads
+    sharing a K/V head. ``out`` and ``lse`` are recomputed (given ones are shape-checked)."""
+    qa, ka, va = _host_qkv(q, k, v, _cfg.CONFIGS.bwd_head_dims, " by the backward")
+    mask = _attention_mask.mask_of(causal, window, softcap, qa.shape[1], ka.shape[1])
+    da = _arrays.as_host_array(dout, "dout")
+    _check_like_q(da, qa)
+    if out is not None:
+        _check_like_q(_arrays.as_host_array(out, "out"), qa)
+    if lse is not None:
+        _check_lse(_arrays.as_host_array(lse, "lse", ("float32",)), qa)
+    qf, kf, vf, dof = (a.obj.astype(np.float64) for a in (qa, ka, va, da))
+    return _ref_backward(dof, qf, kf, vf, _scale(softmax_scale, qa.shape[-1]), mask)
+
+
+def _host_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, head_dims, which: str = ""):
+    qa, ka, va = (_arrays.as_host_array(a, n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
+    cq, ck = (_arrays.as_host_array(a, n, ("int32",)) for a, n in ((cu_seqlens_q, "cu_seqlens_q"),
+                                                                  (cu_seqlens_k, "cu_seqlens_k")))
+    max_q, max_k = _check_varlen(qa, ka, va, cq, ck, max_seqlen_q, max_seqlen_k, _ref_head_dims(qa, head_dims),
+                                 which)
+    _check_cu_values(cq.obj, "cu_seqlens_q", qa.shape[0], max_q)
+    _check_cu_values(ck.obj, "cu_seqlens_k", ka.shape[0], max_k)
+    return qa, ka, va, cq.obj, ck.obj
+
+
+def reference_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                               softmax_scale=None, return_lse=False, window=(-1, -1), softcap=0.0):
+    """``attention_varlen`` in float64: out (total_q, H, D) [, lse (H, total_q)]; each document
+    attends to its own keys only, the mask aligned to the bottom right of each document."""
+    qa, ka, va, cq, ck = _host_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      _cfg.CONFIGS.head_dims)
+    scale = _scale(softmax_scale, qa.shape[-1])
+    out = np.zeros(qa.shape)
+    lse = np.full((qa.shape[1], qa.shape[0]), np.inf)
+    for i in range(len(cq) - 1):
+        (q0, q1), (k0, k1) = cq[i:i + 2], ck[i:i + 2]
+        mask = _attention_mask.mask_of(causal, window, softcap, int(q1 - q0), int(k1 - k0))
+        qf, kf, vf = (a.obj[None, r0:r1].astype(np.float64) for a, r0, r1 in ((qa, q0, q1), (ka, k0, k1), (va, k0, k1)))
+        out[q0:q1], lse[:, q0:q1] = (x[0] for x in _ref_forward(qf, kf, vf, scale, mask))
+    return (out, lse) if return_lse else out
+
+
+def reference_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                        max_seqlen_k, *, causal=False, softmax_scale=None, deterministic=False,
+                                        window=(-1, -1), softcap=0.0):
+    """``attention_varlen_backward`` in float64: (dq, dk, dv) of the packed documents. ``out``
+    and ``lse`` are recomputed (given ones are shape-checked)."""
+    qa, ka, va, cq, ck = _host_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      _cfg.CONFIGS.bwd_head_dims, " by the backward")
+    da = _arrays.as_host_array(dout, "dout")
+    _checks.like(da, qa, qa.shape)
+    if out is not None:
+        _checks.like(_arrays.as_host_array(out, "out"), qa, qa.shape)
+    if lse is not None:
+        la = _arrays.as_host_array(lse, "lse", ("float32",))
+        if la.shape != (qa.shape[1], qa.shape[0]):
+            raise ValueError(f"lse: shape {la.shape} does not match (heads, total_q) = {(qa.shape[1], qa.shape[0])}")
+    scale = _scale(softmax_scale, qa.shape[-1])
+    grads = [np.zeros(qa.shape), np.zeros(ka.shape), np.zeros(ka.shape)]
+    for i in range(len(cq) - 1):
+        (q0, q1), (k0, k1) = cq[i:i + 2], ck[i:i + 2]
+        mask = _attention_mask.mask_of(causal, window, softcap, int(q1 - q0), int(k1 - k0))
+        dof, qf = (a.obj[None, q0:q1].astype(np.float64) for a in (da, qa))
+        kf, vf = (a.obj[None, k0:k1].astype(np.float64) for a in (ka, va))
+        for g, x, (r0, r1) in zip(grads, _ref_backward(dof, qf, kf, vf, scale, mask), ((q0, q1), (k0, k1), (k0, k1))):
+            g[r0:r1] = x[0]
+    return tuple(grads)

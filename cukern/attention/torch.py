@@ -1,0 +1,177 @@
+"""Attention under ``cukern.torch``: the custom ops, their fake (meta) functions, the
+functions the package exports and the SDPA drop-in's route."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from .. import _arrays
+from .._family import TorchOp
+from .backward import attention_backward, attention_varlen_backward
+from .configs import HEAD_DIMS
+from .forward import attention, attention_varlen
+
+# ---- PyTorch bindings -------------------------------------------------------------------------
+
+def _empty_like(t):
+    """An output laid out as the front lays out one like ``t`` (the same function decides)."""
+    import torch
+
+    return torch.empty_strided(t.shape, _arrays.like_strides(t.shape, t.stride()), dtype=t.dtype, device=t.device)
+
+
+def _fake(q, k, v, causal, scale, window_left, window_right, softcap, deterministic):
+    import torch
+
+    b, sq, h, _ = q.shape
+    return _empty_like(q), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+def _bwd_fake(dout, q, k, v, out, lse, *args):
+    return _empty_like(q), _empty_like(k), _empty_like(v)
+
+
+def _varlen_fake(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right, softcap, deterministic):
+    import torch
+
+    return _empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+# (window and softcap as flash-attn passes them: two ints, -1 unbounded, and a float, 0 none;
+# deterministic -1 follows torch.use_deterministic_algorithms, 0 or 1 is flash-attn's argument)
+_MASK_SCHEMA = "int window_left, int window_right, float softcap"
+
+
+def _det(state, T) -> bool:
+    return T.deterministic() if state[-1] < 0 else bool(state[-1])
+
+TORCH_OPS = (
+    TorchOp("attention", f"(Tensor q, Tensor k, Tensor v, bool causal, float scale, {_MASK_SCHEMA}, "
+                         "int deterministic) -> (Tensor, Tensor)",
+            forward=lambda q, k, v, c, s, wl, wr, cap, _: attention(q, k, v, causal=c, softmax_scale=s,
+                                                                    return_lse=True, window=(wl, wr), softcap=cap),
+            inference=lambda q, k, v, c, s, wl, wr, cap, _: attention(q, k, v, causal=c, softmax_scale=s,
+                                                                      window=(wl, wr), softcap=cap),
+            fake=_fake,
+            save=lambda inputs, outputs: ((*inputs[:3], *outputs), inputs[3:]),
+            backward_schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
+                            f"float scale, {_MASK_SCHEMA}, bool deterministic) -> (Tensor, Tensor, Tensor)",
+            backward=lambda do, q, k, v, o, lse, c, s, wl, wr, cap, det: attention_backward(
+                do, q, k, v, o, lse, causal=c, softmax_scale=s, deterministic=det, window=(wl, wr), softcap=cap),
+            backward_fake=_bwd_fake,
+            backward_args=lambda saved, state, grads, T: (grads[0], *saved, *state[:-1], _det(state, T)),
+            grads_to=(0, 1, 2), native=True),
+    TorchOp("attention_varlen", "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+                                f"int max_seqlen_q, int max_seqlen_k, bool causal, float scale, {_MASK_SCHEMA}, "
+                                "int deterministic) -> (Tensor, Tensor)",
+            forward=lambda q, k, v, cq, ck, mq, mk, c, s, wl, wr, cap, _: attention_varlen(
+                q, k, v, cq, ck, mq, mk, causal=c, softmax_scale=s, return_lse=True, window=(wl, wr), softcap=cap),
+            fake=_varlen_fake,
+            # (saved: q, k, v, out, lse and the offsets; state: the lengths and the mask)
+            save=lambda inputs, outputs: ((*inputs[:3], *outputs, *inputs[3:5]), inputs[5:]),
+            backward_schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, "
+                            "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool causal, float scale, "
+                            f"{_MASK_SCHEMA}, bool deterministic) -> (Tensor, Tensor, Tensor)",
+            backward=lambda do, q, k, v, o, lse, cq, ck, mq, mk, c, s, wl, wr, cap, det: attention_varlen_backward(
+                do, q, k, v, o, lse, cq, ck, mq, mk, causal=c, softmax_scale=s, deterministic=det, window=(wl, wr),
+                softcap=cap),
+            backward_fake=_bwd_fake,
+            backward_args=lambda saved, state, grads, T: (grads[0], *saved, *state[:-1], _det(state, T)),
+            # (native: the plan depends on the arguments alone; the offsets are read on the device.
+            # max_seqlen and the number of documents are in the signature, so a workload whose
+            # documents change every batch records each new (count, longest) pair once)
+            grads_to=(0, 1, 2), visible=2, native=True),
+)
+# flash_attn_func(return_attn_probs=True): the same op with the lse visible (not differentiated)
+TORCH_OPS += (dataclasses.replace(TORCH_OPS[0], name="attention_lse", visible=2, inference=None, native=False),)
+
+
+def _torch_api(T, ops, modules) -> dict:
+    """``cukern.torch.flash_attn_func`` and ``flash_attn_varlen_func``: flash-attn's functions
+    (its signatures, (batch, seqlen, heads, head_dim) and packed (tokens, heads, head_dim)
+    layouts, the lse it returns with ``return_attn_probs``), so that a flash-attn user switches
+    by changing one import. Autograd and torch.compile through the custom ops."""
+    dense, with_lse, packed = ops["attention"], ops["attention_lse"], ops["attention_varlen"]
+
+    def _unsupported(dropout_p, alibi_slopes, block_table=None):
+        if dropout_p:
+            raise ValueError(f"dropout_p: cukern's attention has no dropout, got {dropout_p}")
+        if alibi_slopes is not None:
+            raise ValueError("alibi_slopes: cukern's attention has no ALiBi bias")
+        if block_table is not None:
+            raise ValueError("block_table: cukern's attention has no paged KV cache")
+
+    def _flags(q, softmax_scale, window_size, softcap):
+        if not hasattr(q, "shape"):   # (the default scale reads q before the op checks it)
+            _arrays.as_device_array(q, "q")
+        wl, wr = window_size if window_size is not None else (-1, -1)
+        s = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+        return s, int(wl), int(wr), float(softcap or 0.0)
+
+    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                        alibi_slopes=None, deterministic=False, return_attn_probs=False):
+        """flash-attn's ``flash_attn_func``: q (B, Sq, H, D), k and v (B, Sk, Hkv, D), float16 or
+        bfloat16; the out (B, Sq, H, D); with ``return_attn_probs`` (out, lse (B, H, Sq), None).
+        ``deterministic``: dq summed in a fixed order (as attention_backward's)."""
+        _unsupported(dropout_p, alibi_slopes)
+        s, wl, wr, cap = _flags(q, softmax_scale, window_size, softcap)
+        args = (q, k, v, bool(causal), s, wl, wr, cap, int(bool(deterministic)))
+        if not return_attn_probs:
+            return dense.compiled(*args) if T.compiling() else dense(*args)
+        out, lse = with_lse.compiled(*args) if T.compiling() else with_lse(*args)
+        return out, lse, None
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                               deterministic=False, return_attn_probs=False, block_table=None):
+        """flash-attn's ``flash_attn_varlen_func``: documents packed with no padding, q
+        (total_q, H, D), k and v (total_k, Hkv, D), cu_seqlens (B + 1,) int32; the out
+        (total_q, H, D); with ``return_attn_probs`` (out, lse (H, total_q), None)."""
+        _unsupported(dropout_p, alibi_slopes, block_table)
+        s, wl, wr, cap = _flags(q, softmax_scale, window_size, softcap)
+        args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), s, wl, wr,
+                cap, int(bool(deterministic)))
+        out, lse = packed.compiled(*args) if T.compiling() else packed(*args)
+        return (out, lse, None) if return_attn_probs else out
+
+    return {"flash_attn_func": flash_attn_func, "flash_attn_varlen_func": flash_attn_varlen_func}
+
+
+def _route(T, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """(B, H, S, D) inputs of float16/bfloat16 (after autocast), no mask tensor, no dropout,
+    a supported head_dim, grouped-query K/V with ``enable_gqa``, ``is_causal`` with equal
+    query and key lengths (PyTorch aligns the causal mask to the top left, cukern to the
+    bottom right: they agree only there)."""
+    q, k, v = query, key, value
+    if not (q.is_cuda and k.is_cuda and v.is_cuda):
+        return "not CUDA tensors"
+    dt = T.autocast_dtype("scaled_dot_product_attention", q.dtype)
+    q, k, v = T.cast(q, dt), T.cast(k, dt), T.cast(v, dt)
+    if attn_mask is not None or dropout_p != 0.0:
+        return "attn_mask or dropout"
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        return "shape"
+    if q.dtype not in T.HALF_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtype {q.dtype}"
+    if not (q.device == k.device == v.device):
+        return "devices differ"
+    b, h, sq, d = q.shape
+    bk, hkv, sk, dk = k.shape
+    if bk != b or dk != d or d not in HEAD_DIMS:
+        return "batch or head_dim"
+    if hkv != h and not (enable_gqa and hkv > 0 and h % hkv == 0):
+        return "heads"
+    if is_causal and sq != sk:
+        return "causal with seqlen_q != seqlen_k"
+    if b * h > 65535 or sq == 0 or sk == 0:
+        return "size"
+    if T.small("scaled_dot_product_attention", b * h * sq * sk * d):
+        return T.SMALL
+    s = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    # (B, H, S, D) read through its transpose; the output comes back in SDPA's layout: no copies.
+    return ("attention", (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bool(is_causal), s, -1, -1, 0.0,
+                          -1), _transpose12)
+
+
+def _transpose12(t):
+    return t.transpose(1, 2)
