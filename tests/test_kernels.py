@@ -17,15 +17,15 @@ def _array(dtype: str, ptr: int = 0x7F0000001000):
 
 
 def test_signature_is_read_from_the_source_with_template_types_resolved():
-    inst = norm.CONFIGS.fwd[0].instance("fwd", "bfloat16", False, 8)
+    inst = norm.configs.CONFIGS.fwd[0].instance("fwd", "bfloat16", False, 8)
     sig = _kernels.signature(inst)
     assert sig.names == ("x", "x_stride", "res", "res_stride", "w", "b", "y", "h", "mean_out", "rstd_out",
                          "rows", "cols", "eps", "w_offset", "y_scale", "y_amax")
     assert sig.codes == ("P", "q", "P", "q", "P", "P", "P", "P", "P", "P", "q", "i", "f", "f", "P", "P")
     assert sig.dtypes[0] == "bfloat16" and sig.dtypes[6] == "bfloat16" and sig.dtypes[8] == "float32"
-    f32 = _kernels.signature(norm.CONFIGS.fwd[0].instance("fwd", "float32", True, 4))
+    f32 = _kernels.signature(norm.configs.CONFIGS.fwd[0].instance("fwd", "float32", True, 4))
     assert f32.dtypes[0] == "float32"
-    fp8 = _kernels.signature(norm.CONFIGS.fwd[0].instance("fwd", "bfloat16", True, 8, out="float8_e5m2"))
+    fp8 = _kernels.signature(norm.configs.CONFIGS.fwd[0].instance("fwd", "bfloat16", True, 8, out="float8_e5m2"))
     assert fp8.dtypes[0] == "bfloat16" and fp8.dtypes[6] == "float8_e5m2" and fp8.dtypes[7] == "bfloat16"
 
 

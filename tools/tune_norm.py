@@ -25,7 +25,7 @@ def bench(fn):
 
 def candidates(path):
     if path is None:
-        return [("fwd", c) for c in norm.CONFIGS.fwd] + [("bwd", c) for c in norm.CONFIGS.bwd]
+        return [("fwd", c) for c in norm.configs.CONFIGS.fwd] + [("bwd", c) for c in norm.configs.CONFIGS.bwd]
     out = []
     for line in open(path):
         if line.strip():
@@ -59,8 +59,8 @@ def main():
 
     for kind, cfg in candidates(args.candidates):
         # a table of one entry: the candidate takes every row that fits it, the loop the rest
-        configs = norm.Configs(fwd=(cfg,), bwd=norm.CONFIGS.bwd) if kind == "fwd" else \
-            norm.Configs(fwd=norm.CONFIGS.fwd, bwd=(cfg,))
+        configs = norm.Configs(fwd=(cfg,), bwd=norm.configs.CONFIGS.bwd) if kind == "fwd" else \
+            norm.Configs(fwd=norm.configs.CONFIGS.fwd, bwd=(cfg,))
         if cfg.capacity * 8 < d:
             continue
         for rms in (False, True):
