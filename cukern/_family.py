@@ -1,7 +1,8 @@
 """What a kernel family declares, in one place, so that the rest of cukern discovers it.
 
-A family module (``cukern/norm.py``, ...) ends with ``FAMILY = Family(...)``; its name in
-``cukern._registry.FAMILIES`` is the one line that registers it. From the declaration:
+A family module or package (``cukern/rope.py``, ``cukern/norm/``, ...) ends with
+``FAMILY = Family(...)``; its name in ``cukern._registry.FAMILIES`` is the one line that
+registers it. From the declaration:
 
 * ``cukern`` exports its array functions, ``cukern.reference`` its NumPy references;
 * the NVRTC compile check compiles every kernel instance it declares (``instances``);
