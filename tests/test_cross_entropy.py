@@ -218,19 +218,19 @@ def test_the_training_form_splits_wide_rows_over_a_cluster_on_sm90(dry, monkeypa
     assert ", 256, 8, 8, 1>" in str(kernels(2**16, (9, 0), np.float32))        # float32: 8 vectors of 256 threads
     assert "train_cluster" not in str(kernels(2**17, (9, 0), np.float32))  # too wide for the part
     # 128-thread CTAs hold their part in registers
-    monkeypatch.setattr(ce, "CONFIGS", ce.Configs(clusters=(8,), cluster_threads=(128, 256)))
+    monkeypatch.setattr(ce.configs, "CONFIGS", ce.Configs(clusters=(8,), cluster_threads=(128, 256)))
     assert list(kernels(65536, (9, 0))) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 128, 8, 8, 0>"]
     # a grid of at most max_clusters clusters (the kernel loops over the rest)
-    monkeypatch.setattr(ce, "CONFIGS", ce.Configs(max_clusters=2))
+    monkeypatch.setattr(ce.configs, "CONFIGS", ce.Configs(max_clusters=2))
     assert list(kernels(128256, (9, 0), rows=5).values()) == [2 * 8]
-    monkeypatch.setattr(ce, "CONFIGS", ce.Configs(use_cluster=False))
+    monkeypatch.setattr(ce.configs, "CONFIGS", ce.Configs(use_cluster=False))
     assert "train_cluster" not in str(kernels(128256, (9, 0)))
     # clusters of 16 (beyond the portable size: the instance says so, and loading allows it)
-    monkeypatch.setattr(ce, "CONFIGS", ce.Configs(clusters=(16,), cluster_threads=(128, 256)))
+    monkeypatch.setattr(ce.configs, "CONFIGS", ce.Configs(clusters=(16,), cluster_threads=(128, 256)))
     got = kernels(128256, (9, 0))
     assert list(got) == ["cross_entropy_train_cluster<cuk::half, long long, 8, 128, 8, 16, 0>"]
     assert list(got.values()) == [6 * 16]
-    assert ce.CONFIGS.train_cluster("float16", "int64", 16, 128, 8).cluster == 16
+    assert ce.configs.CONFIGS.train_cluster("float16", "int64", 16, 128, 8).cluster == 16
     ce._PLANS.clear()
 
 
@@ -308,7 +308,7 @@ def test_kernels_match_the_reference(framework, dtype, v):
     """(On sm_90 the training form of vocabularies from cluster_min up whose rows take 16-byte
     vectors runs on a cluster a row.)"""
     rows = 3 if v > 40000 else 9
-    _check(framework, dtype, rows, v, seed=v, exact_forward=v < ce.CONFIGS.cluster_min)
+    _check(framework, dtype, rows, v, seed=v, exact_forward=v < ce.configs.CONFIGS.cluster_min)
 
 
 @gpu
@@ -348,7 +348,7 @@ def test_the_cluster_training_form_matches_the_reference(dtype, v, opts, kind, m
     configs = ce.Configs(cluster_min=8192, clusters=cluster, cluster_threads=threads,   # (down to 8192 classes)
                          max_clusters=2 if "looping" in kind else 1 << 27,
                          cluster_stage=() if "registers" in kind else (256,))
-    monkeypatch.setattr(ce, "CONFIGS", configs)
+    monkeypatch.setattr(ce.configs, "CONFIGS", configs)
     ce._PLANS.clear()
     try:
         _check("torch" if torch is not None else "cupy", dtype, 5, v, seed=v, exact_forward=False, **opts)
@@ -506,10 +506,10 @@ def chunks_on_the_host_factory(host_arrays_as_device, monkeypatch):
         logits[...] = d / count[0] if count is not None and count[0] else d
         return rows
 
-    monkeypatch.setattr(ce, "_count_valid", count)
-    monkeypatch.setattr(ce, "_chunk_forward", forward)
-    monkeypatch.setattr(ce, "_chunk_train", train)
-    return lambda budget: monkeypatch.setattr(ce, "CHUNK_BYTES", budget)
+    monkeypatch.setattr(ce.linear, "_count_valid", count)
+    monkeypatch.setattr(ce.linear, "_chunk_forward", forward)
+    monkeypatch.setattr(ce.linear, "_chunk_train", train)
+    return lambda budget: monkeypatch.setattr(ce.linear, "CHUNK_BYTES", budget)
 
 
 @pytest.fixture
@@ -592,7 +592,7 @@ def test_chunks_hold_at_most_the_budget_of_logits():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_cross_entropy_matches_the_reference_on_the_gpu(dtype, bias, monkeypatch):
-    monkeypatch.setattr(ce, "CHUNK_BYTES", 64 * 3000 * 2)   # several chunks
+    monkeypatch.setattr(ce.linear, "CHUNK_BYTES", 64 * 3000 * 2)   # several chunks
     rng = np.random.default_rng(8)
     h = random_host(rng, (300, 64), dtype)
     w = random_host(rng, (3000, 64), dtype, 0.2)
@@ -623,9 +623,9 @@ def test_linear_cross_entropy_rounds_dweight_once_however_many_chunks(dtype, mon
     tokens, v, hdim = 1024, 512, 64
     h, w = (to_device(random_host(rng, s, dtype), "torch") for s in ((tokens, hdim), (v, hdim)))
     t = _indices(_targets(rng, tokens, v), "torch")
-    monkeypatch.setattr(ce, "CHUNK_BYTES", v * tokens * 2)
+    monkeypatch.setattr(ce.linear, "CHUNK_BYTES", v * tokens * 2)
     _, dh1, dw1, _ = cukern.linear_cross_entropy_forward_backward(h, w, t)
-    monkeypatch.setattr(ce, "CHUNK_BYTES", v * (tokens // 32) * 2)
+    monkeypatch.setattr(ce.linear, "CHUNK_BYTES", v * (tokens // 32) * 2)
     assert ce.chunk_rows(tokens, v, 2) == tokens // 32
     _, dh32, dw32, _ = cukern.linear_cross_entropy_forward_backward(h, w, t)
     assert dw32.dtype == w.dtype
@@ -641,7 +641,7 @@ def test_a_chunk_of_the_linear_form_scales_by_the_whole_batchs_count(dry):
     from cukern import _kernels
 
     logits, t, count = np.ones((4, 64), np.float16), np.arange(4), np.ones(1, np.float32)
-    plan = _plan(lambda: ce._chunk_train(logits, t, count, ce._options(-100, 0, 0, None, "mean")))
+    plan = _plan(lambda: ce.linear._chunk_train(logits, t, count, ce._options(-100, 0, 0, None, "mean")))
     assert list(_launches(plan)) == ["cross_entropy_rows"]     # no count of its own, no reduction
     _, inst, _, _, _, slots = plan.steps[0]
     names = _kernels.signature(inst).names
