@@ -13,7 +13,7 @@ import pytest
 
 import importlib
 
-from cukern import _bench
+from cukern import _bench, _bench_cases
 
 NORM = importlib.import_module("cukern.norm")
 GROUP_NORM = importlib.import_module("cukern.group_norm")   # (cukern.group_norm is the function)
@@ -242,8 +242,8 @@ def test_rates():
     assert _bench.gbps(2 * 10**9, 1000.0) == pytest.approx(2.0)
     assert _bench.gbps(10**9, 0.5) == pytest.approx(2000.0)
     assert _bench.tflops(10**12, 2.0) == pytest.approx(500.0)
-    assert _bench.elements_bytes((65536, 4096), "bfloat16", 5) == 5 * 65536 * 4096 * 2
-    assert _bench.elements_bytes((3, 5), "float32") == 60
+    assert _bench_cases.elements_bytes((65536, 4096), "bfloat16", 5) == 5 * 65536 * 4096 * 2
+    assert _bench_cases.elements_bytes((3, 5), "float32") == 60
 
 
 def test_input_set_count():
@@ -402,7 +402,7 @@ def fake_events(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
-    monkeypatch.setattr(_bench, "_sleep_cycles_per_ms", 1e6)
+    monkeypatch.setattr(_bench.timing, "_sleep_cycles_per_ms", 1e6)
 
 
 def test_time_cuda_rotates_sets_and_takes_the_median(fake_events):
@@ -447,9 +447,9 @@ def test_time_cuda_interleaved_holds_every_block_as_long_as_the_slowest_host_nee
     """The hold before a block idles the device; one side held longer would start its blocks
     cooler (a higher clock under the power cap), so all take the longest host time's hold."""
     holds = []
-    monkeypatch.setattr(_bench, "_hold_device", holds.append)
+    monkeypatch.setattr(_bench.timing, "_hold_device", holds.append)
     host = iter([0.02, 0.05])   # ms a call: the two functions' warm-up
-    monkeypatch.setattr(_bench, "_warm", lambda call, warmup: next(host))
+    monkeypatch.setattr(_bench.timing, "_warm", lambda call, warmup: next(host))
     a, b = _bench.time_cuda_interleaved([lambda: None, lambda: None], warmup=2, reps=8, rounds=2)
     assert holds == [1.0 + 1.25 * 0.05 * 4] * 4
     assert (a.host_ms, b.host_ms) == (0.02, 0.05)   # (each side's own host time is still reported)
@@ -457,7 +457,7 @@ def test_time_cuda_interleaved_holds_every_block_as_long_as_the_slowest_host_nee
 
 def test_each_case_runs_in_order_and_an_error_is_recorded_not_raised(monkeypatch):
     torch = pytest.importorskip("torch")
-    monkeypatch.setattr(_bench, "l2_bytes", lambda device=0: 1)
+    monkeypatch.setattr(_bench.run, "l2_bytes", lambda device=0: 1)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     seen = []
 
@@ -469,7 +469,7 @@ def test_each_case_runs_in_order_and_an_error_is_recorded_not_raised(monkeypatch
 
     cases = [_case(), dataclasses.replace(_case(), name="bad"), _case()]
     progress = []
-    out = _bench._run_each(run_one, cases, lambda i, n, c: progress.append((i, n)), reps=3)
+    out = _bench.run._run_each(run_one, cases, lambda i, n, c: progress.append((i, n)), reps=3)
     assert [r["name"] for r in out] == ["toy op", "bad", "toy op"] and out[1]["error"] == "ValueError: boom"
     assert seen[0] == ("toy op", 1, {"reps": 3}) and progress == [(1, 3), (2, 3), (3, 3)]
 
