@@ -154,6 +154,17 @@ class PlanCache:
         self.plans: dict = {}
         self.limit = limit
 
+    def plan(self, key, build, *args) -> Plan:
+        """The plan of the call signature ``key``: the kept one, else ``build(*args)`` kept.
+        ``key`` None: a call whose key does not determine its plan (a scalar given as an array,
+        say), built every time and not kept."""
+        if key is None:
+            return build(*args)
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.put(key, build(*args))
+        return plan
+
     def get(self, key):
         return self.plans.get(key)
 

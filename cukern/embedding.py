@@ -168,11 +168,7 @@ def _embedding(indices, weight, padding_idx, check, configs: Configs):
     arrays = [_indices(indices), _arrays.as_device_array(weight, "weight")]
     plain = padding_idx is None or type(padding_idx) is int
     key = (padding_idx, configs, *(a.key for a in arrays))
-    plan = _FWD.get(key) if plain else None
-    if plan is None:
-        plan = _plan_forward(arrays, padding_idx, configs)
-        if plain:
-            _FWD.put(key, plan)
+    plan = _FWD.plan(key if plain else None, _plan_forward, arrays, padding_idx, configs)
     if check:
         _raise_out_of_range(arrays[0], arrays[1].shape[0])
     return plan(arrays)[2].obj
@@ -229,11 +225,8 @@ def _embedding_backward(grad, indices, num_embeddings, padding_idx, scale_grad_b
     arrays = [_arrays.as_device_array(grad, "grad"), _indices(indices)]
     plain = type(num_embeddings) is int and (padding_idx is None or type(padding_idx) is int)
     key = (num_embeddings, padding_idx, bool(scale_grad_by_freq), configs, *(a.key for a in arrays))
-    plan = _BWD.get(key) if plain else None
-    if plan is None:
-        plan = _plan_backward(arrays, num_embeddings, padding_idx, bool(scale_grad_by_freq), configs)
-        if plain:
-            _BWD.put(key, plan)
+    plan = _BWD.plan(key if plain else None, _plan_backward, arrays, num_embeddings, padding_idx,
+                     bool(scale_grad_by_freq), configs)
     if check:
         _raise_out_of_range(arrays[1], num_embeddings)
     return plan(arrays)[2].obj

@@ -200,11 +200,8 @@ def _forward(x, num_groups, weight, bias, eps, return_stats, configs: Configs):
     arrays = [_arrays.as_device_array(x, "x"), _optional(weight, "weight"), _optional(bias, "bias")]
     key = (num_groups if type(num_groups) is int else None, bool(return_stats), _checks.eps(eps), configs,
            *(a and a.key for a in arrays))
-    plan = _FWD.get(key) if key[0] is not None else None
-    if plan is None:
-        plan = _plan_forward(arrays, num_groups, eps, bool(return_stats), configs)
-        if key[0] is not None:
-            _FWD.put(key, plan)
+    plan = _FWD.plan(key if key[0] is not None else None, _plan_forward, arrays, num_groups, eps, bool(return_stats),
+                     configs)
     bufs = plan(arrays)
     return (bufs[3].obj, bufs[4].obj, bufs[5].obj) if return_stats else bufs[3].obj
 
@@ -269,11 +266,7 @@ def _backward(dy, x, num_groups, weight, mean, rstd, configs: Configs):
     arrays = [_arrays.as_device_array(dy, "dy"), xa, _optional(weight, "weight"),
               _arrays.as_device_array(mean, "mean", ("float32",)), _arrays.as_device_array(rstd, "rstd", ("float32",))]
     key = (num_groups if type(num_groups) is int else None, configs, *(a and a.key for a in arrays))
-    plan = _BWD.get(key) if key[0] is not None else None
-    if plan is None:
-        plan = _plan_backward(arrays, num_groups, configs)
-        if key[0] is not None:
-            _BWD.put(key, plan)
+    plan = _BWD.plan(key if key[0] is not None else None, _plan_backward, arrays, num_groups, configs)
     bufs = plan(arrays)
     return bufs[5].obj, bufs[6] and bufs[6].obj, bufs[7].obj
 

@@ -147,7 +147,7 @@ def _apply(bwd: bool, q, k, cos, sin, interleaved):
               _arrays.as_device_array(cos, "cos"), _arrays.as_device_array(sin, "sin")]
     il = _interleaved(interleaved)
     key = (bwd, il, *(a and a.key for a in arrays))
-    plan = _PLANS.get(key) or _PLANS.put(key, _plan(bwd, il, arrays))
+    plan = _PLANS.plan(key, _plan, bwd, il, arrays)
     bufs = plan(arrays)
     return bufs[4].obj, None if bufs[5] is None else bufs[5].obj
 

@@ -93,7 +93,7 @@ _BWD = PlanCache()
 def _forward(act: str, gate, up):
     arrays = [_arrays.as_device_array(gate, "gate"), _arrays.as_device_array(up, "up")]
     key = (act, *(a.key for a in arrays))
-    plan = _FWD.get(key) or _FWD.put(key, _plan_forward(act, arrays))
+    plan = _FWD.plan(key, _plan_forward, act, arrays)
     return plan(arrays)[2].obj
 
 
@@ -119,7 +119,7 @@ def _backward(act: str, dy, gate, up):
     arrays = [_arrays.as_device_array(dy, "dy"), _arrays.as_device_array(gate, "gate"),
               _arrays.as_device_array(up, "up")]
     key = (act, *(a.key for a in arrays))
-    plan = _BWD.get(key) or _BWD.put(key, _plan_backward(act, arrays))
+    plan = _BWD.plan(key, _plan_backward, act, arrays)
     bufs = plan(arrays)
     return bufs[3].obj, bufs[4].obj
 

@@ -172,3 +172,22 @@ def test_a_fill_step_fills_the_given_buffers_and_skips_absent_ones():
     for step in b.steps:
         step(bufs, [0, 0, 0], 0)
     assert bufs[2].obj.tolist() == [7.0, 7.0] and bufs[0].obj.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_plan_cache_builds_once_a_key_and_never_keeps_an_unkeyed_call():
+    from cukern._plans import PlanCache
+
+    built = []
+
+    def build(*args):
+        built.append(args)
+        return object()
+
+    cache = PlanCache(limit=2)
+    a = cache.plan(("a",), build, 1, 2)
+    assert cache.plan(("a",), build, 3) is a and built == [(1, 2)]          # kept: built once
+    assert cache.plan(None, build, 4) is not cache.plan(None, build, 5)    # no key: built every call
+    assert built[1:] == [(4,), (5,)] and len(cache.plans) == 1
+    cache.plan(("b",), build)
+    cache.plan(("c",), build)                                              # bounded: the oldest goes
+    assert list(cache.plans) == [("b",), ("c",)]

@@ -49,11 +49,8 @@ def _attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, determin
     mkey = _mask_key(window, softcap)
     plain = (softmax_scale is None or type(softmax_scale) in (float, int)) and mkey is not None
     key = (bool(causal), softmax_scale, bool(deterministic), configs, mkey, *(a.key for a in arrays))
-    plan = _BWD.get(key) if plain else None
-    if plan is None:
-        plan = _plan_backward(arrays, bool(causal), softmax_scale, bool(deterministic), configs, window, softcap)
-        if plain:
-            _BWD.put(key, plan)
+    plan = _BWD.plan(key if plain else None, _plan_backward, arrays, bool(causal), softmax_scale, bool(deterministic),
+                     configs, window, softcap)
     bufs = plan(arrays)   # (the given arrays, then dq, dk, dv)
     return bufs[6].obj, bufs[7].obj, bufs[8].obj
 
@@ -80,12 +77,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     plain = _varlen_cacheable(softmax_scale, mkey, max_seqlen_q, max_seqlen_k)
     key = (bool(causal), softmax_scale, bool(deterministic), _cfg.CONFIGS, mkey, max_seqlen_q, max_seqlen_k,
            *(a.key for a in arrays))
-    plan = _BWD_VARLEN.get(key) if plain else None
-    if plan is None:
-        plan = _plan_backward(arrays, bool(causal), softmax_scale, bool(deterministic), _cfg.CONFIGS, window, softcap,
-                              (max_seqlen_q, max_seqlen_k))
-        if plain:
-            _BWD_VARLEN.put(key, plan)
+    plan = _BWD_VARLEN.plan(key if plain else None, _plan_backward, arrays, bool(causal), softmax_scale,
+                            bool(deterministic), _cfg.CONFIGS, window, softcap, (max_seqlen_q, max_seqlen_k))
     bufs = plan(arrays)   # (the given arrays with the offsets, then dq, dk, dv)
     return bufs[8].obj, bufs[9].obj, bufs[10].obj
 

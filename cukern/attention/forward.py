@@ -60,11 +60,8 @@ def _attention(q, k, v, causal, softmax_scale, return_lse, configs: Configs, win
     mkey = _mask_key(window, softcap)
     plain = (softmax_scale is None or type(softmax_scale) in (float, int)) and mkey is not None
     key = (bool(causal), softmax_scale, bool(return_lse), configs, mkey, *(a.key for a in arrays))
-    plan = _FWD.get(key) if plain else None
-    if plan is None:
-        plan = _plan_forward(arrays, bool(causal), softmax_scale, bool(return_lse), configs, window, softcap)
-        if plain:
-            _FWD.put(key, plan)
+    plan = _FWD.plan(key if plain else None, _plan_forward, arrays, bool(causal), softmax_scale, bool(return_lse),
+                     configs, window, softcap)
     bufs = plan(arrays)
     return (bufs[3].obj, bufs[4].obj) if return_lse else bufs[3].obj
 
@@ -186,12 +183,8 @@ def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     plain = _varlen_cacheable(softmax_scale, mkey, max_seqlen_q, max_seqlen_k)
     key = (bool(causal), softmax_scale, bool(return_lse), configs, mkey, max_seqlen_q, max_seqlen_k,
            *(a.key for a in arrays))
-    plan = _FWD_VARLEN.get(key) if plain else None
-    if plan is None:
-        plan = _plan_forward_varlen(arrays, max_seqlen_q, max_seqlen_k, bool(causal), softmax_scale,
-                                    bool(return_lse), window, softcap, configs)
-        if plain:
-            _FWD_VARLEN.put(key, plan)
+    plan = _FWD_VARLEN.plan(key if plain else None, _plan_forward_varlen, arrays, max_seqlen_q, max_seqlen_k,
+                            bool(causal), softmax_scale, bool(return_lse), window, softcap, configs)
     bufs = plan(arrays)
     return (bufs[5].obj, bufs[6].obj) if return_lse else bufs[5].obj
 

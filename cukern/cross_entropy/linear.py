@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .. import _arrays, _checks, _kernels
 from .._arrays import DeviceArray
-from .._plans import Builder, PlanCache
+from .._plans import Builder, Plan, PlanCache
 from . import configs as _cfg
 from .checks import Options, _options, _target
 from .configs import FORWARD, TRAIN, Configs
@@ -29,18 +29,19 @@ def chunk_rows(tokens: int, v: int, itemsize: int, budget: int | None = None) ->
 
 def _count_valid(ta: DeviceArray, v: int, opts: Options, configs: Configs = _cfg.CONFIGS):
     """(1,) float32 on the device: the targets that are neither ignore_index nor out of range."""
-    key = (v, opts.ignore_index, configs, ta.key)
-    plan = _COUNT.get(key)
-    if plan is None:
-        b = Builder([ta])
-        count = b.alloc((1,), "float32")
-        if ta.size:
-            k = _kernels.kernel(configs.count(ta.dtype), ta.device)
-            b.launch(k, 1, target=b.slot(0), rows=ta.size, V=v, ignore_index=opts.ignore_index, count=count)
-        else:
-            b.fill(0.0, count)
-        plan = _COUNT.put(key, b.plan(ta.device))
+    plan = _COUNT.plan((v, opts.ignore_index, configs, ta.key), _plan_count, ta, v, opts, configs)
     return plan([ta])[1]
+
+
+def _plan_count(ta: DeviceArray, v: int, opts: Options, configs: Configs) -> Plan:
+    b = Builder([ta])
+    count = b.alloc((1,), "float32")
+    if ta.size:
+        k = _kernels.kernel(configs.count(ta.dtype), ta.device)
+        b.launch(k, 1, target=b.slot(0), rows=ta.size, V=v, ignore_index=opts.ignore_index, count=count)
+    else:
+        b.fill(0.0, count)
+    return b.plan(ta.device)
 
 
 def _chunk_train(logits, target, count, opts: Options):

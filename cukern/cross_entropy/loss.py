@@ -105,7 +105,7 @@ def _backward(dloss, logits, target, lse, unit, opts: Options, donate: bool):
 
 def _run(mode: int, arrays: list, opts: Options, flags: tuple, configs: Configs) -> list:
     key = (mode, opts, flags, configs, *(a.key for a in arrays))
-    plan = _PLANS.get(key) or _PLANS.put(key, _plan(mode, arrays, opts, flags, configs))
+    plan = _PLANS.plan(key, _plan, mode, arrays, opts, flags, configs)
     return plan(arrays)
 
 

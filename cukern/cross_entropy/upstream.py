@@ -20,7 +20,7 @@ def _scale_gradient(dloss, grad, dtype: str, donate: bool, configs: Configs = _c
     arrays = [_arrays.as_device_array(dloss, "dloss"), _arrays.as_device_array(grad, "grad", ("float32",))]
     in_place = bool(donate) and dtype == "float32"
     key = (in_place, dtype, configs, *(a.key for a in arrays))
-    plan = _SCALE.get(key) or _SCALE.put(key, _plan_scale(arrays, dtype, in_place, configs))
+    plan = _SCALE.plan(key, _plan_scale, arrays, dtype, in_place, configs)
     bufs = plan(arrays)
     return bufs[1].obj if in_place else bufs[2].obj
 

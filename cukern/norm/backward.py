@@ -23,7 +23,7 @@ def _backward(rms: bool, dy, x, weight, mean, rstd, dresidual, configs: Configs,
     off = _offset(offset, weight)
     cast = min(_casting(casting_mode, rms), 1)   # ("none" and "llama" share the backward)
     key = (rms, off, cast, configs, *(a and a.key for a in arrays))
-    plan = _BWD.get(key) or _BWD.put(key, _plan_backward(rms, arrays, configs, off, cast))
+    plan = _BWD.plan(key, _plan_backward, rms, arrays, configs, off, cast)
     bufs = plan(arrays)
     # bufs: dy, x, weight, mean, rstd, dresidual, then dx, dw, db (or None), scratch
     return bufs[6].obj, bufs[7] and bufs[7].obj, bufs[8] and bufs[8].obj

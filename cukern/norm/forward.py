@@ -71,8 +71,7 @@ def _forward(rms: bool, x, weight, bias, eps, residual, return_stats, configs: C
     off = _offset(offset, weight)
     cast = _casting(casting_mode, rms)
     key = (rms, bool(return_stats), _checks.eps(eps), off, cast, out, configs, *(a and a.key for a in arrays))
-    plan = _FWD.get(key) or _FWD.put(key, _plan_forward(rms, arrays, eps, bool(return_stats), configs, off, cast,
-                                                        out))
+    plan = _FWD.plan(key, _plan_forward, rms, arrays, eps, bool(return_stats), configs, off, cast, out)
     bufs = plan(arrays)
     # bufs: x, weight, bias, residual, scale, amax, then y, h (residual), mean (LayerNorm,
     # stats), rstd (stats)
