@@ -97,17 +97,25 @@ class Plan:
     array the kernels read, e.g. a contiguous copy); ``allocs``: what to allocate, appended to
     the buffer list; ``steps``: callables ``step(bufs, ptrs, stream)`` run in order on the
     caller's stream (a prepared :class:`cukern._kernels.Launch` is one).
-    ``first`` names the buffer whose kind (torch, CuPy) and device the outputs take.
+    ``first`` names the buffer whose kind (torch, CuPy) and device the outputs take;
+    ``outputs`` the buffers the front returns, by name (index in the buffer list).
     """
 
-    __slots__ = ("device", "fixes", "allocs", "steps", "first")
+    __slots__ = ("device", "fixes", "allocs", "steps", "first", "outputs")
 
-    def __init__(self, device: int, *, fixes=(), allocs=(), steps=(), first: int = 0):
+    def __init__(self, device: int, *, fixes=(), allocs=(), steps=(), first: int = 0, outputs=None):
         self.device = device
         self.fixes = tuple(fixes)
         self.allocs = tuple(allocs)
         self.steps = tuple(steps)
         self.first = first
+        self.outputs = dict(outputs or {})
+
+    def out(self, bufs: list, name: str):
+        """The array (the caller's kind) of output ``name`` in ``bufs`` (what the plan
+        returned), or None where the call does not produce it."""
+        b = bufs[self.outputs[name]]
+        return None if b is None else b.obj
 
     def __call__(self, arrays: list) -> list:
         """Run on ``arrays`` (the call's inputs, a list it may change); the buffer list."""
@@ -189,20 +197,31 @@ class Builder:
         self.fixes: list = []
         self.steps: list = []
         self.dtypes = {i: a.dtype for i, a in enumerate(arrays) if a is not None}
+        self.outputs: dict[str, int] = {}
 
     def slot(self, i: int) -> Slot | None:
         """Input ``i``'s slot, or None (a null pointer) when it was not given."""
         return None if self.arrays[i] is None else Slot(i)
 
-    def alloc(self, shape, dtype: str, layout: str = "contiguous", like: int = 0) -> Slot:
+    def alloc(self, shape, dtype: str, layout: str = "contiguous", like: int = 0, name: str | None = None) -> Slot:
+        """A new buffer (``name``: an output the front returns, read by that name)."""
         i = len(self.arrays) + len(self.allocs)
         self.allocs.append(Alloc(tuple(shape), dtype, layout, like))
         self.dtypes[i] = dtype
+        if name is not None:
+            self.outputs[name] = i
         return Slot(i)
 
-    def absent(self) -> None:
+    def absent(self, name: str | None = None) -> None:
         """A slot that stays None (an output the call does not produce)."""
+        if name is not None:
+            self.outputs[name] = len(self.arrays) + len(self.allocs)
         self.allocs.append(Absent())
+
+    def output(self, name: str, slot: Slot) -> Slot:
+        """Name a given buffer an output (one a kernel writes in place)."""
+        self.outputs[name] = slot.index
+        return slot
 
     def fix(self, i: int, fn) -> None:
         """Input ``i`` is replaced by ``fn(input)`` before the launches (e.g. a contiguous copy)."""
@@ -225,4 +244,5 @@ class Builder:
         self.steps.append(Sort(slot.index))
 
     def plan(self, device: int, first: int = 0) -> Plan:
-        return Plan(device, fixes=self.fixes, allocs=self.allocs, steps=self.steps, first=first)
+        return Plan(device, fixes=self.fixes, allocs=self.allocs, steps=self.steps, first=first,
+                    outputs=self.outputs)

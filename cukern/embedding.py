@@ -171,7 +171,7 @@ def _embedding(indices, weight, padding_idx, check, configs: Configs):
     plan = _FWD.plan(key if plain else None, _plan_forward, arrays, padding_idx, configs)
     if check:
         _raise_out_of_range(arrays[0], arrays[1].shape[0])
-    return plan(arrays)[2].obj
+    return plan.out(plan(arrays), "out")
 
 
 def _plan_forward(arrays, padding_idx, configs: Configs) -> Plan:
@@ -185,7 +185,7 @@ def _plan_forward(arrays, padding_idx, configs: Configs) -> Plan:
         b.fix(0, DeviceArray.contiguous)
     if not _arrays.is_contiguous(wa):
         b.fix(1, DeviceArray.contiguous)
-    out = b.alloc(ia.shape + (d,), wa.dtype)
+    out = b.alloc(ia.shape + (d,), wa.dtype, name="out")
     ntok = ia.size
     if ntok and d:
         vec = _vec(wa.itemsize, d, wa if _arrays.is_contiguous(wa) else None)
@@ -229,7 +229,7 @@ def _embedding_backward(grad, indices, num_embeddings, padding_idx, scale_grad_b
                      bool(scale_grad_by_freq), configs)
     if check:
         _raise_out_of_range(arrays[1], num_embeddings)
-    return plan(arrays)[2].obj
+    return plan.out(plan(arrays), "dweight")
 
 
 def _plan_backward(arrays, num_embeddings, padding_idx, scale, configs: Configs) -> Plan:
@@ -246,7 +246,7 @@ def _plan_backward(arrays, num_embeddings, padding_idx, scale, configs: Configs)
     for i, a in enumerate(arrays):
         if not _arrays.is_contiguous(a):
             b.fix(i, DeviceArray.contiguous)
-    dw = b.alloc((v, d), ga.dtype)
+    dw = b.alloc((v, d), ga.dtype, name="dweight")
     if not (ntok and d):
         b.fill(0.0, dw)
         return b.plan(device)

@@ -203,7 +203,9 @@ def _forward(x, num_groups, weight, bias, eps, return_stats, configs: Configs):
     plan = _FWD.plan(key if key[0] is not None else None, _plan_forward, arrays, num_groups, eps, bool(return_stats),
                      configs)
     bufs = plan(arrays)
-    return (bufs[3].obj, bufs[4].obj, bufs[5].obj) if return_stats else bufs[3].obj
+    if return_stats:
+        return plan.out(bufs, "y"), plan.out(bufs, "mean"), plan.out(bufs, "rstd")
+    return plan.out(bufs, "y")
 
 
 def _plan_forward(arrays, num_groups, eps, return_stats, configs) -> Plan:
@@ -220,9 +222,9 @@ def _plan_forward(arrays, num_groups, eps, return_stats, configs) -> Plan:
     for i, a in ((1, wa), (2, ba)):
         if a is not None and a.strides != (1,):
             b.fix(i, DeviceArray.contiguous)
-    y = b.alloc(xa.shape, xa.dtype, "channels_last" if cl else "contiguous")
-    mean = b.alloc((n, g), "float32") if return_stats else None
-    rstd = b.alloc((n, g), "float32") if return_stats else None
+    y = b.alloc(xa.shape, xa.dtype, "channels_last" if cl else "contiguous", name="y")
+    mean = b.alloc((n, g), "float32", name="mean") if return_stats else None
+    rstd = b.alloc((n, g), "float32", name="rstd") if return_stats else None
     groups = n * g
     if groups and c // g * hw:
         cfg = configs.get("fwd", cl)
@@ -268,7 +270,7 @@ def _backward(dy, x, num_groups, weight, mean, rstd, configs: Configs):
     key = (num_groups if type(num_groups) is int else None, configs, *(a and a.key for a in arrays))
     plan = _BWD.plan(key if key[0] is not None else None, _plan_backward, arrays, num_groups, configs)
     bufs = plan(arrays)
-    return bufs[5].obj, bufs[6] and bufs[6].obj, bufs[7].obj
+    return plan.out(bufs, "dx"), plan.out(bufs, "dweight"), plan.out(bufs, "dbias")
 
 
 def _plan_backward(arrays, num_groups, configs) -> Plan:
@@ -288,9 +290,9 @@ def _plan_backward(arrays, num_groups, configs) -> Plan:
     for i, a in ((2, wa), (3, ma), (4, sa)):
         if a is not None and not _arrays.is_contiguous(a):
             b.fix(i, DeviceArray.contiguous)
-    dx = b.alloc(xa.shape, xa.dtype, "channels_last" if cl else "contiguous")
-    dw = b.alloc((c,), xa.dtype) if wa is not None else b.absent()
-    db = b.alloc((c,), xa.dtype)
+    dx = b.alloc(xa.shape, xa.dtype, "channels_last" if cl else "contiguous", name="dx")
+    dw = b.alloc((c,), xa.dtype, name="dweight") if wa is not None else b.absent("dweight")
+    db = b.alloc((c,), xa.dtype, name="dbias")
     groups = n * g
     if not (groups and c // g * hw):
         b.fill(0.0, dw, db)

@@ -149,7 +149,7 @@ def _apply(bwd: bool, q, k, cos, sin, interleaved):
     key = (bwd, il, *(a and a.key for a in arrays))
     plan = _PLANS.plan(key, _plan, bwd, il, arrays)
     bufs = plan(arrays)
-    return bufs[4].obj, None if bufs[5] is None else bufs[5].obj
+    return plan.out(bufs, "q"), plan.out(bufs, "k")
 
 
 def _plan(bwd: bool, il: bool, arrays) -> Plan:
@@ -182,8 +182,8 @@ def _plan(bwd: bool, il: bool, arrays) -> Plan:
         b.fix(3, DeviceArray.copy)
         cs, tables_copied = ((S * D if ca.ndim == 3 and ca.shape[0] > 1 else 0), D), True
     # outputs dense, axes in the (read) input's order
-    qo = b.alloc(qa.shape, qa.dtype, "like", 0)
-    ko = b.alloc(ka.shape, ka.dtype, "like", 1) if ka is not None else b.absent()
+    qo = b.alloc(qa.shape, qa.dtype, "like", 0, name="q")
+    ko = b.alloc(ka.shape, ka.dtype, "like", 1, name="k") if ka is not None else b.absent("k")
     qos = _arrays.like_strides(qa.shape, strides[0])
     kos = (0, 0, 0, 1) if ka is None else _arrays.like_strides(ka.shape, strides[1])
     if B * S and D and HQ + HK:

@@ -94,7 +94,7 @@ def _forward(act: str, gate, up):
     arrays = [_arrays.as_device_array(gate, "gate"), _arrays.as_device_array(up, "up")]
     key = (act, *(a.key for a in arrays))
     plan = _FWD.plan(key, _plan_forward, act, arrays)
-    return plan(arrays)[2].obj
+    return plan.out(plan(arrays), "y")
 
 
 def _plan_forward(act: str, arrays) -> Plan:
@@ -104,7 +104,7 @@ def _plan_forward(act: str, arrays) -> Plan:
     cols = ga.shape[-1]
     rows = math.prod(ga.shape[:-1])
     b = Builder(arrays)
-    y = b.alloc(ga.shape, ga.dtype)
+    y = b.alloc(ga.shape, ga.dtype, name="y")
     if rows and cols:
         strides = _rows_in_place(b, enumerate(arrays))
         vec = _arrays.vector_width(ga.itemsize, cols, strides)
@@ -121,7 +121,7 @@ def _backward(act: str, dy, gate, up):
     key = (act, *(a.key for a in arrays))
     plan = _BWD.plan(key, _plan_backward, act, arrays)
     bufs = plan(arrays)
-    return bufs[3].obj, bufs[4].obj
+    return plan.out(bufs, "dgate"), plan.out(bufs, "dup")
 
 
 def _plan_backward(act: str, arrays) -> Plan:
@@ -131,8 +131,8 @@ def _plan_backward(act: str, arrays) -> Plan:
     cols = ga.shape[-1]
     rows = math.prod(ga.shape[:-1])
     b = Builder(arrays)
-    dgate = b.alloc(ga.shape, ga.dtype)
-    dup = b.alloc(ga.shape, ga.dtype)
+    dgate = b.alloc(ga.shape, ga.dtype, name="dgate")
+    dup = b.alloc(ga.shape, ga.dtype, name="dup")
     if rows and cols:
         if not _arrays.is_contiguous(da):   # (the kernel reads dy as the outputs are laid out)
             b.fix(0, DeviceArray.contiguous)

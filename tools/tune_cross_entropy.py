@@ -68,8 +68,8 @@ def measure(tokens: int, v: int, dt, dtype: str, copy: float, sm90: bool) -> Non
     for name, cfg in variants:
         def run(cfg=cfg):
             arrays = [_arrays.as_device_array(x, "logits"), _arrays.as_device_array(t, "target", ("int64",))]
-            bufs = ce._run(ce.TRAIN, arrays, opts, (False, False, dtype), cfg)
-            return bufs[2].obj, bufs[4].obj
+            out = ce._run(ce.TRAIN, arrays, opts, ce.Flags(loss_dtype=dtype), cfg)
+            return out("loss"), out("dlogits")
         got = run()
         note = ""
         if first is None:

@@ -51,8 +51,8 @@ def _attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, determin
     key = (bool(causal), softmax_scale, bool(deterministic), configs, mkey, *(a.key for a in arrays))
     plan = _BWD.plan(key if plain else None, _plan_backward, arrays, bool(causal), softmax_scale, bool(deterministic),
                      configs, window, softcap)
-    bufs = plan(arrays)   # (the given arrays, then dq, dk, dv)
-    return bufs[6].obj, bufs[7].obj, bufs[8].obj
+    bufs = plan(arrays)
+    return plan.out(bufs, "dq"), plan.out(bufs, "dk"), plan.out(bufs, "dv")
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -79,8 +79,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
            *(a.key for a in arrays))
     plan = _BWD_VARLEN.plan(key if plain else None, _plan_backward, arrays, bool(causal), softmax_scale,
                             bool(deterministic), _cfg.CONFIGS, window, softcap, (max_seqlen_q, max_seqlen_k))
-    bufs = plan(arrays)   # (the given arrays with the offsets, then dq, dk, dv)
-    return bufs[8].obj, bufs[9].obj, bufs[10].obj
+    bufs = plan(arrays)
+    return plan.out(bufs, "dq"), plan.out(bufs, "dk"), plan.out(bufs, "dv")
 
 
 _BWD_VARLEN = PlanCache()
@@ -126,9 +126,9 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
         if not _arrays.is_contiguous(arrays[i]):
             b.fix(i, DeviceArray.contiguous)
     copied = {i for i, _ in b.fixes}
-    dq = b.alloc(qa.shape, qa.dtype, "contiguous" if 1 in copied else "like", 1)
-    dk = b.alloc(ka.shape, qa.dtype, "contiguous" if 2 in copied else "like", 2)
-    dv = b.alloc(va.shape, qa.dtype, "contiguous" if 3 in copied else "like", 3)
+    dq = b.alloc(qa.shape, qa.dtype, "contiguous" if 1 in copied else "like", 1, name="dq")
+    dk = b.alloc(ka.shape, qa.dtype, "contiguous" if 2 in copied else "like", 2, name="dk")
+    dv = b.alloc(va.shape, qa.dtype, "contiguous" if 3 in copied else "like", 3, name="dv")
     if batch * h * sq == 0 or sk == 0:
         b.fill(0.0, dq, dk, dv)
         return b.plan(device, first=1)

@@ -63,7 +63,7 @@ def _attention(q, k, v, causal, softmax_scale, return_lse, configs: Configs, win
     plan = _FWD.plan(key if plain else None, _plan_forward, arrays, bool(causal), softmax_scale, bool(return_lse),
                      configs, window, softcap)
     bufs = plan(arrays)
-    return (bufs[3].obj, bufs[4].obj) if return_lse else bufs[3].obj
+    return (plan.out(bufs, "out"), plan.out(bufs, "lse")) if return_lse else plan.out(bufs, "out")
 
 
 def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs, window=(-1, -1),
@@ -78,8 +78,8 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs, w
     b = Builder(arrays)
     qs, ks, vs = (_read(b, i, a) for i, a in enumerate(arrays))
     q_copied = any(i == 0 for i, _ in b.fixes)
-    out = b.alloc(qa.shape, qa.dtype, "contiguous" if q_copied else "like", 0)
-    lse = b.alloc((batch, h, sq), "float32") if return_lse else None
+    out = b.alloc(qa.shape, qa.dtype, "contiguous" if q_copied else "like", 0, name="out")
+    lse = b.alloc((batch, h, sq), "float32", name="lse") if return_lse else None
     if batch * h * sq:
         if sk == 0:  # no keys: zeros, lse = +inf
             b.fill(0.0, out)
@@ -186,7 +186,7 @@ def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     plan = _FWD_VARLEN.plan(key if plain else None, _plan_forward_varlen, arrays, max_seqlen_q, max_seqlen_k,
                             bool(causal), softmax_scale, bool(return_lse), window, softcap, configs)
     bufs = plan(arrays)
-    return (bufs[5].obj, bufs[6].obj) if return_lse else bufs[5].obj
+    return (plan.out(bufs, "out"), plan.out(bufs, "lse")) if return_lse else plan.out(bufs, "out")
 
 
 def _plan_forward_varlen(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_scale, return_lse, window, softcap,
@@ -206,8 +206,8 @@ def _plan_forward_varlen(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_sca
         if not _arrays.is_contiguous(arrays[i]):
             b.fix(i, DeviceArray.contiguous)
     q_copied = any(i == 0 for i, _ in b.fixes)
-    out = b.alloc(qa.shape, qa.dtype, "contiguous" if q_copied else "like", 0)
-    lse = b.alloc((h, total_q), "float32") if return_lse else None
+    out = b.alloc(qa.shape, qa.dtype, "contiguous" if q_copied else "like", 0, name="out")
+    lse = b.alloc((h, total_q), "float32", name="lse") if return_lse else None
     if total_q * h and max_q:
         os_ = (0, *_like(qa, q_copied))
         if (configs.use_sm90 and d in dict(configs.fwd_sm90_varlen) and total_k

@@ -35,7 +35,7 @@ from __future__ import annotations
 from .. import _arrays, _faults
 from .._family import DropIn, Family
 from .bench import bench_cases, torch_bench_cases
-from .checks import Options, _options
+from .checks import Flags, Options, _options
 from .configs import TRAIN, Configs, instances
 from .linear import CHUNK_BYTES, chunk_rows, linear_cross_entropy, linear_cross_entropy_forward_backward
 from .loss import _PLANS, _backward, _run, cross_entropy, cross_entropy_backward, cross_entropy_forward_backward

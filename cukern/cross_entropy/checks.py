@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .. import _arrays, _checks
 from .._arrays import DeviceArray
@@ -18,6 +19,16 @@ class Options:
     z_loss: float
     softcap: float   # 0: none
     reduction: str
+
+
+class Flags(NamedTuple):
+    """What a call of the row kernel's front asks for, besides the options (part of its plan's
+    key: a tuple, hashed as one)."""
+    return_lse: bool = False
+    inplace: bool = False           # the training form's gradient over the logits
+    loss_dtype: str = "float32"
+    shared_count: bool = False      # the count of kept rows given (linear cross-entropy's chunks)
+    donate: bool = False            # the backward's gradient over the unit gradient
 
 
 def _options(ignore_index, label_smoothing, z_loss, softcap, reduction) -> Options:

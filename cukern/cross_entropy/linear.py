@@ -5,7 +5,7 @@ from .. import _arrays, _checks, _kernels
 from .._arrays import DeviceArray
 from .._plans import Builder, Plan, PlanCache
 from . import configs as _cfg
-from .checks import Options, _options, _target
+from .checks import Flags, Options, _options, _target
 from .configs import FORWARD, TRAIN, Configs
 from .loss import _loss_dtype, _run
 
@@ -53,14 +53,14 @@ def _chunk_train(logits, target, count, opts: Options):
     chunk_opts = Options(opts.ignore_index, opts.smoothing, opts.z_loss, opts.softcap, "none")
     if count is None:
         arrays.pop()
-    flags = (False, True, "float32", count is not None)
-    return _run(TRAIN, arrays, chunk_opts, flags, _cfg.CONFIGS)[3 if count is not None else 2].obj
+    flags = Flags(inplace=True, shared_count=count is not None)
+    return _run(TRAIN, arrays, chunk_opts, flags, _cfg.CONFIGS)("loss")
 
 
 def _chunk_forward(logits, target, opts: Options):
     arrays = [_arrays.as_device_array(logits, "logits"), _target(target)]
     chunk_opts = Options(opts.ignore_index, opts.smoothing, opts.z_loss, opts.softcap, "none")
-    return _run(FORWARD, arrays, chunk_opts, (False, False, "float32"), _cfg.CONFIGS)[2].obj
+    return _run(FORWARD, arrays, chunk_opts, Flags(), _cfg.CONFIGS)("loss")
 
 
 def _addmm(out, a, b) -> None:

@@ -8,7 +8,8 @@ from .. import _arrays, _faults, _kernels
 from .._arrays import DeviceArray
 from .._plans import Builder, Plan, PlanCache
 from . import configs as _cfg
-from .checks import Options, _check_backward, _check_rows, _loss_shape, _options, _rows_layout, _target, _vector_width
+from .checks import (Flags, Options, _check_backward, _check_rows, _loss_shape, _options, _rows_layout, _target,
+                     _vector_width)
 from .configs import BACKWARD, FORWARD, TRAIN, Configs
 
 # ---- the fronts --------------------------------------------------------------------------------
@@ -42,9 +43,9 @@ def cross_entropy(logits, target, *, ignore_index=-100, label_smoothing=0.0, z_l
     """
     opts = _options(ignore_index, label_smoothing, z_loss, softcap, reduction)
     arrays = [_arrays.as_device_array(logits, "logits"), _target(target)]
-    flags = (bool(return_lse), False, _loss_dtype(loss_dtype, arrays[0]))
-    bufs = _run(FORWARD, arrays, opts, flags, _cfg.CONFIGS)
-    return (bufs[2].obj, bufs[3].obj) if return_lse else bufs[2].obj
+    flags = Flags(return_lse=bool(return_lse), loss_dtype=_loss_dtype(loss_dtype, arrays[0]))
+    out = _run(FORWARD, arrays, opts, flags, _cfg.CONFIGS)
+    return (out("loss"), out("lse")) if return_lse else out("loss")
 
 
 def cross_entropy_forward_backward(logits, target, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
@@ -64,10 +65,9 @@ def cross_entropy_forward_backward(logits, target, *, ignore_index=-100, label_s
     """
     opts = _options(ignore_index, label_smoothing, z_loss, softcap, reduction)
     arrays = [_arrays.as_device_array(logits, "logits"), _target(target)]
-    flags = (bool(return_lse), bool(inplace), _loss_dtype(loss_dtype, arrays[0]))
-    bufs = _run(TRAIN, arrays, opts, flags, _cfg.CONFIGS)
-    out = (bufs[2].obj, bufs[0].obj if inplace else bufs[4].obj)
-    return out + (bufs[3].obj,) if return_lse else out
+    flags = Flags(return_lse=bool(return_lse), inplace=bool(inplace), loss_dtype=_loss_dtype(loss_dtype, arrays[0]))
+    out = _run(TRAIN, arrays, opts, flags, _cfg.CONFIGS)
+    return (out("loss"), out("dlogits"), out("lse")) if return_lse else (out("loss"), out("dlogits"))
 
 
 def cross_entropy_backward(dloss, logits, target, lse, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
@@ -98,15 +98,15 @@ def _backward(dloss, logits, target, lse, unit, opts: Options, donate: bool):
         arrays.append(_arrays.as_device_array(unit, "unit"))
     elif donate:
         raise ValueError("unit: donate writes the gradient over unit, which is absent")
-    n = len(arrays)   # (the plan's buffers: these, then what it allocates)
-    bufs = _run(BACKWARD, arrays, opts, (bool(donate),), _cfg.CONFIGS)
-    return bufs[4 if donate else n].obj
+    return _run(BACKWARD, arrays, opts, Flags(donate=bool(donate)), _cfg.CONFIGS)("dlogits")
 
 
-def _run(mode: int, arrays: list, opts: Options, flags: tuple, configs: Configs) -> list:
+def _run(mode: int, arrays: list, opts: Options, flags: Flags, configs: Configs):
+    """Run the call; its outputs, by name: ``out("loss")``, ``out("lse")``, ``out("dlogits")``."""
     key = (mode, opts, flags, configs, *(a.key for a in arrays))
     plan = _PLANS.plan(key, _plan, mode, arrays, opts, flags, configs)
-    return plan(arrays)
+    bufs = plan(arrays)
+    return lambda name: plan.out(bufs, name)
 
 
 def _check_dloss(da: DeviceArray, la: DeviceArray, shape) -> None:
@@ -132,7 +132,7 @@ def _dloss_stride(b: Builder, da: DeviceArray, rows: int, none: bool) -> int:
     return 1
 
 
-def _plan(mode: int, arrays: list, opts: Options, flags: tuple, configs: Configs) -> Plan:
+def _plan(mode: int, arrays: list, opts: Options, flags: Flags, configs: Configs) -> Plan:
     """Buffers: logits, target[, dloss, lse[, unit]], then for the forward and the training form:
     loss, lse (absent unless asked), dlogits (training form, absent in place or in the forward),
     then scratch; for the backward: dlogits (absent where it is written over unit), then scratch."""
@@ -146,7 +146,7 @@ def _plan(mode: int, arrays: list, opts: Options, flags: tuple, configs: Configs
     device = _arrays.same_device(*arrays)
     rows, v = math.prod(ta.shape), la.shape[-1]
     b = Builder(arrays)
-    if mode == TRAIN and flags[1] and la.row_stride() is None:
+    if mode == TRAIN and flags.inplace and la.row_stride() is None:
         raise ValueError(f"{la.name}: inplace needs rows with a unit-stride class axis (one strided row axis); "
                          f"strides {la.strides} would be copied first")
     stride = _rows_layout(b, 0, la)
@@ -160,31 +160,31 @@ def _plan(mode: int, arrays: list, opts: Options, flags: tuple, configs: Configs
         if not _arrays.is_contiguous(arrays[3]):
             b.fix(3, DeviceArray.contiguous)
         unit = b.slot(4) if len(arrays) > 4 else None
-        if flags[0]:   # donated: written over the training form's gradient
-            dlogits, d_stride = unit, v
+        if flags.donate:   # written over the training form's gradient
+            dlogits, d_stride = b.output("dlogits", unit), v
             b.absent()
         else:
-            dlogits, d_stride = b.alloc(la.shape, la.dtype), v
+            dlogits, d_stride = b.alloc(la.shape, la.dtype, name="dlogits"), v
         dloss, lse = b.slot(2), b.slot(3)
     else:
-        return_lse, inplace, loss_dtype = flags[:3]
+        return_lse, inplace, loss_dtype = flags.return_lse, flags.inplace, flags.loss_dtype
         # "none" in float32: the kernel's per-row losses are the output
-        loss = b.alloc(_loss_shape(ta, opts.reduction), loss_dtype)
+        loss = b.alloc(_loss_shape(ta, opts.reduction), loss_dtype, name="loss")
         if none and loss_dtype == "float32":
             loss_rows = loss
-        lse = b.alloc(ta.shape, "float32") if return_lse else b.absent()
+        lse = b.alloc(ta.shape, "float32", name="lse") if return_lse else b.absent("lse")
         dlogits = None
         if mode == TRAIN and inplace:
-            dlogits, d_stride = b.slot(0), stride
+            dlogits, d_stride = b.output("dlogits", b.slot(0)), stride
         if mode == TRAIN and not inplace:
-            dlogits, d_stride = b.alloc(la.shape, la.dtype), v
+            dlogits, d_stride = b.alloc(la.shape, la.dtype, name="dlogits"), v
         else:
             b.absent()
         if loss_rows is None and rows:
             loss_rows = b.alloc((rows,), "float32")
     # a count given (the linear cross-entropy's chunks: per-row losses, the gradient scaled by the
     # rows kept in the whole batch) or, for "mean", counted here
-    shared = mode == TRAIN and len(flags) > 3 and flags[3]
+    shared = mode == TRAIN and flags.shared_count
     count = b.slot(2) if shared else b.alloc((1,), "float32") if mean else None
     if rows == 0:   # no rows: the mean of nothing is NaN, the sum 0 (PyTorch's)
         if loss is not None and not none:
@@ -216,9 +216,9 @@ def _plan(mode: int, arrays: list, opts: Options, flags: tuple, configs: Configs
         grid = configs.blocks_per_sm * _kernels.sm_count(device) if configs.blocks_per_sm else k.resident_blocks()
         b.launch(k, min(rows, grid), dloss=dloss, dloss_stride=dloss_stride, unit=unit, **common)
     if mode != BACKWARD and not none:
-        k = _kernels.kernel(configs.reduce(flags[2]), device)
+        k = _kernels.kernel(configs.reduce(flags.loss_dtype), device)
         b.launch(k, 1, loss_rows=loss_rows, rows=rows, count=count, out=loss)
     elif mode != BACKWARD and loss_rows is not loss:
-        k = _kernels.kernel(configs.cast(flags[2]), device)
+        k = _kernels.kernel(configs.cast(flags.loss_dtype), device)
         b.launch(k, min(-(-rows // 256), 4 * _kernels.sm_count(device)), src=loss_rows, n=rows, dst=loss)
     return b.plan(device)

@@ -21,8 +21,7 @@ def _scale_gradient(dloss, grad, dtype: str, donate: bool, configs: Configs = _c
     in_place = bool(donate) and dtype == "float32"
     key = (in_place, dtype, configs, *(a.key for a in arrays))
     plan = _SCALE.plan(key, _plan_scale, arrays, dtype, in_place, configs)
-    bufs = plan(arrays)
-    return bufs[1].obj if in_place else bufs[2].obj
+    return plan.out(plan(arrays), "out")
 
 
 def _plan_scale(arrays: list, dtype: str, in_place: bool, configs: Configs) -> Plan:
@@ -39,7 +38,7 @@ def _plan_scale(arrays: list, dtype: str, in_place: bool, configs: Configs) -> P
     b = Builder(arrays)
     if not _arrays.is_contiguous(da):
         b.fix(0, DeviceArray.contiguous)
-    out = b.slot(1) if in_place else b.alloc(ga.shape, dtype)
+    out = b.output("out", b.slot(1)) if in_place else b.alloc(ga.shape, dtype, name="out")
     if in_place:
         b.absent()
     if rows and v:

@@ -25,8 +25,7 @@ def _backward(rms: bool, dy, x, weight, mean, rstd, dresidual, configs: Configs,
     key = (rms, off, cast, configs, *(a and a.key for a in arrays))
     plan = _BWD.plan(key, _plan_backward, rms, arrays, configs, off, cast)
     bufs = plan(arrays)
-    # bufs: dy, x, weight, mean, rstd, dresidual, then dx, dw, db (or None), scratch
-    return bufs[6].obj, bufs[7] and bufs[7].obj, bufs[8] and bufs[8].obj
+    return plan.out(bufs, "dx"), plan.out(bufs, "dw"), plan.out(bufs, "db")
 
 
 def _plan_backward(rms, arrays, configs, offset=0.0, cast=0) -> Plan:
@@ -41,9 +40,9 @@ def _plan_backward(rms, arrays, configs, offset=0.0, cast=0) -> Plan:
     for i, a in ((2, wa), (3, ma), (4, sa)):
         if a is not None and not _arrays.is_contiguous(a):
             b.fix(i, DeviceArray.contiguous)
-    dx = b.alloc(xa.shape, xa.dtype)
-    dw = b.alloc((cols,), xa.dtype) if wa is not None else b.absent()
-    db = b.alloc((cols,), xa.dtype) if not rms else b.absent()
+    dx = b.alloc(xa.shape, xa.dtype, name="dx")
+    dw = b.alloc((cols,), xa.dtype, name="dw") if wa is not None else b.absent("dw")
+    db = b.alloc((cols,), xa.dtype, name="db") if not rms else b.absent("db")
     if not (rows and cols):
         b.fill(0.0, dw, db)
         return b.plan(device, first=1)

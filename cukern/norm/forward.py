@@ -73,9 +73,8 @@ def _forward(rms: bool, x, weight, bias, eps, residual, return_stats, configs: C
     key = (rms, bool(return_stats), _checks.eps(eps), off, cast, out, configs, *(a and a.key for a in arrays))
     plan = _FWD.plan(key, _plan_forward, rms, arrays, eps, bool(return_stats), configs, off, cast, out)
     bufs = plan(arrays)
-    # bufs: x, weight, bias, residual, scale, amax, then y, h (residual), mean (LayerNorm,
-    # stats), rstd (stats)
-    out = [b.obj for b in bufs[6:]]
+    # (y; h with a residual; mean (LayerNorm) and rstd with the statistics)
+    out = [plan.out(bufs, name) for name in ("y", "h", "mean", "rstd") if name in plan.outputs]
     return out[0] if len(out) == 1 else tuple(out)
 
 
@@ -92,10 +91,10 @@ def _plan_forward(rms, arrays, eps, return_stats, configs, offset=0.0, cast=0, o
     b = Builder(arrays)
     if aa is not None:   # (max |y| is merged into it by the kernels' atomics)
         b.fill(0.0, Slot(5))
-    y = b.alloc(xa.shape, out or xa.dtype)
-    h = b.alloc(xa.shape, xa.dtype) if ra is not None else None
-    mean = b.alloc(lead, "float32") if return_stats and not rms else None
-    rstd = b.alloc(lead, "float32") if return_stats else None
+    y = b.alloc(xa.shape, out or xa.dtype, name="y")
+    h = b.alloc(xa.shape, xa.dtype, name="h") if ra is not None else None
+    mean = b.alloc(lead, "float32", name="mean") if return_stats and not rms else None
+    rstd = b.alloc(lead, "float32", name="rstd") if return_stats else None
     if rows and cols:
         copy_x, xs = _arrays.rows_view(xa)
         copy_r, rs = _arrays.rows_view(ra) if ra is not None else (False, 0)
