@@ -39,6 +39,7 @@
 #include "common/hopper.cuh"
 #include "common/attn_tile.cuh"
 #include "common/attn_mask.cuh"
+#include "common/attn_params.cuh"
 // (CUK_TRACE: warpgroup wg's stamps of the block and of its middle step, slots 10 wg + i: i = 0
 // entry, then in step steps / 2: 1 start, 2 Q and dO landed, 3 S^T done, 4 dV issued, 5 dS^T
 // stored, 6 dV done, 7 dK and dQ done, 8 step end; 9 dK written)
@@ -46,6 +47,26 @@
 #include "common/trace.cuh"
 #define CUK_STAMP(i) CUK_TRACE_STAMP(threadIdx.x % 128 == 0 && wg < 2, 10 * wg + (i), wg == 0 && (i) == 0)
 #define CUK_STEP_STAMP(i) CUK_TRACE_STAMP(threadIdx.x % 128 == 0 && wg < 2 && it == steps / 2, 10 * wg + (i), false)
+
+namespace cuk {
+namespace attention {
+
+// attention_bwd_sm90's parameters besides the tensor maps: rows (B, H, ceil(Sq / BM), 2, BM)
+// float32, lse * log2(e) and Dsum a query tile (VARLEN: (1, H, ceil(Sq / BM) + documents, 2,
+// BM), see the end), dK and dV (B, Sk, Hkv, D) with their strides in elements (batch, sequence,
+// head), the problem, and the (batch, key head) groups of the persistent walk.
+template <typename T>
+struct BwdSm90Params {
+    const float* rows;
+    T* dk;
+    T* dv;
+    long long dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh;
+    Problem problem;
+    int groups;
+};
+
+}  // namespace attention
+}  // namespace cuk
 
 // SMEM: the launch's dynamic shared memory: K, V, the Q and dO rings, two dS^T buffers and the
 // dQ staging boxes (DQ_ATOMIC), the lse_log2 and Dsum ring, 1 KB of alignment slack.
@@ -55,13 +76,7 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
     const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
     const __grid_constant__ CUtensorMap dq_map,   // dq_accum (B, Sq, H, D) float32, boxes 16 x 32 (unused unless DQ_ATOMIC)
-    const float* __restrict__ rows,   // (B, H, ceil(Sq / BM), 2, BM): lse * log2(e) and Dsum a query tile
-                                      // (VARLEN: (1, H, ceil(Sq / BM) + documents, 2, BM), see the end)
-    T* __restrict__ dk, T* __restrict__ dv,
-    long long dk_sb, long long dk_ss, long long dk_sh, long long dv_sb, long long dv_ss, long long dv_sh,
-    int H, int Hkv, int Sq, int Sk, float scale, float scale_log2, int win_left, int win_right, float cap_in,
-    float cap_out, const int* __restrict__ cu_q, const int* __restrict__ cu_k, int max_q, int max_k,
-    long long* __restrict__ fault, int groups)
+    const __grid_constant__ cuk::attention::BwdSm90Params<T> p)
 {
     constexpr bool CAUSAL = MASK == 1;
     constexpr int BN = 128, DB = D / 64;            // DB: 64-column boxes of a row
@@ -94,6 +109,12 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     constexpr bool ONE_FENCE = DQ_FIRST;
 #if CUK_SM90A
     using namespace cuk;
+    const float* const __restrict__ rows = p.rows;
+    T* const __restrict__ dk = p.dk;
+    T* const __restrict__ dv = p.dv;
+    const long long dk_sb = p.dk_sb, dk_ss = p.dk_ss, dk_sh = p.dk_sh, dv_sb = p.dv_sb, dv_ss = p.dv_ss, dv_sh = p.dv_sh;
+    const int groups = p.groups;
+    CUK_ATTN_PROBLEM(p.problem);
     extern __shared__ unsigned char smem_raw[];
     unsigned char* const k_s = align_1024(smem_raw);       // [DB][BN rows x 128 bytes]
     unsigned char* const v_s = k_s + KV_BYTES;              // [DB][BN rows x 128 bytes]

@@ -20,7 +20,29 @@
 #include "common/hopper.cuh"
 #include "common/attn_tile.cuh"
 #include "common/attn_mask.cuh"
+#include "common/attn_params.cuh"
 #include "common/trace.cuh"
+
+namespace cuk {
+namespace attention {
+
+// attention_fwd_sm90's parameters besides the tensor maps: O (B, Sq, H, D) with its strides in
+// elements (batch, sequence, head), lse (B, H, Sq) float32 (null: not written), the count of
+// work tiles and the causal persistent walk's counter (zero at launch) and section size, and the
+// problem.
+template <typename T>
+struct FwdSm90Params {
+    T* out;
+    float* lse;
+    long long o_sb, o_ss, o_sh;
+    int tiles;
+    int* tile_counter;
+    int section_pairs;
+    Problem problem;
+};
+
+}  // namespace attention
+}  // namespace cuk
 // (CUK_TRACE: phases of warpgroups 0 and 1 of each block, slots 6 wg + i, i = 0 entry, 1 Q landed,
 // 2 the first S done, 3 its softmax done, 4 the last P V done, 5 O written)
 #define CUK_STAMP(i) CUK_TRACE_STAMP(threadIdx.x % 128 == 0 && wg < 2, 6 * wg + (i), wg == 0 && (i) == 0)
@@ -51,11 +73,8 @@
 template <typename T, int D, int BN, int STAGES, int CONSUMERS, int MASK, bool SOFTCAP, bool PRODUCER, bool PINGPONG, bool OVERLAP, bool PERSISTENT, int BLOCKS, int SMEM, bool VARLEN>
 __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) attention_fwd_sm90(
     const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
-    const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap o_map, T* __restrict__ out,
-    float* __restrict__ lse,
-    long long o_sb, long long o_ss, long long o_sh, int H, int Hkv, int Sq, int Sk, float scale_log2, int tiles,
-    int* __restrict__ tile_counter, int section_pairs, float cap_in, float cap_out, int win_left, int win_right,
-    const int* __restrict__ cu_q, const int* __restrict__ cu_k, int max_q, int max_k, long long* __restrict__ fault)
+    const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap o_map,
+    const __grid_constant__ cuk::attention::FwdSm90Params<T> p)
 {
     constexpr int BM = 64 * CONSUMERS, DB = D / 64;         // query rows a block; 64-column boxes
     constexpr int THREADS = CONSUMERS * 128;                // the computing threads
@@ -99,6 +118,12 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
 #endif
 #if CUK_SM90A
     using namespace cuk;
+    T* const __restrict__ out = p.out;
+    float* const __restrict__ lse = p.lse;
+    const long long o_sb = p.o_sb, o_ss = p.o_ss, o_sh = p.o_sh;
+    const int tiles = p.tiles, section_pairs = p.section_pairs;
+    int* const __restrict__ tile_counter = p.tile_counter;
+    CUK_ATTN_PROBLEM(p.problem);
     extern __shared__ unsigned char smem_raw[];
     unsigned char* const q_s = align_1024(smem_raw);
     unsigned char* const k_s = q_s + Q_BYTES;               // [STAGES][DB][BN rows x 128 bytes]

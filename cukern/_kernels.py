@@ -6,9 +6,9 @@
 * Instances (``cukern._signatures``: :class:`Instance`, and the declared signatures read from
   the sources): each is compiled the first time it is used on a device, in a module of its
   own, then kept (a model uses a few instances; compiling all takes a minute).
-* Arguments are packed against the declared C types, by parameter name: a missing or unknown
-  name, a pointer of the wrong element type, or a value out of its C type's range is an error,
-  never a shifted argument list.
+* Arguments are packed against the declared C types, by parameter name (a struct taken by
+  value, by field name, at its C layout): a missing or unknown name, a pointer of the wrong
+  element type, or a value out of its C type's range is an error, never a shifted argument list.
 * Launches: :meth:`Kernel.prepare` resolves the arguments once (constants packed, array
   arguments left as slots filled in per call); :class:`Launch` then packs the per-call pointers
   into one C parameter buffer and calls ``cuLaunchKernel`` on the caller's stream.
@@ -269,11 +269,10 @@ def pack(sig: Signature, what: str, args: dict, dtypes: dict) -> tuple[struct.St
     if missing or unknown:
         raise TypeError(f"{what}: arguments do not match the declared parameters "
                         f"(missing {missing}, unknown {unknown})")
-    values, slots, fmt = [], [], ["@"]
+    values, slots = [], []
     for i, (name, code, dtype) in enumerate(zip(sig.names, sig.codes, sig.dtypes)):
         v = args[name]
         if code == "P":
-            fmt.append("Q")
             if v is None:
                 values.append(0)
                 continue
@@ -289,9 +288,7 @@ def pack(sig: Signature, what: str, args: dict, dtypes: dict) -> tuple[struct.St
             if dtype is not None and got is not None and got != dtype:
                 raise TypeError(f"{what}: parameter {name} points to {dtype}, but the array given has dtype {got}")
             continue
-        if code == TENSOR_MAP:   # 128 bytes, 64-byte aligned (struct alignas(64) CUtensorMap)
-            pad = -struct.calcsize("".join(fmt)) % 64
-            fmt.append(f"{pad}x128s" if pad else "128s")
+        if code == TENSOR_MAP:
             if isinstance(v, MapSlot):   # (encoded per call from the buffer: see Launch)
                 slots.append((i, v, 0))
                 values.append(bytes(128))
@@ -301,7 +298,6 @@ def pack(sig: Signature, what: str, args: dict, dtypes: dict) -> tuple[struct.St
                 raise TypeError(f"{what}: parameter {name} is a CUtensorMap (128 bytes); got {v!r:.80}")
             values.append(raw)
             continue
-        fmt.append(code)
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
             raise TypeError(f"{what}: parameter {name} is a scalar of C type {code!r}; got {v!r}")
         if code in _LIMITS:
@@ -313,26 +309,10 @@ def pack(sig: Signature, what: str, args: dict, dtypes: dict) -> tuple[struct.St
             values.append(int(v))
         else:
             values.append(float(v))
-    layout = struct.Struct("".join(fmt))
+    layout = struct.Struct(sig.format)
     if layout.size > _PARAM_BYTES:
         raise ValueError(f"{what}: arguments take {layout.size} bytes; at most {_PARAM_BYTES}")
     return layout, values, tuple(slots)
-
-
-def param_offsets(codes) -> tuple[int, ...]:
-    """Each parameter's byte offset in the packed buffer (the layout ``pack`` builds)."""
-    fmt, offsets = "@", []
-    for code in codes:
-        if code == TENSOR_MAP:
-            at = struct.calcsize(fmt)
-            at += -at % 64
-            fmt += f"{at - struct.calcsize(fmt)}x128s"
-        else:
-            code = "Q" if code == "P" else code
-            at = struct.calcsize(fmt + "0" + code)
-            fmt += code
-        offsets.append(at)
-    return tuple(offsets)
 
 
 class Launch:
@@ -350,8 +330,8 @@ class Launch:
         # cuLaunchKernel's kernelParams (a pointer to each parameter in the packed buffer): with the
         # buffer handed over whole (CU_LAUNCH_PARAM_BUFFER_POINTER), its TMA loads fault with an
         # illegal instruction on an H200 (driver 580), though the bytes are the same.
-        codes = kernel.signature.codes if hasattr(kernel, "signature") else ()
-        self.offsets = param_offsets(codes) if TENSOR_MAP in codes else None
+        sig = getattr(kernel, "signature", None)
+        self.offsets = sig.param_offsets if sig is not None and TENSOR_MAP in sig.codes else None
         self._args = (kernel.ptr, *grid, *block, kernel.instance.smem)
 
     def __call__(self, bufs, ptrs, stream: int) -> None:

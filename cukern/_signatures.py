@@ -1,6 +1,8 @@
 """Kernel instances and their declared signatures: the parameter list of every ``__global__``
 template is read from its CUDA source, so kernel arguments are packed against the declared C
-types, by parameter name (``cukern._kernels`` packs and launches them).
+types, by parameter name (``cukern._kernels`` packs and launches them). A parameter that is a
+plain struct taken by value (the attention kernels' ``FwdParams<T>``, ...) is read from its
+declaration too and packed field by field, by field name, at the struct's C layout.
 
 An :class:`Instance` names what a family launches: the source, the template instance as an NVRTC
 name expression (e.g. ``norm_fwd<cuk::bf16, false, 8, ...>``) and its dynamic shared memory."""
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import re
+import struct
 from dataclasses import dataclass
 
 from . import _sources
@@ -43,10 +46,21 @@ class Instance:
 
 @dataclass(frozen=True)
 class Param:
-    """One declared kernel parameter: its name, its C base type and whether it is a pointer."""
+    """One declared kernel parameter (or struct field): its name, its C base type, whether it is
+    a pointer, and the type's template arguments (``FwdParams<T>``: ``("T",)``)."""
     name: str
     ctype: str
     pointer: bool
+    targs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class StructDecl:
+    """A plain C struct as the source declares it (data members only): what a kernel taking it
+    by value is packed from, field by field."""
+    name: str
+    template: tuple[tuple[str, str], ...]
+    fields: tuple[Param, ...]
 
 
 @dataclass(frozen=True)
@@ -86,11 +100,54 @@ _QUALIFIERS = {"const", "volatile", "__restrict__", "__grid_constant__"}
 
 
 def _parse_param(text: str, where: str) -> Param:
+    targs = ()
+    if "<" in text:   # a template type: FwdParams<T> p
+        targs = _split_args(text[text.index("<") + 1:text.rindex(">")])
+        text = text[:text.index("<")] + " " + text[text.rindex(">") + 1:]
     pointer = "*" in text
     words = [w for w in re.findall(r"[\w:]+", text.replace("*", " ")) if w not in _QUALIFIERS]
     if len(words) < 2:
         raise ValueError(f"{where}: cannot read the kernel parameter {text!r}")
-    return Param(words[-1], " ".join(words[:-1]), pointer)
+    return Param(words[-1], " ".join(words[:-1]), pointer, targs)
+
+
+_STRUCT = re.compile(r"(?:template\s*<(?P<tpl>[^{};]*?)>\s*)?struct\s+(?P<name>\w+)\s*\{")
+
+
+@functools.lru_cache(maxsize=None)
+def _struct_bodies(source: str) -> dict[str, tuple[str, str]]:
+    """Every ``struct Name { ... }`` of the expanded source: name -> (template text, body)."""
+    text = _strip_comments(_sources.load_source(source))
+    found = {}
+    for m in _STRUCT.finditer(text):
+        depth, i = 1, m.end()
+        while depth and i < len(text):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        found[m.group("name")] = (m.group("tpl") or "", text[m.end():i - 1])
+    return found
+
+
+def struct_declaration(source: str, name: str) -> StructDecl | None:
+    """The struct ``name`` (namespace qualifiers ignored) as ``cuda_src/<source>`` declares it,
+    or None where it declares none by that name. A struct with anything but data members (member
+    functions, static members) cannot be a kernel's parameter here."""
+    found = _struct_bodies(source).get(name.rsplit("::", 1)[-1])
+    if found is None:
+        return None
+    tpl, body = found
+    where = f"{source}: struct {name}"
+    if any(c in body for c in "{}()=") or re.search(r"\b(static|using|typedef)\b", body):
+        raise ValueError(f"{where} has more than data members; a kernel parameter struct holds fields only")
+    fields = []
+    for decl in (d.strip() for d in body.split(";")):
+        if not decl:
+            continue
+        first, *more = _split_args(decl)
+        head = _parse_param(first, where)
+        fields.append(head)
+        fields += [Param(m.replace("*", "").strip(), head.ctype, "*" in m, head.targs) for m in more]
+    return StructDecl(name, tuple(tuple(p.rsplit(None, 1)) for p in _split_args(tpl)), tuple(fields))
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,14 +181,59 @@ def _element_dtypes() -> dict[str, str | None]:
     return table
 
 
+# C alignment of each struct code (x86-64 and the device agree), and a code of each alignment.
+_ALIGNMENT = {"q": 8, "Q": 8, "d": 8, "P": 8, "i": 4, "I": 4, "f": 4}
+_CODE_OF_ALIGNMENT = {8: "Q", 4: "I"}
+
+
 @dataclass(frozen=True)
 class Signature:
-    """The parameters of one instance with template types resolved: for each, its name and
-    either a struct code (scalars) or the dtype name its pointer takes (None: any)."""
+    """The parameters of one instance with template types resolved, a struct taken by value
+    flattened into its fields: for each field its name and either a struct code (scalars) or the
+    dtype name its pointer takes (None: any). ``aligns`` gives, a field, the alignment a struct
+    sets before it (its first field) and after it (its last: the struct's size is a multiple of
+    its alignment), 0 for none; ``params`` the field each declared parameter begins at (empty:
+    every field is a parameter)."""
     kernel: str
     names: tuple[str, ...]
     codes: tuple[str, ...]            # struct code a parameter; "P" for pointers
     dtypes: tuple[str | None, ...]    # pointers: the element dtype; scalars: None
+    aligns: tuple[tuple[int, int], ...] = ()
+    params: tuple[int, ...] = ()
+
+    @functools.cached_property
+    def _layout(self) -> tuple[str, tuple[int, ...]]:
+        fmt, offsets = "@", []
+        for code, (before, after) in zip(self.codes, self.aligns or ((0, 0),) * len(self.codes)):
+            if before:
+                fmt += "0" + _CODE_OF_ALIGNMENT[before]
+            if code == TENSOR_MAP:   # 128 bytes, 64-byte aligned (struct alignas(64) CUtensorMap)
+                at = struct.calcsize(fmt)
+                pad = -at % 64
+                fmt += f"{pad}x128s" if pad else "128s"
+                offsets.append(at + pad)
+            else:
+                code = "Q" if code == "P" else code
+                offsets.append(struct.calcsize(fmt + "0" + code))
+                fmt += code
+            if after:
+                fmt += "0" + _CODE_OF_ALIGNMENT[after]
+        return fmt, tuple(offsets)
+
+    @property
+    def format(self) -> str:
+        """The struct-module format of the C parameter buffer (native alignment), a value a field."""
+        return self._layout[0]
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Each field's byte offset in the parameter buffer."""
+        return self._layout[1]
+
+    @property
+    def param_offsets(self) -> tuple[int, ...]:
+        """Each declared parameter's byte offset (cuLaunchKernel's kernelParams point there)."""
+        return tuple(self.offsets[i] for i in (self.params or range(len(self.codes))))
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,21 +248,52 @@ def signature(inst: Instance) -> Signature:
                          f"{len(decl.template)} ({', '.join(' '.join(t) for t in decl.template)})")
     types = {name: arg for (kind, name), arg in zip(decl.template, targs) if kind in ("typename", "class")}
     elements = _element_dtypes()
-    codes, dtypes = [], []
-    for p in decl.params:
+    names, codes, dtypes, aligns, params = [], [], [], [], []
+
+    def field(p: Param, types: dict) -> None:
         ctype = types.get(p.ctype, p.ctype)
         if p.pointer:
             if ctype not in elements:
                 raise ValueError(f"{inst.name}: parameter {p.name} points to {ctype}, which has no dtype here")
             codes.append("P")
             dtypes.append(elements[ctype])
-        elif ctype == "CUtensorMap":   # (by value, 128 bytes at a 64-byte offset: see pack)
+        elif ctype == "CUtensorMap":   # (by value, 128 bytes at a 64-byte offset: see Signature)
             codes.append(TENSOR_MAP)
             dtypes.append(None)
+        elif (sd := struct_declaration(inst.source, ctype)) is not None:
+            by_value(sd, tuple(types.get(a, a) for a in p.targs))
+            return
         else:
             code = _SCALAR_CODES.get(ctype)
             if code is None:
                 raise ValueError(f"{inst.name}: parameter {p.name} has C type {ctype}, which cannot be packed")
             codes.append(code)
             dtypes.append(None)
-    return Signature(inst.kernel_name, tuple(p.name for p in decl.params), tuple(codes), tuple(dtypes))
+        names.append(p.name)
+        aligns.append([0, 0])
+
+    def by_value(sd: StructDecl, targs: tuple[str, ...]) -> None:
+        if len(targs) != len(sd.template):
+            raise ValueError(f"{inst.name}: struct {sd.name} takes {len(sd.template)} template arguments; "
+                             f"given {len(targs)}")
+        inner = {name: arg for (kind, name), arg in zip(sd.template, targs) if kind in ("typename", "class")}
+        first = len(codes)
+        for f in sd.fields:
+            field(f, inner)
+        if TENSOR_MAP in codes[first:] or first == len(codes):
+            raise ValueError(f"{inst.name}: struct {sd.name} must hold scalars and pointers (no tensor maps), "
+                             "at least one")
+        align = max(_ALIGNMENT[c] for c in codes[first:])
+        aligns[first][0] = max(aligns[first][0], align)
+        aligns[-1][1] = max(aligns[-1][1], align)
+
+    for p in decl.params:
+        params.append(len(codes))
+        field(p, types)
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"{inst.name}: the fields {repeated} appear twice among the parameters and their structs' "
+                         "fields (arguments are given by field name)")
+    plain = len(params) == len(codes)
+    return Signature(inst.kernel_name, tuple(names), tuple(codes), tuple(dtypes),
+                     () if plain else tuple(tuple(a) for a in aligns), () if plain else tuple(params))

@@ -20,6 +20,7 @@ import functools
 import multiprocessing
 import os
 import re
+import struct
 import threading
 import time
 
@@ -300,3 +301,51 @@ def test_runtime_compile_error_carries_the_log_and_the_instance():
     assert info.value.instance == bad
     assert info.value.log.strip()
     assert bad in str(info.value)
+
+
+def _field_paths(source: str, decl, prefix: str = ""):
+    """The member designators of a struct's fields in declaration order, nested structs walked
+    (the order the signature flattens them in)."""
+    from cukern import _signatures
+
+    for f in decl.fields:
+        inner = None if f.pointer else _signatures.struct_declaration(source, f.ctype)
+        if inner is not None:
+            yield from _field_paths(source, inner, f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("module, source", [u for u in UNITS if u[1].startswith("attention")])
+def test_struct_parameters_are_packed_at_the_compilers_layout(nvrtc, monkeypatch, module, source):
+    """Each field of a struct a kernel takes by value sits where the packed buffer puts it, and
+    the struct's size is what the packer allows for: static_asserts of the compiler's offsetof
+    and sizeof against the signature's offsets, compiled with the source."""
+    from cukern import _signatures
+
+    checks, seen = [], set()
+    for inst in instances_of(module, source):
+        decl = _signatures.declarations(source)[inst.kernel_name]
+        if inst.kernel_name in seen:
+            continue
+        seen.add(inst.kernel_name)
+        sig = _kernels.signature(inst)
+        types = {name: arg for (kind, name), arg in zip(decl.template, inst.template_args) if kind == "typename"}
+        for i, p in enumerate(decl.params):
+            sd = None if p.pointer else _signatures.struct_declaration(source, p.ctype)
+            if sd is None:
+                continue
+            ctype = f"{p.ctype}<{', '.join(types.get(a, a) for a in p.targs)}>" if p.targs else p.ctype
+            start = sig.param_offsets[i]
+            end = sig.param_offsets[i + 1] if i + 1 < len(decl.params) else struct.calcsize(sig.format)
+            for j, path in enumerate(_field_paths(source, sd)):
+                assert sig.names[sig.params[i] + j] == path.rsplit(".", 1)[-1]
+                at = sig.offsets[sig.params[i] + j] - start
+                checks.append(f'static_assert(__builtin_offsetof({ctype}, {path}) == {at}, "{ctype}::{path}");')
+            checks.append(f'static_assert(sizeof({ctype}) == {end - start}, "sizeof {ctype}");')
+    assert checks, f"{source}: no kernel takes a struct"
+    text = "\n".join([_sources.load_source(source), *checks, "template <int N> __global__ void layout_probe() {}\n"])
+    monkeypatch.setattr(_sources, "load_source", lambda name: text)
+    arch = "sm_90a" if "sm90" in source else "sm_80"
+    nvrtc.compile_instances(source, ["layout_probe<0>"], arch)

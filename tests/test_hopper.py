@@ -238,7 +238,7 @@ def test_parameter_offsets_follow_the_packed_layout():
     args = {"a": None, "n": 7, "m": bytes(range(128)), "x": 0.5, "b": 9, "m2": bytes(range(1, 129))}
     layout, values, _ = _kernels.pack(sig, "k", args, {})
     raw = layout.pack(*values)
-    at = _kernels.param_offsets(sig.codes)
+    at = sig.param_offsets
     assert at == (0, 8, 64, 192, 196, 256) and layout.size == 384
     assert struct.unpack_from("i", raw, at[1])[0] == 7 and raw[at[2]:at[2] + 128] == bytes(range(128))
     assert struct.unpack_from("f", raw, at[3])[0] == 0.5 and struct.unpack_from("I", raw, at[4])[0] == 9

@@ -88,3 +88,76 @@ def test_a_wrong_argument_is_an_error_not_a_shifted_list(over, exc, pattern):
 def test_numpy_scalars_are_taken_by_value():
     layout, values, _ = _kernels.pack(SIG, "k", _norm_args(rows=np.int64(7), eps=np.float32(0.5)), DTYPES)
     assert values[10] == 7 and values[12] == 0.5
+
+
+# ---- a struct taken by value (the attention kernels' parameters) -------------------------------
+
+_STRUCT_SOURCE = """
+namespace ns {
+struct Inner { int a, b; float c; const int* cu; long long* fault; };
+template <typename T> struct Params {
+    const T* x;
+    T* y;
+    int n;          // (4 bytes of padding follow: Inner starts 8-aligned)
+    Inner inner;
+    int tail;       // (4 bytes of padding end the struct: its size is a multiple of 8)
+};
+struct Helper { int k; __device__ int twice() const { return 2 * k; } };
+}
+template <typename T, int N>
+__global__ void with_struct(const __grid_constant__ CUtensorMap m, const __grid_constant__ ns::Params<T> p,
+                            int after) {}
+template <typename T>
+__global__ void with_helper(ns::Helper h) {}
+template <typename T>
+__global__ void twice_named(ns::Params<T> p, int n) {}
+"""
+
+
+@pytest.fixture
+def struct_source(monkeypatch):
+    from cukern import _signatures, _sources
+
+    real = _sources.load_source
+    monkeypatch.setattr(_sources, "load_source", lambda name: _STRUCT_SOURCE if name == "structs.cu" else real(name))
+    for fn in (_signatures.declarations, _signatures._struct_bodies, _signatures.signature):
+        fn.cache_clear()
+    yield Instance("structs.cu", "with_struct<cuk::bf16, 4>", 128)
+    for fn in (_signatures.declarations, _signatures._struct_bodies, _signatures.signature):
+        fn.cache_clear()
+
+
+def test_a_struct_parameter_is_flattened_into_its_fields_at_the_c_layout(struct_source):
+    sig = _kernels.signature(struct_source)
+    assert sig.names == ("m", "x", "y", "n", "a", "b", "c", "cu", "fault", "tail", "after")
+    assert sig.codes == (_kernels.TENSOR_MAP, "P", "P", "i", "i", "i", "f", "P", "P", "i", "i")
+    assert sig.dtypes[1:3] == ("bfloat16", "bfloat16") and sig.dtypes[7:9] == ("int32", "int64")
+    # the map at 0 (128 bytes); Params 8-aligned at 128: x 0, y 8, n 16, Inner at 24 (a 0, b 4,
+    # c 8, cu 16, fault 24: 32 bytes), tail 56, size 64; after at 192
+    assert sig.offsets == (0, 128, 136, 144, 152, 156, 160, 168, 176, 184, 192)
+    assert sig.param_offsets == (0, 128, 192)
+    assert struct.calcsize(sig.format) == 196
+
+
+def test_a_struct_is_packed_by_field_name(struct_source):
+    sig = _kernels.signature(struct_source)
+    args = dict(m=bytes(range(128)), x=Slot(0), y=Slot(1), n=7, a=-1, b=2, c=0.5, cu=None, fault=None, tail=9, after=3)
+    layout, values, slots = _kernels.pack(sig, "k", args, {0: "bfloat16", 1: "bfloat16"})
+    raw = layout.pack(*values)
+    assert [at for at, _, _ in slots] == [1, 2]
+    assert struct.unpack_from("i", raw, 144)[0] == 7 and struct.unpack_from("ii", raw, 152) == (-1, 2)
+    assert struct.unpack_from("f", raw, 160)[0] == 0.5 and struct.unpack_from("i", raw, 184)[0] == 9
+    assert struct.unpack_from("i", raw, 192)[0] == 3
+    with pytest.raises(TypeError, match=r"missing \['tail'\], unknown \['p'\]"):
+        _kernels.pack(sig, "k", {**{k: v for k, v in args.items() if k != "tail"}, "p": 1}, {})
+    with pytest.raises(TypeError, match="parameter cu points to int32"):
+        _kernels.pack(sig, "k", {**args, "cu": _array("int64")}, {0: "bfloat16", 1: "bfloat16"})
+    with pytest.raises(ValueError, match="n = 4294967296 is outside"):
+        _kernels.pack(sig, "k", {**args, "n": 2**32}, {0: "bfloat16", 1: "bfloat16"})
+
+
+def test_a_struct_with_more_than_fields_or_a_repeated_name_is_refused(struct_source):
+    with pytest.raises(ValueError, match="more than data members"):
+        _kernels.signature(Instance("structs.cu", "with_helper<float>", 128))
+    with pytest.raises(ValueError, match=r"fields \['n'\] appear twice"):
+        _kernels.signature(Instance("structs.cu", "twice_named<float>", 128))

@@ -106,7 +106,7 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs, w
                      k_map=MapSlot(1, (1, cfg.bn, 1, 64)), v_map=MapSlot(2, (1, cfg.bn, 1, 64)),
                      o_map=MapSlot(out.index, (1, 64, 1, 64)) if cfg.persistent else bytes(128), out=out, lse=lse,
                      **{f"o_{n}": s for n, s in _strides3(os_).items()},
-                     H=h, Hkv=hkv, Sq=sq, Sk=sk, scale_log2=scale * LOG2E, tiles=m_tiles * batch * h,
+                     H=h, Hkv=hkv, Sq=sq, Sk=sk, scale=scale, scale_log2=scale * LOG2E, tiles=m_tiles * batch * h,
                      tile_counter=counter, section_pairs=section_pairs, cap_in=cap_in, cap_out=cap_out,
                      win_left=mask.left, win_right=mask.right, cu_q=None, cu_k=None, max_q=0, max_k=0, fault=None)
         else:
@@ -128,8 +128,9 @@ def _launch_forward_sm80(b: Builder, configs: Configs, qa: DeviceArray, strides,
     fault = _arrays.wrap(_faults.record(device), "fault record") if varlen is not None else None
     b.launch(k, (-(-grid_rows // cfg.block_rows), batches * h), q=b.slot(0), k=b.slot(1), v=b.slot(2), out=out,
              lse=lse, **{f"{x}_{n}": s for x, st in zip("qkvo", (*strides, os_)) for n, s in _strides3(st).items()},
-             H=h, Hkv=hkv, Sq=sq, Sk=sk, scale_log2=scale * LOG2E, win_left=mask.left, win_right=mask.right,
-             cap_in=cap_in, cap_out=cap_out, cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k, fault=fault)
+             H=h, Hkv=hkv, Sq=sq, Sk=sk, scale=scale, scale_log2=scale * LOG2E, win_left=mask.left,
+             win_right=mask.right, cap_in=cap_in, cap_out=cap_out, cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k,
+             fault=fault)
 
 
 # ---- packed documents (varlen) ----------------------------------------------------------------
@@ -222,7 +223,8 @@ def _plan_forward_varlen(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_sca
             b.launch(k, (m_tiles, docs * h), q_map=MapSlot(0, (1, cfg.block_rows, 1, 64)),
                      k_map=MapSlot(1, (1, cfg.bn, 1, 64)), v_map=MapSlot(2, (1, cfg.bn, 1, 64)), o_map=bytes(128),
                      out=out, lse=lse, **{f"o_{n}": s for n, s in _strides3(os_).items()},
-                     H=h, Hkv=hkv, Sq=total_q, Sk=total_k, scale_log2=scale * LOG2E, tiles=m_tiles * docs * h,
+                     H=h, Hkv=hkv, Sq=total_q, Sk=total_k, scale=scale, scale_log2=scale * LOG2E,
+                     tiles=m_tiles * docs * h,
                      tile_counter=None, section_pairs=1, cap_in=cap_in, cap_out=cap_out, win_left=mask.left,
                      win_right=mask.right, cu_q=b.slot(3), cu_k=b.slot(4), max_q=max_q, max_k=max_k,
                      fault=_arrays.wrap(_faults.record(device), "fault record"))

@@ -176,7 +176,7 @@ def _export(ext, rec):
     """A recorded (plan, bufs, inputs) as the extension's plan tuple, or None where it cannot be
     replayed from C++ (input fix-ups, steps other than launches, fills and sorts). Holds no
     tensors (a recording kept on a Function's ctx must not hold its outputs: a reference cycle)."""
-    from .._kernels import Launch, param_offsets
+    from .._kernels import Launch
     from .._plans import Fill, Sort
 
     plan, bufs, n_in = rec
@@ -197,7 +197,7 @@ def _export(ext, rec):
             continue
         if not isinstance(s, Launch):
             return None
-        offsets = param_offsets(s.kernel.signature.codes)
+        offsets = s.kernel.signature.offsets   # (a field's byte offset in the packed buffer)
         # a tensor map a launch: all of cuTensorMapEncodeTiled's arguments but the address are
         # fixed by the signature
         maps = [[offsets[at], m.index, *_map_fields(encode_args(bufs[m.index], m.box, m.swizzle))]
