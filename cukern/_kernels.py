@@ -16,8 +16,11 @@
 from __future__ import annotations
 
 import ctypes
+import os
+import queue
 import struct
 import threading
+from concurrent.futures import Future
 
 import numpy as np
 
@@ -36,36 +39,85 @@ __all__ = ["CompileError", "Instance", "Slot", "MapSlot", "Kernel", "Launch", "s
 # ---- compiling -------------------------------------------------------------------------------
 
 _functions: dict[tuple[str, str, int], object] = {}
+_compiling: dict[tuple[str, str, int], Future] = {}
 _lock = threading.Lock()
 
 
 def function(source: str, instance: str, device: int, arch: str | None = None):
     """The compiled ``cupy.RawKernel`` for ``instance`` of ``cuda_src/<source>`` on ``device``
-    (built for ``arch`` when given: see ``Instance.arch``)."""
+    (built for ``arch`` when given: see ``Instance.arch``). Different instances compile at once
+    on different threads (NVRTC releases the GIL); a thread asking for one that another is
+    compiling waits for that compile."""
     key = (source, instance, device)
     fn = _functions.get(key)
     if fn is not None:
         return fn
     check_capability(device)
-    import cupy
-
     with _lock:
         fn = _functions.get(key)
-        if fn is None and arch is not None:
-            fn = _arch_function(source, instance, arch, device)
-        elif fn is None:
-            code = _sources.load_source(source)
-            # (under a lock a kernel: processes starting at once on an empty cache compile it
-            # once; the others wait, then find it in CuPy's cache)
-            with _cache.lock(_cache.directory() / "locks" / (_cache.key(
-                    code, instance, COMPILE_OPTIONS, compute_capability(device)) + ".lock")), cupy.cuda.Device(device):
-                try:  # CuPy may compile in the constructor or at the first lookup
-                    module = cupy.RawModule(code=code, options=COMPILE_OPTIONS, name_expressions=[instance])
-                    fn = module.get_function(instance)
-                except cupy.cuda.compiler.CompileException as e:
-                    raise CompileError(instance, str(e)) from None
+        if fn is not None:
+            return fn
+        pending = _compiling.get(key)
+        if pending is None:
+            mine = _compiling[key] = Future()
+    if pending is not None:
+        return pending.result()
+    try:
+        fn = _arch_function(source, instance, arch, device) if arch is not None else _cupy_function(
+            source, instance, device)
+    except BaseException as e:
+        with _lock:
+            del _compiling[key]   # (a later call tries again)
+        mine.set_exception(e)
+        raise
+    with _lock:
         _functions[key] = fn
+        del _compiling[key]
+    mine.set_result(fn)
     return fn
+
+
+def _cupy_function(source: str, instance: str, device: int):
+    import cupy
+
+    code = _sources.load_source(source)
+    # (under a lock a kernel: processes starting at once on an empty cache compile it once; the
+    # others wait, then find it in CuPy's cache)
+    with _cache.lock(_cache.directory() / "locks" / (_cache.key(
+            code, instance, COMPILE_OPTIONS, compute_capability(device)) + ".lock")), cupy.cuda.Device(device):
+        try:  # CuPy may compile in the constructor or at the first lookup
+            module = cupy.RawModule(code=code, options=COMPILE_OPTIONS, name_expressions=[instance])
+            return module.get_function(instance)
+        except cupy.cuda.compiler.CompileException as e:
+            raise CompileError(instance, str(e)) from None
+
+
+def in_background(fn, *args) -> None:
+    """Run ``fn(*args)`` on a background thread (a few daemon threads, started on first use),
+    its exceptions dropped: work ahead of need, e.g. compiling the kernels a backward will use
+    while the forward runs. Whatever it fails at fails again, with its error, where it is needed."""
+    global _background
+    if _background is None:
+        with _lock:
+            if _background is None:
+                _background = queue.SimpleQueue()
+                for i in range(_BACKGROUND_THREADS):
+                    threading.Thread(target=_background_worker, name=f"cukern-background-{i}", daemon=True).start()
+    _background.put((fn, args))
+
+
+# (an NVRTC compile holds a few hundred MB of host memory while it runs: a few at a time)
+_BACKGROUND_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))
+_background = None
+
+
+def _background_worker() -> None:
+    while True:
+        fn, args = _background.get()
+        try:
+            fn(*args)
+        except BaseException:  # noqa: BLE001 - see in_background
+            pass
 
 
 class _ArchFunction:
@@ -88,7 +140,7 @@ class _ArchFunction:
         _driver.set_max_dynamic_shared(self.kernel.ptr, int(value))
 
 
-def _arch_function(source: str, instance: str, arch: str, device: int) -> _ArchFunction:
+def _arch_function(source: str, instance: str, arch: str, device: int) -> "_ArchFunction":
     import cupy
 
     from . import _driver, _nvrtc
@@ -226,16 +278,21 @@ class Kernel:
         self.instance = inst
         self.device = device
         self.fn = function(inst.source, inst.name, device, inst.arch)
-        self.ptr = self.fn.kernel.ptr
         self.signature = signature(inst)
         self._occupancy: dict[int, int] = {}
-        # the opt-in above the default 48 KB (static shared memory counts too: opt in at any size)
-        if inst.smem and self.fn.max_dynamic_shared_size_bytes < inst.smem:
-            self.fn.max_dynamic_shared_size_bytes = inst.smem
-        if inst.cluster > 8:
-            from . import _driver
+        import cupy
 
-            _driver.allow_non_portable_cluster_size(self.ptr)
+        # (on the kernel's device: a thread's current device may be another, and CuPy loads a
+        # RawKernel for the current one)
+        with cupy.cuda.Device(device):
+            self.ptr = self.fn.kernel.ptr
+            # the opt-in above the default 48 KB (static shared memory counts too: opt in at any size)
+            if inst.smem and self.fn.max_dynamic_shared_size_bytes < inst.smem:
+                self.fn.max_dynamic_shared_size_bytes = inst.smem
+            if inst.cluster > 8:
+                from . import _driver
+
+                _driver.allow_non_portable_cluster_size(self.ptr)
 
     def resident_blocks(self, threads: int | None = None) -> int:
         """How many blocks fit on the whole device at once (the persistent grid size)."""

@@ -75,9 +75,10 @@ _STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) b
 _USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
 
 
-# One NVRTC compile at a time: with NVRTC 13, concurrent compiles in one process were seen to
-# lose ptxas's -v report from their logs (every instance unreported, both programs).
-_compile_lock = threading.Lock()
+# One reporting compile at a time: with NVRTC 13, concurrent compiles in one process were seen
+# to lose ptxas's -v report from their logs (every instance unreported, both programs). Compiles
+# that only want the cubin (cached_program) run concurrently.
+_report_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -105,9 +106,13 @@ def compile_instances(source: str, instances: list[str], arch: str = "sm_90",
 
 
 def compile_program(source: str, instances: list[str], arch: str = "sm_90",
-                    extra_options: tuple[str, ...] = ()) -> Program:
-    """``compile_instances``, with the cubin, the lowered names and ptxas's C75xx warnings."""
-    with _compile_lock:
+                    extra_options: tuple[str, ...] = (), report: bool = True) -> Program:
+    """``compile_instances``, with the cubin, the lowered names and ptxas's C75xx warnings
+    (``report=False``: no ptxas report, usages and warnings empty, and no wait for another
+    thread's compile)."""
+    if not report:
+        return _compile_instances(source, instances, arch, extra_options, report=False)
+    with _report_lock:
         return _compile_instances(source, instances, arch, extra_options)
 
 
@@ -126,7 +131,7 @@ def cached_program(source: str, instances: list[str], arch: str) -> tuple[bytes,
         hit = _read_cached(folder, k)
         if hit is not None:
             return hit
-        program = compile_program(source, instances, arch)
+        program = compile_program(source, instances, arch, report=False)
         try:   # (the names first: a cubin on disk means its names are there)
             _cache.write_atomic(folder / f"{k}.json", json.dumps(program.lowered).encode())
             _cache.write_atomic(folder / f"{k}.cubin", program.cubin)
@@ -144,7 +149,7 @@ def _read_cached(folder, k: str) -> tuple[bytes, dict] | None:
     return (cubin, names) if cubin and isinstance(names, dict) else None
 
 
-def _compile_instances(source, instances, arch, extra_options) -> Program:
+def _compile_instances(source, instances, arch, extra_options, report: bool = True) -> Program:
     lib = library()
     src = _sources.load_source(source).encode()
     prog = ctypes.c_void_p()
@@ -153,8 +158,8 @@ def _compile_instances(source, instances, arch, extra_options) -> Program:
     try:
         for inst in instances:
             _check(lib.nvrtcAddNameExpression(prog, inst.encode()), f"name expression {inst}")
-        opts = [*_sources.COMPILE_OPTIONS, "-ftz=true", f"-arch={arch}", "--ptxas-options=-v",
-                *extra_options]
+        opts = [*_sources.COMPILE_OPTIONS, "-ftz=true", f"-arch={arch}",
+                *(("--ptxas-options=-v",) if report else ()), *extra_options]
         c_opts = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
         status = lib.nvrtcCompileProgram(prog, len(opts), c_opts)
         size = ctypes.c_size_t()

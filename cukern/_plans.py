@@ -24,9 +24,15 @@ from . import _arrays
 from ._arrays import DeviceArray
 from ._kernels import Slot
 
-__all__ = ["Alloc", "Plan", "PlanCache", "Builder", "Fill", "Sort", "record"]
+__all__ = ["Alloc", "Plan", "PlanCache", "Builder", "Fill", "Sort", "record", "build_ahead"]
 
-_recording = threading.local()   # .plans: the list a `record` block collects into
+# .plans: the list a `record` block collects into, or _AHEAD inside build_ahead
+_recording = threading.local()
+_AHEAD = object()
+
+
+class _Built(Exception):
+    """Raised where a plan would run inside build_ahead."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,9 @@ class Plan:
 
     def __call__(self, arrays: list) -> list:
         """Run on ``arrays`` (the call's inputs, a list it may change); the buffer list."""
+        plans = getattr(_recording, "plans", None)
+        if plans is _AHEAD:
+            raise _Built
         for slot, fix in self.fixes:
             arrays[slot] = fix(arrays[slot])
         given = len(arrays)
@@ -132,7 +141,6 @@ class Plan:
                 stream = _arrays.launch_stream(first)
                 for step in self.steps:
                     step(bufs, ptrs, stream)
-        plans = getattr(_recording, "plans", None)
         if plans is not None:
             plans.append((self, bufs, given))
         return bufs
@@ -150,6 +158,22 @@ class record:
     def __exit__(self, *exc):
         _recording.plans = self.previous
         return False
+
+
+def build_ahead(fn, *args) -> bool:
+    """Call ``fn(*args)`` as far as the first plan it would run, which is built (its kernels
+    compiled) and cached but not run: nothing is allocated or launched. True where a plan was
+    reached; an error before it propagates. (cukern.torch builds a backward's plan this way
+    while the forward runs, so that its kernels compile meanwhile.)"""
+    previous = getattr(_recording, "plans", None)
+    _recording.plans = _AHEAD
+    try:
+        fn(*args)
+    except _Built:
+        return True
+    finally:
+        _recording.plans = previous
+    return False
 
 
 class PlanCache:
@@ -178,7 +202,7 @@ class PlanCache:
 
     def put(self, key, plan: Plan) -> Plan:
         if len(self.plans) >= self.limit:
-            self.plans.pop(next(iter(self.plans)))
+            self.plans.pop(next(iter(self.plans)), None)   # (None: another thread took it first)
         self.plans[key] = plan
         return plan
 

@@ -13,10 +13,12 @@ autograd formula hands back None for inputs that were None.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
-from .. import _plans
+from .. import _kernels, _plans
 from .._family import TorchOp
 from .._registry import families
 from . import _native, _tools
@@ -99,6 +101,24 @@ def _scatter(spec: TorchOp, n: int, grads, needed, present=None) -> tuple:
     return tuple(out)
 
 
+# The backward's plan is built ahead (its kernels compiled on a background thread while the
+# forward goes on) for the first few forward calls of each op in a process: a first training
+# step otherwise compiles every backward kernel after the forward, one after another.
+# CUKERN_BUILD_AHEAD: how many (0: never).
+_AHEAD_CALLS = int(os.environ.get("CUKERN_BUILD_AHEAD", "4") or 0)
+_ahead: dict[str, int] = {}
+
+
+def _build_backward_ahead(spec: TorchOp, tensors, state, outputs) -> None:
+    # (the forward's visible outputs stand in for the gradients: the same shapes, dtypes and
+    # layouts as the gradients of a usual loss)
+    args = spec.backward_args(tensors, state, tuple(outputs[:spec.visible]), _tools)
+    device = next((t.device for t in tensors if isinstance(t, Tensor) and t.is_cuda), None)
+    if device is not None:   # (a new thread's current device is the first)
+        with torch.cuda.device(device):
+            _plans.build_ahead(spec.backward, *args)
+
+
 def _function(spec: TorchOp, n: int):
     class Function(torch.autograd.Function):
         @staticmethod
@@ -113,6 +133,10 @@ def _function(spec: TorchOp, n: int):
             ctx.save_for_backward(*tensors)
             ctx.state = state
             ctx.recording = None
+            calls = _ahead.get(spec.name, 0)
+            if calls < _AHEAD_CALLS:
+                _ahead[spec.name] = calls + 1
+                _kernels.in_background(_build_backward_ahead, spec, tensors, state, outputs)
             if key is not None:   # the signature's first call: keep what the native path needs
                 ext = _native.module()
                 fwd = _native.forward_parts(ext, inputs, outputs, tensors, plans)
