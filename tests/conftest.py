@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
+from fakes import DryRun, FakeKernel  # noqa: F401 - test modules import them from here
+
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", deadline=None, print_blob=True,
@@ -51,36 +53,6 @@ def pytest_runtest_setup(item):
         reason = gpu_unavailable_reason()
         if reason is not None:
             pytest.skip(f"needs a GPU: {reason}")
-
-
-class DryRun(Exception):
-    """Raised where a launch plan would run: ``plan`` holds it (fix-ups, allocations, steps)."""
-
-    def __init__(self, plan):
-        super().__init__("dry run")
-        self.plan = plan
-
-
-class FakeKernel:
-    """A kernel instance that is never compiled: its signature is read from the source, and
-    ``prepare`` packs the arguments against it as a real launch does (so a front's arguments
-    are checked by name, C type and dtype on the CPU)."""
-
-    def __init__(self, inst, device):
-        from cukern import _kernels
-
-        self.instance, self.device = inst, device
-        self.signature = _kernels.signature(inst)
-
-    def resident_blocks(self, threads=None):
-        return 132 * 4
-
-    def prepare(self, grid, block=None, **args):
-        from cukern import _kernels
-
-        dtypes = args.pop("dtypes", {})
-        layout, values, slots = _kernels.pack(self.signature, self.instance.name, args, dtypes)
-        return ("launch", self.instance, grid, block, dict(zip(self.signature.names, values)), slots)
 
 
 @pytest.fixture

@@ -840,7 +840,7 @@ def dry_run(capability=(9, 0)):
     """Run array cases with no GPU: NumPy inputs pass for device arrays, kernels are never
     compiled (their arguments are packed against the declared signatures all the same), plans
     allocate their outputs with NumPy and skip their steps. ``capability``: the device's."""
-    from conftest import FakeKernel
+    from fakes import FakeKernel
     from cukern import _arrays, _faults, _kernels, _plans
 
     global ARRAYS, DRY

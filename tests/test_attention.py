@@ -267,12 +267,17 @@ def test_the_sm80_path_can_be_forced_by_the_environment():
 
     code = "import importlib; c = importlib.import_module('cukern.attention').configs.CONFIGS; " \
            "print(c.use_sm90, c.use_sm90_bwd)"
+    runs = []   # (the three processes at once: each is mostly an interpreter starting and importing)
     for value, expect in (("1", "False False"), ("0", "True True"), (None, "True True")):
         env = {k: v for k, v in os.environ.items() if k != "CUKERN_ATTENTION_SM80"}
         if value is not None:
             env["CUKERN_ATTENTION_SM80"] = value
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-        assert out.stdout.split() == expect.split(), (value, out.stdout, out.stderr)
+        runs.append((value, expect, subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                                                     stderr=subprocess.PIPE, text=True)))
+    for value, expect, p in runs:
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0, (value, stdout, stderr)
+        assert stdout.split() == expect.split(), (value, stdout, stderr)
 
 
 def test_the_sm90_backward_takes_tensor_maps_of_the_inputs(host_arrays_as_device, monkeypatch):

@@ -1,6 +1,7 @@
 """The package's imports form no cycle: every ``import`` of a cukern module by a cukern module,
 at module level or inside a function, is an arrow, and no arrow path comes back."""
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "cukern"
@@ -31,6 +32,13 @@ def import_graph(mods: dict) -> dict[str, set]:
     return {m: set().union(*(_targets(mods, m, n) for n in ast.walk(ast.parse(p.read_text()))
                              if isinstance(n, (ast.Import, ast.ImportFrom))))
             for m, p in mods.items()}
+
+
+@functools.lru_cache(maxsize=1)
+def package_graph() -> tuple[dict[str, Path], dict[str, set]]:
+    """cukern's modules and their import graph, parsed once for the tests that read them."""
+    mods = modules()
+    return mods, import_graph(mods)
 
 
 def cycles(graph: dict[str, set]) -> list[list[str]]:
@@ -65,7 +73,7 @@ def cycles(graph: dict[str, set]) -> list[list[str]]:
 
 
 def test_no_import_cycles():
-    found = cycles(import_graph(modules()))
+    found = cycles(package_graph()[1])
     assert not found, f"import cycles in cukern (each a set of modules that import each other): {found}"
 
 
@@ -88,8 +96,7 @@ def test_no_family_imports_the_torch_layer_above_it():
     ``cukern.torch``, which builds on the families' declarations (a family gets cukern.torch's
     tools, ops and modules handed to its ``torch_api`` and module variants); the command line,
     the bench driver and the demo sit on top. Nothing below cukern.torch imports it."""
-    mods = modules()
-    graph = import_graph(mods)
+    mods, graph = package_graph()
     top = {"cukern.__main__"}
     below = [m for m in mods if not m.startswith(("cukern.torch", "cukern.demo", "cukern._bench"))
              and m not in top and m != "cukern"]

@@ -4,6 +4,7 @@ patch()'s min_size, and the skip summary of a run without a GPU."""
 from __future__ import annotations
 
 import inspect
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -234,6 +235,7 @@ def test_gpu_skips_fold_into_one_summary_line(tmp_path):
     conftest = Path(__file__).with_name("conftest.py").read_text()
     (tmp_path / "conftest.py").write_text(conftest + "\n\ndef gpu_unavailable_reason():\n"
                                           "    return 'no CUDA device (simulated)'\n")
+    (tmp_path / "fakes.py").write_text(Path(__file__).with_name("fakes.py").read_text())   # (conftest's import)
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a CUDA device\n")
     (tmp_path / "test_x.py").write_text(
         "import pytest\n\n"
@@ -241,8 +243,11 @@ def test_gpu_skips_fold_into_one_summary_line(tmp_path):
         "@pytest.mark.gpu\n@pytest.mark.skipif(True, reason='needs a CUDA build of torch')\ndef test_both(): pass\n\n"
         "@pytest.mark.skipif(True, reason='torch is not installed')\ndef test_other(): pass\n\n"
         "def test_cpu(): pass\n\ndef test_fails(): assert False\n")
+    # (no plugins from entry points: the conftest's hooks are what is checked, and the assertion
+    # rewriting of hypothesis' whole package, as a plugin's, costs a second where no byte code is cached)
+    env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
     r = subprocess.run([sys.executable, "-m", "pytest", "-ra", "-q", "-p", "no:cacheprovider", str(tmp_path)],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("SKIPPED")]
     assert len(lines) == 2, r.stdout
     assert lines[0].startswith("SKIPPED [4] conftest.py:")
