@@ -150,26 +150,10 @@ struct DqTiles {
     static constexpr int smem_bytes = elems * static_cast<int>(sizeof(T));
 };
 
-// attention_bwd_dkdv's parameters: Q, K, V, dO (B, S, H, D), lse and Dsum (B, H, Sq) float32,
-// dK and dV (B, Sk, Hkv, D), dQ's float32 partial sums (DQ_ATOMIC; else unused), the strides in
-// elements (batch, sequence, head; d_ of dO), and the problem.
-template <typename T>
-struct BwdKVParams {
-    const T* q;
-    const T* k;
-    const T* v;
-    const T* dout;
-    const float* lse;
-    const float* dsum;
-    T* dk;
-    T* dv;
-    float* dq_accum;
-    long long q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, d_sb, d_ss, d_sh;
-    long long dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh;
-    Problem problem;
-};
-
-// attention_bwd_dq's parameters: as attention_bwd_dkdv's, with dQ (B, Sq, H, D) for dK and dV.
+// attention_bwd_dq's parameters: Q, K, V, dO (B, S, H, D), lse and Dsum (B, H, Sq) float32, dQ
+// (B, Sq, H, D), the strides in elements (batch, sequence, head; d_ of dO), and the problem.
+// (attention_bwd_dkdv keeps its list of parameters: with them read from a struct, ptxas spilled
+// at 255 registers in 66 of its instances; docs/notes-attention.md.)
 template <typename T>
 struct BwdQParams {
     const T* q;
@@ -200,24 +184,23 @@ struct BwdQParams {
 // SMEM: the dynamic shared memory of the launch, in bytes (= BwdTiles<T, D, BM, BN>::smem_bytes).
 template <typename T, int D, int BM, int BN, int WARPS, int WM_S, int WN_KV, int WM_Q, int MASK, bool SOFTCAP,
           bool DQ_ATOMIC, int SMEM>
-__global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(const __grid_constant__ cuk::attention::BwdKVParams<T> p)
+__global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
+    T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dq_accum,
+    long long q_sb, long long q_ss, long long q_sh,
+    long long k_sb, long long k_ss, long long k_sh,
+    long long v_sb, long long v_ss, long long v_sh,
+    long long d_sb, long long d_ss, long long d_sh,
+    long long dk_sb, long long dk_ss, long long dk_sh,
+    long long dv_sb, long long dv_ss, long long dv_sh,
+    int H, int Hkv, int Sq, int Sk, float scale, float scale_log2, int win_left, int win_right, float cap_in,
+    float cap_out, const int* __restrict__ cu_q, const int* __restrict__ cu_k, int max_q, int max_k,
+    long long* __restrict__ fault)
 {
     using namespace cuk;
     using namespace cuk::attention;
     using Tiles = BwdTiles<T, D, BM, BN>;
-    const T* const __restrict__ q = p.q;
-    const T* const __restrict__ k = p.k;
-    const T* const __restrict__ v = p.v;
-    const T* const __restrict__ dout = p.dout;
-    const float* const __restrict__ lse = p.lse;
-    const float* const __restrict__ dsum = p.dsum;
-    T* const __restrict__ dk = p.dk;
-    T* const __restrict__ dv = p.dv;
-    float* const __restrict__ dq_accum = p.dq_accum;
-    const long long q_sb = p.q_sb, q_ss = p.q_ss, q_sh = p.q_sh, k_sb = p.k_sb, k_ss = p.k_ss, k_sh = p.k_sh;
-    const long long v_sb = p.v_sb, v_ss = p.v_ss, v_sh = p.v_sh, d_sb = p.d_sb, d_ss = p.d_ss, d_sh = p.d_sh;
-    const long long dk_sb = p.dk_sb, dk_ss = p.dk_ss, dk_sh = p.dk_sh, dv_sb = p.dv_sb, dv_ss = p.dv_ss, dv_sh = p.dv_sh;
-    CUK_ATTN_PROBLEM(p.problem);
     static_assert(SMEM == Tiles::smem_bytes, "SMEM (the launch's dynamic shared memory) differs from BwdTiles::smem_bytes");
     constexpr int THREADS = WARPS * 32;
     constexpr int ROW = row_elems(D);   // shared-memory row of Q, dO, K, V (D padded to 64)
@@ -496,22 +479,22 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(const __grid
 // dQ. Block (query tile m_block, b * H + h); WARPS warps of 16 queries: BM = 16 * WARPS.
 // SMEM: the dynamic shared memory of the launch, in bytes (= DqTiles<T, D, WARPS, BN>::smem_bytes).
 template <typename T, int D, int WARPS, int BN, int MASK, bool SOFTCAP, int SMEM>
-__global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dq(const __grid_constant__ cuk::attention::BwdQParams<T> p)
+__device__ __forceinline__ void attention_bwd_dq_body(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
+    T* __restrict__ dq,
+    long long q_sb, long long q_ss, long long q_sh,
+    long long k_sb, long long k_ss, long long k_sh,
+    long long v_sb, long long v_ss, long long v_sh,
+    long long d_sb, long long d_ss, long long d_sh,
+    long long dq_sb, long long dq_ss, long long dq_sh,
+    int H, int Hkv, int Sq, int Sk, float scale, float scale_log2, int win_left, int win_right, float cap_in,
+    float cap_out, const int* __restrict__ cu_q, const int* __restrict__ cu_k, int max_q, int max_k,
+    long long* __restrict__ fault)
 {
     using namespace cuk;
     using namespace cuk::attention;
     using Tiles = DqTiles<T, D, WARPS, BN>;
-    const T* const __restrict__ q = p.q;
-    const T* const __restrict__ k = p.k;
-    const T* const __restrict__ v = p.v;
-    const T* const __restrict__ dout = p.dout;
-    const float* const __restrict__ lse = p.lse;
-    const float* const __restrict__ dsum = p.dsum;
-    T* const __restrict__ dq = p.dq;
-    const long long q_sb = p.q_sb, q_ss = p.q_ss, q_sh = p.q_sh, k_sb = p.k_sb, k_ss = p.k_ss, k_sh = p.k_sh;
-    const long long v_sb = p.v_sb, v_ss = p.v_ss, v_sh = p.v_sh, d_sb = p.d_sb, d_ss = p.d_ss, d_sh = p.d_sh;
-    const long long dq_sb = p.dq_sb, dq_ss = p.dq_ss, dq_sh = p.dq_sh;
-    CUK_ATTN_PROBLEM(p.problem);
     static_assert(SMEM == Tiles::smem_bytes, "SMEM (the launch's dynamic shared memory) differs from DqTiles::smem_bytes");
     constexpr int BM = Tiles::BM;
     constexpr int THREADS = WARPS * 32;
@@ -658,6 +641,17 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dq(const __grid_c
                     pack_pair(dqacc[i][2 * r] * scale, dqacc[i][2 * r + 1] * scale, T{});
         }
     }
+}
+
+template <typename T, int D, int WARPS, int BN, int MASK, bool SOFTCAP, int SMEM>
+__global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dq(
+    const __grid_constant__ cuk::attention::BwdQParams<T> p)
+{
+    const cuk::attention::Problem& r = p.problem;
+    attention_bwd_dq_body<T, D, WARPS, BN, MASK, SOFTCAP, SMEM>(
+        p.q, p.k, p.v, p.dout, p.lse, p.dsum, p.dq, p.q_sb, p.q_ss, p.q_sh, p.k_sb, p.k_ss, p.k_sh, p.v_sb,
+        p.v_ss, p.v_sh, p.d_sb, p.d_ss, p.d_sh, p.dq_sb, p.dq_ss, p.dq_sh, r.H, r.Hkv, r.Sq, r.Sk, r.scale,
+        r.scale_log2, r.win_left, r.win_right, r.cap_in, r.cap_out, r.cu_q, r.cu_k, r.max_q, r.max_k, r.fault);
 }
 
 // dq = acc * scale in T (deterministic=False). acc: dQ's float32 partial sums, contiguous

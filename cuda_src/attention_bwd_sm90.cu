@@ -72,11 +72,17 @@ struct BwdSm90Params {
 // dQ staging boxes (DQ_ATOMIC), the lse_log2 and Dsum ring, 1 KB of alignment slack.
 template <typename T, int D, int BM, int STAGES, int MASK, bool SOFTCAP, bool DQ_ATOMIC, bool PRODUCER, int SMEM,
           bool VARLEN, bool PERSISTENT>
-__global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
-    const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
-    const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
-    const __grid_constant__ CUtensorMap dq_map,   // dq_accum (B, Sq, H, D) float32, boxes 16 x 32 (unused unless DQ_ATOMIC)
-    const __grid_constant__ cuk::attention::BwdSm90Params<T> p)
+__device__ __forceinline__ void attention_bwd_sm90_body(
+    const CUtensorMap& q_map, const CUtensorMap& k_map,
+    const CUtensorMap& v_map, const CUtensorMap& do_map,
+    const CUtensorMap& dq_map,   // dq_accum (B, Sq, H, D) float32, boxes 16 x 32 (unused unless DQ_ATOMIC)
+    const float* __restrict__ rows,   // (B, H, ceil(Sq / BM), 2, BM): lse * log2(e) and Dsum a query tile
+                                      // (VARLEN: (1, H, ceil(Sq / BM) + documents, 2, BM), see the end)
+    T* __restrict__ dk, T* __restrict__ dv,
+    long long dk_sb, long long dk_ss, long long dk_sh, long long dv_sb, long long dv_ss, long long dv_sh,
+    int H, int Hkv, int Sq, int Sk, float scale, float scale_log2, int win_left, int win_right, float cap_in,
+    float cap_out, const int* __restrict__ cu_q, const int* __restrict__ cu_k, int max_q, int max_k,
+    long long* __restrict__ fault, int groups)
 {
     constexpr bool CAUSAL = MASK == 1;
     constexpr int BN = 128, DB = D / 64;            // DB: 64-column boxes of a row
@@ -109,12 +115,6 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     constexpr bool ONE_FENCE = DQ_FIRST;
 #if CUK_SM90A
     using namespace cuk;
-    const float* const __restrict__ rows = p.rows;
-    T* const __restrict__ dk = p.dk;
-    T* const __restrict__ dv = p.dv;
-    const long long dk_sb = p.dk_sb, dk_ss = p.dk_ss, dk_sh = p.dk_sh, dv_sb = p.dv_sb, dv_ss = p.dv_ss, dv_sh = p.dv_sh;
-    const int groups = p.groups;
-    CUK_ATTN_PROBLEM(p.problem);
     extern __shared__ unsigned char smem_raw[];
     unsigned char* const k_s = align_1024(smem_raw);       // [DB][BN rows x 128 bytes]
     unsigned char* const v_s = k_s + KV_BYTES;              // [DB][BN rows x 128 bytes]
@@ -604,6 +604,20 @@ __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
 #elif defined(__CUDA_ARCH__)
     __trap();   // (built without sm_90a's features: fail loudly, never return an unwritten output)
 #endif
+}
+
+template <typename T, int D, int BM, int STAGES, int MASK, bool SOFTCAP, bool DQ_ATOMIC, bool PRODUCER, int SMEM,
+          bool VARLEN, bool PERSISTENT>
+__global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
+    const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
+    const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
+    const __grid_constant__ CUtensorMap dq_map, const __grid_constant__ cuk::attention::BwdSm90Params<T> p)
+{
+    const cuk::attention::Problem& r = p.problem;
+    attention_bwd_sm90_body<T, D, BM, STAGES, MASK, SOFTCAP, DQ_ATOMIC, PRODUCER, SMEM, VARLEN, PERSISTENT>(
+        q_map, k_map, v_map, do_map, dq_map, p.rows, p.dk, p.dv, p.dk_sb, p.dk_ss, p.dk_sh, p.dv_sb, p.dv_ss,
+        p.dv_sh, r.H, r.Hkv, r.Sq, r.Sk, r.scale, r.scale_log2, r.win_left, r.win_right, r.cap_in, r.cap_out,
+        r.cu_q, r.cu_k, r.max_q, r.max_k, r.fault, p.groups);
 }
 
 // VARLEN (attention_bwd_sm90 over packed documents): lse * log2(e) and Dsum of each document's

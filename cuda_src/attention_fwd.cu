@@ -60,19 +60,19 @@ struct FwdParams {
 
 // SMEM: the dynamic shared memory of the launch, in bytes (= FwdTiles<...>::smem_bytes).
 template <typename T, int D, int WARPS, int MT, int BN, int BNC, bool QREG, int MASK, bool SOFTCAP, int SMEM>
-__global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(const __grid_constant__ cuk::attention::FwdParams<T> p)
+__device__ __forceinline__ void attention_fwd_body(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    T* __restrict__ out, float* __restrict__ lse,
+    long long q_sb, long long q_ss, long long q_sh,
+    long long k_sb, long long k_ss, long long k_sh,
+    long long v_sb, long long v_ss, long long v_sh,
+    long long o_sb, long long o_ss, long long o_sh,
+    int H, int Hkv, int Sq, int Sk, float scale_log2, int win_left, int win_right, float cap_in, float cap_out,
+    const int* __restrict__ cu_q, const int* __restrict__ cu_k, int max_q, int max_k, long long* __restrict__ fault)
 {
     using namespace cuk;
     using namespace cuk::attention;
     using Tiles = FwdTiles<T, D, WARPS, MT, BN>;
-    const T* const __restrict__ q = p.q;
-    const T* const __restrict__ k = p.k;
-    const T* const __restrict__ v = p.v;
-    T* const __restrict__ out = p.out;
-    float* const __restrict__ lse = p.lse;
-    const long long q_sb = p.q_sb, q_ss = p.q_ss, q_sh = p.q_sh, k_sb = p.k_sb, k_ss = p.k_ss, k_sh = p.k_sh;
-    const long long v_sb = p.v_sb, v_ss = p.v_ss, v_sh = p.v_sh, o_sb = p.o_sb, o_ss = p.o_ss, o_sh = p.o_sh;
-    CUK_ATTN_PROBLEM(p.problem);
     static_assert(SMEM == Tiles::smem_bytes, "SMEM (the launch's dynamic shared memory) differs from FwdTiles::smem_bytes");
     constexpr int BM = Tiles::BM;
     constexpr int THREADS = WARPS * 32;
@@ -304,4 +304,15 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(const __grid_cons
             }
         }
     }
+}
+
+template <typename T, int D, int WARPS, int MT, int BN, int BNC, bool QREG, int MASK, bool SOFTCAP, int SMEM>
+__global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
+    const __grid_constant__ cuk::attention::FwdParams<T> p)
+{
+    const cuk::attention::Problem& r = p.problem;
+    attention_fwd_body<T, D, WARPS, MT, BN, BNC, QREG, MASK, SOFTCAP, SMEM>(
+        p.q, p.k, p.v, p.out, p.lse, p.q_sb, p.q_ss, p.q_sh, p.k_sb, p.k_ss, p.k_sh, p.v_sb, p.v_ss, p.v_sh,
+        p.o_sb, p.o_ss, p.o_sh, r.H, r.Hkv, r.Sq, r.Sk, r.scale_log2, r.win_left, r.win_right, r.cap_in,
+        r.cap_out, r.cu_q, r.cu_k, r.max_q, r.max_k, r.fault);
 }

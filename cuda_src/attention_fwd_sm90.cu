@@ -71,10 +71,13 @@ struct FwdSm90Params {
 //             read, after the next work tile's first S is issued. Where a K tile is shorter than
 //             the block's rows, O has a buffer of its own instead (OWN_O).
 template <typename T, int D, int BN, int STAGES, int CONSUMERS, int MASK, bool SOFTCAP, bool PRODUCER, bool PINGPONG, bool OVERLAP, bool PERSISTENT, int BLOCKS, int SMEM, bool VARLEN>
-__global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) attention_fwd_sm90(
-    const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
-    const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap o_map,
-    const __grid_constant__ cuk::attention::FwdSm90Params<T> p)
+__device__ __forceinline__ void attention_fwd_sm90_body(
+    const CUtensorMap& q_map, const CUtensorMap& k_map,
+    const CUtensorMap& v_map, const CUtensorMap& o_map, T* __restrict__ out,
+    float* __restrict__ lse,
+    long long o_sb, long long o_ss, long long o_sh, int H, int Hkv, int Sq, int Sk, float scale_log2, int tiles,
+    int* __restrict__ tile_counter, int section_pairs, float cap_in, float cap_out, int win_left, int win_right,
+    const int* __restrict__ cu_q, const int* __restrict__ cu_k, int max_q, int max_k, long long* __restrict__ fault)
 {
     constexpr int BM = 64 * CONSUMERS, DB = D / 64;         // query rows a block; 64-column boxes
     constexpr int THREADS = CONSUMERS * 128;                // the computing threads
@@ -118,12 +121,6 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
 #endif
 #if CUK_SM90A
     using namespace cuk;
-    T* const __restrict__ out = p.out;
-    float* const __restrict__ lse = p.lse;
-    const long long o_sb = p.o_sb, o_ss = p.o_ss, o_sh = p.o_sh;
-    const int tiles = p.tiles, section_pairs = p.section_pairs;
-    int* const __restrict__ tile_counter = p.tile_counter;
-    CUK_ATTN_PROBLEM(p.problem);
     extern __shared__ unsigned char smem_raw[];
     unsigned char* const q_s = align_1024(smem_raw);
     unsigned char* const k_s = q_s + Q_BYTES;               // [STAGES][DB][BN rows x 128 bytes]
@@ -582,4 +579,17 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
 #elif defined(__CUDA_ARCH__)
     __trap();   // (built without sm_90a's features: fail loudly, never return an unwritten output)
 #endif
+}
+
+template <typename T, int D, int BN, int STAGES, int CONSUMERS, int MASK, bool SOFTCAP, bool PRODUCER, bool PINGPONG, bool OVERLAP, bool PERSISTENT, int BLOCKS, int SMEM, bool VARLEN>
+__global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) attention_fwd_sm90(
+    const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
+    const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap o_map,
+    const __grid_constant__ cuk::attention::FwdSm90Params<T> p)
+{
+    const cuk::attention::Problem& r = p.problem;
+    attention_fwd_sm90_body<T, D, BN, STAGES, CONSUMERS, MASK, SOFTCAP, PRODUCER, PINGPONG, OVERLAP, PERSISTENT, BLOCKS, SMEM, VARLEN>(
+        q_map, k_map, v_map, o_map, p.out, p.lse, p.o_sb, p.o_ss, p.o_sh, r.H, r.Hkv, r.Sq, r.Sk, r.scale_log2,
+        p.tiles, p.tile_counter, p.section_pairs, r.cap_in, r.cap_out, r.win_left, r.win_right, r.cu_q, r.cu_k,
+        r.max_q, r.max_k, r.fault);
 }
