@@ -348,7 +348,7 @@ def run_all(procs: list, deadline: float, progress=None, every: float = 30.0) ->
         if progress is not None and now - last >= every:
             progress()
             last = now
-        time.sleep(0.5)
+        time.sleep(0.1)   # (a phase ends within a tenth of a second of its last process)
 
 
 def merge_logs(procs: list, path: Path, limit: int = 12 << 20) -> None:

@@ -25,7 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .. import _cache
+# (absolute: the background build loads this file on its own, without cukern.torch: see _CHILD)
+from cukern import _cache
 
 NAME = "cukern_native"
 SOURCE = Path(__file__).with_name("_native.cpp")
@@ -174,17 +175,21 @@ def start(where: Path | None = None):
         package_root = str(Path(__file__).resolve().parents[2])   # (the child imports this cukern)
         env["PYTHONPATH"] = os.pathsep.join([package_root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         with open(where / "build.log", "ab") as log:
-            return subprocess.Popen([sys.executable, "-c", _CHILD, str(where), str(fd if fcntl else -1)],
+            return subprocess.Popen([sys.executable, "-c", _CHILD, str(Path(__file__).resolve()), str(where),
+                                     str(fd if fcntl else -1)],
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True, pass_fds=(fd,))
     finally:
         os.close(fd)   # (the child's copy keeps the lock until it ends)
 
 
-# (-c rather than -m: the package imports this module, and runpy warns of a second copy)
-# (niced: the build must not take CPU time from the training step that started it)
-_CHILD = ("import os, sys; os.nice(19); from cukern.torch._native_build import main; "
-          "sys.exit(main(sys.argv[1:]))")
+# The build's process loads this file by its path, not as cukern.torch._native_build: the
+# package's __init__ imports torch, which a build that cannot run (no compiler) never needs and
+# a build imports when it starts. (niced: the build must not take CPU time from the training
+# step that started it)
+_CHILD = ("import os, sys, importlib.util as u; os.nice(19); "
+          "spec = u.spec_from_file_location('_cukern_native_build', sys.argv[1]); m = u.module_from_spec(spec); "
+          "spec.loader.exec_module(m); sys.exit(m.main(sys.argv[2:]))")
 
 
 def main(argv: list[str]) -> int:
