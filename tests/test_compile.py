@@ -324,6 +324,8 @@ def test_struct_parameters_are_packed_at_the_compilers_layout(nvrtc, monkeypatch
     and sizeof against the signature's offsets, compiled with the source."""
     from cukern import _signatures
 
+    if nvrtc.version() < (13, 0):   # (the layout is the C ABI's whatever compiles it)
+        pytest.skip(f"NVRTC {nvrtc.version()} has no offsetof (13.0 has __builtin_offsetof)")
     checks, seen = [], set()
     for inst in instances_of(module, source):
         decl = _signatures.declarations(source)[inst.kernel_name]
