@@ -15,11 +15,13 @@
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import queue
 import struct
 import threading
+import time
 from concurrent.futures import Future
 
 import numpy as np
@@ -95,7 +97,9 @@ def _cupy_function(source: str, instance: str, device: int):
 def in_background(fn, *args) -> None:
     """Run ``fn(*args)`` on a background thread (a few daemon threads, started on first use),
     its exceptions dropped: work ahead of need, e.g. compiling the kernels a backward will use
-    while the forward runs. Whatever it fails at fails again, with its error, where it is needed."""
+    while the forward runs. Whatever it fails at fails again, with its error, where it is needed.
+    At exit, work not started is dropped and work under way is waited for (``_drain``): a
+    process never ends inside a compile."""
     global _background
     if _background is None:
         with _lock:
@@ -103,21 +107,44 @@ def in_background(fn, *args) -> None:
                 _background = queue.SimpleQueue()
                 for i in range(_BACKGROUND_THREADS):
                     threading.Thread(target=_background_worker, name=f"cukern-background-{i}", daemon=True).start()
+                atexit.register(_drain)
     _background.put((fn, args))
 
 
 # (an NVRTC compile holds a few hundred MB of host memory while it runs: a few at a time)
 _BACKGROUND_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))
 _background = None
+_busy = threading.Semaphore(_BACKGROUND_THREADS)   # (a worker holds one while it runs a task)
+_stopping = threading.Event()
 
 
 def _background_worker() -> None:
     while True:
         fn, args = _background.get()
-        try:
-            fn(*args)
-        except BaseException:  # noqa: BLE001 - see in_background
-            pass
+        with _busy:
+            if _stopping.is_set():   # (looked at under the semaphore: _drain holds them all)
+                continue
+            try:
+                fn(*args)
+            except BaseException:  # noqa: BLE001 - see in_background
+                pass
+
+
+def _drain(timeout: float = 60.0) -> bool:
+    """Drop the background work not started and wait up to ``timeout`` s for the work under way
+    (True when none is left)."""
+    _stopping.set()
+    end = time.monotonic() + timeout
+    taken = 0
+    try:
+        for _ in range(_BACKGROUND_THREADS):
+            if not _busy.acquire(timeout=max(0.0, end - time.monotonic())):
+                return False
+            taken += 1
+        return True
+    finally:
+        for _ in range(taken):
+            _busy.release()
 
 
 class _ArchFunction:

@@ -113,3 +113,22 @@ def test_build_ahead_builds_and_keeps_the_plan_and_runs_nothing(monkeypatch):
     assert _plans.build_ahead(lambda: None) is False
     with pytest.raises(ValueError, match="before the plan"):
         _plans.build_ahead(lambda: (_ for _ in ()).throw(ValueError("before the plan")))
+
+
+def test_at_exit_background_work_under_way_is_waited_for_and_the_rest_dropped(monkeypatch):
+    monkeypatch.setattr(_kernels, "_stopping", threading.Event())
+    started, finished, dropped = threading.Event(), threading.Event(), []
+
+    def slow():
+        started.set()
+        time.sleep(0.3)
+        finished.set()
+
+    _kernels.in_background(slow)
+    assert started.wait(10)
+    for _ in range(8):   # (more than the workers: some wait in the queue when the drain starts)
+        _kernels.in_background(dropped.append, 1)
+    assert _kernels._drain(timeout=10) is True
+    assert finished.is_set()   # the task under way ran to its end
+    time.sleep(0.2)
+    assert len(dropped) < 8    # queued work after the drain is dropped
