@@ -4,6 +4,8 @@ Tests marked `gpu` are skipped, with the reason shown once for all of them, wher
 device is visible.
 hypothesis profiles: `ci` (derandomized, no deadline) and `dev` (random, no deadline, since
 the first call of a kernel instance compiles it); choose with HYPOTHESIS_PROFILE.
+A run of the whole suite uses every core (up to 8) through pytest-xdist where it is installed;
+`-n 0` (or `-p no:xdist`) keeps one process, as a run of single files or tests does.
 """
 import functools
 import os
@@ -25,6 +27,33 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 os.environ.setdefault("CUKERN_NATIVE", "wait")
 
 
+MAX_WORKERS = 8   # (each worker holds a CUDA context where there is a GPU)
+COMPILE_GROUP = "nvrtc"   # the compile check's tests share one fixture that compiles everything
+
+
+def _whole_suite(config) -> bool:
+    here = os.path.dirname(os.path.abspath(__file__))
+    args = [os.path.abspath(str(a).split("::")[0]) for a in (config.args or ["tests"])]
+    return all(a in (here, os.path.dirname(here)) for a in args) and not any("::" in str(a) for a in config.args)
+
+
+@pytest.hookimpl(tryfirst=True)   # (before xdist's own, which turns -n into workers)
+def pytest_cmdline_main(config):
+    # A run of the whole suite spreads over the cores; a run of files or single tests stays in one
+    # process, which starts sooner.
+    o = config.option
+    if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
+        return
+    if (o.numprocesses is None and _whole_suite(config) and not o.usepdb and not o.collectonly
+            and o.capture != "no"):
+        o.numprocesses = min(len(os.sched_getaffinity(0)), MAX_WORKERS)
+        if o.numprocesses < 2:
+            o.numprocesses = None
+    if o.numprocesses and o.dist == "no":
+        # (the compile check compiles every program once, in one worker: see COMPILE_GROUP)
+        o.dist = "loadgroup"
+
+
 @functools.lru_cache(maxsize=None)
 def gpu_unavailable_reason() -> str | None:
     """None when a CUDA device can be used, else why not (no CuPy, no driver, a driver too old)."""
@@ -38,9 +67,10 @@ COLLECTED: dict[str, int] = {}   # the whole collection, before -m and -k desele
 
 @pytest.hookimpl(tryfirst=True)   # (before the -m / -k deselection)
 def pytest_collection_modifyitems(config, items):
-    here = os.path.dirname(os.path.abspath(__file__))
-    args = [os.path.abspath(str(a).split("::")[0]) for a in (config.args or ["tests"])]
-    if all(a in (here, os.path.dirname(here)) for a in args):   # (the whole suite was collected)
+    for item in items:
+        if item.get_closest_marker("compile") is not None:
+            item.add_marker(pytest.mark.xdist_group(COMPILE_GROUP))
+    if _whole_suite(config):   # (the whole suite was collected)
         COLLECTED["total"] = len(items)
         COLLECTED["gpu"] = sum(1 for i in items if i.get_closest_marker("gpu") is not None)
 

@@ -149,7 +149,7 @@ class NumPyArrays(TorchArrays):
         return _arrays._np_dtype(name)
 
     def randn(self, shape, dtype: str, seed: int, scale: float = 1.0):
-        x = np.random.default_rng(seed).standard_normal(tuple(shape)).astype(np.float32) * np.float32(scale)
+        x = np.random.default_rng(seed).standard_normal(tuple(shape), dtype=np.float32) * np.float32(scale)
         x[np.abs(x) < 1e-3] = 1e-3
         return np.asarray(x.astype(self._dtype(dtype)))
 

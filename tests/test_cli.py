@@ -46,6 +46,8 @@ def cli(capsys):
         capsys.readouterr()
         try:
             rc = main(list(args))
+        except SystemExit as e:   # (argparse's refusals)
+            rc = e.code
         except Exception as e:  # noqa: BLE001 - reported as a traceback would be
             import traceback
             rc = 1
@@ -166,21 +168,21 @@ def test_bench_without_gpu_fails_cleanly(cli):
     assert "no CUDA GPU" in p.stderr or "not installed" in p.stderr or "without CUDA" in p.stderr
 
 
-def test_bench_list_needs_no_gpu():
-    p = run_cli("bench", "--list", "--filter", "rms")
+def test_bench_list_needs_no_gpu(cli):
+    p = cli("bench", "--list", "--filter", "rms")
     assert p.returncode == 0, p.stderr
     names = [line.split("  ")[0].strip() for line in p.stdout.splitlines()]
     assert names == [c.name for c in _bench.cases() if "rms" in c.name]
 
 
-def test_bench_filter_matching_nothing():
-    p = run_cli("bench", "--filter", "no-such-case")
+def test_bench_filter_matching_nothing(cli):
+    p = cli("bench", "--filter", "no-such-case")
     assert p.returncode == 2
     assert "no case matches" in p.stderr and "Traceback" not in p.stderr
 
 
-def test_bench_rejects_bad_reps():
-    p = run_cli("bench", "--reps", "0")
+def test_bench_rejects_bad_reps(cli):
+    p = cli("bench", "--reps", "0")
     assert p.returncode == 2 and "positive integer" in p.stderr
 
 

@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import re
 import struct
+import sys
 import threading
 import time
 
@@ -98,13 +99,13 @@ class _Reports:
     def _say(self, line: str) -> None:
         writer = self.config.pluginmanager.get_plugin("terminalreporter")
         capture = self.config.pluginmanager.get_plugin("capturemanager")
-        if writer is None:
-            return
+        # (a pytest-xdist worker has no terminal reporter; its stderr reaches the terminal)
+        write = writer.write_line if writer is not None else lambda s: print(s, file=sys.stderr, flush=True)
         if capture is None:
-            writer.write_line(line)
+            write(line)
             return
         with capture.global_and_fixture_disabled():
-            writer.write_line(line)
+            write(line)
 
     def result(self, key):
         future = self.futures[key]
