@@ -28,7 +28,6 @@ os.environ.setdefault("CUKERN_NATIVE", "wait")
 
 
 MAX_WORKERS = 8   # (each worker holds a CUDA context where there is a GPU)
-COMPILE_GROUP = "nvrtc"   # the compile check's tests share one fixture that compiles everything
 
 
 def _whole_suite(config) -> bool:
@@ -49,9 +48,10 @@ def pytest_cmdline_main(config):
         o.numprocesses = min(len(os.sched_getaffinity(0)), MAX_WORKERS)
         if o.numprocesses < 2:
             o.numprocesses = None
-    if o.numprocesses and o.dist == "no":
-        # (the compile check compiles every program once, in one worker: see COMPILE_GROUP)
-        o.dist = "loadgroup"
+        elif o.dist == "no":
+            # by file: the compile check's module fixture compiles every program, once in one
+            # worker (with -n given, the default split by test: pass --dist loadfile with it)
+            o.dist = "loadfile"
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,9 +67,6 @@ COLLECTED: dict[str, int] = {}   # the whole collection, before -m and -k desele
 
 @pytest.hookimpl(tryfirst=True)   # (before the -m / -k deselection)
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.get_closest_marker("compile") is not None:
-            item.add_marker(pytest.mark.xdist_group(COMPILE_GROUP))
     if _whole_suite(config):   # (the whole suite was collected)
         COLLECTED["total"] = len(items)
         COLLECTED["gpu"] = sum(1 for i in items if i.get_closest_marker("gpu") is not None)
