@@ -688,3 +688,25 @@ __global__ void __launch_bounds__(256) attention_bwd_dq_convert(
         dqv[b * vsb + i * vss + h * vsh + j] = pack<T, 8>(f);
     }
 }
+
+// The sinks' gradient (common/attn_sink.cuh): dsinks[h] = -sum over (b, i) of
+// exp(sinks[h] - lse[b, h, i]) Dsum[b, h, i], the sink's probability in each row times the
+// row's softmax correction (the sink has no value, so dP is 0 there). lse and Dsum (B, H, Sq)
+// float32, dense (packed documents: B = 1 over the token total). One block of 256 threads a
+// head, summed in a fixed order: the same bits on every call.
+__global__ void __launch_bounds__(256) attention_bwd_sink(
+    const float* __restrict__ sinks, const float* __restrict__ lse, const float* __restrict__ dsum,
+    float* __restrict__ dsinks, int B, int H, int Sq)
+{
+    using namespace cuk;
+    __shared__ GroupReduce<256>::TempStorage tmp;
+    const int h = blockIdx.x;
+    const float s = sinks[h];
+    float acc[1] = {0.f};
+    for (int b = 0; b < B; ++b) {
+        const long long at = (static_cast<long long>(b) * H + h) * Sq;
+        for (int i = threadIdx.x; i < Sq; i += 256) acc[0] = fmaf(expf(s - lse[at + i]), dsum[at + i], acc[0]);
+    }
+    GroupReduce<256>::sum(acc, tmp);
+    if (threadIdx.x == 0) dsinks[h] = -acc[0];
+}

@@ -10,7 +10,8 @@
 // Grouped-query attention: query head h reads key/value head h / (H / Hkv), no copies.
 // Masks are aligned to the bottom right (common/attn_mask.cuh: causal, query i sees keys
 // j <= i + Sk - Sq, as FlashAttention >= 2.1; sliding windows): key tiles outside a block's
-// rows' range are skipped; a row that sees no key gets zeros and lse = +inf. SOFTCAP: the
+// rows' range are skipped; a row that sees no key gets zeros and lse = +inf (with a sink, its
+// logit: common/attn_sink.cuh). SOFTCAP: the
 // scaled scores s become c tanh(s / c) (cap_in = scale / c, cap_out = c log2(e)).
 //
 // Layout: q (B, Sq, H, D), k and v (B, Sk, Hkv, D), out (B, Sq, H, D), each with element
@@ -23,6 +24,7 @@
 #include "common/attn_tile.cuh"
 #include "common/attn_mask.cuh"
 #include "common/attn_params.cuh"
+#include "common/attn_sink.cuh"
 
 namespace cuk {
 namespace attention {
@@ -43,7 +45,8 @@ struct FwdTiles {
 };
 
 // attention_fwd's parameters: Q, K, V, O (B, S, H, D) with their strides in elements (batch,
-// sequence, head), lse (B, H, Sq) float32 (null: not written), and the problem.
+// sequence, head), lse (B, H, Sq) float32 (null: not written), the sinks (H) float32 (null:
+// none), and the problem.
 template <typename T>
 struct FwdParams {
     const T* q;
@@ -51,6 +54,7 @@ struct FwdParams {
     const T* v;
     T* out;
     float* lse;
+    const float* sinks;
     long long q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, o_sb, o_ss, o_sh;
     Problem problem;
 };
@@ -62,7 +66,7 @@ struct FwdParams {
 template <typename T, int D, int WARPS, int MT, int BN, int BNC, bool QREG, int MASK, bool SOFTCAP, int SMEM>
 __device__ __forceinline__ void attention_fwd_body(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    T* __restrict__ out, float* __restrict__ lse,
+    T* __restrict__ out, float* __restrict__ lse, const float* __restrict__ sinks,
     long long q_sb, long long q_ss, long long q_sh,
     long long k_sb, long long k_ss, long long k_sh,
     long long v_sb, long long v_ss, long long v_sh,
@@ -284,13 +288,15 @@ __device__ __forceinline__ void attention_fwd_body(
     const int q0 = cu_q ? cu_q[b] : 0;   // (a faulty document returned before its loads)
     T* og = out + (cu_q ? q0 * o_ss : b * o_sb) + h * o_sh;
     const long long lse_at = cu_q ? static_cast<long long>(h) * Sq + q0 : (static_cast<long long>(b) * H + h) * Sq;
+    const float sink_log2 = sink_log2_of(sinks, h);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float sum = row_sum[mt][r];
             butterfly<1, 2>(Sum{}, sum);   // over the row's quad, offset 1 first
-            const float inv = sum > 0.f ? 1.f / sum : 0.f;
+            float inv, row_lse;
+            finish_row(row_max[mt][r], sum, sink_log2, inv, row_lse);
             const int row = m0 + tile_row(mt) + g + r * 8;
             if (row < sq) {
                 T* orow = og + static_cast<long long>(row) * o_ss;
@@ -299,8 +305,7 @@ __device__ __forceinline__ void attention_fwd_body(
                     *reinterpret_cast<unsigned int*>(orow + i * 8 + 2 * t) =
                         pack_pair(o[mt][i][2 * r] * inv, o[mt][i][2 * r + 1] * inv, T{});
                 if (lse && t == 0)
-                    lse[lse_at + row] =
-                        sum > 0.f ? (row_max[mt][r] + log2f(sum)) * 0.6931471805599453f : __int_as_float(0x7f800000);
+                    lse[lse_at + row] = row_lse;
             }
         }
     }
@@ -312,7 +317,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
 {
     const cuk::attention::Problem& r = p.problem;
     attention_fwd_body<T, D, WARPS, MT, BN, BNC, QREG, MASK, SOFTCAP, SMEM>(
-        p.q, p.k, p.v, p.out, p.lse, p.q_sb, p.q_ss, p.q_sh, p.k_sb, p.k_ss, p.k_sh, p.v_sb, p.v_ss, p.v_sh,
+        p.q, p.k, p.v, p.out, p.lse, p.sinks, p.q_sb, p.q_ss, p.q_sh, p.k_sb, p.k_ss, p.k_sh, p.v_sb, p.v_ss, p.v_sh,
         p.o_sb, p.o_ss, p.o_sh, r.H, r.Hkv, r.Sq, r.Sk, r.scale_log2, r.win_left, r.win_right, r.cap_in,
         r.cap_out, r.cu_q, r.cu_k, r.max_q, r.max_k, r.fault);
 }

@@ -21,19 +21,21 @@
 #include "common/attn_tile.cuh"
 #include "common/attn_mask.cuh"
 #include "common/attn_params.cuh"
+#include "common/attn_sink.cuh"
 #include "common/trace.cuh"
 
 namespace cuk {
 namespace attention {
 
 // attention_fwd_sm90's parameters besides the tensor maps: O (B, Sq, H, D) with its strides in
-// elements (batch, sequence, head), lse (B, H, Sq) float32 (null: not written), the count of
-// work tiles and the causal persistent walk's counter (zero at launch) and section size, and the
+// elements (batch, sequence, head), lse (B, H, Sq) float32 (null: not written), the sinks (H)
+// float32 (null: none; common/attn_sink.cuh), the count of work tiles and the causal persistent walk's counter (zero at launch) and section size, and the
 // problem.
 template <typename T>
 struct FwdSm90Params {
     T* out;
     float* lse;
+    const float* sinks;
     long long o_sb, o_ss, o_sh;
     int tiles;
     int* tile_counter;
@@ -74,7 +76,7 @@ template <typename T, int D, int BN, int STAGES, int CONSUMERS, int MASK, bool S
 __device__ __forceinline__ void attention_fwd_sm90_body(
     const CUtensorMap& q_map, const CUtensorMap& k_map,
     const CUtensorMap& v_map, const CUtensorMap& o_map, T* __restrict__ out,
-    float* __restrict__ lse,
+    float* __restrict__ lse, const float* __restrict__ sinks,
     long long o_sb, long long o_ss, long long o_sh, int H, int Hkv, int Sq, int Sk, float scale_log2, int tiles,
     int* __restrict__ tile_counter, int section_pairs, float cap_in, float cap_out, int win_left, int win_right,
     const int* __restrict__ cu_q, const int* __restrict__ cu_k, int max_q, int max_k, long long* __restrict__ fault)
@@ -508,15 +510,16 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
     // with them, and no one else reads them) and written by whole rows (out is allocated dense
     // in some order of its dims, so its rows and strides are 16-byte multiples).
     float inv[2];
+    const float sink_log2 = cuk::attention::sink_log2_of(sinks, h);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float sum = row_sum[r];
         butterfly<1, 2>(Sum{}, sum);
-        inv[r] = sum > 0.f ? 1.f / sum : 0.f;
+        float row_lse;
+        cuk::attention::finish_row(row_max[r], sum, sink_log2, inv[r], row_lse);
         const int row = row0 + r * 8;
         if (lse && t == 0 && row < sq)
-            lse[(static_cast<long long>(b) * H + h) * Sq + span.q0 + row] =
-                sum > 0.f ? (row_max[r] + log2f(sum)) * 0.6931471805599453f : __int_as_float(0x7f800000);
+            lse[(static_cast<long long>(b) * H + h) * Sq + span.q0 + row] = row_lse;
     }
     const int wg_row0 = m0 + wg * 64;
     if constexpr (OWN_O) {
@@ -589,7 +592,7 @@ __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) atte
 {
     const cuk::attention::Problem& r = p.problem;
     attention_fwd_sm90_body<T, D, BN, STAGES, CONSUMERS, MASK, SOFTCAP, PRODUCER, PINGPONG, OVERLAP, PERSISTENT, BLOCKS, SMEM, VARLEN>(
-        q_map, k_map, v_map, o_map, p.out, p.lse, p.o_sb, p.o_ss, p.o_sh, r.H, r.Hkv, r.Sq, r.Sk, r.scale_log2,
+        q_map, k_map, v_map, o_map, p.out, p.lse, p.sinks, p.o_sb, p.o_ss, p.o_sh, r.H, r.Hkv, r.Sq, r.Sk, r.scale_log2,
         p.tiles, p.tile_counter, p.section_pairs, r.cap_in, r.cap_out, r.win_left, r.win_right, r.cu_q, r.cu_k,
         r.max_q, r.max_k, r.fault);
 }

@@ -21,7 +21,7 @@ def gradient_scales(do, q, k, v, causal, softmax_scale, window=(-1, -1), softcap
     s = _attention_mask.capped(np.einsum("bqhd,bkhd->bhqk", q, kh) * scale, mask)
     if mask.any:
         s = np.where(_attention_mask.visible(mask, Sq, Sk)[None, None], s, -np.inf)
-    m = np.max(s, axis=-1, keepdims=True)
+    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
     p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
     p = p / np.maximum(p.sum(axis=-1, keepdims=True), 1e-300)
     dp = np.einsum("bqhd,bkhd->bhqk", np.abs(do), np.abs(vh))

@@ -444,20 +444,21 @@ def _qkv_dense(A, b, sq, sk, h, hkv, d, dtype, seed, layout):
 
 
 def _attention_case(dtype, d, mask, *, b=2, sq=131, sk=None, h=4, hkv=2, det=False, layout="bshd", scale=None,
-                    inference=False):
+                    inference=False, sinks=False):
     sk = sq if sk is None else sk
     kw = dict(ATTENTION_MASKS[mask], softmax_scale=scale)
 
     def body(A, seed):
         q, k, v = _qkv_dense(A, b, sq, sk, h, hkv, d, dtype, seed, layout)
-        out, lse = cukern.attention(q, k, v, return_lse=True, **kw)
+        more = {"sinks": A.randn((h,), "float32", seed + 4, scale=2.0)} if sinks else {}
+        out, lse = cukern.attention(q, k, v, return_lse=True, **kw, **more)
         do = A.randn(out.shape, dtype, seed + 3)
-        cukern.attention_backward(do, q, k, v, out, lse, deterministic=det, **kw)
+        cukern.attention_backward(do, q, k, v, out, lse, deterministic=det, **kw, **more)
         if inference:
-            cukern.attention(q, k, v, **kw)
+            cukern.attention(q, k, v, **kw, **more)
 
     opts = [mask, f"H{h}/{hkv}"] + [o for o, on in (("deterministic", det), (layout, layout != "bshd"),
-                                                     (f"scale={scale}", scale is not None)) if on]
+                                                     (f"scale={scale}", scale is not None), ("sinks", sinks)) if on]
     return _case(f"attention/{dtype}/d{d}/B{b} Sq{sq} Sk{sk}/{'+'.join(opts)}", body,
                  ("attention", "attention_backward"))
 
@@ -470,22 +471,25 @@ def _docs(lengths) -> list:
 VARLEN_DOCS = (0, 1, 37, 130, 0, 64)
 
 
-def _varlen_case(dtype, d, mask, *, det=False, docs_q=VARLEN_DOCS, docs_k=None, h=4, hkv=2, slack=0):
+def _varlen_case(dtype, d, mask, *, det=False, docs_q=VARLEN_DOCS, docs_k=None, h=4, hkv=2, slack=0, sinks=False):
     docs_k = docs_q if docs_k is None else docs_k
     kw = dict(ATTENTION_MASKS[mask])
 
     def body(A, seed):
         cq, ck = _docs(docs_q), _docs(docs_k)
+        more = {"sinks": A.randn((h,), "float32", seed + 4, scale=2.0)} if sinks else {}
         q = A.randn((cq[-1], h, d), dtype, seed)
         k, v = (A.randn((ck[-1], hkv, d), dtype, seed + i) for i in (1, 2))
         cu_q, cu_k = A.asarray(cq, "int32"), A.asarray(ck, "int32")
         max_q, max_k = max(docs_q) + slack, max(docs_k) + slack
-        out, lse = cukern.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, return_lse=True, **kw)
+        out, lse = cukern.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, return_lse=True, **kw, **more)
         do = A.randn(out.shape, dtype, seed + 3)
-        cukern.attention_varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, deterministic=det, **kw)
+        cukern.attention_varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, deterministic=det, **kw,
+                                         **more)
 
     lens = ",".join(map(str, docs_q)) + ("" if docs_k is docs_q else " k " + ",".join(map(str, docs_k)))
-    opts = [mask, f"H{h}/{hkv}"] + (["deterministic"] if det else []) + ([f"slack={slack}"] if slack else [])
+    opts = ([mask, f"H{h}/{hkv}"] + (["deterministic"] if det else []) + ([f"slack={slack}"] if slack else [])
+            + (["sinks"] if sinks else []))
     return _case(f"attention/varlen/{dtype}/d{d}/docs {lens}/{'+'.join(opts)}", body,
                  ("attention_varlen", "attention_varlen_backward"))
 
@@ -529,6 +533,8 @@ def attention_cases() -> list:
         _attention_case("bfloat16", 128, "causal", sq=1, sk=131),              # one query (decoding)
         _attention_case("bfloat16", 64, "window", sq=300, b=1),                # key tiles skipped outside the window
         _attention_case("float16", 256, "causal", sq=200, sk=67, det=True),     # Sq > Sk: rows that see no key
+        _attention_case("bfloat16", 128, "causal", sq=200, sk=67, sinks=True),  # sinks; rows with the sink alone
+        _attention_case("float16", 64, "window+softcap", hkv=1, det=True, sinks=True),
     ]
     j = 0
     for dtype in HALF_DTYPES:
@@ -539,6 +545,7 @@ def attention_cases() -> list:
                 j += 1
     out.append(_varlen_case("bfloat16", 128, "causal", docs_q=(5, 0, 67, 1), docs_k=(40, 3, 67, 0)))
     out.append(_varlen_case("float16", 64, "softcap", docs_q=(200, 1, 3), det=True))
+    out.append(_varlen_case("bfloat16", 128, "causal", docs_q=(5, 0, 67, 1), docs_k=(40, 3, 67, 0), sinks=True))
     out.append(_case("attention/varlen/bfloat16/d64/decreasing offsets", _varlen_bad_offsets,
                      ("attention_varlen", "attention_varlen_backward")))
     out.append(_case("attention/empty sequences/float16/d64", _attention_empty, ("attention", "attention_backward")))

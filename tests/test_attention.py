@@ -882,6 +882,21 @@ def _sdpa_bshd(q, k, v, causal, scale):
                                           scale=scale).transpose(1, 2)
 
 
+def _sink_bshd(q, k, v, sinks, causal, scale):
+    """Attention with sinks as GPT-OSS's eager code computes it: the sink a column of the scores
+    before the softmax, dropped after; causal aligned to the bottom right."""
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    kt, vt = (a.repeat_interleave(qt.shape[1] // kt.shape[1], dim=1) for a in (kt, vt))
+    s = (qt @ kt.transpose(-1, -2)) * scale
+    sq, sk = s.shape[-2], s.shape[-1]
+    if causal:
+        keep = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)
+        s = s.masked_fill(~keep.to(s.device), float("-inf"))
+    col = sinks.to(s.dtype).reshape(1, -1, 1, 1).expand(s.shape[0], -1, sq, 1)
+    p = torch.softmax(torch.cat([s, col], dim=-1), dim=-1)[..., :-1]
+    return (p.to(vt.dtype) @ vt).transpose(1, 2)
+
+
 def torch_stand_ins() -> dict:
     from torch_helpers import recompute
 
@@ -893,7 +908,16 @@ def torch_stand_ins() -> dict:
                                                      q.new_zeros(q.shape[0], q.shape[2], q.shape[1])),
              lambda do, q, k, v, o, lse, c, s, wl, wr, cap, det: tuple(recompute(
                  lambda q, k, v: _sdpa_bshd(q, k, v, c, s), (q, k, v), do)))
-    return {"attention": dense, "attention_lse": dense,
+    sink = (lambda q, k, v, sk, c, s, wl, wr, cap, det: (_sink_bshd(q, k, v, sk, c, s),
+                                                          q.new_zeros(q.shape[0], q.shape[2], q.shape[1])),
+            lambda do, q, k, v, sk, o, lse, c, s, wl, wr, cap, det: tuple(recompute(
+                lambda q, k, v, sk: _sink_bshd(q, k, v, sk, c, s), (q, k, v, sk), do)))
+    return {"attention": dense, "attention_lse": dense, "attention_sink": sink, "attention_sink_lse": sink,
+            "attention_varlen_sink": (
+                lambda q, k, v, cq, ck, sk, mq, mk, c, s, wl, wr, cap, det: (
+                    _sink_bshd(q[None], k[None], v[None], sk, c, s)[0], q.new_zeros(q.shape[1], q.shape[0])),
+                lambda do, q, k, v, o, lse, cq, ck, sk, mq, mk, c, s, wl, wr, cap, det: tuple(recompute(
+                    lambda q, k, v, sk: _sink_bshd(q[None], k[None], v[None], sk, c, s)[0], (q, k, v, sk), do))),
             "attention_varlen": (lambda q, k, v, cq, ck, mq, mk, c, s, wl, wr, cap, det: (
                                      packed(q, k, v, c, s), q.new_zeros(q.shape[1], q.shape[0])),
                                  lambda do, q, k, v, o, lse, cq, ck, mq, mk, c, s, wl, wr, cap, det: tuple(recompute(
@@ -904,11 +928,18 @@ def torch_wiring_calls(which: str, g) -> list:
     q, k, v = (torch.randn(2, 6, 2, 8, generator=g).requires_grad_(which != "w") for _ in range(3))
     qp, kp, vp = (torch.randn(6, 2, 8, generator=g).requires_grad_(which != "w") for _ in range(3))
     cu = torch.tensor([0, 6], dtype=torch.int32)
+    sk = (torch.randn(2, generator=g) * 2).requires_grad_(which != "x")
     return [("attention", (q, k, v, True, 0.3, -1, -1, 0.0, -1), lambda: _sdpa_bshd(q, k, v, True, 0.3), (q, k, v)),
             ("attention_lse", (q, k, v, True, 0.3, -1, -1, 0.0, -1), lambda: _sdpa_bshd(q, k, v, True, 0.3),
              (q, k, v)),
             ("attention_varlen", (qp, kp, vp, cu, cu, 6, 6, True, 0.3, -1, -1, 0.0, -1),
-             lambda: _sdpa_bshd(qp[None], kp[None], vp[None], True, 0.3)[0], (qp, kp, vp))]
+             lambda: _sdpa_bshd(qp[None], kp[None], vp[None], True, 0.3)[0], (qp, kp, vp)),
+            ("attention_sink", (q, k, v, sk, True, 0.3, -1, -1, 0.0, -1), lambda: _sink_bshd(q, k, v, sk, True, 0.3),
+             (q, k, v, sk)),
+            ("attention_sink_lse", (q, k, v, sk, False, 0.3, -1, -1, 0.0, -1),
+             lambda: _sink_bshd(q, k, v, sk, False, 0.3), (q, k, v, sk)),
+            ("attention_varlen_sink", (qp, kp, vp, cu, cu, sk, 6, 6, True, 0.3, -1, -1, 0.0, -1),
+             lambda: _sink_bshd(qp[None], kp[None], vp[None], sk, True, 0.3)[0], (qp, kp, vp, sk))]
 
 
 def opcheck_samples() -> list:
@@ -922,7 +953,17 @@ def opcheck_samples() -> list:
                                                       leaf((2, 40, 2, 64), bf, 2), False, 0.125, -1, -1, 0.0, 1)),
             (torch.ops.cukern.attention_varlen.default, (leaf((40, 4, 64), bf, 0), leaf((40, 2, 64), bf, 1),
                                                          leaf((40, 2, 64), bf, 2), cu, cu, 23, 23, True, 0.125, -1,
-                                                         -1, 0.0, -1))]
+                                                         -1, 0.0, -1)),
+            (torch.ops.cukern.attention_sink.default, (leaf((2, 40, 4, 64), bf, 0), leaf((2, 40, 2, 64), bf, 1),
+                                                       leaf((2, 40, 2, 64), bf, 2), leaf((4,), torch.float32, 3),
+                                                       True, 0.125, 16, -1, 0.0, -1)),
+            (torch.ops.cukern.attention_sink_lse.default, (leaf((2, 40, 4, 64), bf, 0), leaf((2, 40, 2, 64), bf, 1),
+                                                           leaf((2, 40, 2, 64), bf, 2), leaf((4,), torch.float32, 3),
+                                                           False, 0.125, -1, -1, 0.0, 1)),
+            (torch.ops.cukern.attention_varlen_sink.default, (leaf((40, 4, 64), bf, 0), leaf((40, 2, 64), bf, 1),
+                                                              leaf((40, 2, 64), bf, 2), cu, cu,
+                                                              leaf((4,), torch.float32, 3), 23, 23, True, 0.125, -1,
+                                                              -1, 0.0, -1))]
 
 
 def torch_kernel_cases() -> dict:

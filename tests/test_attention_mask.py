@@ -785,15 +785,15 @@ FLASH_ATTN_VARLEN_FUNC = ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_se
 @needs_torch
 def test_flash_attn_functions_have_flash_attns_signatures():
     """flash-attn 2.6's parameter names, order and defaults, so that a call written for
-    flash-attn runs unchanged; what cukern lacks (dropout, ALiBi, a paged KV cache) is refused by
-    name before anything runs."""
+    flash-attn runs unchanged, then FlashAttention-4's ``learnable_sink``; what cukern lacks
+    (dropout, ALiBi, a paged KV cache) is refused by name before anything runs."""
     import inspect
 
     import cukern.torch as ct
 
     for fn, names in ((ct.flash_attn_func, FLASH_ATTN_FUNC), (ct.flash_attn_varlen_func, FLASH_ATTN_VARLEN_FUNC)):
         params = inspect.signature(fn).parameters
-        assert list(params) == names
+        assert list(params) == [*names, "learnable_sink"] and params["learnable_sink"].default is None
         defaults = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
         assert defaults["dropout_p"] == 0.0 and defaults["softmax_scale"] is None and defaults["causal"] is False
         assert defaults["window_size"] == (-1, -1) and defaults["softcap"] == 0.0 and defaults["alibi_slopes"] is None

@@ -81,6 +81,35 @@ def _attention(q, k, v, causal, scale, wl, wr, cap, det):
     return (_sdpa_like(q, k, v, causal, scale, wl, wr, cap),)
 
 
+def _sink_like(q, k, v, sinks, causal, scale, wl, wr, cap):
+    """(B, Sq, H, d) attention with sinks, as GPT-OSS's eager code: the sink a column of the
+    (masked, capped) scores in the softmax, dropped after."""
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    mask = M.mask_of(causal, (wl, wr), cap, sq, sk)
+    qt, kt, vt = (a.transpose(1, 2) for a in (q, k, v))
+    kt, vt = (a.repeat_interleave(h // hkv, dim=1) for a in (kt, vt))
+    s = (qt @ kt.transpose(-1, -2) * scale).to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    if mask.softcap:
+        s = mask.softcap * torch.tanh(s / mask.softcap)
+    keep = torch.as_tensor(M.visible(mask, sq, sk), device=q.device)
+    col = sinks.to(s.dtype).reshape(1, -1, 1, 1).expand(b, -1, sq, 1)
+    p = torch.softmax(torch.cat([s.masked_fill(~keep, float("-inf")), col], dim=-1), dim=-1)[..., :-1]
+    return (p.to(q.dtype) @ vt).transpose(1, 2)
+
+
+def _attention_sink(q, k, v, sinks, causal, scale, wl, wr, cap, det):
+    return (_sink_like(q, k, v, sinks, causal, scale, wl, wr, cap),)
+
+
+def _attention_varlen_sink(q, k, v, cu_q, cu_k, sinks, max_q, max_k, causal, scale, wl, wr, cap, det):
+    out = []
+    for d in range(cu_q.shape[0] - 1):
+        q0, q1, k0, k1 = int(cu_q[d]), int(cu_q[d + 1]), int(cu_k[d]), int(cu_k[d + 1])
+        out.append(_sink_like(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], sinks, causal, scale, wl, wr, cap)[0])
+    return (torch.cat(out) if out else q * 0,)
+
+
 def _attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, cap, det):
     out = []
     for d in range(cu_q.shape[0] - 1):
@@ -142,6 +171,9 @@ TORCH_OWN = {
     "attention": _attention,
     "attention_lse": _attention,   # (the lse is visible, not differentiated)
     "attention_varlen": _attention_varlen,
+    "attention_sink": _attention_sink,
+    "attention_sink_lse": _attention_sink,
+    "attention_varlen_sink": _attention_varlen_sink,
     "cross_entropy": _cross_entropy,
     "linear_cross_entropy": _linear_cross_entropy,
     "glu": _glu,
@@ -161,7 +193,7 @@ def test_pytorchs_own_computations_match_the_wiring_references(which):
     the op computes (its PyTorch reference), forward and backward."""
     g = torch.Generator().manual_seed(0)
     calls = [c for table in family_tables("torch_wiring_calls", which, g) for c in table]
-    assert {c[0] for c in calls} >= set(TORCH_OWN) - {"attention_lse"}
+    assert {c[0] for c in calls} >= set(TORCH_OWN) - {"attention_lse", "attention_sink_lse"}
     for name, args, ref, inputs in calls:
         got, expect = TORCH_OWN[name](*args)[0], ref()
         expect = expect[0] if isinstance(expect, tuple) else expect

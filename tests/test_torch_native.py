@@ -142,6 +142,16 @@ CASES = {
                                      _offsets([37, 130, 1, 0, 90]), 130, 130),
                                     lambda q, k, v, cq, ck, mq, mk: ct.flash_attn_varlen_func(q, k, v, cq, ck, mq, mk,
                                                                                               causal=True)),
+    # (attention sinks: a float32 (H,) input with its own gradient, dense with a window and packed)
+    "attention_sink": lambda dt: ((_leaf((2, 150, 4, 128), _half(dt), 0), _leaf((2, 150, 2, 128), _half(dt), 1),
+                                   _leaf((2, 150, 2, 128), _half(dt), 2), _leaf((4,), torch.float32, 3)),
+                                  lambda q, k, v, s: ct.flash_attn_func(q, k, v, causal=True, window_size=(64, 0),
+                                                                        learnable_sink=s)),
+    "attention_varlen_sink": lambda dt: ((_leaf((258, 4, 64), _half(dt), 0), _leaf((258, 2, 64), _half(dt), 1),
+                                          _leaf((258, 2, 64), _half(dt), 2), _offsets([37, 130, 1, 0, 90]),
+                                          _offsets([37, 130, 1, 0, 90]), 130, 130, _leaf((4,), torch.float32, 3)),
+                                         lambda q, k, v, cq, ck, mq, mk, s: ct.flash_attn_varlen_func(
+                                             q, k, v, cq, ck, mq, mk, causal=True, learnable_sink=s)),
 }
 
 

@@ -8,7 +8,7 @@ from .._plans import Builder, Plan, PlanCache
 from . import configs as _cfg
 from .checks import _check_like_q, _check_lse, _check_qkv, _check_varlen, _like, _read, _scale, _strides3, _tma_readable
 from .configs import LOG2E, Configs
-from .forward import _mask_key, _offsets, _qkv, _varlen_cacheable
+from .forward import _check_sinks, _mask_key, _offsets, _qkv, _sinks, _varlen_cacheable
 
 # ---- backward -------------------------------------------------------------------------------
 
@@ -16,13 +16,14 @@ _BWD = PlanCache()
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, deterministic=False,
-                       window=(-1, -1), softcap=0.0):
+                       window=(-1, -1), softcap=0.0, sinks=None):
     """Gradients of ``attention``: ``(dq, dk, dv)``.
 
     Args:
         dout: (B, Sq, H, D) gradient of ``out``, q's dtype, any batch/sequence/head strides.
-        q, k, v, causal, softmax_scale, window, softcap: as given to the forward.
-        out, lse: the forward's output and log-sum-exp (``return_lse=True``).
+        q, k, v, causal, softmax_scale, window, softcap, sinks: as given to the forward.
+        out, lse: the forward's output and log-sum-exp (``return_lse=True``; with sinks, the
+            lse that includes them, as the forward returns it).
         deterministic: False (default, as FlashAttention): dQ is summed over key tiles with
             float32 atomics (5 matrix products a tile pair; the last bits of dq may differ run
             to run). True: dQ has its own pass (7 products, about 1.3x the backward's time)
@@ -32,10 +33,11 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     Returns:
         dq (B, Sq, H, D), dk and dv (B, Sk, Hkv, D) — dk and dv summed over the query heads
         that share each K/V head — of q's dtype, each laid out like its input (q, k, v) when
-        that input is dense, else contiguous.
+        that input is dense, else contiguous. With ``sinks``, ``(dq, dk, dv, dsinks)``: dsinks (H,)
+        float32, summed over the batch and queries in a fixed order (the same bits every call).
     """
     return _attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, _cfg.CONFIGS, window,
-                               softcap)
+                               softcap, sinks)
 
 
 def _bwd_arrays(dout, q, k, v, out, lse) -> list:
@@ -43,26 +45,31 @@ def _bwd_arrays(dout, q, k, v, out, lse) -> list:
             _arrays.as_device_array(out, "out", _arrays.FLOATS), _arrays.as_device_array(lse, "lse", ("float32",))]
 
 
+def _gradients(plan: Plan, bufs, sinks) -> tuple:
+    grads = (plan.out(bufs, "dq"), plan.out(bufs, "dk"), plan.out(bufs, "dv"))
+    return grads if sinks is None else (*grads, plan.out(bufs, "dsinks"))
+
+
 def _attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, configs: Configs,
-                        window=(-1, -1), softcap=0.0):
-    arrays = _bwd_arrays(dout, q, k, v, out, lse)
+                        window=(-1, -1), softcap=0.0, sinks=None):
+    arrays = [*_bwd_arrays(dout, q, k, v, out, lse), *_sinks(sinks)]
     mkey = _mask_key(window, softcap)
     plain = (softmax_scale is None or type(softmax_scale) in (float, int)) and mkey is not None
     key = (bool(causal), softmax_scale, bool(deterministic), configs, mkey, *(a.key for a in arrays))
     plan = _BWD.plan(key if plain else None, _plan_backward, arrays, bool(causal), softmax_scale, bool(deterministic),
                      configs, window, softcap)
-    bufs = plan(arrays)
-    return plan.out(bufs, "dq"), plan.out(bufs, "dk"), plan.out(bufs, "dv")
+    return _gradients(plan, plan(arrays), sinks)
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                              causal=False, softmax_scale=None, deterministic=False, window=(-1, -1), softcap=0.0):
+                              causal=False, softmax_scale=None, deterministic=False, window=(-1, -1), softcap=0.0,
+                              sinks=None):
     """Gradients of ``attention_varlen``: ``(dq, dk, dv)`` of the packed documents.
 
     Args:
         dout: (total_q, H, D) gradient of ``out``.
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-            window, softcap: as given to the forward.
+            window, softcap, sinks: as given to the forward.
         out, lse: the forward's output and log-sum-exp (H, total_q) (``return_lse=True``).
         deterministic: as for ``attention_backward``.
 
@@ -70,17 +77,17 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     such a call are not valid (a bad document's are not written).
 
     Returns:
-        dq (total_q, H, D), dk and dv (total_k, Hkv, D) of q's dtype.
+        dq (total_q, H, D), dk and dv (total_k, Hkv, D) of q's dtype; with ``sinks`` also
+        dsinks (H,) float32.
     """
-    arrays = [*_bwd_arrays(dout, q, k, v, out, lse), *_offsets(cu_seqlens_q, cu_seqlens_k)]
+    arrays = [*_bwd_arrays(dout, q, k, v, out, lse), *_offsets(cu_seqlens_q, cu_seqlens_k), *_sinks(sinks)]
     mkey = _mask_key(window, softcap)
     plain = _varlen_cacheable(softmax_scale, mkey, max_seqlen_q, max_seqlen_k)
     key = (bool(causal), softmax_scale, bool(deterministic), _cfg.CONFIGS, mkey, max_seqlen_q, max_seqlen_k,
            *(a.key for a in arrays))
     plan = _BWD_VARLEN.plan(key if plain else None, _plan_backward, arrays, bool(causal), softmax_scale,
                             bool(deterministic), _cfg.CONFIGS, window, softcap, (max_seqlen_q, max_seqlen_k))
-    bufs = plan(arrays)
-    return plan.out(bufs, "dq"), plan.out(bufs, "dk"), plan.out(bufs, "dv")
+    return _gradients(plan, plan(arrays), sinks)
 
 
 _BWD_VARLEN = PlanCache()
@@ -89,7 +96,9 @@ _BWD_VARLEN = PlanCache()
 def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Configs, window=(-1, -1), softcap=0.0,
                    varlen: tuple | None = None) -> Plan:
     """The backward's plan; ``varlen`` = (max_seqlen_q, max_seqlen_k) for packed documents,
-    whose offsets are arrays 6 and 7 (the kernels then see one batch of all the tokens)."""
+    whose offsets are arrays 6 and 7 (the kernels then see one batch of all the tokens); the
+    sinks, where given, are the last array."""
+    sinks_at = len(arrays) - 1 if len(arrays) > (8 if varlen else 6) else None
     da, qa, ka, va, oa, la = arrays[:6]
     if varlen is None:
         _check_qkv(qa, ka, va, configs.bwd_head_dims, " by the backward")
@@ -129,8 +138,10 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
     dq = b.alloc(qa.shape, qa.dtype, "contiguous" if 1 in copied else "like", 1, name="dq")
     dk = b.alloc(ka.shape, qa.dtype, "contiguous" if 2 in copied else "like", 2, name="dk")
     dv = b.alloc(va.shape, qa.dtype, "contiguous" if 3 in copied else "like", 3, name="dv")
-    if batch * h * sq == 0 or sk == 0:
-        b.fill(0.0, dq, dk, dv)
+    sinks = _check_sinks(arrays, sinks_at, h, b)
+    dsinks = None if sinks is None else b.alloc((h,), "float32", name="dsinks")
+    if batch * h * sq == 0 or sk == 0:   # (no key: O is 0, so is every row's correction, so dsinks)
+        b.fill(0.0, dq, dk, dv, dsinks)
         return b.plan(device, first=1)
     dqs, dks, dvs = like(qa, 1 in copied), like(ka, 2 in copied), like(va, 3 in copied)
     dsum = b.alloc((batch, h, sq), "float32")
@@ -162,6 +173,9 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
              **{f"d_{n}": s for n, s in _strides3(ds).items()}, **{f"o_{n}": s for n, s in _strides3(os_).items()},
              dsum=dsum, lse=b.slot(5), rows=None if varlen else rows, tile=tile, dq_accum=dq_accum, B=batch, Sq=sq,
              H=h)
+    if sinks is not None:
+        b.launch(_kernels.kernel(configs.sink(), device), (h,), sinks=sinks, lse=b.slot(5), dsum=dsum, dsinks=dsinks,
+                 B=batch, H=h, Sq=sq)
     if hopper and varlen:
         b.launch(_kernels.kernel(cfg_sm90.rows_instance(), device), (-(-rows_q // tile), groups * h), lse=b.slot(5),
                  dsum=dsum, rows=rows, cu_q=b.slot(6), H=h, total_q=sq)

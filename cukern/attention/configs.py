@@ -322,6 +322,10 @@ class Configs:
     def convert(self, dtype: str, d: int) -> Instance:
         return Instance(BWD_SOURCE, f"attention_bwd_dq_convert<{_ctype(dtype)}, {d}>", self.dot_threads)
 
+    def sink(self) -> Instance:
+        """The sinks' gradient: one block of 256 threads a head."""
+        return Instance(BWD_SOURCE, "attention_bwd_sink", 256)
+
 
 # CUKERN_ATTENTION_SM80=1 (read at import): Hopper runs the sm_80 kernels too, forward and backward
 # (to compare the two paths, or to rule the Hopper kernels out when something looks wrong).
@@ -360,6 +364,7 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
             for m in (0, 1, 2) for det in (False, True)]
     out += list({cfg.rows_instance().name: cfg.rows_instance()
                  for _, cfg in configs.bwd_sm90 + configs.bwd_sm90_softcap}.values())
+    out.append(configs.sink())
     for dt in DTYPES:
         for d, cfg in configs.bwd:
             out.append(configs.dot(dt, d))

@@ -21,7 +21,8 @@ def _qkv(q, k, v) -> list:
             _arrays.as_device_array(v, "v", _arrays.FLOATS)]
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, window=(-1, -1), softcap=0.0):
+def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, window=(-1, -1), softcap=0.0,
+              sinks=None):
     """softmax(q k^T * softmax_scale [+ mask]) v, fused (FlashAttention-2 style).
 
     Args:
@@ -38,12 +39,33 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, wi
             i + Sk - Sq - left <= j <= i + Sk - Sq + right; -1 leaves a side unbounded
             (causal sets right to 0). Key tiles outside a block's window are skipped.
         softcap: c > 0 replaces each scaled score s by c * tanh(s / c) (Gemma 2); 0 or None: none.
+        sinks: (H,) float32 attention sinks (GPT-OSS; flash-attn's ``learnable_sink``): a logit
+            per query head, in the units of the scaled (and capped) scores, that joins every
+            row's softmax denominator and has no value: each row's weights sum to less than 1.
+            The lse then includes it (a query that sees no key gets zeros and lse = its sink).
 
     Returns:
         ``out`` (B, Sq, H, D) of q's dtype, laid out like q (its stride order) when q is
         dense, else contiguous; with ``return_lse`` ``(out, lse)``.
     """
-    return _attention(q, k, v, causal, softmax_scale, return_lse, _cfg.CONFIGS, window, softcap)
+    return _attention(q, k, v, causal, softmax_scale, return_lse, _cfg.CONFIGS, window, softcap, sinks)
+
+
+def _sinks(sinks) -> list:
+    """The sinks as the last array of a call, or nothing."""
+    return [] if sinks is None else [_arrays.as_device_array(sinks, "sinks", ("float32",))]
+
+
+def _check_sinks(arrays, at: int | None, h: int, b: Builder):
+    """The sinks' slot (arrays[at], made contiguous where it is not) or None."""
+    if at is None:
+        return None
+    sa = arrays[at]
+    if sa.shape != (h,):
+        raise ValueError(f"sinks: shape {sa.shape}; expected (heads,) = ({h},), one logit a query head")
+    if not _arrays.is_contiguous(sa):
+        b.fix(at, DeviceArray.contiguous)
+    return b.slot(at)
 
 
 def _mask_key(window, softcap):
@@ -55,8 +77,9 @@ def _mask_key(window, softcap):
     return (w, softcap) if plain else None
 
 
-def _attention(q, k, v, causal, softmax_scale, return_lse, configs: Configs, window=(-1, -1), softcap=0.0):
-    arrays = _qkv(q, k, v)
+def _attention(q, k, v, causal, softmax_scale, return_lse, configs: Configs, window=(-1, -1), softcap=0.0,
+               sinks=None):
+    arrays = [*_qkv(q, k, v), *_sinks(sinks)]
     mkey = _mask_key(window, softcap)
     plain = (softmax_scale is None or type(softmax_scale) in (float, int)) and mkey is not None
     key = (bool(causal), softmax_scale, bool(return_lse), configs, mkey, *(a.key for a in arrays))
@@ -68,24 +91,25 @@ def _attention(q, k, v, causal, softmax_scale, return_lse, configs: Configs, win
 
 def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs, window=(-1, -1),
                   softcap=0.0) -> Plan:
-    qa, ka, va = arrays
+    qa, ka, va = arrays[:3]
     _check_qkv(qa, ka, va, configs.head_dims, "")
     batch, sq, h, d = qa.shape
     sk, hkv = ka.shape[1], ka.shape[2]
     scale = _scale(softmax_scale, d)
     mask = _attention_mask.mask_of(causal, window, softcap, sq, sk)
-    device = _arrays.same_device(qa, ka, va)
+    device = _arrays.same_device(*arrays)
     b = Builder(arrays)
-    qs, ks, vs = (_read(b, i, a) for i, a in enumerate(arrays))
+    qs, ks, vs = (_read(b, i, a) for i, a in enumerate(arrays[:3]))
+    sinks = _check_sinks(arrays, 3 if len(arrays) > 3 else None, h, b)
     q_copied = any(i == 0 for i, _ in b.fixes)
     out = b.alloc(qa.shape, qa.dtype, "contiguous" if q_copied else "like", 0, name="out")
     lse = b.alloc((batch, h, sq), "float32", name="lse") if return_lse else None
     if batch * h * sq:
-        if sk == 0:  # no keys: zeros, lse = +inf
+        if sk == 0 and sinks is None:  # no keys: zeros, lse = +inf (with sinks the kernel writes theirs)
             b.fill(0.0, out)
             b.fill(float("inf"), lse)
-        elif (configs.use_sm90 and d in dict(configs.fwd_sm90) and _kernels.compute_capability(device) == (9, 0)
-              and all(i in {j for j, _ in b.fixes} or _tma_readable(a) for i, a in enumerate(arrays))):
+        elif (configs.use_sm90 and sk and d in dict(configs.fwd_sm90) and _kernels.compute_capability(device) == (9, 0)
+              and all(i in {j for j, _ in b.fixes} or _tma_readable(a) for i, a in enumerate(arrays[:3]))):
             # TMA reads the inputs in place where cp.async can (16-byte rows and strides: _read)
             # (a window takes the causal config; its work tiles are handed out as the unmasked ones)
             causal = mask.causal
@@ -105,17 +129,18 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs, w
             b.launch(k, grid, q_map=MapSlot(0, (1, cfg.block_rows, 1, 64)),
                      k_map=MapSlot(1, (1, cfg.bn, 1, 64)), v_map=MapSlot(2, (1, cfg.bn, 1, 64)),
                      o_map=MapSlot(out.index, (1, 64, 1, 64)) if cfg.persistent else bytes(128), out=out, lse=lse,
+                     sinks=sinks,
                      **{f"o_{n}": s for n, s in _strides3(os_).items()},
                      H=h, Hkv=hkv, Sq=sq, Sk=sk, scale=scale, scale_log2=scale * LOG2E, tiles=m_tiles * batch * h,
                      tile_counter=counter, section_pairs=section_pairs, cap_in=cap_in, cap_out=cap_out,
                      win_left=mask.left, win_right=mask.right, cu_q=None, cu_k=None, max_q=0, max_k=0, fault=None)
         else:
-            _launch_forward_sm80(b, configs, qa, (qs, ks, vs), _like(qa, q_copied), out, lse, mask, scale,
+            _launch_forward_sm80(b, configs, qa, (qs, ks, vs), _like(qa, q_copied), out, lse, sinks, mask, scale,
                                  grid_rows=sq, batches=batch, sq=sq, sk=sk, hkv=hkv, device=device)
     return b.plan(device)
 
 
-def _launch_forward_sm80(b: Builder, configs: Configs, qa: DeviceArray, strides, os_, out, lse, mask: Mask,
+def _launch_forward_sm80(b: Builder, configs: Configs, qa: DeviceArray, strides, os_, out, lse, sinks, mask: Mask,
                          scale: float, *, grid_rows: int, batches: int, sq: int, sk: int, hkv: int, device: int,
                          varlen: tuple | None = None) -> None:
     """attention_fwd over ``batches`` (batch, head) groups of ``grid_rows`` query rows (packed:
@@ -127,7 +152,8 @@ def _launch_forward_sm80(b: Builder, configs: Configs, qa: DeviceArray, strides,
     cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
     fault = _arrays.wrap(_faults.record(device), "fault record") if varlen is not None else None
     b.launch(k, (-(-grid_rows // cfg.block_rows), batches * h), q=b.slot(0), k=b.slot(1), v=b.slot(2), out=out,
-             lse=lse, **{f"{x}_{n}": s for x, st in zip("qkvo", (*strides, os_)) for n, s in _strides3(st).items()},
+             lse=lse, sinks=sinks,
+             **{f"{x}_{n}": s for x, st in zip("qkvo", (*strides, os_)) for n, s in _strides3(st).items()},
              H=h, Hkv=hkv, Sq=sq, Sk=sk, scale=scale, scale_log2=scale * LOG2E, win_left=mask.left,
              win_right=mask.right, cap_in=cap_in, cap_out=cap_out, cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k,
              fault=fault)
@@ -139,7 +165,7 @@ _FWD_VARLEN = PlanCache()
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                     softmax_scale=None, return_lse=False, window=(-1, -1), softcap=0.0):
+                     softmax_scale=None, return_lse=False, window=(-1, -1), softcap=0.0, sinks=None):
     """``attention`` over documents packed into one sequence with no padding (flash-attn's
     ``flash_attn_varlen_func``): each document attends to its own tokens only.
 
@@ -150,7 +176,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             from 0 to total_q (total_k), none decreasing (a document may be empty).
         max_seqlen_q, max_seqlen_k: ints at least the longest document's length (the grid
             covers that many rows).
-        causal, softmax_scale, window, softcap: as for ``attention``, each document's mask
+        causal, softmax_scale, window, softcap, sinks: as for ``attention``, each document's mask
             aligned to its own bottom right.
         return_lse: also return the log-sum-exp (H, total_q) float32.
 
@@ -163,7 +189,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         ``out`` (total_q, H, D) of q's dtype; with ``return_lse`` ``(out, lse)``.
     """
     return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                             return_lse, window, softcap, _cfg.CONFIGS)
+                             return_lse, window, softcap, _cfg.CONFIGS, sinks)
 
 
 def _offsets(cu_seqlens_q, cu_seqlens_k) -> list:
@@ -178,8 +204,8 @@ def _varlen_cacheable(softmax_scale, mkey, max_seqlen_q, max_seqlen_k) -> bool:
 
 
 def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                      return_lse, window, softcap, configs: Configs):
-    arrays = [*_qkv(q, k, v), *_offsets(cu_seqlens_q, cu_seqlens_k)]
+                      return_lse, window, softcap, configs: Configs, sinks=None):
+    arrays = [*_qkv(q, k, v), *_offsets(cu_seqlens_q, cu_seqlens_k), *_sinks(sinks)]
     mkey = _mask_key(window, softcap)
     plain = _varlen_cacheable(softmax_scale, mkey, max_seqlen_q, max_seqlen_k)
     key = (bool(causal), softmax_scale, bool(return_lse), configs, mkey, max_seqlen_q, max_seqlen_k,
@@ -192,7 +218,7 @@ def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
 def _plan_forward_varlen(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_scale, return_lse, window, softcap,
                          configs: Configs) -> Plan:
-    qa, ka, va, cq, ck = arrays
+    qa, ka, va, cq, ck = arrays[:5]
     max_q, max_k = _check_varlen(qa, ka, va, cq, ck, max_seqlen_q, max_seqlen_k, configs.head_dims, "")
     total_q, h, d = qa.shape
     total_k, hkv = ka.shape[0], ka.shape[1]
@@ -206,6 +232,7 @@ def _plan_forward_varlen(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_sca
     for i in (3, 4):
         if not _arrays.is_contiguous(arrays[i]):
             b.fix(i, DeviceArray.contiguous)
+    sinks = _check_sinks(arrays, 5 if len(arrays) > 5 else None, h, b)
     q_copied = any(i == 0 for i, _ in b.fixes)
     out = b.alloc(qa.shape, qa.dtype, "contiguous" if q_copied else "like", 0, name="out")
     lse = b.alloc((h, total_q), "float32", name="lse") if return_lse else None
@@ -222,14 +249,14 @@ def _plan_forward_varlen(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_sca
             m_tiles = -(-max_q // cfg.block_rows)
             b.launch(k, (m_tiles, docs * h), q_map=MapSlot(0, (1, cfg.block_rows, 1, 64)),
                      k_map=MapSlot(1, (1, cfg.bn, 1, 64)), v_map=MapSlot(2, (1, cfg.bn, 1, 64)), o_map=bytes(128),
-                     out=out, lse=lse, **{f"o_{n}": s for n, s in _strides3(os_).items()},
+                     out=out, lse=lse, sinks=sinks, **{f"o_{n}": s for n, s in _strides3(os_).items()},
                      H=h, Hkv=hkv, Sq=total_q, Sk=total_k, scale=scale, scale_log2=scale * LOG2E,
                      tiles=m_tiles * docs * h,
                      tile_counter=None, section_pairs=1, cap_in=cap_in, cap_out=cap_out, win_left=mask.left,
                      win_right=mask.right, cu_q=b.slot(3), cu_k=b.slot(4), max_q=max_q, max_k=max_k,
                      fault=_arrays.wrap(_faults.record(device), "fault record"))
         else:
-            _launch_forward_sm80(b, configs, qa, (qs, ks, vs), os_, out, lse, mask, scale, grid_rows=max_q,
+            _launch_forward_sm80(b, configs, qa, (qs, ks, vs), os_, out, lse, sinks, mask, scale, grid_rows=max_q,
                                  batches=docs, sq=total_q, sk=total_k, hkv=hkv, device=device,
                                  varlen=(b.slot(3), b.slot(4), max_q, max_k))
     return b.plan(device)

@@ -23,9 +23,21 @@ def _host_qkv(q, k, v, head_dims, which: str = ""):
     return qa, ka, va
 
 
-def _ref_scores(q, k, scale, mask: Mask):
+def _host_sinks(sinks, h: int):
+    """The sinks as float64 (H,), or None."""
+    if sinks is None:
+        return None
+    sa = _arrays.as_host_array(sinks, "sinks", ("float32", "float64"))
+    if sa.shape != (h,):
+        raise ValueError(f"sinks: shape {sa.shape}; expected (heads,) = ({h},), one logit a query head")
+    return sa.obj.astype(np.float64)
+
+
+def _ref_scores(q, k, scale, mask: Mask, sinks=None):
     """(p, lse, s): softmax probabilities (B, H, Sq, Sk) with rows that see no key all zero,
-    the log-sum-exp (+inf for those rows) and the scaled scores before the softcap."""
+    the log-sum-exp (+inf for those rows) and the scaled scores before the softcap. ``sinks``
+    (H,): a logit a head in every row's denominator (the row's weights then sum to less than
+    1, and a row that sees no key has lse = its sink)."""
     batch, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     _attention_mask.softcap_log2(mask, scale)   # (its range checked as the kernels' fronts check it)
@@ -36,9 +48,14 @@ def _ref_scores(q, k, scale, mask: Mask):
         sc = np.where(_attention_mask.visible(mask, sq, sk)[None, None], sc, -np.inf)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         m = sc.max(axis=-1, keepdims=True) if sk else np.full(sc.shape[:-1] + (1,), -np.inf)
+        if sinks is not None:
+            sink = sinks[None, :, None, None]
+            m = np.maximum(m, sink)
         m_safe = np.where(np.isfinite(m), m, 0.0)
         p = np.exp(sc - m_safe)
         l_ = p.sum(axis=-1, keepdims=True)
+        if sinks is not None:
+            l_ = l_ + np.exp(sink - m_safe)
         # (l_ == 0 only where no key is seen; a NaN score makes l_ NaN, and NaN goes on into p
         # and lse, as in torch.softmax)
         none = l_ == 0
@@ -47,42 +64,50 @@ def _ref_scores(q, k, scale, mask: Mask):
     return p, lse, s
 
 
-def _ref_forward(qf, kf, vf, scale, mask: Mask):
-    p, lse, _ = _ref_scores(qf, kf, scale, mask)
+def _ref_forward(qf, kf, vf, scale, mask: Mask, sinks=None):
+    p, lse, _ = _ref_scores(qf, kf, scale, mask, sinks)
     vh = np.repeat(vf, qf.shape[2] // kf.shape[2], axis=2)
     return np.einsum("bhqk,bkhd->bqhd", p, vh), lse
 
 
-def _ref_backward(dof, qf, kf, vf, scale, mask: Mask):
+def _ref_backward(dof, qf, kf, vf, scale, mask: Mask, sinks=None):
+    """(dq, dk, dv), and dsinks (H,) after them where ``sinks`` are given."""
     batch, sq, h, d = qf.shape
     sk, hkv = kf.shape[1], kf.shape[2]
     rep = h // hkv
-    p, _, s = _ref_scores(qf, kf, scale, mask)
+    p, lse, s = _ref_scores(qf, kf, scale, mask, sinks)
     kh, vh = np.repeat(kf, rep, axis=2), np.repeat(vf, rep, axis=2)
     dvh = np.einsum("bhqk,bqhd->bkhd", p, dof)
     dp = np.einsum("bqhd,bkhd->bhqk", dof, vh)
-    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True)) * _attention_mask.softcap_grad(s, mask)
+    correction = (p * dp).sum(axis=-1, keepdims=True)   # sum_j P dP = dO . O: the sink has no value
+    ds = p * (dp - correction) * _attention_mask.softcap_grad(s, mask)
     dq = np.einsum("bhqk,bkhd->bqhd", ds, kh) * scale
     dkh = np.einsum("bhqk,bqhd->bkhd", ds, qf) * scale
-    return dq, dkh.reshape(batch, sk, hkv, rep, d).sum(axis=3), dvh.reshape(batch, sk, hkv, rep, d).sum(axis=3)
+    grads = (dq, dkh.reshape(batch, sk, hkv, rep, d).sum(axis=3), dvh.reshape(batch, sk, hkv, rep, d).sum(axis=3))
+    if sinks is None:
+        return grads
+    # d lse / d sink is the sink's probability; its dP is 0, so dS_sink = -P_sink * correction
+    p_sink = np.exp(sinks[None, :, None] - lse)   # (B, H, Sq); lse = +inf only without a sink
+    return (*grads, -(p_sink * correction[..., 0]).sum(axis=(0, 2)))
 
 
 def reference_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, window=(-1, -1),
-                        softcap=0.0):
+                        softcap=0.0, sinks=None):
     """``attention`` in float64: out (B, Sq, H, D) [, lse (B, H, Sq)]; the mask aligned to the
-    bottom right; a query that sees no key gives zeros and lse = +inf (as the kernel), one whose
-    scores hold a NaN gives NaN (as torch.softmax)."""
+    bottom right; a query that sees no key gives zeros and lse = +inf (as the kernel; with
+    sinks, lse = its sink), one whose scores hold a NaN gives NaN (as torch.softmax)."""
     qa, ka, va = _host_qkv(q, k, v, _cfg.CONFIGS.head_dims)
     mask = _attention_mask.mask_of(causal, window, softcap, qa.shape[1], ka.shape[1])
     qf, kf, vf = (a.obj.astype(np.float64) for a in (qa, ka, va))
-    out, lse = _ref_forward(qf, kf, vf, _scale(softmax_scale, qa.shape[-1]), mask)
+    out, lse = _ref_forward(qf, kf, vf, _scale(softmax_scale, qa.shape[-1]), mask, _host_sinks(sinks, qa.shape[2]))
     return (out, lse) if return_lse else out
 
 
 def reference_attention_backward(dout, q, k, v, out=None, lse=None, *, causal=False, softmax_scale=None,
-                                 deterministic=False, window=(-1, -1), softcap=0.0):
+                                 deterministic=False, window=(-1, -1), softcap=0.0, sinks=None):
     """``attention_backward`` in float64: (dq, dk, dv), dk and dv summed over the query heads
-    sharing a K/V head. ``out`` and ``lse`` are recomputed (given ones are shape-checked)."""
+    sharing a K/V head, and dsinks (H,) with ``sinks``. ``out`` and ``lse`` are recomputed
+    (given ones are shape-checked)."""
     qa, ka, va = _host_qkv(q, k, v, _cfg.CONFIGS.bwd_head_dims, " by the backward")
     mask = _attention_mask.mask_of(causal, window, softcap, qa.shape[1], ka.shape[1])
     da = _arrays.as_host_array(dout, "dout")
@@ -92,7 +117,7 @@ def reference_attention_backward(dout, q, k, v, out=None, lse=None, *, causal=Fa
     if lse is not None:
         _check_lse(_arrays.as_host_array(lse, "lse", ("float32",)), qa)
     qf, kf, vf, dof = (a.obj.astype(np.float64) for a in (qa, ka, va, da))
-    return _ref_backward(dof, qf, kf, vf, _scale(softmax_scale, qa.shape[-1]), mask)
+    return _ref_backward(dof, qf, kf, vf, _scale(softmax_scale, qa.shape[-1]), mask, _host_sinks(sinks, qa.shape[2]))
 
 
 def _host_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, head_dims, which: str = ""):
@@ -107,27 +132,28 @@ def _host_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 
 
 def reference_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                               softmax_scale=None, return_lse=False, window=(-1, -1), softcap=0.0):
+                               softmax_scale=None, return_lse=False, window=(-1, -1), softcap=0.0, sinks=None):
     """``attention_varlen`` in float64: out (total_q, H, D) [, lse (H, total_q)]; each document
     attends to its own keys only, the mask aligned to the bottom right of each document."""
     qa, ka, va, cq, ck = _host_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       _cfg.CONFIGS.head_dims)
     scale = _scale(softmax_scale, qa.shape[-1])
+    sf = _host_sinks(sinks, qa.shape[1])
     out = np.zeros(qa.shape)
     lse = np.full((qa.shape[1], qa.shape[0]), np.inf)
     for i in range(len(cq) - 1):
         (q0, q1), (k0, k1) = cq[i:i + 2], ck[i:i + 2]
         mask = _attention_mask.mask_of(causal, window, softcap, int(q1 - q0), int(k1 - k0))
         qf, kf, vf = (a.obj[None, r0:r1].astype(np.float64) for a, r0, r1 in ((qa, q0, q1), (ka, k0, k1), (va, k0, k1)))
-        out[q0:q1], lse[:, q0:q1] = (x[0] for x in _ref_forward(qf, kf, vf, scale, mask))
+        out[q0:q1], lse[:, q0:q1] = (x[0] for x in _ref_forward(qf, kf, vf, scale, mask, sf))
     return (out, lse) if return_lse else out
 
 
 def reference_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                         max_seqlen_k, *, causal=False, softmax_scale=None, deterministic=False,
-                                        window=(-1, -1), softcap=0.0):
-    """``attention_varlen_backward`` in float64: (dq, dk, dv) of the packed documents. ``out``
-    and ``lse`` are recomputed (given ones are shape-checked)."""
+                                        window=(-1, -1), softcap=0.0, sinks=None):
+    """``attention_varlen_backward`` in float64: (dq, dk, dv) of the packed documents, and dsinks
+    (H,) with ``sinks``. ``out`` and ``lse`` are recomputed (given ones are shape-checked)."""
     qa, ka, va, cq, ck = _host_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       _cfg.CONFIGS.bwd_head_dims, " by the backward")
     da = _arrays.as_host_array(dout, "dout")
@@ -139,12 +165,17 @@ def reference_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, c
         if la.shape != (qa.shape[1], qa.shape[0]):
             raise ValueError(f"lse: shape {la.shape} does not match (heads, total_q) = {(qa.shape[1], qa.shape[0])}")
     scale = _scale(softmax_scale, qa.shape[-1])
+    sf = _host_sinks(sinks, qa.shape[1])
     grads = [np.zeros(qa.shape), np.zeros(ka.shape), np.zeros(ka.shape)]
+    dsinks = np.zeros(qa.shape[1])
     for i in range(len(cq) - 1):
         (q0, q1), (k0, k1) = cq[i:i + 2], ck[i:i + 2]
         mask = _attention_mask.mask_of(causal, window, softcap, int(q1 - q0), int(k1 - k0))
         dof, qf = (a.obj[None, q0:q1].astype(np.float64) for a in (da, qa))
         kf, vf = (a.obj[None, k0:k1].astype(np.float64) for a in (ka, va))
-        for g, x, (r0, r1) in zip(grads, _ref_backward(dof, qf, kf, vf, scale, mask), ((q0, q1), (k0, k1), (k0, k1))):
+        got = _ref_backward(dof, qf, kf, vf, scale, mask, sf)
+        for g, x, (r0, r1) in zip(grads, got, ((q0, q1), (k0, k1), (k0, k1))):
             g[r0:r1] = x[0]
-    return tuple(grads)
+        if sf is not None:
+            dsinks += got[3]
+    return tuple(grads) if sf is None else (*grads, dsinks)

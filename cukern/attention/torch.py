@@ -37,6 +37,22 @@ def _varlen_fake(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, 
     return _empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
+def _sink_fake(q, k, v, sinks, *args):
+    return _fake(q, k, v, *args)
+
+
+def _sink_bwd_fake(dout, q, k, v, sinks, out, lse, *args):
+    return (*_bwd_fake(dout, q, k, v, out, lse), sinks.new_empty(sinks.shape))
+
+
+def _varlen_sink_fake(q, k, v, cu_q, cu_k, sinks, *args):
+    return _varlen_fake(q, k, v, cu_q, cu_k, *args)
+
+
+def _varlen_sink_bwd_fake(dout, q, k, v, out, lse, cu_q, cu_k, sinks, *args):
+    return (*_bwd_fake(dout, q, k, v, out, lse), sinks.new_empty(sinks.shape))
+
+
 # (window and softcap as flash-attn passes them: two ints, -1 unbounded, and a float, 0 none;
 # deterministic -1 follows torch.use_deterministic_algorithms, 0 or 1 is flash-attn's argument)
 _MASK_SCHEMA = "int window_left, int window_right, float softcap"
@@ -82,8 +98,48 @@ TORCH_OPS = (
             # documents change every batch records each new (count, longest) pair once)
             grads_to=(0, 1, 2), visible=2, native=True),
 )
-# flash_attn_func(return_attn_probs=True): the same op with the lse visible (not differentiated)
-TORCH_OPS += (dataclasses.replace(TORCH_OPS[0], name="attention_lse", visible=2, inference=None, native=False),)
+# With attention sinks (flash-attn's learnable_sink): ops of their own, the sinks (H,) float32 a
+# differentiated input after k and v (after the offsets, packed), their gradient the fourth.
+TORCH_OPS += (
+    TorchOp("attention_sink", f"(Tensor q, Tensor k, Tensor v, Tensor sinks, bool causal, float scale, {_MASK_SCHEMA}, "
+                              "int deterministic) -> (Tensor, Tensor)",
+            forward=lambda q, k, v, sk, c, s, wl, wr, cap, _: attention(
+                q, k, v, causal=c, softmax_scale=s, return_lse=True, window=(wl, wr), softcap=cap, sinks=sk),
+            inference=lambda q, k, v, sk, c, s, wl, wr, cap, _: attention(
+                q, k, v, causal=c, softmax_scale=s, window=(wl, wr), softcap=cap, sinks=sk),
+            fake=_sink_fake,
+            save=lambda inputs, outputs: ((*inputs[:4], *outputs), inputs[4:]),
+            backward_schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor sinks, Tensor out, Tensor lse, "
+                            f"bool causal, float scale, {_MASK_SCHEMA}, bool deterministic) "
+                            "-> (Tensor, Tensor, Tensor, Tensor)",
+            backward=lambda do, q, k, v, sk, o, lse, c, s, wl, wr, cap, det: attention_backward(
+                do, q, k, v, o, lse, causal=c, softmax_scale=s, deterministic=det, window=(wl, wr), softcap=cap,
+                sinks=sk),
+            backward_fake=_sink_bwd_fake,
+            backward_args=lambda saved, state, grads, T: (grads[0], *saved, *state[:-1], _det(state, T)),
+            grads_to=(0, 1, 2, 3), native=True),
+    TorchOp("attention_varlen_sink", "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+                                     f"Tensor sinks, int max_seqlen_q, int max_seqlen_k, bool causal, float scale, "
+                                     f"{_MASK_SCHEMA}, int deterministic) -> (Tensor, Tensor)",
+            forward=lambda q, k, v, cq, ck, sk, mq, mk, c, s, wl, wr, cap, _: attention_varlen(
+                q, k, v, cq, ck, mq, mk, causal=c, softmax_scale=s, return_lse=True, window=(wl, wr), softcap=cap,
+                sinks=sk),
+            fake=_varlen_sink_fake,
+            # (saved: q, k, v, out, lse, the offsets and the sinks; state: the lengths and the mask)
+            save=lambda inputs, outputs: ((*inputs[:3], *outputs, *inputs[3:6]), inputs[6:]),
+            backward_schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, "
+                            "Tensor cu_seqlens_k, Tensor sinks, int max_seqlen_q, int max_seqlen_k, bool causal, "
+                            f"float scale, {_MASK_SCHEMA}, bool deterministic) -> (Tensor, Tensor, Tensor, Tensor)",
+            backward=lambda do, q, k, v, o, lse, cq, ck, sk, mq, mk, c, s, wl, wr, cap, det: attention_varlen_backward(
+                do, q, k, v, o, lse, cq, ck, mq, mk, causal=c, softmax_scale=s, deterministic=det, window=(wl, wr),
+                softcap=cap, sinks=sk),
+            backward_fake=_varlen_sink_bwd_fake,
+            backward_args=lambda saved, state, grads, T: (grads[0], *saved, *state[:-1], _det(state, T)),
+            grads_to=(0, 1, 2, 5), visible=2, native=True),
+)
+# flash_attn_func(return_attn_probs=True): the same ops with the lse visible (not differentiated)
+TORCH_OPS += (dataclasses.replace(TORCH_OPS[0], name="attention_lse", visible=2, inference=None, native=False),
+              dataclasses.replace(TORCH_OPS[2], name="attention_sink_lse", visible=2, inference=None, native=False))
 
 
 def _torch_api(T, ops, modules) -> dict:
@@ -92,6 +148,19 @@ def _torch_api(T, ops, modules) -> dict:
     layouts, the lse it returns with ``return_attn_probs``), so that a flash-attn user switches
     by changing one import. Autograd and torch.compile through the custom ops."""
     dense, with_lse, packed = ops["attention"], ops["attention_lse"], ops["attention_varlen"]
+    sink, sink_with_lse, packed_sink = ops["attention_sink"], ops["attention_sink_lse"], ops["attention_varlen_sink"]
+
+    def _call(op, *args):
+        return op.compiled(*args) if T.compiling() else op(*args)
+
+    def _sinks(learnable_sink):
+        # (float32 for the kernels; a bfloat16 parameter, as FlashAttention-4 takes, gets its
+        # gradient back through the cast)
+        if learnable_sink is None or not hasattr(learnable_sink, "dtype"):
+            return learnable_sink
+        import torch
+
+        return learnable_sink.to(torch.float32)
 
     def _unsupported(dropout_p, alibi_slopes, block_table=None):
         if dropout_p:
@@ -109,29 +178,43 @@ def _torch_api(T, ops, modules) -> dict:
         return s, int(wl), int(wr), float(softcap or 0.0)
 
     def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                        alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                        alibi_slopes=None, deterministic=False, return_attn_probs=False, learnable_sink=None):
         """flash-attn's ``flash_attn_func``: q (B, Sq, H, D), k and v (B, Sk, Hkv, D), float16 or
         bfloat16; the out (B, Sq, H, D); with ``return_attn_probs`` (out, lse (B, H, Sq), None).
-        ``deterministic``: dq summed in a fixed order (as attention_backward's)."""
+        ``deterministic``: dq summed in a fixed order (as attention_backward's).
+        ``learnable_sink``: (H,) attention sinks, FlashAttention-4's name (``cukern.attention``'s
+        ``sinks``), float32 or a dtype cast to it; differentiated."""
         _unsupported(dropout_p, alibi_slopes)
         s, wl, wr, cap = _flags(q, softmax_scale, window_size, softcap)
-        args = (q, k, v, bool(causal), s, wl, wr, cap, int(bool(deterministic)))
+        flags = (bool(causal), s, wl, wr, cap, int(bool(deterministic)))
+        if learnable_sink is not None:
+            args = (q, k, v, _sinks(learnable_sink), *flags)
+            if not return_attn_probs:
+                return _call(sink, *args)
+            out, lse = _call(sink_with_lse, *args)
+            return out, lse, None
+        args = (q, k, v, *flags)
         if not return_attn_probs:
-            return dense.compiled(*args) if T.compiling() else dense(*args)
-        out, lse = with_lse.compiled(*args) if T.compiling() else with_lse(*args)
+            return _call(dense, *args)
+        out, lse = _call(with_lse, *args)
         return out, lse, None
 
     def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                               deterministic=False, return_attn_probs=False, block_table=None):
+                               deterministic=False, return_attn_probs=False, block_table=None, learnable_sink=None):
         """flash-attn's ``flash_attn_varlen_func``: documents packed with no padding, q
         (total_q, H, D), k and v (total_k, Hkv, D), cu_seqlens (B + 1,) int32; the out
-        (total_q, H, D); with ``return_attn_probs`` (out, lse (H, total_q), None)."""
+        (total_q, H, D); with ``return_attn_probs`` (out, lse (H, total_q), None).
+        ``learnable_sink``: as for ``flash_attn_func``."""
         _unsupported(dropout_p, alibi_slopes, block_table)
         s, wl, wr, cap = _flags(q, softmax_scale, window_size, softcap)
-        args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), s, wl, wr,
-                cap, int(bool(deterministic)))
-        out, lse = packed.compiled(*args) if T.compiling() else packed(*args)
+        flags = (bool(causal), s, wl, wr, cap, int(bool(deterministic)))
+        lengths = (int(max_seqlen_q), int(max_seqlen_k))
+        if learnable_sink is not None:
+            out, lse = _call(packed_sink, q, k, v, cu_seqlens_q, cu_seqlens_k, _sinks(learnable_sink), *lengths,
+                             *flags)
+        else:
+            out, lse = _call(packed, q, k, v, cu_seqlens_q, cu_seqlens_k, *lengths, *flags)
         return (out, lse, None) if return_attn_probs else out
 
     return {"flash_attn_func": flash_attn_func, "flash_attn_varlen_func": flash_attn_varlen_func}
