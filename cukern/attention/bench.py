@@ -14,9 +14,9 @@ from .forward import attention, attention_varlen
 
 # (batch, heads, seqlen, head_dim, causal): batch * seqlen = 64k tokens, and long sequences.
 WORKLOAD = {"full": [(32, 16, 2048, 128, False), (32, 16, 2048, 128, True), (4, 32, 8192, 128, True),
-                     (16, 32, 2048, 64, True)],
+                     (16, 32, 2048, 64, True), (8, 16, 4096, 256, True)],
             "quick": [(4, 16, 2048, 128, False), (4, 16, 2048, 128, True), (1, 32, 4096, 128, True),
-                      (4, 32, 2048, 64, True)], "dtype": "bfloat16"}
+                      (4, 32, 2048, 64, True), (1, 16, 4096, 256, True)], "dtype": "bfloat16"}
 
 
 def _inputs(B, H, S, D, dtype, seed, *, grad=False, sdpa=False) -> dict:
@@ -39,6 +39,45 @@ def _sdpa(t, causal, backend, leaves=False):
     with sdpa_kernel(which):
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                               is_causal=causal).transpose(1, 2)
+
+
+def fa4_functions():
+    """FlashAttention-4's ``flash_attn_func`` and ``flash_attn_varlen_func`` (``flash_attn.cute``,
+    the flash-attn-4 package); ImportError, saying so, where it does not import (its row then
+    reports that instead of a time)."""
+    try:
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    except Exception as e:  # noqa: BLE001 - ImportError, or a broken installation
+        raise ImportError(f"FlashAttention-4 is not installed here (flash_attn.cute: {type(e).__name__}: {e}; "
+                          "pip install flash-attn-4)") from None
+    return flash_attn_func, flash_attn_varlen_func
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _fa4(t, causal, window=None, sinks=False, backward=False):
+    """FlashAttention-4 on (B, S, H, D) inputs (packed documents where ``t`` has "cu"): the
+    output, and with ``backward`` the gradients of q, k, v (and of the sinks) by its autograd."""
+    import torch
+
+    dense, packed = fa4_functions()
+    q, k, v = t["leaves"] if backward else (t[n] for n in ("q", "k", "v"))
+    kw = {"causal": causal}
+    if window is not None:
+        kw["window_size"] = window
+    if sinks:
+        kw["learnable_sink"] = t["sink_leaf"] if backward else t["sinks_bf16"]
+    if "cu" in t:
+        out = _first(packed(q, k, v, cu_seqlens_q=t["cu"], cu_seqlens_k=t["cu"], max_seqlen_q=t["max"],
+                            max_seqlen_k=t["max"], **kw))
+    else:
+        out = _first(dense(q, k, v, **kw))
+    if not backward:
+        return out
+    leaves = (*t["leaves"], t["sink_leaf"]) if sinks else t["leaves"]
+    return (out.detach(), *torch.autograd.grad(out, leaves, t["do"]))
 
 
 def _fwd(t, causal):
@@ -68,18 +107,60 @@ def bench_cases(quick: bool) -> list:
         long = " long" if S > 2048 else ""  # (the same label for the --quick shape of a case)
         tag = f"attention{' causal' if causal else ''}{long} d{D}"
         make = functools.partial(_inputs, B, H, S, D, dt)
-        for backend in ("flash", "cudnn"):
+        for backend in ("flash", "cudnn", "fa4"):
+            peer = (functools.partial(_fa4, causal=causal) if backend == "fa4"
+                    else functools.partial(_sdpa, causal=causal, backend=backend))
             cases.append(Case(f"{tag} fwd vs {backend}", "attention", (B, H, S, D), dt,
-                                     elements_bytes((4 * B, S, H, D), dt), make,
-                                     functools.partial(_fwd, causal=causal),
-                                     functools.partial(_sdpa, causal=causal, backend=backend), flops=flops))
-        for backend in ("flash", "cudnn"):
+                              elements_bytes((4 * B, S, H, D), dt), make,
+                              functools.partial(_fwd, causal=causal), peer, flops=flops))
+        for backend in ("flash", "cudnn", "fa4"):
+            peer = (functools.partial(_fa4, causal=causal, backward=True) if backend == "fa4"
+                    else functools.partial(_torch_fwd_bwd, causal=causal, backend=backend))
             cases.append(Case(f"{tag} fwd+bwd vs {backend}", "attention", (B, H, S, D), dt,
-                                     elements_bytes((8 * B, S, H, D), dt), functools.partial(make, grad=True),
-                                     functools.partial(_fwd_bwd, causal=causal),
-                                     functools.partial(_torch_fwd_bwd, causal=causal, backend=backend),
-                                     flops=int(3.5 * flops)))
-    return cases + mask_bench_cases(quick)
+                              elements_bytes((8 * B, S, H, D), dt), functools.partial(make, grad=True),
+                              functools.partial(_fwd_bwd, causal=causal), peer, flops=int(3.5 * flops)))
+    return cases + mask_bench_cases(quick) + sink_bench_cases(quick)
+
+
+# Attention sinks at GPT-OSS's shape (64 query heads of 64 over 8 KV heads, a learned sink a head),
+# causal, against FlashAttention-4's learnable_sink.
+SINK_WORKLOAD = {"full": (8, 64, 8, 2048, 64), "quick": (2, 64, 8, 1024, 64)}
+
+
+def _sink_inputs(B, H, HKV, S, D, dtype, seed) -> dict:
+    import torch
+
+    gen = generator(seed)
+    t = {"q": randn((B, S, H, D), dtype, gen), "k": randn((B, S, HKV, D), dtype, gen),
+         "v": randn((B, S, HKV, D), dtype, gen), "do": randn((B, S, H, D), dtype, gen)}
+    t["leaves"] = tuple(t[n].detach().requires_grad_(True) for n in ("q", "k", "v"))
+    # (bfloat16 values, as FlashAttention-4 takes them: both see the same sinks)
+    t["sinks_bf16"] = (randn((H,), "float32", gen) * 2).to(torch.bfloat16)
+    t["sinks"] = t["sinks_bf16"].float()
+    t["sink_leaf"] = t["sinks_bf16"].detach().requires_grad_(True)
+    return t
+
+
+def _sink_fwd(t):
+    return attention(t["q"], t["k"], t["v"], causal=True, sinks=t["sinks"])
+
+
+def _sink_fwd_bwd(t):
+    out, lse = attention(t["q"], t["k"], t["v"], causal=True, return_lse=True, sinks=t["sinks"])
+    return (out, *attention_backward(t["do"], t["q"], t["k"], t["v"], out, lse, causal=True, sinks=t["sinks"]))
+
+
+def sink_bench_cases(quick: bool) -> list:
+    B, H, HKV, S, D = SINK_WORKLOAD["quick" if quick else "full"]
+    dt = WORKLOAD["dtype"]
+    flops = 4 * B * H * S * S * D // 2
+    make = functools.partial(_sink_inputs, B, H, HKV, S, D, dt)
+    return [Case(f"attention causal sinks gqa d{D} fwd vs fa4", "attention", (B, H, S, D), dt,
+                 elements_bytes((2 * B, S, H + HKV, D), dt), make, _sink_fwd,
+                 functools.partial(_fa4, causal=True, sinks=True), flops=flops),
+            Case(f"attention causal sinks gqa d{D} fwd+bwd vs fa4", "attention", (B, H, S, D), dt,
+                 elements_bytes((4 * B, S, H + HKV, D), dt), make, _sink_fwd_bwd,
+                 functools.partial(_fa4, causal=True, sinks=True, backward=True), flops=int(3.5 * flops))]
 
 
 # The masks' and packed documents' cases, each at the shape of the case it is measured against:
@@ -115,6 +196,7 @@ def _packed_inputs(lengths, H, D, dtype, seed, *, grad=False) -> dict:
     t["max"] = max(lengths)
     if grad:
         t["do"] = randn((total, H, D), dtype, gen)
+        t["leaves"] = tuple(t[n].detach().requires_grad_(True) for n in ("q", "k", "v"))
     return t
 
 
@@ -189,6 +271,11 @@ def mask_bench_cases(quick: bool) -> list:
     cases.append(Case("attention varlen causal d128 fwd+bwd vs flash", "attention", shape, dt, 2 * nbytes,
                              functools.partial(make, grad=True), _varlen_fwd_bwd,
                              functools.partial(_fa2_varlen, backward=True), flops=int(3.5 * flops)))
+    cases.append(Case("attention varlen causal d128 fwd vs fa4", "attention", shape, dt, nbytes, make,
+                      _varlen_fwd, functools.partial(_fa4, causal=True), flops=flops))
+    cases.append(Case("attention varlen causal d128 fwd+bwd vs fa4", "attention", shape, dt, 2 * nbytes,
+                      functools.partial(make, grad=True), _varlen_fwd_bwd,
+                      functools.partial(_fa4, causal=True, backward=True), flops=int(3.5 * flops)))
     even = [w["tokens"] // w["docs"]] * w["docs"]
     S = even[0]
     flops_even = w["docs"] * 4 * H * S * S * D // 2
@@ -199,12 +286,16 @@ def mask_bench_cases(quick: bool) -> list:
     B, HL, SL = w["long"]
     window = (w["window"], 0)
     wflops = _window_flops(B, HL, SL, D, w["window"])
-    for label, fn, peer, f in (
+    for label, fn, peer, f, name in (
             ("fwd", lambda t: attention(t["q"], t["k"], t["v"], causal=True, window=window),
-             functools.partial(_fa2_varlen, window=window), wflops),
+             functools.partial(_fa2_varlen, window=window), wflops, "flash"),
             ("fwd+bwd", functools.partial(_window_fwd_bwd, window=window),
-             functools.partial(_fa2_varlen, window=window, backward=True), int(3.5 * wflops))):
-        cases.append(Case(f"attention causal window long d128 {label} vs flash", "attention",
+             functools.partial(_fa2_varlen, window=window, backward=True), int(3.5 * wflops), "flash"),
+            ("fwd", lambda t: attention(t["q"], t["k"], t["v"], causal=True, window=window),
+             functools.partial(_fa4, causal=True, window=window), wflops, "fa4"),
+            ("fwd+bwd", functools.partial(_window_fwd_bwd, window=window),
+             functools.partial(_fa4, causal=True, window=window, backward=True), int(3.5 * wflops), "fa4")):
+        cases.append(Case(f"attention causal window long d128 {label} vs {name}", "attention",
                                  (B, HL, SL, D), dt, elements_bytes((8 * B, SL, HL, D), dt),
                                  functools.partial(_inputs, B, HL, SL, D, dt, grad=label != "fwd"), fn, peer, flops=f))
     B, HD, SD = w["dense"]
