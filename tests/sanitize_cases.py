@@ -770,9 +770,14 @@ def opcheck_samples(family: str) -> list:
     return [] if fn is None else list(fn())
 
 
-def retyped(args, dtype: str) -> tuple:
-    """``args`` with every float tensor in ``dtype``, laid out as it was (strides, views of one
-    tensor kept views of one tensor) and requiring a gradient where it did."""
+# Arguments of the custom ops that are float32 whatever the inputs' dtype (by schema name).
+FLOAT32_ARGUMENTS = {"sinks"}
+
+
+def retyped(args, dtype: str, keep=()) -> tuple:
+    """``args`` with every float tensor in ``dtype`` (but those at the positions ``keep``),
+    laid out as it was (strides, views of one tensor kept views of one tensor) and requiring a
+    gradient where it did."""
     import torch
 
     dt = getattr(torch, dtype)
@@ -797,7 +802,7 @@ def retyped(args, dtype: str) -> tuple:
             nb = bases[id(base)] = same_layout(base).requires_grad_(base.requires_grad or a.requires_grad)
         return nb.as_strided(a.shape, a.stride(), a.storage_offset() - base.storage_offset() + nb.storage_offset())
 
-    return tuple(convert(a) for a in args)
+    return tuple(a if i in keep else convert(a) for i, a in enumerate(args))
 
 
 def run_torch_op(family: str, name: str, dtype: str) -> None:
@@ -814,7 +819,9 @@ def run_torch_op(family: str, name: str, dtype: str) -> None:
     if not samples:
         raise LookupError(f"tests/test_{family}.py: opcheck_samples() has no sample of torch.ops.cukern.{name}")
     for overload, args in samples:
-        args = retyped(args, dtype)
+        schema = getattr(overload, "_schema", None)
+        keep = [i for i, a in enumerate(schema.arguments if schema is not None else ()) if a.name in FLOAT32_ARGUMENTS]
+        args = retyped(args, dtype, keep)
         for call in (op, op, overload):
             out = call(*args)
             outs = [o for o in ((out,) if isinstance(out, torch.Tensor) else tuple(out))[:op.visible]
