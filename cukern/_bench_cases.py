@@ -48,7 +48,8 @@ class TorchCase:
     leaves ``t["leaves"]`` of an input set ``make(seed)``; with ``backward`` the step is the
     forward and ``torch.autograd.grad`` of it with ``t["dy"]``, else the forward under
     ``torch.no_grad``. ``array(t)`` does the same work through the array API; ``liger(t)``, if
-    given, the forward through Liger-Kernel (timed when liger-kernel is installed)."""
+    given, the forward through Liger-Kernel (timed when liger-kernel is installed); ``fa4(t)``,
+    if given, through FlashAttention-4 (timed when ``flash_attn.cute`` imports)."""
     name: str
     family: str
     shape: tuple[int, ...]
@@ -62,6 +63,7 @@ class TorchCase:
     # Liger's function writes into its inputs: it takes leaves of its own, t["liger_leaves"]
     liger_leaves: bool = False
     flops: int | None = None
+    fa4: Callable[[dict], Any] | None = None
 
     shape_label = property(lambda self: _shape_label(self.shape))
 

@@ -350,10 +350,11 @@ def test_asv_benchmarks_cover_every_case_under_their_historic_names():
             assert fn.unit == unit and fn.timeout >= 600 and fn.version == _bench.ASV_VERSION
     for c in _bench.torch_cases():
         for key in ("vs_eager", "vs_compile", "torch_over_array", "host_us", "peak_mib") + (
-                ("vs_liger",) if c.liger else ()):
+                ("vs_liger",) if c.liger else ()) + (("vs_fa4",) if c.fa4 else ()):
             assert f"bench_torch_{c.family}.track_{_bench.slug(c.name)}_{key}" in tracks
-        if not c.liger:
-            assert f"bench_torch_{c.family}.track_{_bench.slug(c.name)}_vs_liger" not in tracks
+        for key, peer in (("vs_liger", c.liger), ("vs_fa4", c.fa4)):
+            if not peer:
+                assert f"bench_torch_{c.family}.track_{_bench.slug(c.name)}_{key}" not in tracks
     fake = {"skip": None, "copy_gbps": 3000.0,
             "cases": {c.name: _bench.summarize(c, 0.5, 1.0, copy_gbps=3000.0) for c in _bench.cases()},
             "torch_cases": {c.name: {"vs_eager": 1.5, "vs_liger": None, "host_us": {"cukern.torch": 20.0},
@@ -484,6 +485,26 @@ def test_the_torch_table_shows_peak_memory_and_marks_only_real_fallbacks():
            "peak_mib": {"cukern.torch": 125.4, "eager": 22900.0}, "torch_over_array": 1.0, "vs_eager": 2.0,
            "vs_compile": 1.5, "vs_liger": None, "rel_err": {}}
     table = _bench.format_torch_table([rec])
-    assert "peak MiB (ct/eager/Liger)" in table and "125 / 22900 / -" in table and "fell back" not in table
+    assert "peak MiB (ct/eager/library)" in table and "125 / 22900 / -" in table and "fell back" not in table
     assert "(fell back!)" in _bench.format_torch_table([{**rec, "routed": False}])
     assert "  -" in _bench.format_torch_table([{k: v for k, v in rec.items() if k != "peak_mib"}])
+
+
+def test_the_torch_table_names_each_rows_peer_library_and_says_when_it_is_missing():
+    rec = {"name": "sdpa causal d128 fwd+bwd", "shape": [4, 8], "dtype": "bfloat16", "routed": True, "error": None,
+           "ms": {"array": 1.0, "cukern.torch": 1.0, "eager": 2.0, "compile": 1.5, "fa4": 0.9},
+           "isolated_ms": {"cukern.torch": 1.1, "eager": 2.1}, "host_us": {"cukern.torch": 30, "eager": 10, "array": 9},
+           "peak_mib": {"cukern.torch": 100.0, "eager": 300.0, "fa4": 90.0}, "torch_over_array": 1.0,
+           "vs_eager": 2.0, "vs_compile": 1.5, "vs_liger": None, "vs_fa4": 0.9, "rel_err": {}, "library": "fa4"}
+    table = _bench.format_torch_table([rec])
+    assert "0.900 FA4" in table and "0.90x FA4" in table and "100 / 300 / 90" in table and "not timed" not in table
+    missing = {**rec, "ms": {k: v for k, v in rec["ms"].items() if k != "fa4"}, "vs_fa4": None}
+    assert "! sdpa causal d128 fwd+bwd: FA4 does not import here: not timed" in _bench.format_torch_table([missing])
+    liger = {**rec, "library": "liger", "ms": {**missing["ms"], "liger": 1.2}, "vs_liger": 1.2 / 1.0}
+    assert "1.200 Liger" in _bench.format_torch_table([liger])
+
+
+def test_every_attention_torch_case_has_the_fa4_peer():
+    cases = _bench.torch_cases(family="attention")
+    assert cases and all(c.fa4 is not None for c in cases)
+    assert all(c.fa4 is None for c in _bench.torch_cases() if c.family != "attention")

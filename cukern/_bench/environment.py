@@ -73,3 +73,17 @@ def liger_version() -> str | None:
         return metadata.version("liger-kernel")
     except metadata.PackageNotFoundError:
         return "unknown"
+
+
+def fa4_version() -> str | None:
+    """FlashAttention-4's version (flash-attn-4, ``flash_attn.cute``) when it imports, else None."""
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception:  # noqa: BLE001 - absent or broken: no FA4 column
+        return None
+    from importlib import metadata
+
+    try:
+        return metadata.version("flash-attn-4")
+    except metadata.PackageNotFoundError:
+        return "unknown"

@@ -94,18 +94,27 @@ def format_table(results: list[dict]) -> str:
         out += [f"! {n}" for n in notes]
     return "\n".join(out)
 
-def _peaks(peak: dict | None) -> str:
+# The peer library of a PyTorch-path row (Liger-Kernel, FlashAttention-4): its key and its label.
+LIBRARIES = {"liger": "Liger", "fa4": "FA4"}
+
+
+def _library(r: dict) -> str:
+    """The key of the row's peer library (the record says it; older records had Liger alone)."""
+    return r.get("library") or "liger"
+
+
+def _peaks(peak: dict | None, library: str = "liger") -> str:
     if not peak:
         return "-"
-    return " / ".join("-" if peak.get(k) is None else f"{peak[k]:.0f}" for k in ("cukern.torch", "eager", "liger"))
+    return " / ".join("-" if peak.get(k) is None else f"{peak[k]:.0f}" for k in ("cukern.torch", "eager", library))
 
 
 def format_torch_table(results: list[dict]) -> str:
     """The PyTorch-path results: median ms of each implementation (the bench's method), the
     ratios, the isolated call's time and the host time a call."""
-    head = ("case", "shape", "array ms", "cukern.torch ms", "/array", "eager ms", "compile ms", "Liger ms",
-            "vs eager", "vs compile", "vs Liger", "isolated ms (ct/eager)", "host us (ct/eager/array)",
-            "peak MiB (ct/eager/Liger)")
+    head = ("case", "shape", "array ms", "cukern.torch ms", "/array", "eager ms", "compile ms", "library ms",
+            "vs eager", "vs compile", "vs library", "isolated ms (ct/eager)", "host us (ct/eager/array)",
+            "peak MiB (ct/eager/library)")
     rows = []
 
     def f(v, fmt):
@@ -117,13 +126,17 @@ def format_torch_table(results: list[dict]) -> str:
             rows.append((r["name"], shape, "error") + ("",) * (len(head) - 3))
             continue
         ms, iso, host = r["ms"], r["isolated_ms"], r["host_us"]
+        lib = _library(r)
+        lib_ms, vs_lib = ms.get(lib), r.get(f"vs_{lib}")
+        label = f" {LIBRARIES[lib]}"
         rows.append((r["name"] + (" (fell back!)" if r["routed"] is False else ""), shape, f(ms["array"], ".3f"),
                      f(ms["cukern.torch"], ".3f"), f(r["torch_over_array"], ".2f"), f(ms["eager"], ".3f"),
-                     f(ms["compile"], ".3f"), f(ms.get("liger"), ".3f"), f(r["vs_eager"], ".2f") + "x",
-                     f(r["vs_compile"], ".2f") + "x", f(r["vs_liger"], ".2f") + ("x" if r["vs_liger"] else ""),
+                     f(ms["compile"], ".3f"), f(lib_ms, ".3f") + (label if lib_ms is not None else ""),
+                     f(r["vs_eager"], ".2f") + "x", f(r["vs_compile"], ".2f") + "x",
+                     f(vs_lib, ".2f") + ("x" + label if vs_lib else ""),
                      f"{iso['cukern.torch']:.3f} / {iso['eager']:.3f}",
                      f"{host['cukern.torch']:.0f} / {host['eager']:.0f} / {host['array']:.0f}",
-                     _peaks(r.get("peak_mib"))))
+                     _peaks(r.get("peak_mib"), lib)))
     widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
     left = {0, 1}
 
@@ -141,4 +154,6 @@ def format_torch_table(results: list[dict]) -> str:
                          + ", ".join(f"{k} {v:.2e}" for k, v in bad.items()) + ")")
         if r.get("fallbacks"):
             notes.append(f"! {r['name']}: cukern.torch fell back to PyTorch: {r['fallbacks']}")
+        if r.get("library") and r["library"] not in r["ms"]:
+            notes.append(f"! {r['name']}: {LIBRARIES[r['library']]} does not import here: not timed")
     return "\n".join(out + ([""] + notes if notes else []))

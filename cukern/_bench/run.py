@@ -7,7 +7,7 @@ import re
 from typing import Callable, Sequence
 
 from .._bench_cases import Case, TorchCase
-from .environment import liger_version
+from .environment import fa4_version, liger_version
 from .results import AGREE, error_result, gbps, input_set_count, summarize, tflops
 from .timing import copy_bandwidth, host_us, l2_bytes, matmul_rate, time_cuda_detail, time_cuda_interleaved
 
@@ -115,7 +115,7 @@ def _run_each(run_one: Callable, cases: Sequence, progress: Callable | None, **k
 
 # ---- the PyTorch path (bench --torch) ---------------------------------------------------------
 
-TORCH_IMPLS = ("array", "cukern.torch", "eager", "compile", "liger")
+TORCH_IMPLS = ("array", "cukern.torch", "eager", "compile", "liger", "fa4")
 
 def _step(case: TorchCase, forward: Callable, leaves: str = "leaves") -> Callable:
     """fn(t): the case's forward through ``forward`` (one output or a tuple) and, with
@@ -155,6 +155,8 @@ def torch_impls(case: TorchCase) -> dict[str, Callable]:
     if case.liger is not None and liger_version() is not None:
         # (a case whose Liger function writes into its inputs gives it leaves of its own)
         impls["liger"] = _step(case, case.liger, "liger_leaves" if case.liger_leaves else "leaves")
+    if case.fa4 is not None and fa4_version() is not None:
+        impls["fa4"] = _step(case, case.fa4)
     return impls
 
 
@@ -204,10 +206,11 @@ def run_torch_case(case: TorchCase, *, warmup: int = 10, reps: int = 100, copy_g
          "peak_mib": peak,
          "rel_err": errors, "routed": routed, "fallbacks": {k: v.get("torch_reasons") for k, v in counts.items()
                                                              if v.get("torch")},
-         "input_sets": nsets, "reps": reps}
+         "input_sets": nsets, "reps": reps,
+         "library": "fa4" if case.fa4 is not None else "liger" if case.liger is not None else None}
     mine = ms["cukern.torch"]
     r["torch_over_array"] = mine / ms["array"] if ms["array"] > 0 else None
-    for peer in ("eager", "compile", "liger"):
+    for peer in ("eager", "compile", "liger", "fa4"):
         r[f"vs_{peer}"] = ms[peer] / mine if peer in ms and mine > 0 else None
     r["host_vs_eager"] = host["cukern.torch"] / host["eager"] if host["eager"] > 0 else None
     if case.flops is None:

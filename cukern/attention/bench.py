@@ -355,6 +355,19 @@ def _flash_forward_on(F, t, window=None):
     return out.view(B, S, *out.shape[1:]) if dense else out
 
 
+def _fa4_forward(t, causal=True, window=None, sdpa=False):
+    """The same call through FlashAttention-4 (its autograd): ``sdpa`` leaves are (B, H, S, D),
+    read through their transposes as cukern's are."""
+    dense, packed = fa4_functions()
+    q, k, v = (x.transpose(1, 2) for x in t["leaves"]) if sdpa else t["leaves"]
+    kw = {"causal": causal} if window is None else {"causal": causal, "window_size": window}
+    if "cu" in t:
+        return _first(packed(q, k, v, cu_seqlens_q=t["cu"], cu_seqlens_k=t["cu"], max_seqlen_q=t["max"],
+                             max_seqlen_k=t["max"], **kw))
+    out = _first(dense(q, k, v, **kw))
+    return out.transpose(1, 2) if sdpa else out
+
+
 def _with_leaves(make, seed):
     t = make(seed)
     t["dy"] = t["do"]
@@ -374,7 +387,8 @@ def torch_bench_cases(quick: bool) -> list:
                               elements_bytes((8 * B, S, H, D), dt),
                               functools.partial(_inputs, B, H, S, D, dt, grad=True, sdpa=True),
                               functools.partial(_sdpa_forward_on, causal=causal),
-                              functools.partial(_sdpa_array, causal=causal), flops=flops)]
+                              functools.partial(_sdpa_array, causal=causal), flops=flops,
+                              fa4=functools.partial(_fa4_forward, causal=causal, sdpa=True))]
     w = MASK_WORKLOAD["quick" if quick else "full"]
     lengths = _doc_lengths(w["docs"], w["tokens"])
     H, D = w["heads"], w["d"]
@@ -382,7 +396,8 @@ def torch_bench_cases(quick: bool) -> list:
         f"flash_attn_varlen_func causal d{D} fwd+bwd", "attention", (w["docs"], H, w["tokens"] // w["docs"], D), dt,
         2 * elements_bytes((4 * w["tokens"], H, D), dt),
         functools.partial(_with_leaves, functools.partial(_packed_inputs, lengths, H, D, dt, grad=True)),
-        _flash_forward_on, _varlen_fwd_bwd, flops=int(3.5 * sum(4 * H * L * L * D // 2 for L in lengths))))
+        _flash_forward_on, _varlen_fwd_bwd, flops=int(3.5 * sum(4 * H * L * L * D // 2 for L in lengths)),
+        fa4=_fa4_forward))
     B, HL, SL = w["long"]
     window = (w["window"], 0)
     cases.append(TorchCase(
@@ -390,5 +405,6 @@ def torch_bench_cases(quick: bool) -> list:
         elements_bytes((8 * B, SL, HL, D), dt),
         functools.partial(_inputs, B, HL, SL, D, dt, grad=True),
         functools.partial(_flash_forward_on, window=window), functools.partial(_window_fwd_bwd, window=window),
-        flops=int(3.5 * _window_flops(B, HL, SL, D, w["window"]))))
+        flops=int(3.5 * _window_flops(B, HL, SL, D, w["window"])),
+        fa4=functools.partial(_fa4_forward, window=window)))
     return cases
