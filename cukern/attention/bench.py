@@ -13,19 +13,23 @@ from .forward import attention, attention_varlen
 # ---- benchmark cases ----------------------------------------------------------------------------
 
 # (batch, heads, seqlen, head_dim, causal): batch * seqlen = 64k tokens, and long sequences.
+# (an optional sixth: the K/V heads, grouped-query attention; H by default)
 WORKLOAD = {"full": [(32, 16, 2048, 128, False), (32, 16, 2048, 128, True), (4, 32, 8192, 128, True),
-                     (16, 32, 2048, 64, True), (8, 16, 4096, 256, True)],
+                     (16, 32, 2048, 64, True), (8, 16, 4096, 256, True), (4, 32, 8192, 128, True, 8)],
             "quick": [(4, 16, 2048, 128, False), (4, 16, 2048, 128, True), (1, 32, 4096, 128, True),
-                      (4, 32, 2048, 64, True), (1, 16, 4096, 256, True)], "dtype": "bfloat16"}
+                      (4, 32, 2048, 64, True), (1, 16, 4096, 256, True), (1, 32, 4096, 128, True, 8)],
+            "dtype": "bfloat16"}
 
 
-def _inputs(B, H, S, D, dtype, seed, *, grad=False, sdpa=False) -> dict:
-    """q, k, v (B, S, H, D); with ``sdpa`` the PyTorch-path layout instead: (B, H, S, D) leaves."""
+def _inputs(B, H, S, D, dtype, seed, *, grad=False, sdpa=False, hkv=None) -> dict:
+    """q (B, S, H, D), k, v (B, S, hkv, D); with ``sdpa`` the PyTorch-path layout instead:
+    (B, H, S, D) leaves."""
     gen = generator(seed)
-    shape = (B, H, S, D) if sdpa else (B, S, H, D)
-    t = {n: randn(shape, dtype, gen) for n in ("q", "k", "v")}
+    hkv = H if hkv is None else hkv
+    shapes = {n: ((B, h, S, D) if sdpa else (B, S, h, D)) for n, h in (("q", H), ("k", hkv), ("v", hkv))}
+    t = {n: randn(shapes[n], dtype, gen) for n in ("q", "k", "v")}
     if grad:
-        t["do"] = t["dy"] = randn(shape, dtype, gen)
+        t["do"] = t["dy"] = randn(shapes["q"], dtype, gen)
         t["leaves"] = tuple(t[n].detach().requires_grad_(True) for n in ("q", "k", "v"))
     return t
 
@@ -36,9 +40,10 @@ def _sdpa(t, causal, backend, leaves=False):
 
     which = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
     q, k, v = t["leaves"] if leaves else (t[n] for n in ("q", "k", "v"))
+    gqa = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
     with sdpa_kernel(which):
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              is_causal=causal).transpose(1, 2)
+                                              is_causal=causal, **gqa).transpose(1, 2)
 
 
 def fa4_functions():
@@ -102,11 +107,12 @@ def bench_cases(quick: bool) -> list:
     (FlashAttention-2) and the CUDNN_ATTENTION backend."""
     dt = WORKLOAD["dtype"]
     cases = []
-    for B, H, S, D, causal in WORKLOAD["quick" if quick else "full"]:
+    for B, H, S, D, causal, *kv in WORKLOAD["quick" if quick else "full"]:
+        hkv = kv[0] if kv else H
         flops = 4 * B * H * S * S * D // (2 if causal else 1)
         long = " long" if S > 2048 else ""  # (the same label for the --quick shape of a case)
-        tag = f"attention{' causal' if causal else ''}{long} d{D}"
-        make = functools.partial(_inputs, B, H, S, D, dt)
+        tag = f"attention{' causal' if causal else ''}{long}{' gqa' if hkv != H else ''} d{D}"
+        make = functools.partial(_inputs, B, H, S, D, dt, hkv=hkv)
         for backend in ("flash", "cudnn", "fa4"):
             peer = (functools.partial(_fa4, causal=causal) if backend == "fa4"
                     else functools.partial(_sdpa, causal=causal, backend=backend))
