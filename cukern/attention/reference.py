@@ -64,21 +64,42 @@ def _ref_scores(q, k, scale, mask: Mask, sinks=None):
     return p, lse, s
 
 
-def _ref_forward(qf, kf, vf, scale, mask: Mask, sinks=None):
+def dropout_keep_mask(p: float, seed: int, offset: int, batch: int, heads: int, sq: int, sk: int,
+                      q0: int = 0, k0: int = 0) -> np.ndarray:
+    """(batch, heads, sq, sk) bool: which attention weights dropout keeps (``cukern._philox``, the
+    kernels' draw): element (b, h, i, j) is drawn at (b * heads + h, q0 + i, k0 + j); packed
+    documents draw at their tokens' places in the pack (batch 1, q0 and k0 the document's first)."""
+    from .. import _philox
+
+    bh = (np.arange(batch)[:, None] * heads + np.arange(heads)[None, :])[:, :, None, None]
+    rows = (q0 + np.arange(sq))[None, None, :, None]
+    keys = (k0 + np.arange(sk))[None, None, None, :]
+    return _philox.dropout_keep(seed, offset, bh, rows, keys, p)
+
+
+def _ref_forward(qf, kf, vf, scale, mask: Mask, sinks=None, keep=None, p_drop=0.0):
+    """(out, lse); ``keep`` (B, H, Sq, Sk) bool: dropout of the weights, the kept scaled by
+    1 / (1 - p_drop) (lse is the softmax's, before dropout)."""
     p, lse, _ = _ref_scores(qf, kf, scale, mask, sinks)
+    if keep is not None:
+        p = np.where(keep, p / (1.0 - p_drop), 0.0)
     vh = np.repeat(vf, qf.shape[2] // kf.shape[2], axis=2)
     return np.einsum("bhqk,bkhd->bqhd", p, vh), lse
 
 
-def _ref_backward(dof, qf, kf, vf, scale, mask: Mask, sinks=None):
-    """(dq, dk, dv), and dsinks (H,) after them where ``sinks`` are given."""
+def _ref_backward(dof, qf, kf, vf, scale, mask: Mask, sinks=None, keep=None, p_drop=0.0):
+    """(dq, dk, dv), and dsinks (H,) after them where ``sinks`` are given; ``keep`` and
+    ``p_drop`` as for ``_ref_forward``."""
     batch, sq, h, d = qf.shape
     sk, hkv = kf.shape[1], kf.shape[2]
     rep = h // hkv
     p, lse, s = _ref_scores(qf, kf, scale, mask, sinks)
     kh, vh = np.repeat(kf, rep, axis=2), np.repeat(vf, rep, axis=2)
-    dvh = np.einsum("bhqk,bqhd->bkhd", p, dof)
+    dropped = p if keep is None else np.where(keep, p / (1.0 - p_drop), 0.0)
+    dvh = np.einsum("bhqk,bqhd->bkhd", dropped, dof)
     dp = np.einsum("bqhd,bkhd->bhqk", dof, vh)
+    if keep is not None:   # (the gradient reaches P through the same kept, scaled weights)
+        dp = np.where(keep, dp / (1.0 - p_drop), 0.0)
     correction = (p * dp).sum(axis=-1, keepdims=True)   # sum_j P dP = dO . O: the sink has no value
     ds = p * (dp - correction) * _attention_mask.softcap_grad(s, mask)
     dq = np.einsum("bhqk,bkhd->bqhd", ds, kh) * scale
