@@ -20,7 +20,18 @@ def _check_rank(a: DeviceArray) -> None:
         raise ValueError(f"{a.name}: expected (batch, seqlen, heads, head_dim), got shape {a.shape}")
 
 
-def _check_qkv(qa, ka, va, head_dims, which: str) -> None:
+def _check_values(va, ka, values: bool) -> None:
+    """v against k: the same shape, or with ``values`` (the references) any head size of its own
+    (MLA's 128 beside q and k's 192)."""
+    if va.shape == ka.shape or (values and va.shape[:-1] == ka.shape[:-1]):
+        return
+    if va.shape[:-1] == ka.shape[:-1]:
+        raise ValueError(f"v: head_dim {va.shape[-1]} differs from k's {ka.shape[-1]}: the kernels take one head "
+                         "size for q, k and v (a value head size of its own: the references only, so far)")
+    raise ValueError(f"v: shape {va.shape} does not match k's {ka.shape}")
+
+
+def _check_qkv(qa, ka, va, head_dims, which: str, values: bool = False) -> None:
     for a in (qa, ka, va):
         _check_rank(a)
     b, sq, h, d = qa.shape
@@ -28,8 +39,7 @@ def _check_qkv(qa, ka, va, head_dims, which: str) -> None:
     for a in (ka, va):
         if a.dtype != qa.dtype:
             raise ValueError(f"{a.name}: dtype {a.dtype} differs from q's {qa.dtype}")
-    if va.shape != ka.shape:
-        raise ValueError(f"v: shape {va.shape} does not match k's {ka.shape}")
+    _check_values(va, ka, values)
     if bk != b:
         raise ValueError(f"k: batch {bk} does not match q's {b}")
     if dk != d:
@@ -43,10 +53,13 @@ def _check_qkv(qa, ka, va, head_dims, which: str) -> None:
         raise ValueError(f"q: batch * heads = {b * h} exceeds 65535 (one grid axis); split the batch")
 
 
-def _check_like_q(a: DeviceArray, ref: DeviceArray) -> None:
+def _check_like_q(a: DeviceArray, ref: DeviceArray, shape: tuple | None = None) -> None:
+    """``a`` of ``ref``'s dtype and of its shape (or of ``shape``: out and dout with a value head
+    size of their own)."""
     _check_rank(a)
-    if a.shape != ref.shape:
-        raise ValueError(f"{a.name}: shape {a.shape} does not match {ref.name}'s {ref.shape}")
+    if a.shape != (ref.shape if shape is None else shape):
+        what = f"{ref.name}'s {ref.shape}" if shape is None else f"{shape} (q's with v's head_dim)"
+        raise ValueError(f"{a.name}: shape {a.shape} does not match {what}")
     if a.dtype != ref.dtype and not (a.kind == "numpy" and "float64" in (a.dtype, ref.dtype)):
         # (the references take float64 beside any dtype: their own results feed their backwards)
         raise ValueError(f"{a.name}: dtype {a.dtype} differs from {ref.name}'s {ref.dtype}")
@@ -59,7 +72,7 @@ def _check_lse(la: DeviceArray, qa: DeviceArray) -> None:
 
 
 def _check_varlen(qa, ka, va, cu_q: DeviceArray, cu_k: DeviceArray, max_seqlen_q, max_seqlen_k, head_dims,
-                  which: str) -> tuple[int, int]:
+                  which: str, values: bool = False) -> tuple[int, int]:
     """Packed documents: q (total_q, H, D), k and v (total_k, Hkv, D), cu_seqlens_q/k (B + 1)
     int32 offsets of each document's first token. The max lengths as ints."""
     for a in (qa, ka, va):
@@ -68,8 +81,7 @@ def _check_varlen(qa, ka, va, cu_q: DeviceArray, cu_k: DeviceArray, max_seqlen_q
         if a.ndim != 3:
             raise ValueError(f"{a.name}: expected (total_tokens, heads, head_dim) for packed documents, "
                              f"got shape {a.shape}")
-    if va.shape != ka.shape:
-        raise ValueError(f"v: shape {va.shape} does not match k's {ka.shape}")
+    _check_values(va, ka, values)
     for cu in (cu_q, cu_k):
         if cu.dtype != "int32":
             raise ValueError(f"{cu.name}: dtype {cu.dtype}; expected int32 offsets (flash-attn's cu_seqlens)")
@@ -84,7 +96,7 @@ def _check_varlen(qa, ka, va, cu_q: DeviceArray, cu_k: DeviceArray, max_seqlen_q
         if m == 0 and a.shape[0] > 0:
             raise ValueError(f"{name}: 0, but {a.name} holds {a.shape[0]} tokens")
     # (the dense checks, on the packed arrays seen as one batch)
-    _check_qkv(*(a.batched() for a in (qa, ka, va)), head_dims, which)
+    _check_qkv(*(a.batched() for a in (qa, ka, va)), head_dims, which, values)
     if (cu_q.shape[0] - 1) * qa.shape[1] > 65535:
         raise ValueError(f"cu_seqlens_q: documents * heads = {(cu_q.shape[0] - 1) * qa.shape[1]} exceeds 65535 "
                          "(one grid axis); split the batch")

@@ -19,7 +19,7 @@ def _ref_head_dims(qa: DeviceArray, head_dims):
 
 def _host_qkv(q, k, v, head_dims, which: str = ""):
     qa, ka, va = (_arrays.as_host_array(a, n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
-    _check_qkv(qa, ka, va, _ref_head_dims(qa, head_dims), which)
+    _check_qkv(qa, ka, va, _ref_head_dims(qa, head_dims), which, values=True)
     return qa, ka, va
 
 
@@ -104,7 +104,8 @@ def _ref_backward(dof, qf, kf, vf, scale, mask: Mask, sinks=None, keep=None, p_d
     ds = p * (dp - correction) * _attention_mask.softcap_grad(s, mask)
     dq = np.einsum("bhqk,bkhd->bqhd", ds, kh) * scale
     dkh = np.einsum("bhqk,bqhd->bkhd", ds, qf) * scale
-    grads = (dq, dkh.reshape(batch, sk, hkv, rep, d).sum(axis=3), dvh.reshape(batch, sk, hkv, rep, d).sum(axis=3))
+    dv_ = vf.shape[-1]
+    grads = (dq, dkh.reshape(batch, sk, hkv, rep, d).sum(axis=3), dvh.reshape(batch, sk, hkv, rep, dv_).sum(axis=3))
     if sinks is None:
         return grads
     # d lse / d sink is the sink's probability; its dP is 0, so dS_sink = -P_sink * correction
@@ -114,7 +115,8 @@ def _ref_backward(dof, qf, kf, vf, scale, mask: Mask, sinks=None, keep=None, p_d
 
 def reference_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, window=(-1, -1),
                         softcap=0.0, sinks=None):
-    """``attention`` in float64: out (B, Sq, H, D) [, lse (B, H, Sq)]; the mask aligned to the
+    """``attention`` in float64: out (B, Sq, H, Dv) [, lse (B, H, Sq)] (Dv: v's head size, which
+    may differ from q's and k's here, as MLA's 128 beside 192); the mask aligned to the
     bottom right; a query that sees no key gives zeros and lse = +inf (as the kernel; with
     sinks, lse = its sink), one whose scores hold a NaN gives NaN (as torch.softmax)."""
     qa, ka, va = _host_qkv(q, k, v, _cfg.CONFIGS.head_dims)
@@ -132,9 +134,10 @@ def reference_attention_backward(dout, q, k, v, out=None, lse=None, *, causal=Fa
     qa, ka, va = _host_qkv(q, k, v, _cfg.CONFIGS.bwd_head_dims, " by the backward")
     mask = _attention_mask.mask_of(causal, window, softcap, qa.shape[1], ka.shape[1])
     da = _arrays.as_host_array(dout, "dout")
-    _check_like_q(da, qa)
+    out_shape = (*qa.shape[:-1], va.shape[-1])
+    _check_like_q(da, qa, out_shape)
     if out is not None:
-        _check_like_q(_arrays.as_host_array(out, "out"), qa)
+        _check_like_q(_arrays.as_host_array(out, "out"), qa, out_shape)
     if lse is not None:
         _check_lse(_arrays.as_host_array(lse, "lse", ("float32",)), qa)
     qf, kf, vf, dof = (a.obj.astype(np.float64) for a in (qa, ka, va, da))
@@ -146,7 +149,7 @@ def _host_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     cq, ck = (_arrays.as_host_array(a, n, ("int32",)) for a, n in ((cu_seqlens_q, "cu_seqlens_q"),
                                                                   (cu_seqlens_k, "cu_seqlens_k")))
     max_q, max_k = _check_varlen(qa, ka, va, cq, ck, max_seqlen_q, max_seqlen_k, _ref_head_dims(qa, head_dims),
-                                 which)
+                                 which, values=True)
     _check_cu_values(cq.obj, "cu_seqlens_q", qa.shape[0], max_q)
     _check_cu_values(ck.obj, "cu_seqlens_k", ka.shape[0], max_k)
     return qa, ka, va, cq.obj, ck.obj
@@ -160,7 +163,7 @@ def reference_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
                                       _cfg.CONFIGS.head_dims)
     scale = _scale(softmax_scale, qa.shape[-1])
     sf = _host_sinks(sinks, qa.shape[1])
-    out = np.zeros(qa.shape)
+    out = np.zeros((*qa.shape[:-1], va.shape[-1]))
     lse = np.full((qa.shape[1], qa.shape[0]), np.inf)
     for i in range(len(cq) - 1):
         (q0, q1), (k0, k1) = cq[i:i + 2], ck[i:i + 2]
@@ -178,16 +181,17 @@ def reference_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, c
     qa, ka, va, cq, ck = _host_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       _cfg.CONFIGS.bwd_head_dims, " by the backward")
     da = _arrays.as_host_array(dout, "dout")
-    _checks.like(da, qa, qa.shape)
+    out_shape = (*qa.shape[:-1], va.shape[-1])
+    _checks.like(da, qa, out_shape)
     if out is not None:
-        _checks.like(_arrays.as_host_array(out, "out"), qa, qa.shape)
+        _checks.like(_arrays.as_host_array(out, "out"), qa, out_shape)
     if lse is not None:
         la = _arrays.as_host_array(lse, "lse", ("float32",))
         if la.shape != (qa.shape[1], qa.shape[0]):
             raise ValueError(f"lse: shape {la.shape} does not match (heads, total_q) = {(qa.shape[1], qa.shape[0])}")
     scale = _scale(softmax_scale, qa.shape[-1])
     sf = _host_sinks(sinks, qa.shape[1])
-    grads = [np.zeros(qa.shape), np.zeros(ka.shape), np.zeros(ka.shape)]
+    grads = [np.zeros(qa.shape), np.zeros(ka.shape), np.zeros(va.shape)]
     dsinks = np.zeros(qa.shape[1])
     for i in range(len(cq) - 1):
         (q0, q1), (k0, k1) = cq[i:i + 2], ck[i:i + 2]
