@@ -13,7 +13,6 @@ needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
 M = importlib.import_module("cukern._attention_mask")
 
 
-
 @needs_torch
 @pytest.mark.parametrize("causal", [False, True])
 def test_reference_with_a_value_head_size_of_its_own_matches_autograd(causal):
