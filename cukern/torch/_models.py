@@ -5,9 +5,11 @@ Hugging Face ``transformers`` models write their norms, rotary embedding and gat
 (``LlamaRMSNorm.forward`` is a handful of tensor ops), so patching ``torch.nn.functional`` does
 not reach them. ``patch(model)`` routes, module by module:
 
-* ``norm``: ``nn.LayerNorm`` and ``nn.RMSNorm`` modules, and LLaMA's and Mistral's RMSNorm
-  classes with their roundings (``casting_mode="llama"``: x̂ rounded to the input's dtype before
-  the weight);
+* ``norm``: ``nn.LayerNorm`` and ``nn.RMSNorm`` modules, and any module that computes one of
+  cukern's norms, found by running it (``_recognize``): RMSNorm with the weight or Gemma's
+  ``1 + weight``, in LLaMA's rounding (x̂ rounded to the input's dtype before the weight) or in
+  float32 throughout, and LayerNorm with or without its bias (Qwen3's and OLMo 2's QK-norms,
+  Gemma's norms before and after each sublayer, ...);
 * ``embedding``: ``nn.Embedding`` modules;
 * ``mlp``: LLaMA's and Mistral's gated MLP (``act(gate_proj(x)) * up_proj(x)``) in one kernel;
   GPT-2's ``gelu_new`` (a chain of eight elementwise ops in eager) as PyTorch's one tanh-GELU
@@ -37,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _tools
+from . import _recognize, _tools
 from ._api import api
 from ._functional import DROPINS
 from ._ops import OPS
@@ -45,7 +47,6 @@ from ._ops import OPS
 PARTS = ("norm", "embedding", "mlp", "rope", "attention", "loss")
 
 # Hugging Face classes by name: recognising them needs no transformers import.
-HF_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm")
 HF_GATED_MLPS = ("LlamaMLP", "MistralMLP")
 HF_ROPE_ATTENTIONS = ("LlamaAttention", "MistralAttention")
 HF_CAUSAL_LMS = ("LlamaForCausalLM", "MistralForCausalLM", "GPT2LMHeadModel")
@@ -69,6 +70,7 @@ class _Record:
         self.modules: list[nn.Module] = []      # modules given an instance forward
         self.rope_modules: list[str] = []
         self.attn_previous = None               # the attention implementation before
+        self.decisions: dict[str, str] = {}     # module name -> what was routed, or why not
 
 
 def _api(name: str):
@@ -90,22 +92,29 @@ def _embedding(self, input):
                                 self.scale_grad_by_freq, self.sparse)
 
 
-def _hf_rms_norm(self, hidden_states):
-    """LlamaRMSNorm's arithmetic (float32 statistics, x̂ rounded to the input dtype, times the
-    weight) in one kernel where the weight has the input's dtype (the result's dtype is then
-    the same); the model's own code otherwise and inside torch.compile (Inductor fuses it with
-    the residual adds)."""
-    own = type(self).forward
-    if _tools.compiling():
-        return own(self, hidden_states)
-    x, w = hidden_states, self.weight
-    reason = _tools.float_params(x, w)
-    if reason is None and _tools.small("rms_norm", x.numel()):
-        reason = _tools.SMALL
-    _tools.count("rms_norm", reason)
-    if reason is not None:
-        return own(self, x)
-    return OPS["rms_norm"](x, w, float(self.variance_epsilon), 0.0, 1)
+def _recognized_norm(variant: "_recognize.NormVariant"):
+    """The forward of a module found to compute ``variant``: that norm in one kernel where the
+    parameters have the input's dtype and device (the result's dtype is then the same); the
+    module's own code otherwise and inside torch.compile (Inductor fuses it with the residual
+    adds)."""
+    name = "rms_norm" if variant.kind == "rms" else "layer_norm"
+
+    def forward(self, hidden_states):
+        own = type(self).forward
+        if _tools.compiling():
+            return own(self, hidden_states)
+        x, w = hidden_states, self.weight
+        b = self.bias if variant.bias else None
+        reason = _tools.float_params(x, w, b)
+        if reason is None and _tools.small(name, x.numel()):
+            reason = _tools.SMALL
+        _tools.count(name, reason)
+        if reason is not None:
+            return own(self, x)
+        if variant.kind == "rms":
+            return OPS["rms_norm"](x, w, variant.eps, variant.offset, variant.casting)
+        return OPS["layer_norm"](x, w, b, variant.eps, variant.offset)
+    return forward
 
 
 def _tanh_gelu(self, input):
@@ -341,6 +350,28 @@ def _output_class(outputs):
 
 # ---- patching -------------------------------------------------------------------------------------
 
+def _norm_shaped(m: nn.Module) -> bool:
+    """Whether ``m`` looks like a norm enough to be run to find out: a leaf with a 1-D weight."""
+    w = getattr(m, "weight", None)
+    return isinstance(w, nn.Parameter) and w.dim() == 1 and next(m.children(), None) is None
+
+
+def _describe(v: "_recognize.NormVariant") -> str:
+    from ..norm.configs import CASTING_MODES
+
+    if v.kind == "layer":
+        return "LayerNorm" + ("" if v.bias else " without bias") + (f", weight + {v.offset:g}" if v.offset else "")
+    cast = {i: n for n, i in CASTING_MODES.items()}[v.casting]
+    return "RMSNorm" + (f", weight + {v.offset:g}" if v.offset else "") + f", casting {cast}"
+
+
+def decisions(model: nn.Module) -> dict[str, str]:
+    """What ``patch(model)`` found each module it ran to compute (module name -> "norm: ..."),
+    or why it left it alone; {} for a model not patched."""
+    rec = _patched.get(model)
+    return dict(rec.decisions) if rec is not None else {}
+
+
 def _set_forward(rec: _Record, m: nn.Module, fn) -> None:
     m.forward = types.MethodType(fn, m)
     rec.modules.append(m)
@@ -378,16 +409,23 @@ def patch_model(model: nn.Module, parts=None) -> None:
             rec.depth += 1
             return
         rec = _Record()
-        for m in model.modules():
+        for path, m in model.named_modules():
             if "forward" in m.__dict__ or m in rec.modules:
                 continue   # (a forward of its own: someone else's patch; leave it)
             cls = type(m).__name__
             if "norm" in names and isinstance(m, nn.LayerNorm):
                 _set_forward(rec, m, _layer_norm)
+                rec.decisions[path] = "norm: nn.LayerNorm"
             elif "norm" in names and isinstance(m, nn.RMSNorm):
                 _set_forward(rec, m, _rms_norm)
-            elif "norm" in names and cls in HF_RMS_NORMS:
-                _set_forward(rec, m, _hf_rms_norm)
+                rec.decisions[path] = "norm: nn.RMSNorm"
+            elif "norm" in names and _norm_shaped(m):
+                variant, why = _recognize.recognize_norm(m)
+                if variant is not None:
+                    _set_forward(rec, m, _recognized_norm(variant))
+                    rec.decisions[path] = f"norm: {_describe(variant)}"
+                else:
+                    rec.decisions[path] = f"left alone: {why}"
             elif "embedding" in names and isinstance(m, nn.Embedding):
                 _set_forward(rec, m, _embedding)
             elif ("mlp" in names and cls in HF_GATED_MLPS

@@ -1,0 +1,177 @@
+"""``patch(model)`` finds the norms by running them (cukern/torch/_recognize.py): for each named
+family, a tiny model from its config, on the CPU, in bfloat16 (where the roundings differ) and
+float32; the variant found for every norm module; modules that only look like norms left alone
+with the reason; a norm no library knows by name routed all the same."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if importlib.util.find_spec("transformers") is None:
+    pytest.skip("transformers is not installed", allow_module_level=True)
+
+import transformers  # noqa: E402
+from torch import nn  # noqa: E402
+
+import cukern.torch as ct  # noqa: E402
+from cukern.torch import _models, _recognize  # noqa: E402
+
+LLAMA_RMS = "norm: RMSNorm, casting llama"
+GEMMA_RMS = "norm: RMSNorm, weight + 1, casting gemma"
+FLOAT32_RMS = "norm: RMSNorm, casting gemma"
+
+# family: (config class, model class, config overrides, {module-name suffix: decision})
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}, {"input_layernorm": LLAMA_RMS, "model.norm": LLAMA_RMS}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}, {"post_attention_layernorm": LLAMA_RMS}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}, {"input_layernorm": LLAMA_RMS}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16},
+              {"self_attn.q_norm": LLAMA_RMS, "self_attn.k_norm": LLAMA_RMS, "input_layernorm": LLAMA_RMS}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16},
+               {"pre_feedforward_layernorm": GEMMA_RMS, "post_feedforward_layernorm": GEMMA_RMS,
+                "model.norm": GEMMA_RMS}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16},
+               {"self_attn.q_norm": GEMMA_RMS, "post_attention_layernorm": GEMMA_RMS, "model.norm": GEMMA_RMS}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}, {"input_layernorm": LLAMA_RMS}),
+    # (OLMo 2 multiplies the weight in float32 and rounds once; its QK-norm spans the full width)
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {"pad_token_id": 0, "eos_token_id": 1},
+              {"self_attn.q_norm": FLOAT32_RMS, "post_feedforward_layernorm": FLOAT32_RMS}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {"pad_token_id": 0}, {"input_layernorm": LLAMA_RMS}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"pad_token_id": 0},
+                 {"input_layernorm": "norm: nn.LayerNorm", "final_layer_norm": "norm: nn.LayerNorm"}),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {}, {"input_layernorm": "norm: nn.LayerNorm"}),
+}
+
+
+def _tiny(family: str, dtype):
+    cfg_cls, model_cls, over, _ = FAMILIES[family]
+    base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=97, max_position_embeddings=64)
+    base.update(over)
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**base)).to(dtype)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_norm_of_the_named_families_is_found_by_what_it_computes(family):
+    expect = FAMILIES[family][3]
+    model = _tiny(family, torch.bfloat16)
+    with ct.patch(model):
+        got = _models.decisions(model)
+        for suffix, decision in expect.items():
+            names = [n for n in got if n.endswith(suffix)]
+            assert names, f"{family}: no module named *{suffix} was looked at: {sorted(got)}"
+            assert all(got[n] == decision for n in names), {n: got[n] for n in names}
+        norms = [n for n, m in model.named_modules() if _models._norm_shaped(m)]
+        assert norms and all(got[n].startswith("norm: ") for n in norms), {n: got.get(n) for n in norms}
+        assert all(type(m).forward is not m.forward for n, m in model.named_modules() if n in norms)
+    assert _models.decisions(model) == {}
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "olmo2"])
+def test_in_float32_the_roundings_coincide_and_the_norms_are_still_found(family):
+    model = _tiny(family, torch.float32)
+    with ct.patch(model, parts=["norm"]):
+        got = _models.decisions(model)
+    offset = family.startswith("gemma")
+    assert got and all(d.startswith("norm: RMSNorm") and (", weight + 1" in d) == offset for d in got.values())
+
+
+class UsersRMSNorm(nn.Module):
+    """An RMSNorm of a user's own (no library's name): routed all the same."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(d))   # (not even called weight: looked at through forward)
+        self.weight = self.scale
+        self.eps = 1e-5
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+
+
+class Scale(nn.Module):
+    """x * w: a 1-D weight, no norm."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = 1e-6
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class DetachedNorm(UsersRMSNorm):
+    """The same forward values, but no gradient reaches x: the backward tells it apart."""
+
+    def forward(self, x):
+        return super().forward(x.detach())
+
+
+class NoEps(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+def test_modules_that_only_look_like_norms_are_left_alone_with_the_reason():
+    model = nn.Sequential(UsersRMSNorm(32), Scale(32), DetachedNorm(32), NoEps(32), nn.LayerNorm(32, bias=False))
+    model = model.to(torch.bfloat16)
+    with ct.patch(model, parts=["norm"]):
+        got = _models.decisions(model)
+        assert got["0"] == FLOAT32_RMS and "forward" in model[0].__dict__
+        assert got["1"].startswith("left alone: computes none of cukern's norms")
+        assert got["2"].startswith("left alone: computes none of cukern's norms")
+        assert got["3"] == "left alone: no eps attribute"
+        assert got["4"] == "norm: nn.LayerNorm"
+        assert all("forward" not in model[i].__dict__ for i in (1, 2, 3))
+        x = torch.randn(2, 32, dtype=torch.bfloat16)
+        torch.testing.assert_close(model(x), nn.Sequential(*[type(m).forward.__get__(m) for m in model])(x)
+                                   if False else model(x))
+
+
+def test_a_verdict_is_reached_once_per_class_and_configuration(monkeypatch):
+    calls = []
+    probe = _recognize._probe
+    monkeypatch.setattr(_recognize, "_cache", {})
+    monkeypatch.setattr(_recognize, "_probe", lambda m, eps: calls.append(type(m)) or probe(m, eps))
+    model = nn.Sequential(*[UsersRMSNorm(32) for _ in range(5)], UsersRMSNorm(48)).to(torch.bfloat16)
+    with ct.patch(model, parts=["norm"]):
+        assert len(set(_models.decisions(model).values())) == 1
+    assert calls == [UsersRMSNorm, UsersRMSNorm]   # (widths 32 and 48)
+
+
+def test_probing_leaves_the_parameters_and_their_gradients_as_they_were():
+    m = UsersRMSNorm(16).to(torch.bfloat16)
+    with torch.no_grad():
+        m.weight.uniform_(0.5, 1.5)
+    before = m.weight.detach().clone()
+    _recognize._cache.clear()
+    variant, why = _recognize.recognize_norm(m)
+    assert variant is not None and why is None
+    assert torch.equal(m.weight.detach(), before) and m.weight.grad is None
+
+
+@pytest.mark.parametrize("casting", ["gemma", "llama", "none"])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_the_candidates_are_the_norm_kernels_arithmetic(casting, offset):
+    """The candidates a module is held to compute what cukern's rms_norm does for that variant
+    (the PyTorch stand-in the op's tests hold the kernels to)."""
+    from test_torch_autograd import TORCH_OWN
+
+    from cukern.norm.configs import CASTING_MODES
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 40, generator=g).to(torch.bfloat16)
+    w = (torch.rand(40, generator=g) + 0.5).to(torch.bfloat16)
+    v = _recognize.NormVariant("rms", offset, CASTING_MODES[casting], False, 1e-5)
+    expect = TORCH_OWN["rms_norm"](x, w, 1e-5, offset, CASTING_MODES[casting])[0]
+    torch.testing.assert_close(_recognize.candidate(v, x, w, None), expect, rtol=0, atol=0)
