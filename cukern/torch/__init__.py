@@ -9,6 +9,7 @@ drop-in functions and modules, and ``patch()`` to route an unchanged model's cal
         loss = model(tokens).loss       # F.layer_norm, F.rms_norm, F.group_norm, F.embedding,
         loss.backward()                 # F.scaled_dot_product_attention, F.cross_entropy -> cukern
     print(cukern.torch.counts())        # {"layer_norm": {"cukern": 48, "torch": 0}, ...}
+    print(cukern.torch.routing(model))  # {"model.norm": "norm: RMSNorm, casting llama", ...}
 
     loss = cukern.torch.linear_cross_entropy(hidden, lm_head.weight, targets)   # no (T, V) logits
 
@@ -17,7 +18,7 @@ functions, ops and modules are those the kernel families declare (cukern._regist
 """
 from ._api import api as _api
 from ._functional import DROPINS as _DROPINS, counts, reset_counts
-from ._models import PARTS
+from ._models import PARTS, decisions as routing
 from ._patch import OPS, is_patched, patch, unpatch
 from .modules import MODULES as _MODULES
 
@@ -28,4 +29,5 @@ globals().update(_DROPINS)
 globals().update(_MODULES)
 globals().update(_API)
 
-__all__ = ["OPS", "PARTS", "patch", "unpatch", "is_patched", "counts", "reset_counts", *_DROPINS, *_MODULES, *_API]
+__all__ = ["OPS", "PARTS", "patch", "unpatch", "is_patched", "routing", "counts", "reset_counts", *_DROPINS, *_MODULES,
+           *_API]

@@ -366,8 +366,9 @@ def _describe(v: "_recognize.NormVariant") -> str:
 
 
 def decisions(model: nn.Module) -> dict[str, str]:
-    """What ``patch(model)`` found each module it ran to compute (module name -> "norm: ..."),
-    or why it left it alone; {} for a model not patched."""
+    """``cukern.torch.routing(model)``: what ``patch(model)`` decided for each module it looked
+    at (module name -> "norm: RMSNorm, casting llama", or "left alone: <why>"); {} for a model
+    that is not patched."""
     rec = _patched.get(model)
     return dict(rec.decisions) if rec is not None else {}
 
