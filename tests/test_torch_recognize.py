@@ -45,6 +45,14 @@ FAMILIES = {
 }
 
 
+SWIGLU = "mlp: SwiGLU, gate_proj / up_proj / down_proj"
+GEGLU_TANH = "mlp: GeGLU (tanh), gate_proj / up_proj / down_proj"
+MLPS = {"llama": SWIGLU, "mistral": SWIGLU, "qwen2": SWIGLU, "qwen3": SWIGLU, "olmo2": SWIGLU, "granite": SWIGLU,
+        "gemma2": GEGLU_TANH, "gemma3": GEGLU_TANH,
+        "phi3": "mlp: SwiGLU, gate_up_proj fused (gate half first), down_proj",
+        "gpt_neox": None, "starcoder2": None}   # (not gated: their activations are the drop-ins')
+
+
 def _tiny(family: str, dtype):
     cfg_cls, model_cls, over, _ = FAMILIES[family]
     base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
@@ -177,3 +185,53 @@ def test_the_candidates_are_the_norm_kernels_arithmetic(casting, offset):
     v = _recognize.NormVariant("rms", offset, CASTING_MODES[casting], False, 1e-5)
     expect = TORCH_OWN["rms_norm"](x, w, 1e-5, offset, CASTING_MODES[casting])[0]
     torch.testing.assert_close(_recognize.candidate(v, x, w, None), expect, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_gated_mlp_of_the_named_families_is_found_by_what_it_computes(family):
+    model = _tiny(family, torch.bfloat16)
+    x = torch.randint(0, 97, (2, 8))
+    with torch.no_grad():
+        expect = model(x).logits
+    with ct.patch(model, parts=["mlp"]):
+        got = {n: d for n, d in ct.routing(model).items() if n.endswith(".mlp")}
+        if MLPS[family] is None:
+            assert got == {}
+        else:
+            assert got and set(got.values()) == {MLPS[family]}, got
+        with torch.no_grad():   # (on the CPU the kernels' calls fall back: the model's own numbers)
+            torch.testing.assert_close(model(x).logits, expect, rtol=1e-2, atol=1e-2)
+
+
+class UpFirstMLP(nn.Module):
+    """A fused projection whose up half comes first, GELU by F.gelu in the forward (no
+    activation module): found all the same."""
+
+    def __init__(self, h, i):
+        super().__init__()
+        self.w_in = nn.Linear(h, 2 * i, bias=False)
+        self.w_out = nn.Linear(i, h, bias=True)
+
+    def forward(self, x):
+        up, gate = self.w_in(x).chunk(2, dim=-1)
+        return self.w_out(torch.nn.functional.gelu(gate) * up)
+
+
+class SumMLP(UpFirstMLP):
+    """The shapes of a gated MLP, but a sum instead of the product."""
+
+    def forward(self, x):
+        up, gate = self.w_in(x).chunk(2, dim=-1)
+        return self.w_out(torch.nn.functional.silu(gate) + up)
+
+
+def test_an_mlp_no_library_names_is_found_and_a_look_alike_left_alone():
+    model = nn.Sequential(UpFirstMLP(32, 48), SumMLP(32, 48)).to(torch.float32)
+    x = torch.randn(2, 32)
+    expect = model(x)
+    with ct.patch(model, parts=["mlp"]):
+        got = ct.routing(model)
+        assert got["0"] == "mlp: GeGLU, w_in fused (up half first), w_out"
+        assert got["1"].startswith("left alone: computes no gated MLP")
+        assert "forward" in model[0].__dict__ and "forward" not in model[1].__dict__
+        torch.testing.assert_close(model(x), expect)

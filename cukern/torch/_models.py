@@ -11,7 +11,9 @@ not reach them. ``patch(model)`` routes, module by module:
   float32 throughout, and LayerNorm with or without its bias (Qwen3's and OLMo 2's QK-norms,
   Gemma's norms before and after each sublayer, ...);
 * ``embedding``: ``nn.Embedding`` modules;
-* ``mlp``: LLaMA's and Mistral's gated MLP (``act(gate_proj(x)) * up_proj(x)``) in one kernel;
+* ``mlp``: any module found to compute a gated MLP (``down(act(gate(x)) * up(x))``, silu, gelu or
+  tanh-gelu; separate or fused gate and up projections, as Phi-3's ``gate_up_proj``) with the
+  product in one kernel (``_recognize``);
   GPT-2's ``gelu_new`` (a chain of eight elementwise ops in eager) as PyTorch's one tanh-GELU
   kernel, the same function computed in float32 (as torch.compile computes it);
 * ``rope``: ``apply_rotary_pos_emb`` of the model's modeling module (LLaMA, Mistral);
@@ -47,15 +49,11 @@ from ._ops import OPS
 PARTS = ("norm", "embedding", "mlp", "rope", "attention", "loss")
 
 # Hugging Face classes by name: recognising them needs no transformers import.
-HF_GATED_MLPS = ("LlamaMLP", "MistralMLP")
 HF_ROPE_ATTENTIONS = ("LlamaAttention", "MistralAttention")
 HF_CAUSAL_LMS = ("LlamaForCausalLM", "MistralForCausalLM", "GPT2LMHeadModel")
 HF_TANH_GELUS = ("NewGELUActivation",)
 # the models whose attention passes ``sliding_window`` with the mask it makes for it
 HF_WINDOWED = ("mistral",)
-# hidden_act -> cukern.torch's gated function and its arguments
-GLU_ACTS = {"silu": ("swiglu", {}), "swish": ("swiglu", {}), "gelu": ("geglu", {}),
-            "gelu_pytorch_tanh": ("geglu", {"approximate": "tanh"})}
 
 _lock = threading.Lock()
 _patched: "weakref.WeakKeyDictionary[nn.Module, _Record]" = weakref.WeakKeyDictionary()
@@ -123,10 +121,15 @@ def _tanh_gelu(self, input):
     return F.gelu(input, approximate="tanh")
 
 
-def _hf_gated_mlp(self, x):
-    """``down_proj(act(gate_proj(x)) * up_proj(x))`` with the product in one kernel."""
-    name, kw = GLU_ACTS[self.config.hidden_act]
-    return self.down_proj(_api(name)(self.gate_proj(x), self.up_proj(x), **kw))
+def _recognized_mlp(spec: "_recognize.GatedMLP"):
+    """The forward of a module found to compute ``spec``: ``down(act(gate(x)) * up(x))`` with the
+    activation and product in one kernel (the fused projection's halves read in place)."""
+    name, kw, _ = _recognize.GATED_ACTS[spec.act]
+
+    def forward(self, x):
+        gate, up = spec.halves(self, x)
+        return getattr(self, spec.down)(_api(name)(gate, up, **kw))
+    return forward
 
 
 # ---- attention: the implementation and its masks ---------------------------------------------
@@ -365,6 +368,13 @@ def _describe(v: "_recognize.NormVariant") -> str:
     return "RMSNorm" + (f", weight + {v.offset:g}" if v.offset else "") + f", casting {cast}"
 
 
+def _describe_mlp(spec: "_recognize.GatedMLP") -> str:
+    act = {"silu": "SwiGLU", "gelu": "GeGLU", "gelu_tanh": "GeGLU (tanh)"}[spec.act]
+    if spec.fused:
+        return f"{act}, {spec.gate} fused ({'gate' if spec.gate_first else 'up'} half first), {spec.down}"
+    return f"{act}, {spec.gate} / {spec.up} / {spec.down}"
+
+
 def decisions(model: nn.Module) -> dict[str, str]:
     """``cukern.torch.routing(model)``: what ``patch(model)`` decided for each module it looked
     at (module name -> "norm: RMSNorm, casting llama", or "left alone: <why>"); {} for a model
@@ -429,9 +439,13 @@ def patch_model(model: nn.Module, parts=None) -> None:
                     rec.decisions[path] = f"left alone: {why}"
             elif "embedding" in names and isinstance(m, nn.Embedding):
                 _set_forward(rec, m, _embedding)
-            elif ("mlp" in names and cls in HF_GATED_MLPS
-                  and getattr(getattr(m, "config", None), "hidden_act", None) in GLU_ACTS):
-                _set_forward(rec, m, _hf_gated_mlp)
+            elif "mlp" in names and _recognize._mlp_candidates(m):
+                spec, why = _recognize.recognize_mlp(m)
+                if spec is not None:
+                    _set_forward(rec, m, _recognized_mlp(spec))
+                    rec.decisions[path] = f"mlp: {_describe_mlp(spec)}"
+                else:
+                    rec.decisions[path] = f"left alone: {why}"
             elif "mlp" in names and cls in HF_TANH_GELUS:
                 _set_forward(rec, m, _tanh_gelu)
             elif "loss" in names and cls in HF_CAUSAL_LMS and isinstance(getattr(m, "lm_head", None), nn.Linear):

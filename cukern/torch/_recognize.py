@@ -149,3 +149,125 @@ def _probe(m: nn.Module, eps: float) -> tuple[NormVariant | None, str | None]:
     if best is None:
         return None, "computes none of cukern's norms (RMSNorm, LayerNorm, their variants) to its dtype's rounding"
     return best, None
+
+
+# ---- gated MLPs ---------------------------------------------------------------------------------
+
+# activation -> (cukern.torch's gated function, its keyword arguments, PyTorch's activation)
+GATED_ACTS = {"silu": ("swiglu", {}, torch.nn.functional.silu),
+              "gelu": ("geglu", {}, torch.nn.functional.gelu),
+              "gelu_tanh": ("geglu", {"approximate": "tanh"},
+                            lambda g: torch.nn.functional.gelu(g, approximate="tanh"))}
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedMLP:
+    """``down(act(gate(x)) * up(x))``: the children's names; ``gate == up`` for one fused
+    projection whose output holds the gate's half first (``gate_first``) or second."""
+    gate: str
+    up: str
+    down: str
+    act: str
+    gate_first: bool = True
+
+    @property
+    def fused(self) -> bool:
+        return self.gate == self.up
+
+    def halves(self, m: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate, up) projections of ``x`` by ``m``'s children."""
+        if self.fused:
+            a, b = getattr(m, self.gate)(x).chunk(2, dim=-1)
+            return (a, b) if self.gate_first else (b, a)
+        return getattr(m, self.gate)(x), getattr(m, self.up)(x)
+
+
+def _child_activations(m: nn.Module) -> set[str]:
+    """The activations (GATED_ACTS' names) that ``m``'s parameter-free children compute, told
+    apart in float32 (in bfloat16 erf-GELU and tanh-GELU differ by less than a rounding)."""
+    x = torch.linspace(-6.0, 6.0, 97)
+    found = set()
+    for c in m.children():
+        if any(True for _ in c.parameters()):
+            continue
+        try:
+            y = c(x)
+        except Exception:  # noqa: BLE001 - not an elementwise function of one tensor
+            continue
+        for name, (_, _, act) in GATED_ACTS.items():
+            if isinstance(y, torch.Tensor) and y.shape == x.shape and torch.allclose(y, act(x), rtol=1e-6, atol=1e-6):
+                found.add(name)
+    return found
+
+
+def _mlp_candidates(m: nn.Module) -> list[GatedMLP]:
+    lin = {n: c for n, c in m.named_children() if isinstance(c, nn.Linear)}
+    others = [c for n, c in m.named_children() if n not in lin]
+    if any(any(True for _ in c.parameters()) for c in others) or len(lin) not in (2, 3):
+        return []
+    shapes = {n: (c.in_features, c.out_features) for n, c in lin.items()}
+    # (an activation module among the children decides it; else every one is tried)
+    acts = _child_activations(m) or set(GATED_ACTS)
+    out = []
+    for down, (i_down, o_down) in shapes.items():
+        ins = [n for n in lin if n != down and shapes[n] == (o_down, i_down)]
+        fused = [n for n in lin if n != down and shapes[n] == (o_down, 2 * i_down)]
+        for act in (a for a in GATED_ACTS if a in acts):
+            if len(lin) == 3 and len(ins) == 2:
+                out += [GatedMLP(ins[0], ins[1], down, act), GatedMLP(ins[1], ins[0], down, act)]
+            if len(lin) == 2 and len(fused) == 1:
+                out += [GatedMLP(fused[0], fused[0], down, act, first) for first in (True, False)]
+    return out
+
+
+def _mlp_reference(spec: GatedMLP, m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    g, u = spec.halves(m, x)
+    return getattr(m, spec.down)(GATED_ACTS[spec.act][2](g) * u)
+
+
+def recognize_mlp(m: nn.Module) -> tuple[GatedMLP | None, str | None]:
+    """(the gated MLP ``m`` computes, None) or (None, why not): ``m``'s Linear children taken as
+    gate, up and down (or a fused gate-and-up) in every order their shapes allow and every
+    activation cukern has, run against ``m`` forward and backward on a small random input."""
+    specs = _mlp_candidates(m)
+    if not specs:
+        return None, "not two or three Linear children of a gated MLP's shapes"
+    first = next(m.parameters())
+    key = (type(m), first.dtype, tuple((n, tuple(p.shape)) for n, p in m.named_parameters()))
+    if key not in _cache:
+        _cache[key] = _probe_mlp(m, specs)
+    return _cache[key]
+
+
+def _probe_mlp(m: nn.Module, specs: list[GatedMLP]) -> tuple[GatedMLP | None, str | None]:
+    params = [p for p in m.parameters()]
+    w = params[0]
+    hidden = getattr(m, specs[0].down).out_features
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(2, 3, hidden, generator=g).to(device=w.device, dtype=w.dtype)
+    dy = torch.randn(2, 3, hidden, generator=g).to(device=w.device, dtype=w.dtype)
+    with torch.enable_grad():
+        xl = x.clone().requires_grad_(True)
+        try:
+            own = m(xl)
+        except Exception as e:  # noqa: BLE001 - a module that cannot run so is no MLP
+            return None, f"its forward does not take one (..., {hidden}) tensor ({type(e).__name__})"
+        if not isinstance(own, torch.Tensor) or own.shape != x.shape:
+            return None, "its forward does not map (..., hidden) to (..., hidden)"
+        own_grads = torch.autograd.grad(own, [xl, *params], dy, allow_unused=True)
+    best, best_err = None, math.inf
+    for spec in specs:
+        with torch.enable_grad():
+            xv = x.clone().requires_grad_(True)
+            y = _mlp_reference(spec, m, xv)
+            err = _disagreement(own.detach(), y.detach())
+            if err > 8 * _ulps(w.dtype):
+                continue
+            grads = torch.autograd.grad(y, [xv, *params], dy, allow_unused=True)
+        gerr = max(math.inf if (a is None) != (c is None) else 0.0 if a is None else _disagreement(a, c)
+                   for a, c in zip(own_grads, grads))
+        if gerr <= 16 * _ulps(w.dtype) and err < best_err:
+            best, best_err = spec, err
+    if best is None:
+        return None, "computes no gated MLP (silu, gelu or tanh-gelu) cukern has to its dtype's rounding"
+    return best, None
