@@ -95,7 +95,7 @@ def test_patch_keeps_the_state_dict_and_unpatch_restores_the_model(kind):
     patched = [x for x in m.modules() if "forward" in x.__dict__]
     assert patched, "no module routed"
     if kind != "gpt2":
-        assert mod.apply_rotary_pos_emb is ct.apply_rotary_pos_emb
+        assert mod.apply_rotary_pos_emb.cukern_own is rope_before   # (cukern's, in front of the model's)
     ct.patch(m)   # nested: one more unpatch needed
     p.__exit__(None, None, None)
     assert ct.is_patched(m)

@@ -235,3 +235,76 @@ def test_an_mlp_no_library_names_is_found_and_a_look_alike_left_alone():
         assert got["1"].startswith("left alone: computes no gated MLP")
         assert "forward" in model[0].__dict__ and "forward" not in model[1].__dict__
         torch.testing.assert_close(model(x), expect)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_named_familys_rotary_embedding_is_checked_and_swapped(family):
+    model = _tiny(family, torch.bfloat16)
+    modname = type(model.model if hasattr(model, "model") else model.gpt_neox).__module__
+    mod = importlib.import_module(modname)
+    own = mod.apply_rotary_pos_emb
+    x = torch.randint(0, 97, (2, 8))
+    with torch.no_grad():
+        expect = model(x).logits
+    with ct.patch(model, parts=["rope"]):
+        assert ct.routing(model)[f"{modname}.apply_rotary_pos_emb"] == "rope: cukern's rope"
+        assert mod.apply_rotary_pos_emb is not own and mod.apply_rotary_pos_emb.cukern_own is own
+        with torch.no_grad():
+            torch.testing.assert_close(model(x).logits, expect, rtol=1e-2, atol=1e-2)
+    assert mod.apply_rotary_pos_emb is own
+
+
+def _rotate_every_two(x):   # GPT-J's interleaved pairs
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def test_an_interleaved_rope_is_left_alone_and_partial_tables_go_to_the_models_own():
+    from cukern.torch import _models
+
+    def interleaved(q, k, cos, sin, unsqueeze_dim=1):
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * cos + _rotate_every_two(q) * sin, k * cos + _rotate_every_two(k) * sin
+
+    import functools
+
+    wrap = functools.partial(_models._rope_wrapper, interleaved)
+    assert _recognize.recognize_rope("test.interleaved", interleaved, wrap, "cpu", torch.float32) == \
+        ("its rotation is not cukern's (half-split) rope to the dtype's rounding", False)
+
+    calls = []
+
+    def partial(q, k, cos, sin, unsqueeze_dim=1):   # (GPT-NeoX's: rotate the first cos.shape[-1] dims)
+        calls.append(cos.shape[-1])
+        return q, k
+
+    wrapped = _models._rope_wrapper(partial)
+    q = torch.randn(1, 2, 3, 16)
+    cos = sin = torch.ones(1, 3, 8)
+    wrapped(q, q, cos, sin, 1)          # (narrower tables: the model's own function)
+    wrapped(q, q, cos, sin, unsqueeze_dim=1)
+    assert calls == [8, 8]
+    full = torch.ones(1, 3, 16)
+    out = wrapped(q, q, full, torch.zeros(1, 3, 16))   # (full width: cukern's; cos 1, sin 0: the identity)
+    assert calls == [8, 8] and torch.equal(out[0], q)
+
+
+def test_a_rope_that_rounds_to_qs_dtype_is_rounded_so_too():
+    """With float32 tables and bfloat16 q (as autocast makes them), OLMo 2's rope rounds its
+    result to q's dtype and LLaMA's keeps PyTorch's float32 promotion: each is matched."""
+    import functools
+
+    from cukern.torch import _models
+
+    found = {}
+    for family in ("olmo2", "llama"):
+        modname = type(_tiny(family, torch.bfloat16).model).__module__
+        fn = importlib.import_module(modname).apply_rotary_pos_emb
+        why, rounds = _recognize.recognize_rope(modname, fn, functools.partial(_models._rope_wrapper, fn), "cpu",
+                                                torch.bfloat16)
+        assert why is None
+        found[family] = rounds
+        q = torch.randn(1, 2, 3, 8, dtype=torch.bfloat16)
+        cos, sin = torch.rand(1, 3, 8), torch.rand(1, 3, 8)
+        got = _models._rope_wrapper(fn, rounds)(q, q, cos, sin)
+        assert got[0].dtype == fn(q, q, cos, sin)[0].dtype
+    assert found == {"olmo2": True, "llama": False}

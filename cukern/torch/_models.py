@@ -16,7 +16,9 @@ not reach them. ``patch(model)`` routes, module by module:
   product in one kernel (``_recognize``);
   GPT-2's ``gelu_new`` (a chain of eight elementwise ops in eager) as PyTorch's one tanh-GELU
   kernel, the same function computed in float32 (as torch.compile computes it);
-* ``rope``: ``apply_rotary_pos_emb`` of the model's modeling module (LLaMA, Mistral);
+* ``rope``: ``apply_rotary_pos_emb`` of each modeling module the model's classes come from, where
+  it computes cukern's (half-split) rope, forward and backward, on a small random input; partial
+  rotary tables and other calls go to the module's own function;
 * ``attention``: the model's attention implementation ("cukern", registered with transformers'
   AttentionInterface, with its mask function): causal masks run causal, padding masks and
   packed documents (position ids that restart) as varlen, Mistral's sliding window as a
@@ -49,7 +51,6 @@ from ._ops import OPS
 PARTS = ("norm", "embedding", "mlp", "rope", "attention", "loss")
 
 # Hugging Face classes by name: recognising them needs no transformers import.
-HF_ROPE_ATTENTIONS = ("LlamaAttention", "MistralAttention")
 HF_CAUSAL_LMS = ("LlamaForCausalLM", "MistralForCausalLM", "GPT2LMHeadModel")
 HF_TANH_GELUS = ("NewGELUActivation",)
 # the models whose attention passes ``sliding_window`` with the mask it makes for it
@@ -67,6 +68,7 @@ class _Record:
         self.depth = 1
         self.modules: list[nn.Module] = []      # modules given an instance forward
         self.rope_modules: list[str] = []
+        self.rope_looked: set[str] = set()     # modeling modules whose rope was checked
         self.attn_previous = None               # the attention implementation before
         self.decisions: dict[str, str] = {}     # module name -> what was routed, or why not
 
@@ -388,14 +390,53 @@ def _set_forward(rec: _Record, m: nn.Module, fn) -> None:
     rec.modules.append(m)
 
 
-def _swap_rope(rec: _Record, modname: str) -> None:
+def _rope_wrapper(own, rounds: bool = False):
+    """cukern's rope in place of ``own`` (a modeling module's ``apply_rotary_pos_emb``) for its
+    callers: its arguments read by its own signature; tables narrower than the head (partial
+    rotary, GPT-NeoX's ``rotary_pct``) and anything else it takes go to ``own``. ``rounds``:
+    ``own`` rounds its result to q's dtype (OLMo 2's), so the result is rounded so too."""
+    ours = _api("apply_rotary_pos_emb")
+    sig = inspect.signature(own)
+
+    @functools.wraps(own)
+    def apply_rotary_pos_emb(*args, **kwargs):
+        try:
+            a = sig.bind(*args, **kwargs).arguments
+        except TypeError:
+            return own(*args, **kwargs)
+        q, k, cos, sin = (a.get(n) for n in ("q", "k", "cos", "sin"))
+        extra = set(a) - {"q", "k", "cos", "sin", "position_ids", "unsqueeze_dim"}
+        if extra or not all(torch.is_tensor(t) for t in (q, k, cos, sin)) or cos.shape[-1] != q.shape[-1]:
+            return own(*args, **kwargs)
+        oq, ok = ours(q, k, cos, sin, unsqueeze_dim=a.get("unsqueeze_dim", 1))
+        if rounds:
+            oq, ok = oq.to(q.dtype), ok.to(k.dtype)
+        return oq, ok
+    apply_rotary_pos_emb.cukern_own = own
+    return apply_rotary_pos_emb
+
+
+def _swap_rope(rec: _Record, modname: str, m: nn.Module) -> None:
+    """Swap modeling module ``modname``'s ``apply_rotary_pos_emb`` for cukern's where it computes
+    the same (``_recognize.recognize_rope``, on ``m``'s parameters' device and dtype)."""
     mod = sys.modules.get(modname)
-    if mod is None or not callable(getattr(mod, "apply_rotary_pos_emb", None)):
+    fn = getattr(mod, "apply_rotary_pos_emb", None) if mod is not None else None
+    if not callable(fn):
         return
     entry = _rope_swaps.get(modname)
     if entry is None:
-        entry = _rope_swaps[modname] = [mod.apply_rotary_pos_emb, 0]
-        mod.apply_rotary_pos_emb = _api("apply_rotary_pos_emb")
+        p = next(m.parameters(), None)
+        device, dtype = (p.device, p.dtype) if p is not None and p.dtype.is_floating_point else ("cpu", torch.float32)
+        why, rounds = _recognize.recognize_rope(modname, fn, functools.partial(_rope_wrapper, fn), device, dtype)
+        wrapper = _rope_wrapper(fn, rounds)
+        verdict = "rope: cukern's rope" if why is None else f"left alone: {why}"
+        rec.decisions[f"{modname}.apply_rotary_pos_emb"] = verdict
+        if why is not None:
+            return
+        entry = _rope_swaps[modname] = [fn, 0]
+        mod.apply_rotary_pos_emb = wrapper
+    else:
+        rec.decisions[f"{modname}.apply_rotary_pos_emb"] = "rope: cukern's rope"
     entry[1] += 1
     rec.rope_modules.append(modname)
 
@@ -450,8 +491,11 @@ def patch_model(model: nn.Module, parts=None) -> None:
                 _set_forward(rec, m, _tanh_gelu)
             elif "loss" in names and cls in HF_CAUSAL_LMS and isinstance(getattr(m, "lm_head", None), nn.Linear):
                 _set_forward(rec, m, _hf_causal_lm)
-            if "rope" in names and cls in HF_ROPE_ATTENTIONS and type(m).__module__ not in rec.rope_modules:
-                _swap_rope(rec, type(m).__module__)
+            modname = type(m).__module__
+            if ("rope" in names and modname not in rec.rope_modules and modname not in rec.rope_looked
+                    and callable(getattr(sys.modules.get(modname), "apply_rotary_pos_emb", None))):
+                rec.rope_looked.add(modname)
+                _swap_rope(rec, modname, m)
         if "attention" in names and callable(getattr(model, "set_attn_implementation", None)):
             _register_attention()
             rec.attn_previous = model.config._attn_implementation

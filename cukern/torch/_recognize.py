@@ -271,3 +271,53 @@ def _probe_mlp(m: nn.Module, specs: list[GatedMLP]) -> tuple[GatedMLP | None, st
     if best is None:
         return None, "computes no gated MLP (silu, gelu or tanh-gelu) cukern has to its dtype's rounding"
     return best, None
+
+
+# ---- rotary embeddings ----------------------------------------------------------------------------
+
+_rope_cache: dict[tuple, tuple[str | None, bool]] = {}
+
+
+def rope_of(fn, ours, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str | None:
+    """None where a modeling module's ``apply_rotary_pos_emb`` ``fn`` and cukern's ``ours`` give
+    the same q and k (values, dtypes and gradients) on these inputs, else why not."""
+    with torch.enable_grad():
+        leaves = [t.clone().requires_grad_(True) for t in (q, k)]
+        try:
+            own = fn(*leaves, cos, sin)
+        except Exception as e:  # noqa: BLE001 - another signature: not this rotary embedding
+            return f"its apply_rotary_pos_emb does not take (q, k, cos, sin) ({type(e).__name__})"
+        dys = [torch.randn(t.shape, generator=torch.Generator().manual_seed(3)).to(t) for t in own]
+        own_grads = torch.autograd.grad(own, leaves, dys)
+        mine_leaves = [t.clone().requires_grad_(True) for t in (q, k)]
+        mine = ours(*mine_leaves, cos, sin)
+        grads = torch.autograd.grad(mine, mine_leaves, [d.to(t.dtype) for d, t in zip(dys, mine)])
+    tol = 4 * _ulps(q.dtype)
+    errs = [_disagreement(a, b) for a, b in zip((*own, *own_grads), (*mine, *grads))]
+    return None if max(errs) <= tol else "its rotation is not cukern's (half-split) rope to the dtype's rounding"
+
+
+def recognize_rope(modname: str, fn, wrap, device, dtype) -> tuple[str | None, bool]:
+    """(None, rounds) where modeling module ``modname``'s ``apply_rotary_pos_emb`` ``fn`` is
+    cukern's rope, else (why not, False): run once per module and dtype on random q, k
+    (2, 3, 5, 16) and full-width tables of q's dtype, and, for 16-bit q, float32 tables (as
+    autocast makes them). ``rounds``: ``fn`` rounds its result to q's dtype there (OLMo 2's),
+    where PyTorch's promotion gives float32 (LLaMA's); ``wrap(rounds)`` is the function to check."""
+    key = (modname, str(device), dtype)
+    if key not in _rope_cache:
+        g = torch.Generator().manual_seed(0)
+        q, k = (torch.randn(2, h, 5, 16, generator=g).to(device=device, dtype=dtype) for h in (3, 1))
+        angles = torch.rand(2, 5, 8, generator=g) * 6
+        cos32 = torch.cat([angles.cos()] * 2, -1).to(device=device)
+        sin32 = torch.cat([angles.sin()] * 2, -1).to(device=device)
+        rounds = False
+        if dtype != torch.float32:
+            try:
+                rounds = fn(q, k, cos32, sin32)[0].dtype == dtype
+            except Exception:  # noqa: BLE001 - told by rope_of below
+                pass
+        why = rope_of(fn, wrap(rounds), q, k, cos32.to(dtype), sin32.to(dtype))
+        if why is None and dtype != torch.float32:
+            why = rope_of(fn, wrap(rounds), q, k, cos32, sin32)
+        _rope_cache[key] = (why, rounds and why is None)
+    return _rope_cache[key]
