@@ -152,6 +152,9 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
     // have different amounts of work and the longest start first.
     // (LOCAL: the work tile's key tiles are kb0 .. kb0 + n_blocks - 1; nb counts from kb0)
     int m_block, b, h, hk, m0, n_blocks, kb0 = 0;
+    // (the work tile's sink, loaded as the tile is entered: loaded at the rows' end, its address
+    // made 128-register instances spill)
+    float sink_log2;
     const int pairs_total = tiles / m_tiles;
     auto enter = [&](int tile) {
         int bh;
@@ -172,6 +175,7 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
             m_block = m_tiles - 1 - mi;
         }
         b = VARLEN ? 0 : bh / H, h = bh % H, hk = h / (H / Hkv), m0 = m_block * BM;
+        sink_log2 = cuk::attention::sink_log2_of(sinks, h);
         n_blocks = (sk + BN - 1) / BN;
         if (CAUSAL) {
             const int last_key = min(sk - 1, m0 + BM - 1 + diag);
@@ -510,7 +514,6 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
     // with them, and no one else reads them) and written by whole rows (out is allocated dense
     // in some order of its dims, so its rows and strides are 16-byte multiples).
     float inv[2];
-    const float sink_log2 = cuk::attention::sink_log2_of(sinks, h);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float sum = row_sum[r];
