@@ -4,6 +4,7 @@ float32; the variant found for every norm module; modules that only look like no
 with the reason; a norm no library knows by name routed all the same."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import pytest
@@ -53,6 +54,7 @@ MLPS = {"llama": SWIGLU, "mistral": SWIGLU, "qwen2": SWIGLU, "qwen3": SWIGLU, "o
         "gpt_neox": None, "starcoder2": None}   # (not gated: their activations are the drop-ins')
 
 
+@functools.lru_cache(maxsize=None)   # (one model a family and dtype: patch(model) leaves it as it was)
 def _tiny(family: str, dtype):
     cfg_cls, model_cls, over, _ = FAMILIES[family]
     base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
