@@ -301,7 +301,7 @@ def test_a_whole_run_with_a_stand_in_sanitizer(tmp_path):
                 ("ok", [], {}),
                 ("bad", ["--tools", "memcheck", "--no-warmup"], {"FAKE_ERRORS": "2"}),
                 # (processes past their time: stopped, and said so)
-                ("slow", ["--tools", "synccheck", "--no-warmup", "--timeout", "2"], {"FAKE_SLEEP": "60"}))}
+                ("slow", ["--tools", "synccheck", "--no-warmup", "--timeout", "1"], {"FAKE_SLEEP": "60"}))}
     outs = {name: (p.communicate(timeout=600)[0], p.returncode) for name, p in runs.items()}
     elapsed = time.monotonic() - t0
 
