@@ -61,29 +61,28 @@ def versions() -> dict:
     return {"cukern": __version__, "torch": torch.__version__, "torch_cuda": torch.version.cuda,
             "cupy": cupy.__version__, "nvrtc": nvrtc}
 
-def liger_version() -> str | None:
-    """Liger-Kernel's version when it is installed (and importable), else None."""
+def _library_version(module: str, distribution: str) -> str | None:
+    """``distribution``'s version where ``module`` imports, else None (absent or broken: no
+    column for it)."""
+    import importlib
+
     try:
-        import liger_kernel  # noqa: F401
-    except Exception:  # noqa: BLE001 - absent or broken: no Liger column
+        importlib.import_module(module)
+    except Exception:  # noqa: BLE001 - absent or broken: no column
         return None
     from importlib import metadata
 
     try:
-        return metadata.version("liger-kernel")
+        return metadata.version(distribution)
     except metadata.PackageNotFoundError:
         return "unknown"
+
+
+def liger_version() -> str | None:
+    """Liger-Kernel's version when it is installed (and importable), else None."""
+    return _library_version("liger_kernel", "liger-kernel")
 
 
 def fa4_version() -> str | None:
     """FlashAttention-4's version (flash-attn-4, ``flash_attn.cute``) when it imports, else None."""
-    try:
-        import flash_attn.cute  # noqa: F401
-    except Exception:  # noqa: BLE001 - absent or broken: no FA4 column
-        return None
-    from importlib import metadata
-
-    try:
-        return metadata.version("flash-attn-4")
-    except metadata.PackageNotFoundError:
-        return "unknown"
+    return _library_version("flash_attn.cute", "flash-attn-4")

@@ -385,6 +385,17 @@ def decisions(model: nn.Module) -> dict[str, str]:
     return dict(rec.decisions) if rec is not None else {}
 
 
+def _route_found(rec: _Record, path: str, m: nn.Module, part: str, found: tuple, forward_of, describe) -> None:
+    """Route ``m`` by what ``_recognize`` found it to compute (``found``: (what, None) or (None,
+    why not)), and record the decision under ``path``."""
+    what, why = found
+    if what is None:
+        rec.decisions[path] = f"left alone: {why}"
+        return
+    _set_forward(rec, m, forward_of(what))
+    rec.decisions[path] = f"{part}: {describe(what)}"
+
+
 def _set_forward(rec: _Record, m: nn.Module, fn) -> None:
     m.forward = types.MethodType(fn, m)
     rec.modules.append(m)
@@ -472,21 +483,11 @@ def patch_model(model: nn.Module, parts=None) -> None:
                 _set_forward(rec, m, _rms_norm)
                 rec.decisions[path] = "norm: nn.RMSNorm"
             elif "norm" in names and _norm_shaped(m):
-                variant, why = _recognize.recognize_norm(m)
-                if variant is not None:
-                    _set_forward(rec, m, _recognized_norm(variant))
-                    rec.decisions[path] = f"norm: {_describe(variant)}"
-                else:
-                    rec.decisions[path] = f"left alone: {why}"
+                _route_found(rec, path, m, "norm", _recognize.recognize_norm(m), _recognized_norm, _describe)
             elif "embedding" in names and isinstance(m, nn.Embedding):
                 _set_forward(rec, m, _embedding)
             elif "mlp" in names and _recognize._mlp_candidates(m):
-                spec, why = _recognize.recognize_mlp(m)
-                if spec is not None:
-                    _set_forward(rec, m, _recognized_mlp(spec))
-                    rec.decisions[path] = f"mlp: {_describe_mlp(spec)}"
-                else:
-                    rec.decisions[path] = f"left alone: {why}"
+                _route_found(rec, path, m, "mlp", _recognize.recognize_mlp(m), _recognized_mlp, _describe_mlp)
             elif "mlp" in names and cls in HF_TANH_GELUS:
                 _set_forward(rec, m, _tanh_gelu)
             elif "loss" in names and cls in HF_CAUSAL_LMS and isinstance(getattr(m, "lm_head", None), nn.Linear):

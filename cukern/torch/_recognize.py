@@ -74,6 +74,13 @@ def _ulps(dtype: torch.dtype) -> float:
     return {torch.float32: 2.0**-20, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}.get(dtype, 2.0**-20)
 
 
+def _grads_disagreement(got, want) -> float:
+    """The largest ``_disagreement`` over two lists of gradients (inf where one is None and the
+    other is not)."""
+    return max((math.inf if (a is None) != (c is None) else 0.0 if a is None else _disagreement(a, c)
+                for a, c in zip(got, want)), default=0.0)
+
+
 def _disagreement(got: torch.Tensor, want: torch.Tensor) -> float:
     """Largest difference relative to the reference's largest magnitude (inf for a NaN or a
     shape that differs)."""
@@ -142,9 +149,7 @@ def _probe(m: nn.Module, eps: float) -> tuple[NormVariant | None, str | None]:
             if err > 4 * _ulps(w.dtype):
                 continue
             grads = torch.autograd.grad(y, (xv, wv) + ((bv,) if bv is not None else ()), dy, allow_unused=True)
-        gerr = max(math.inf if (a is None) != (c is None) else 0.0 if a is None else _disagreement(a, c)
-                   for a, c in zip(own_grads, grads))
-        if gerr <= 8 * _ulps(w.dtype) and err < best_err:
+        if _grads_disagreement(own_grads, grads) <= 8 * _ulps(w.dtype) and err < best_err:
             best, best_err = v, err
     if best is None:
         return None, "computes none of cukern's norms (RMSNorm, LayerNorm, their variants) to its dtype's rounding"
@@ -264,9 +269,7 @@ def _probe_mlp(m: nn.Module, specs: list[GatedMLP]) -> tuple[GatedMLP | None, st
             if err > 8 * _ulps(w.dtype):
                 continue
             grads = torch.autograd.grad(y, [xv, *params], dy, allow_unused=True)
-        gerr = max(math.inf if (a is None) != (c is None) else 0.0 if a is None else _disagreement(a, c)
-                   for a, c in zip(own_grads, grads))
-        if gerr <= 16 * _ulps(w.dtype) and err < best_err:
+        if _grads_disagreement(own_grads, grads) <= 16 * _ulps(w.dtype) and err < best_err:
             best, best_err = spec, err
     if best is None:
         return None, "computes no gated MLP (silu, gelu or tanh-gelu) cukern has to its dtype's rounding"
