@@ -310,3 +310,18 @@ def test_a_rope_that_rounds_to_qs_dtype_is_rounded_so_too():
         got = _models._rope_wrapper(fn, rounds)(q, q, cos, sin)
         assert got[0].dtype == fn(q, q, cos, sin)[0].dtype
     assert found == {"olmo2": True, "llama": False}
+
+
+def test_the_checks_patch_runs_are_not_counted_as_the_models_calls(monkeypatch):
+    import functools
+
+    monkeypatch.setattr(_recognize, "_rope_cache", {})
+    modname = type(_tiny("llama", torch.bfloat16).model).__module__
+    fn = importlib.import_module(modname).apply_rotary_pos_emb
+    wrap = functools.partial(_models._rope_wrapper, fn)
+    ct.reset_counts()
+    assert _recognize.recognize_rope(modname, fn, wrap, "cpu", torch.bfloat16)[0] is None
+    assert "rope" not in ct.counts()
+    q = torch.randn(1, 2, 3, 8, dtype=torch.bfloat16)
+    wrap(False)(q, q, torch.rand(1, 3, 8), torch.rand(1, 3, 8))   # (a model's call is counted)
+    assert sum(ct.counts()["rope"].values()) == 1

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..norm.configs import CASTING_MODES
+from ._tools import uncounted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,8 +320,9 @@ def recognize_rope(modname: str, fn, wrap, device, dtype) -> tuple[str | None, b
                 rounds = fn(q, k, cos32, sin32)[0].dtype == dtype
             except Exception:  # noqa: BLE001 - told by rope_of below
                 pass
-        why = rope_of(fn, wrap(rounds), q, k, cos32.to(dtype), sin32.to(dtype))
-        if why is None and dtype != torch.float32:
-            why = rope_of(fn, wrap(rounds), q, k, cos32, sin32)
+        with uncounted():
+            why = rope_of(fn, wrap(rounds), q, k, cos32.to(dtype), sin32.to(dtype))
+            if why is None and dtype != torch.float32:
+                why = rope_of(fn, wrap(rounds), q, k, cos32, sin32)
         _rope_cache[key] = (why, rounds and why is None)
     return _rope_cache[key]

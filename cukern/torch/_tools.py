@@ -3,6 +3,7 @@
 checks every route shares, and the dtype sets."""
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import defaultdict
 from typing import Optional
@@ -129,12 +130,27 @@ def float_params(x: Tensor, *params: Optional[Tensor]) -> Optional[str]:
 _counts: dict[str, dict[str, int]] = defaultdict(lambda: {"cukern": 0, "torch": 0})
 _reasons: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
 _count_lock = threading.Lock()
+_quiet = threading.local()
+
+
+@contextlib.contextmanager
+def uncounted():
+    """Calls made inside are not counted: ``patch(model)``'s own checks of a candidate routing
+    are not the model's calls."""
+    before = getattr(_quiet, "on", False)
+    _quiet.on = True
+    try:
+        yield
+    finally:
+        _quiet.on = before
 
 
 def count(op: str, reason: Optional[str]) -> None:
     """One eager call of ``op``: on cukern's kernels (reason None) or PyTorch's (why). Not
     called inside a torch.compile trace: there the routing is fixed in the graph (visible as
     torch.ops.cukern.*), and a trace-time count would mislead."""
+    if getattr(_quiet, "on", False):
+        return
     with _count_lock:
         _counts[op]["cukern" if reason is None else "torch"] += 1
         if reason is not None:
