@@ -19,13 +19,16 @@
 // and packed documents as the forward (attention_fwd.cu, common/attn_mask.cuh): packed, the
 // kernels see one batch of Sq (Sk) tokens, cu_q / cu_k give a document's, and attention_bwd_dot
 // and attention_bwd_dq_convert run on the packed tokens as they are (B = 1). With the softcap
-// (t = tanh(s scale / c)) dS is P (dP - Dsum) (1 - t^2).
+// (t = tanh(s scale / c)) dS is P (dP - Dsum) (1 - t^2). DROPOUT (Z: the kept weights'
+// 1 / (1 - p), 0 for the dropped, common/attn_dropout.cuh's draw): dV += (P Z)^T dO and
+// dS = P (dP Z - Dsum), Dsum from the dropped output as it is.
 #include "common/dtype.cuh"
 #include "common/vec.cuh"
 #include "common/mma.cuh"
 #include "common/reduce.cuh"
 #include "common/attn_tile.cuh"
 #include "common/attn_mask.cuh"
+#include "common/attn_dropout.cuh"
 #include "common/attn_params.cuh"
 
 // I: the row and element index type (int where B * Sq * H * D fits, else long long: 64-bit
@@ -165,6 +168,9 @@ struct BwdQParams {
     T* dq;
     long long q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, d_sb, d_ss, d_sh, dq_sb, dq_ss, dq_sh;
     Problem problem;
+    const long long* drop_rng;   // (DROPOUT: as attention_fwd's)
+    unsigned int drop_threshold;
+    float drop_rescale;
 };
 
 }  // namespace attention
@@ -183,7 +189,7 @@ struct BwdQParams {
 //     into dq_accum (B, Sq, H, D) float32 with atomics (DQ_ATOMIC; else attention_bwd_dq).
 // SMEM: the dynamic shared memory of the launch, in bytes (= BwdTiles<T, D, BM, BN>::smem_bytes).
 template <typename T, int D, int BM, int BN, int WARPS, int WM_S, int WN_KV, int WM_Q, int MASK, bool SOFTCAP,
-          bool DQ_ATOMIC, int SMEM>
+          bool DROPOUT, bool DQ_ATOMIC, int SMEM>
 __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
@@ -196,7 +202,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
     long long dv_sb, long long dv_ss, long long dv_sh,
     int H, int Hkv, int Sq, int Sk, float scale, float scale_log2, int win_left, int win_right, float cap_in,
     float cap_out, const int* __restrict__ cu_q, const int* __restrict__ cu_k, int max_q, int max_k,
-    long long* __restrict__ fault)
+    long long* __restrict__ fault, const long long* __restrict__ drop_rng, unsigned int drop_threshold,
+    float drop_rescale)
 {
     using namespace cuk;
     using namespace cuk::attention;
@@ -280,6 +287,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
     };
     int h = hk * rep, m0 = m_first * BM;   // this step's head and first query
     if (steps > 0) issue(h, m0, 0);
+    DropoutDraw draw{};
+    if constexpr (DROPOUT) draw = DropoutDraw::load(drop_rng, drop_threshold);
     cp_async_commit();
 
     float dkacc[KM][KD / 8][4], dvacc[KM][KD / 8][4];
@@ -352,6 +361,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
 #pragma unroll
                 for (int j = 0; j < SK / 8; ++j) {
                     float pv[2];
+                    unsigned int keep = 3u;
+                    if constexpr (DROPOUT)
+                        keep = draw.keep2(span[0] * H + h, span[1] + m0 + qi, span[2] + n0 + ws_n + j * 8 + 2 * t);
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
                         float p, th = 0.f;
@@ -365,8 +377,14 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
                             const int key = n0 + ws_n + j * 8 + 2 * t + c;
                             if (m0 + qi >= sq || mk.hidden(m0 + qi, key, sk)) p = 0.f;
                         }
+                        float dpz = dp[mt][j][2 * r + c];
                         pv[c] = p;
-                        dp[mt][j][2 * r + c] = p * (dp[mt][j][2 * r + c] - dsm);
+                        if constexpr (DROPOUT) {
+                            const bool kept = (keep >> c) & 1u;
+                            pv[c] = kept ? p * drop_rescale : 0.f;
+                            dpz = kept ? dpz * drop_rescale : 0.f;
+                        }
+                        dp[mt][j][2 * r + c] = p * (dpz - dsm);
                         if constexpr (SOFTCAP) dp[mt][j][2 * r + c] *= 1.f - th * th;
                     }
                     const int at = swz<PROW>(qi, ws_n + j * 8 + 2 * t);
@@ -478,7 +496,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
 
 // dQ. Block (query tile m_block, b * H + h); WARPS warps of 16 queries: BM = 16 * WARPS.
 // SMEM: the dynamic shared memory of the launch, in bytes (= DqTiles<T, D, WARPS, BN>::smem_bytes).
-template <typename T, int D, int WARPS, int BN, int MASK, bool SOFTCAP, int SMEM>
+template <typename T, int D, int WARPS, int BN, int MASK, bool SOFTCAP, bool DROPOUT, int SMEM>
 __device__ __forceinline__ void attention_bwd_dq_body(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
@@ -490,7 +508,8 @@ __device__ __forceinline__ void attention_bwd_dq_body(
     long long dq_sb, long long dq_ss, long long dq_sh,
     int H, int Hkv, int Sq, int Sk, float scale, float scale_log2, int win_left, int win_right, float cap_in,
     float cap_out, const int* __restrict__ cu_q, const int* __restrict__ cu_k, int max_q, int max_k,
-    long long* __restrict__ fault)
+    long long* __restrict__ fault, const long long* __restrict__ drop_rng, unsigned int drop_threshold,
+    float drop_rescale)
 {
     using namespace cuk;
     using namespace cuk::attention;
@@ -555,6 +574,8 @@ __device__ __forceinline__ void attention_bwd_dq_body(
     float dqacc[DT][4];
 #pragma unroll
     for (int i = 0; i < DT; ++i) dqacc[i][0] = dqacc[i][1] = dqacc[i][2] = dqacc[i][3] = 0.f;
+    DropoutDraw draw{};
+    if constexpr (DROPOUT) draw = DropoutDraw::load(drop_rng, drop_threshold);
 
     for (int nb = nb_first; nb < n_blocks; ++nb) {
         const int buf = (nb - nb_first) & 1;
@@ -593,6 +614,12 @@ __device__ __forceinline__ void attention_bwd_dq_body(
         const bool edge = m0 + BM > sq || mk.edge(n0, BN, m0, BM, sk);
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
+            unsigned int keep = 15u;   // (bits 0, 1: row g's two keys; 2, 3: row g + 8's)
+            if constexpr (DROPOUT) {
+                const unsigned int bh = span[0] * H + h, row = span[1] + m0 + warp * 16 + g;
+                const unsigned int key = span[2] + n0 + j * 8 + 2 * t;
+                keep = draw.keep2(bh, row, key) | (draw.keep2(bh, row + 8, key) << 2);
+            }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int r = e >> 1;
@@ -606,7 +633,9 @@ __device__ __forceinline__ void attention_bwd_dq_body(
                     p = fast_exp2(fmaf(s[j][e], scale_log2, -lrow[r]));
                 }
                 if (edge && (row >= sq || mk.hidden(row, key, sk))) p = 0.f;
-                s[j][e] = p * (dp[j][e] - drow[r]);
+                float dpz = dp[j][e];
+                if constexpr (DROPOUT) dpz = (keep >> e) & 1u ? dpz * drop_rescale : 0.f;
+                s[j][e] = p * (dpz - drow[r]);
                 if constexpr (SOFTCAP) s[j][e] *= 1.f - th * th;
             }
         }
@@ -643,15 +672,16 @@ __device__ __forceinline__ void attention_bwd_dq_body(
     }
 }
 
-template <typename T, int D, int WARPS, int BN, int MASK, bool SOFTCAP, int SMEM>
+template <typename T, int D, int WARPS, int BN, int MASK, bool SOFTCAP, bool DROPOUT, int SMEM>
 __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dq(
     const __grid_constant__ cuk::attention::BwdQParams<T> p)
 {
     const cuk::attention::Problem& r = p.problem;
-    attention_bwd_dq_body<T, D, WARPS, BN, MASK, SOFTCAP, SMEM>(
+    attention_bwd_dq_body<T, D, WARPS, BN, MASK, SOFTCAP, DROPOUT, SMEM>(
         p.q, p.k, p.v, p.dout, p.lse, p.dsum, p.dq, p.q_sb, p.q_ss, p.q_sh, p.k_sb, p.k_ss, p.k_sh, p.v_sb,
         p.v_ss, p.v_sh, p.d_sb, p.d_ss, p.d_sh, p.dq_sb, p.dq_ss, p.dq_sh, r.H, r.Hkv, r.Sq, r.Sk, r.scale,
-        r.scale_log2, r.win_left, r.win_right, r.cap_in, r.cap_out, r.cu_q, r.cu_k, r.max_q, r.max_k, r.fault);
+        r.scale_log2, r.win_left, r.win_right, r.cap_in, r.cap_out, r.cu_q, r.cu_k, r.max_q, r.max_k, r.fault,
+        p.drop_rng, p.drop_threshold, p.drop_rescale);
 }
 
 // dq = acc * scale in T (deterministic=False). acc: dQ's float32 partial sums, contiguous

@@ -12,7 +12,9 @@
 // j <= i + Sk - Sq, as FlashAttention >= 2.1; sliding windows): key tiles outside a block's
 // rows' range are skipped; a row that sees no key gets zeros and lse = +inf (with a sink, its
 // logit: common/attn_sink.cuh). SOFTCAP: the
-// scaled scores s become c tanh(s / c) (cap_in = scale / c, cap_out = c log2(e)).
+// scaled scores s become c tanh(s / c) (cap_in = scale / c, cap_out = c log2(e)). DROPOUT:
+// the weights, after their row sum is taken, are dropped by common/attn_dropout.cuh's draw and
+// the output scaled by 1 / (1 - p) (the lse is the softmax's).
 //
 // Layout: q (B, Sq, H, D), k and v (B, Sk, Hkv, D), out (B, Sq, H, D), each with element
 // strides for batch, sequence and head and a unit stride over D; lse (B, H, Sq) float32.
@@ -25,6 +27,7 @@
 #include "common/attn_mask.cuh"
 #include "common/attn_params.cuh"
 #include "common/attn_sink.cuh"
+#include "common/attn_dropout.cuh"
 
 namespace cuk {
 namespace attention {
@@ -46,7 +49,8 @@ struct FwdTiles {
 
 // attention_fwd's parameters: Q, K, V, O (B, S, H, D) with their strides in elements (batch,
 // sequence, head), lse (B, H, Sq) float32 (null: not written), the sinks (H) float32 (null:
-// none), and the problem.
+// none), the problem, and dropout's (DROPOUT instances): the seed and offset (2,) int64 in
+// device memory, the threshold of a kept word and 1 / (1 - p).
 template <typename T>
 struct FwdParams {
     const T* q;
@@ -57,13 +61,17 @@ struct FwdParams {
     const float* sinks;
     long long q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, o_sb, o_ss, o_sh;
     Problem problem;
+    const long long* drop_rng;
+    unsigned int drop_threshold;
+    float drop_rescale;
 };
 
 }  // namespace attention
 }  // namespace cuk
 
 // SMEM: the dynamic shared memory of the launch, in bytes (= FwdTiles<...>::smem_bytes).
-template <typename T, int D, int WARPS, int MT, int BN, int BNC, bool QREG, int MASK, bool SOFTCAP, int SMEM>
+template <typename T, int D, int WARPS, int MT, int BN, int BNC, bool QREG, int MASK, bool SOFTCAP, bool DROPOUT,
+          int SMEM>
 __device__ __forceinline__ void attention_fwd_body(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     T* __restrict__ out, float* __restrict__ lse, const float* __restrict__ sinks,
@@ -72,7 +80,8 @@ __device__ __forceinline__ void attention_fwd_body(
     long long v_sb, long long v_ss, long long v_sh,
     long long o_sb, long long o_ss, long long o_sh,
     int H, int Hkv, int Sq, int Sk, float scale_log2, int win_left, int win_right, float cap_in, float cap_out,
-    const int* __restrict__ cu_q, const int* __restrict__ cu_k, int max_q, int max_k, long long* __restrict__ fault)
+    const int* __restrict__ cu_q, const int* __restrict__ cu_k, int max_q, int max_k, long long* __restrict__ fault,
+    const long long* __restrict__ drop_rng, unsigned int drop_threshold, float drop_rescale)
 {
     using namespace cuk;
     using namespace cuk::attention;
@@ -105,10 +114,13 @@ __device__ __forceinline__ void attention_fwd_body(
     const T* qg = q + b * q_sb + h * q_sh;
     const T* kg = k + b * k_sb + hk * k_sh;
     const T* vg = v + b * v_sb + hk * v_sh;
+    // Dropout draws at (b * H + h, token, token): packed, batch 0 and the pack's tokens.
+    unsigned int drop_bh = b * H + h, drop_q0 = 0, drop_k0 = 0;
     if (cu_q) {
         const DocSpan doc = doc_span(cu_q, cu_k, b, gridDim.y / H, Sq, Sk, max_q, max_k, fault);
         if (m0 >= doc.sq) return;   // (the grid covers the longest document)
         sq = doc.sq, sk = doc.sk;
+        drop_bh = h, drop_q0 = doc.q0, drop_k0 = doc.k0;
         qg = q + doc.q0 * q_ss + h * q_sh;   // (packed: no batch strides)
         kg = k + doc.k0 * k_ss + hk * k_sh;
         vg = v + doc.k0 * v_ss + hk * v_sh;
@@ -151,6 +163,16 @@ __device__ __forceinline__ void attention_fwd_body(
         row_sum[mt][0] = row_sum[mt][1] = 0.f;
     }
     unsigned int qf[QREG ? MT : 1][QREG ? D / 16 : 1][4];
+    // Dropout's seed, offset and place, in shared memory: read at each draw, not held in
+    // registers across the key loop (the O accumulators leave the d128 and d256 tiles none).
+    __shared__ unsigned int drop_sh[DROPOUT ? 6 : 1];
+    if constexpr (DROPOUT) {
+        if (threadIdx.x == 0) {
+            const DropoutDraw d = DropoutDraw::load(drop_rng, drop_threshold);
+            drop_sh[0] = static_cast<unsigned int>(d.seed), drop_sh[1] = static_cast<unsigned int>(d.seed >> 32);
+            drop_sh[2] = d.offset, drop_sh[3] = drop_bh, drop_sh[4] = drop_q0, drop_sh[5] = drop_k0;
+        }
+    }
 
     for (int nb = nb_first; nb < n_blocks; ++nb) {
         const int buf = (nb - nb_first) & 1;
@@ -247,6 +269,17 @@ __device__ __forceinline__ void attention_fwd_body(
                         sum += s[mt][j][2 * r] + s[mt][j][2 * r + 1];
                     }
                     row_sum[mt][r] = row_sum[mt][r] * alpha + sum;   // this thread's columns; the quad adds up at the end
+                    if constexpr (DROPOUT) {   // (after the sum: the softmax's denominator has every weight)
+                        const DropoutDraw draw{drop_sh[0] | static_cast<unsigned long long>(drop_sh[1]) << 32,
+                                               drop_sh[2], drop_threshold};
+                        const unsigned int row = drop_sh[4] + m0 + tile_row(mt) + g + r * 8;
+#pragma unroll
+                        for (int j = 0; j < NT; ++j) {
+                            const unsigned int keep = draw.keep2(drop_sh[3], row, drop_sh[5] + n0 + j * 8 + 2 * t);
+                            if (!(keep & 1u)) s[mt][j][2 * r] = 0.f;
+                            if (!(keep & 2u)) s[mt][j][2 * r + 1] = 0.f;
+                        }
+                    }
 #pragma unroll
                     for (int i = 0; i < DT; ++i) {
                         o[mt][i][2 * r] *= alpha;
@@ -297,6 +330,7 @@ __device__ __forceinline__ void attention_fwd_body(
             butterfly<1, 2>(Sum{}, sum);   // over the row's quad, offset 1 first
             float inv, row_lse;
             finish_row(row_max[mt][r], sum, sink_log2, inv, row_lse);
+            if constexpr (DROPOUT) inv *= drop_rescale;
             const int row = m0 + tile_row(mt) + g + r * 8;
             if (row < sq) {
                 T* orow = og + static_cast<long long>(row) * o_ss;
@@ -311,13 +345,14 @@ __device__ __forceinline__ void attention_fwd_body(
     }
 }
 
-template <typename T, int D, int WARPS, int MT, int BN, int BNC, bool QREG, int MASK, bool SOFTCAP, int SMEM>
+template <typename T, int D, int WARPS, int MT, int BN, int BNC, bool QREG, int MASK, bool SOFTCAP, bool DROPOUT,
+          int SMEM>
 __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
     const __grid_constant__ cuk::attention::FwdParams<T> p)
 {
     const cuk::attention::Problem& r = p.problem;
-    attention_fwd_body<T, D, WARPS, MT, BN, BNC, QREG, MASK, SOFTCAP, SMEM>(
+    attention_fwd_body<T, D, WARPS, MT, BN, BNC, QREG, MASK, SOFTCAP, DROPOUT, SMEM>(
         p.q, p.k, p.v, p.out, p.lse, p.sinks, p.q_sb, p.q_ss, p.q_sh, p.k_sb, p.k_ss, p.k_sh, p.v_sb, p.v_ss, p.v_sh,
         p.o_sb, p.o_ss, p.o_sh, r.H, r.Hkv, r.Sq, r.Sk, r.scale_log2, r.win_left, r.win_right, r.cap_in,
-        r.cap_out, r.cu_q, r.cu_k, r.max_q, r.max_k, r.fault);
+        r.cap_out, r.cu_q, r.cu_k, r.max_q, r.max_k, r.fault, p.drop_rng, p.drop_threshold, p.drop_rescale);
 }

@@ -443,14 +443,20 @@ def _qkv_dense(A, b, sq, sk, h, hkv, d, dtype, seed, layout):
             A.randn((b, sk, hkv, d), dtype, seed + 2))
 
 
+def _dropout_args(A, seed, p) -> dict:
+    """A call's dropout arguments: p and the draw's (seed, offset) on the device; none for p = 0."""
+    return dict(dropout_p=p, dropout_rng=A.asarray([seed * 7919 + 1, seed], "int64")) if p else {}
+
+
 def _attention_case(dtype, d, mask, *, b=2, sq=131, sk=None, h=4, hkv=2, det=False, layout="bshd", scale=None,
-                    inference=False, sinks=False):
+                    inference=False, sinks=False, dropout=0.0):
     sk = sq if sk is None else sk
     kw = dict(ATTENTION_MASKS[mask], softmax_scale=scale)
 
     def body(A, seed):
         q, k, v = _qkv_dense(A, b, sq, sk, h, hkv, d, dtype, seed, layout)
         more = {"sinks": A.randn((h,), "float32", seed + 4, scale=2.0)} if sinks else {}
+        more.update(_dropout_args(A, seed, dropout))
         out, lse = cukern.attention(q, k, v, return_lse=True, **kw, **more)
         do = A.randn(out.shape, dtype, seed + 3)
         cukern.attention_backward(do, q, k, v, out, lse, deterministic=det, **kw, **more)
@@ -458,7 +464,8 @@ def _attention_case(dtype, d, mask, *, b=2, sq=131, sk=None, h=4, hkv=2, det=Fal
             cukern.attention(q, k, v, **kw, **more)
 
     opts = [mask, f"H{h}/{hkv}"] + [o for o, on in (("deterministic", det), (layout, layout != "bshd"),
-                                                     (f"scale={scale}", scale is not None), ("sinks", sinks)) if on]
+                                                     (f"scale={scale}", scale is not None), ("sinks", sinks),
+                                                     (f"dropout={dropout}", dropout)) if on]
     return _case(f"attention/{dtype}/d{d}/B{b} Sq{sq} Sk{sk}/{'+'.join(opts)}", body,
                  ("attention", "attention_backward"))
 
@@ -471,13 +478,15 @@ def _docs(lengths) -> list:
 VARLEN_DOCS = (0, 1, 37, 130, 0, 64)
 
 
-def _varlen_case(dtype, d, mask, *, det=False, docs_q=VARLEN_DOCS, docs_k=None, h=4, hkv=2, slack=0, sinks=False):
+def _varlen_case(dtype, d, mask, *, det=False, docs_q=VARLEN_DOCS, docs_k=None, h=4, hkv=2, slack=0, sinks=False,
+                 dropout=0.0):
     docs_k = docs_q if docs_k is None else docs_k
     kw = dict(ATTENTION_MASKS[mask])
 
     def body(A, seed):
         cq, ck = _docs(docs_q), _docs(docs_k)
         more = {"sinks": A.randn((h,), "float32", seed + 4, scale=2.0)} if sinks else {}
+        more.update(_dropout_args(A, seed, dropout))
         q = A.randn((cq[-1], h, d), dtype, seed)
         k, v = (A.randn((ck[-1], hkv, d), dtype, seed + i) for i in (1, 2))
         cu_q, cu_k = A.asarray(cq, "int32"), A.asarray(ck, "int32")
@@ -489,7 +498,7 @@ def _varlen_case(dtype, d, mask, *, det=False, docs_q=VARLEN_DOCS, docs_k=None, 
 
     lens = ",".join(map(str, docs_q)) + ("" if docs_k is docs_q else " k " + ",".join(map(str, docs_k)))
     opts = ([mask, f"H{h}/{hkv}"] + (["deterministic"] if det else []) + ([f"slack={slack}"] if slack else [])
-            + (["sinks"] if sinks else []))
+            + (["sinks"] if sinks else []) + ([f"dropout={dropout}"] if dropout else []))
     return _case(f"attention/varlen/{dtype}/d{d}/docs {lens}/{'+'.join(opts)}", body,
                  ("attention_varlen", "attention_varlen_backward"))
 
@@ -535,6 +544,11 @@ def attention_cases() -> list:
         _attention_case("float16", 256, "causal", sq=200, sk=67, det=True),     # Sq > Sk: rows that see no key
         _attention_case("bfloat16", 128, "causal", sq=200, sk=67, sinks=True),  # sinks; rows with the sink alone
         _attention_case("float16", 64, "window+softcap", hkv=1, det=True, sinks=True),
+        # dropout (the sm_80 kernels on every GPU): rows that see no key, a window, both dQ paths
+        _attention_case("bfloat16", 128, "causal", sq=200, sk=67, dropout=0.2),
+        _attention_case("float16", 64, "window", hkv=1, det=True, dropout=0.1),
+        _attention_case("bfloat16", 256, "full", sq=67, det=True, dropout=0.3),
+        _attention_case("float16", 32, "causal", sq=67, sinks=True, dropout=0.5),
     ]
     j = 0
     for dtype in HALF_DTYPES:
@@ -546,6 +560,8 @@ def attention_cases() -> list:
     out.append(_varlen_case("bfloat16", 128, "causal", docs_q=(5, 0, 67, 1), docs_k=(40, 3, 67, 0)))
     out.append(_varlen_case("float16", 64, "softcap", docs_q=(200, 1, 3), det=True))
     out.append(_varlen_case("bfloat16", 128, "causal", docs_q=(5, 0, 67, 1), docs_k=(40, 3, 67, 0), sinks=True))
+    out.append(_varlen_case("bfloat16", 128, "causal", docs_q=(5, 0, 67, 1), docs_k=(40, 3, 67, 0), dropout=0.2))
+    out.append(_varlen_case("float16", 96, "full", docs_q=(3, 70, 1), det=True, dropout=0.1))
     out.append(_case("attention/varlen/bfloat16/d64/decreasing offsets", _varlen_bad_offsets,
                      ("attention_varlen", "attention_varlen_backward")))
     out.append(_case("attention/empty sequences/float16/d64", _attention_empty, ("attention", "attention_backward")))

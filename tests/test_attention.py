@@ -3,6 +3,7 @@ the float64 reference and torch's scaled_dot_product_attention (GPU)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 
 import numpy as np
@@ -897,6 +898,25 @@ def _sink_bshd(q, k, v, sinks, causal, scale):
     return (p.to(vt.dtype) @ vt).transpose(1, 2)
 
 
+def _dropout_bshd(q, k, v, rng, causal, scale, p):
+    """Attention with dropout in PyTorch: the weights dropped by the mask the kernels draw from
+    ``rng`` (seed, offset), the kept scaled by 1 / (1 - p); causal aligned to the bottom right."""
+    b, sq, h, _ = q.shape
+    sk = k.shape[1]
+    keep_mask = importlib.import_module("cukern.attention.reference").dropout_keep_mask
+    keep = torch.as_tensor(keep_mask(p, int(rng[0]) % 2**64, int(rng[1]) % 2**32, b, h, sq, sk),
+                           device=q.device)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    kt, vt = (a.repeat_interleave(qt.shape[1] // kt.shape[1], dim=1) for a in (kt, vt))
+    s = (qt @ kt.transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(~(torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)).to(s.device),
+                          float("-inf"))
+    w = torch.softmax(s, dim=-1)
+    w = torch.where(keep, w / (1 - p), torch.zeros_like(w))
+    return (w.to(vt.dtype) @ vt).transpose(1, 2)
+
+
 def torch_stand_ins() -> dict:
     from torch_helpers import recompute
 
@@ -912,7 +932,12 @@ def torch_stand_ins() -> dict:
                                                           q.new_zeros(q.shape[0], q.shape[2], q.shape[1])),
             lambda do, q, k, v, sk, o, lse, c, s, wl, wr, cap, det: tuple(recompute(
                 lambda q, k, v, sk: _sink_bshd(q, k, v, sk, c, s), (q, k, v, sk), do)))
+    dropping = (lambda q, k, v, rng, c, s, wl, wr, cap, p, det: (_dropout_bshd(q, k, v, rng, c, s, p),
+                                                                q.new_zeros(q.shape[0], q.shape[2], q.shape[1])),
+                lambda do, q, k, v, rng, o, lse, c, s, wl, wr, cap, p, det: tuple(recompute(
+                    lambda q, k, v: _dropout_bshd(q, k, v, rng, c, s, p), (q, k, v), do)))
     return {"attention": dense, "attention_lse": dense, "attention_sink": sink, "attention_sink_lse": sink,
+            "attention_dropout": dropping,
             "attention_varlen_sink": (
                 lambda q, k, v, cq, ck, sk, mq, mk, c, s, wl, wr, cap, det: (
                     _sink_bshd(q[None], k[None], v[None], sk, c, s)[0], q.new_zeros(q.shape[1], q.shape[0])),
@@ -929,6 +954,7 @@ def torch_wiring_calls(which: str, g) -> list:
     qp, kp, vp = (torch.randn(6, 2, 8, generator=g).requires_grad_(which != "w") for _ in range(3))
     cu = torch.tensor([0, 6], dtype=torch.int32)
     sk = (torch.randn(2, generator=g) * 2).requires_grad_(which != "x")
+    rng = torch.tensor([-5, 9], dtype=torch.int64)   # (a seed past 2**63, as int64)
     return [("attention", (q, k, v, True, 0.3, -1, -1, 0.0, -1), lambda: _sdpa_bshd(q, k, v, True, 0.3), (q, k, v)),
             ("attention_lse", (q, k, v, True, 0.3, -1, -1, 0.0, -1), lambda: _sdpa_bshd(q, k, v, True, 0.3),
              (q, k, v)),
@@ -939,7 +965,9 @@ def torch_wiring_calls(which: str, g) -> list:
             ("attention_sink_lse", (q, k, v, sk, False, 0.3, -1, -1, 0.0, -1),
              lambda: _sink_bshd(q, k, v, sk, False, 0.3), (q, k, v, sk)),
             ("attention_varlen_sink", (qp, kp, vp, cu, cu, sk, 6, 6, True, 0.3, -1, -1, 0.0, -1),
-             lambda: _sink_bshd(qp[None], kp[None], vp[None], sk, True, 0.3)[0], (qp, kp, vp, sk))]
+             lambda: _sink_bshd(qp[None], kp[None], vp[None], sk, True, 0.3)[0], (qp, kp, vp, sk)),
+            ("attention_dropout", (q, k, v, rng, True, 0.3, -1, -1, 0.0, 0.25, -1),
+             lambda: _dropout_bshd(q, k, v, rng, True, 0.3, 0.25), (q, k, v))]
 
 
 def opcheck_samples() -> list:
@@ -963,7 +991,11 @@ def opcheck_samples() -> list:
             (torch.ops.cukern.attention_varlen_sink.default, (leaf((40, 4, 64), bf, 0), leaf((40, 2, 64), bf, 1),
                                                               leaf((40, 2, 64), bf, 2), cu, cu,
                                                               leaf((4,), torch.float32, 3), 23, 23, True, 0.125, -1,
-                                                              -1, 0.0, -1))]
+                                                              -1, 0.0, -1)),
+            (torch.ops.cukern.attention_dropout.default, (leaf((2, 40, 4, 64), bf, 0), leaf((2, 40, 2, 64), bf, 1),
+                                                          leaf((2, 40, 2, 64), bf, 2),
+                                                          torch.tensor([7, 3], dtype=torch.int64, device="cuda"),
+                                                          True, 0.125, 16, -1, 0.0, 0.1, -1))]
 
 
 def torch_kernel_cases() -> dict:

@@ -1,7 +1,9 @@
-"""Attention dropout's reference (the kernels to come are held to it): the weights dropped by the
+"""Attention dropout (``dropout_p``, ``dropout_rng``): the reference, the weights dropped by the
 Philox mask the kernels draw (``dropout_keep_mask``), the kept scaled by 1 / (1 - p), against
 PyTorch's autograd of the same composite in float64, forward and backward, with a causal mask,
-GQA and sinks; and the mask's draw: where each element is drawn, dense and packed."""
+GQA and sinks; the mask's draw, where each element is drawn, dense and packed; the arguments'
+checks on the CPU; and on the GPU the kernels (dense and packed, every head size, every mask,
+both backwards) against the reference drawing the same mask."""
 from __future__ import annotations
 
 import importlib
@@ -9,8 +11,11 @@ import importlib
 import numpy as np
 import pytest
 
-from arrays import torch
+import cukern
+from arrays import assert_close, poison_allocator, random_host, to_device, to_host, torch
+from attention_grads import gradient_scales
 
+gpu = pytest.mark.gpu
 needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
 R = importlib.import_module("cukern.attention.reference")
 M = importlib.import_module("cukern._attention_mask")
@@ -62,4 +67,191 @@ def test_each_element_is_drawn_at_its_own_place():
     doc = R.dropout_keep_mask(0.5, 3, 0, 1, 3, 4, 6, q0=10, k0=20)
     pack = R.dropout_keep_mask(0.5, 3, 0, 1, 3, 14, 26)
     np.testing.assert_array_equal(doc, pack[:, :, 10:14, 20:26])
+
+
+
+# ---- the arguments, without a GPU -----------------------------------------------------------------
+
+def test_dropout_argument_checks_without_a_gpu(host_arrays_as_device):
+    """dropout_p in [0, 1), the draw's array (2,) int64, not with the softcap; a valid call runs
+    the sm_80 kernels' dropout instances (on every GPU) and hands them the draw's array."""
+    from conftest import DryRun
+
+    q = np.ones((2, 8, 4, 64), np.float16)
+    kv = np.ones((2, 8, 2, 64), np.float16)
+    lse = np.zeros((2, 4, 8), np.float32)
+    rng = np.array([5, 7], np.int64)
+    cu = np.array([0, 8], np.int32)
+    calls = (lambda **kw: cukern.attention(q, kv, kv, **kw),
+             lambda **kw: cukern.attention_backward(q, q, kv, kv, q, lse, **kw),
+             lambda **kw: cukern.attention_varlen(q[0], kv[0], kv[0], cu, cu, 8, 8, **kw))
+    for kw, exc, pattern in ((dict(dropout_p=1.0, dropout_rng=rng), ValueError,
+                              r"^dropout_p: must be a number in \[0, 1\)"),
+                             (dict(dropout_p=-0.1, dropout_rng=rng), ValueError, "^dropout_p: "),
+                             (dict(dropout_p=float("nan"), dropout_rng=rng), ValueError, "^dropout_p: "),
+                             (dict(dropout_p="0.1", dropout_rng=rng), ValueError, "^dropout_p: "),
+                             (dict(dropout_p=0.1), ValueError, "^dropout_rng: dropout_p > 0 needs"),
+                             (dict(dropout_p=0.1, dropout_rng=np.array([5, 7, 9], np.int64)), ValueError,
+                              r"^dropout_rng: shape \(3,\)"),
+                             (dict(dropout_p=0.1, dropout_rng=np.array([5, 7], np.int32)), ValueError,
+                              "^dropout_rng: dtype int32"),
+                             (dict(dropout_p=0.1, dropout_rng=rng, softcap=30.0), ValueError,
+                              "^dropout_p: 0.1 with softcap 30.0")):
+        for call in calls:
+            with pytest.raises(exc, match=pattern):
+                call(**kw)
+    # (the DROPOUT template argument of each kernel: attention_fwd's 10th, attention_bwd_dkdv's
+    # 11th, attention_bwd_dq's 7th)
+    at = {"attention_fwd<": 9, "attention_bwd_dkdv<": 10, "attention_bwd_dq<": 6}
+    for call, kernels in ((calls[0], ["attention_fwd<"]), (calls[1], ["attention_bwd_dkdv<"]),
+                          (lambda **kw: calls[1](deterministic=True, **kw),
+                           ["attention_bwd_dkdv<", "attention_bwd_dq<"])):
+        with pytest.raises(DryRun) as e:
+            call(dropout_p=0.25, dropout_rng=rng)
+        launches = [st for st in e.value.plan.steps if isinstance(st, tuple) and st[0] == "launch"]
+        for name in kernels:
+            ours = [st for st in launches if st[1].name.startswith(name)]
+            assert ours, (name, [st[1].name for st in launches])
+            for st in ours:
+                assert st[1].name[len(name):-1].split(", ")[at[name]] == "true", st[1].name
+                assert st[4]["drop_threshold"] == int(0.25 * 2**32) and st[4]["drop_rescale"] == pytest.approx(4 / 3)
+    with pytest.raises(DryRun):   # (dropout_p = 0: no draw needed, none taken)
+        calls[0](dropout_p=0.0)
+
+
+# ---- on the GPU -------------------------------------------------------------------------------------
+
+TOL = {"float16": 4e-3, "bfloat16": 2e-2}
+
+CASES = [  # (b, sq, sk, h, hkv, d, causal, window, p)
+    (2, 128, 128, 4, 2, 64, True, (-1, -1), 0.1),
+    (1, 200, 333, 4, 4, 128, False, (-1, -1), 0.3),
+    (2, 96, 160, 6, 2, 128, False, (32, 16), 0.5),
+    (1, 150, 70, 2, 1, 64, True, (-1, -1), 0.2),     # Sq > Sk: rows with no key
+    (1, 77, 90, 4, 2, 32, False, (-1, -1), 0.1),
+    (1, 100, 64, 2, 1, 96, True, (-1, -1), 0.1),
+    (1, 64, 96, 2, 2, 256, False, (-1, -1), 0.4),
+]
+
+
+def _rng(framework, seed, offset):
+    if framework == "torch":
+        return torch.tensor([seed, offset], dtype=torch.int64, device="cuda")
+    return to_device(np.array([seed, offset], np.int64), framework)
+
+
+def _assert_lse(lse, expect):
+    """Finite where the reference's is, +inf (a row that sees no key) where it is."""
+    got = to_host(lse)
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(expect))
+    seen = np.isfinite(expect)
+    assert_close(got[seen], expect[seen], "float32", "lse", tol=1e-4, scale=1.0)
+
+
+@gpu
+@pytest.mark.parametrize("dtype, framework, deterministic", [("bfloat16", "cupy", False), ("float16", "torch", True),
+                                                             ("bfloat16", "torch", True)])
+@pytest.mark.parametrize("case", CASES, ids=[f"c{i}" for i in range(len(CASES))])
+def test_dropout_forward_and_backward_match_the_reference(case, dtype, framework, deterministic):
+    b, sq, sk, h, hkv, d, causal, window, p = case
+    rng = np.random.default_rng(sq + sk + d)
+    q = random_host(rng, (b, sq, h, d), dtype)
+    k, v = random_host(rng, (b, sk, hkv, d), dtype), random_host(rng, (b, sk, hkv, d), dtype)
+    do = random_host(rng, q.shape, dtype)
+    seed, offset = int(rng.integers(0, 2**63)), int(rng.integers(0, 2**32))
+    kw = dict(causal=causal, window=window, dropout_p=p)
+    qd, kd, vd, dod = (to_device(a, framework) for a in (q, k, v, do))
+    rd = _rng(framework, seed, offset)
+    poison_allocator(framework, [q.nbytes, b * h * sq * 4])
+    out, lse = cukern.attention(qd, kd, vd, return_lse=True, dropout_rng=rd, **kw)
+    e_out, e_lse = cukern.reference.attention(q, k, v, return_lse=True, dropout_rng=(seed, offset), **kw)
+    assert_close(out, e_out, dtype, "out", tol=TOL[dtype])
+    _assert_lse(lse, e_lse)
+    # (the mask differs from no dropout's, and from another offset's)
+    plain = cukern.reference.attention(q, k, v, causal=causal, window=window)
+    assert np.abs(to_host(out).astype(np.float64) - plain).max() > 0.1
+    other = cukern.attention(qd, kd, vd, dropout_rng=_rng(framework, seed, offset + 1), **kw)
+    assert not np.array_equal(to_host(other), to_host(out))
+    poison_allocator(framework, [q.nbytes, k.nbytes, k.nbytes])
+    grads = cukern.attention_backward(dod, qd, kd, vd, out, lse, deterministic=deterministic, dropout_rng=rd, **kw)
+    expect = cukern.reference.attention_backward(do, q, k, v, dropout_rng=(seed, offset), **kw)
+    scales = gradient_scales(do, q, k, v, causal, None, window)
+    for name, got, e, sc in zip(("dq", "dk", "dv"), grads, expect, scales):
+        assert_close(got, e, dtype, name, tol=2 * TOL[dtype], scale=sc / (1 - p))
+    if deterministic:   # the same bits again
+        again = cukern.attention_backward(dod, qd, kd, vd, out, lse, deterministic=True, dropout_rng=rd, **kw)
+        for g0, g1 in zip(grads, again):
+            np.testing.assert_array_equal(to_host(g0), to_host(g1))
+
+
+@gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_packed_dropout_matches_the_reference(deterministic):
+    """Documents that start at odd tokens: a thread's key pair then straddles two Philox calls."""
+    rng = np.random.default_rng(12)
+    lengths = [71, 0, 200, 33, 127]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    total, h, hkv, d, dtype = int(cu[-1]), 4, 2, 128, "bfloat16"
+    q = random_host(rng, (total, h, d), dtype)
+    k, v = random_host(rng, (total, hkv, d), dtype), random_host(rng, (total, hkv, d), dtype)
+    do = random_host(rng, q.shape, dtype)
+    kw = dict(causal=True, dropout_p=0.2)
+    qd, kd, vd, dod, cud = (to_device(a, "cupy") for a in (q, k, v, do, cu))
+    rd = _rng("cupy", 99, 3)
+    out, lse = cukern.attention_varlen(qd, kd, vd, cud, cud, 200, 200, return_lse=True, dropout_rng=rd, **kw)
+    e_out, e_lse = cukern.reference.attention_varlen(q, k, v, cu, cu, 200, 200, return_lse=True, dropout_rng=(99, 3),
+                                                     **kw)
+    assert_close(out, e_out, dtype, "out")
+    _assert_lse(lse, e_lse)
+    grads = cukern.attention_varlen_backward(dod, qd, kd, vd, out, lse, cud, cud, 200, 200, dropout_rng=rd,
+                                             deterministic=deterministic, **kw)
+    expect = cukern.reference.attention_varlen_backward(do, q, k, v, None, None, cu, cu, 200, 200,
+                                                        dropout_rng=(99, 3), **kw)
+    for name, got, e in zip(("dq", "dk", "dv"), grads, expect):
+        assert_close(got, e, dtype, name, tol=2 * TOL[dtype], scale=float(np.sqrt(np.mean(e * e))))
+
+
+@gpu
+@needs_torch
+def test_torch_dropout_is_seeded_by_pytorchs_generator_and_trains_as_the_eager_form():
+    """``cukern.torch.flash_attn_func(dropout_p=)`` and the SDPA drop-in: the draw comes from the
+    CUDA generator (``torch.manual_seed`` repeats a call, the next call draws apart), and the out
+    and gradients equal PyTorch's autograd of the weights dropped by that draw; a second
+    backward gives the same gradients."""
+    import cukern.torch as ct
+    from test_attention import _dropout_bshd
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 200, 8, 64, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_(True)
+    k, v = (torch.randn(2, 200, 2, 64, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_(True)
+            for _ in range(2))
+    do = torch.randn(2, 200, 8, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    torch.manual_seed(3)
+    gen = torch.cuda.default_generators[q.device.index]
+    seed, offset = gen.initial_seed(), gen.get_offset()
+    out = ct.flash_attn_func(q, k, v, dropout_p=0.2, causal=True)
+    assert gen.get_offset() > offset   # (the generator moved on)
+    grads = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+    again = torch.autograd.grad(out, (q, k, v), do)
+    for a, b in zip(grads, again):
+        assert torch.equal(a, b)
+    rng = torch.tensor([seed - 2**64 if seed >= 2**63 else seed, offset])
+    leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+    expect = _dropout_bshd(*leaves, rng, True, 64 ** -0.5, 0.2)
+    torch.testing.assert_close(out.float(), expect, rtol=2e-2, atol=2e-2)
+    for got, want in zip(grads, torch.autograd.grad(expect, leaves, do.float())):
+        torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
+    torch.manual_seed(3)
+    assert torch.equal(ct.flash_attn_func(q, k, v, dropout_p=0.2, causal=True), out)
+    assert not torch.equal(ct.flash_attn_func(q, k, v, dropout_p=0.2, causal=True), out)
+    # the SDPA drop-in takes dropout too (B, H, S, D), with the same draw after the same seed
+    import torch.nn.functional as F
+
+    ct.reset_counts()
+    torch.manual_seed(3)
+    with ct.patch(min_size=0):
+        sdpa = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), dropout_p=0.2, is_causal=True,
+                                              enable_gqa=True)
+    assert ct.counts()["scaled_dot_product_attention"] == {"cukern": 1, "torch": 0}
+    assert torch.equal(sdpa.transpose(1, 2), out)
 

@@ -582,7 +582,8 @@ def test_the_backward_plans(host_arrays_as_device, monkeypatch):
     assert [s[1].name.split("<")[0] for s in launches] == ["attention_bwd_dot", "attention_bwd_dkdv",
                                                           "attention_bwd_dq_convert"]
     _, inst, grid, _, args, _ = launches[1]
-    assert ", 2, true, true, " in inst.name and (args["win_left"], args["win_right"]) == (30, 0) and grid == (3, 4)
+    assert ", 2, true, false, true, " in inst.name and grid == (3, 4)
+    assert (args["win_left"], args["win_right"]) == (30, 0)
     with pytest.raises(DryRun) as info:
         cukern.attention_backward(q, q, kv, kv, q, lse, window=(30, 2), deterministic=True)
     launches = [s for s in info.value.plan.steps if isinstance(s, tuple) and s[0] == "launch"]
@@ -786,7 +787,7 @@ FLASH_ATTN_VARLEN_FUNC = ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_se
 def test_flash_attn_functions_have_flash_attns_signatures():
     """flash-attn 2.6's parameter names, order and defaults, so that a call written for
     flash-attn runs unchanged, then FlashAttention-4's ``learnable_sink``; what cukern lacks
-    (dropout, ALiBi, a paged KV cache) is refused by name before anything runs."""
+    (ALiBi, a paged KV cache, dropout where it is not taken) is refused by name before anything runs."""
     import inspect
 
     import cukern.torch as ct
@@ -800,7 +801,12 @@ def test_flash_attn_functions_have_flash_attns_signatures():
         assert defaults["deterministic"] is False and defaults["return_attn_probs"] is False
     q = torch.zeros(1, 4, 2, 8)
     cu = torch.tensor([0, 4], dtype=torch.int32)
-    for call, pattern in ((lambda: ct.flash_attn_func(q, q, q, dropout_p=0.1), "dropout_p: cukern's attention has no"),
+    sink = torch.zeros(2)
+    for call, pattern in ((lambda: ct.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4, dropout_p=0.1),
+                           "dropout_p: 0.1: flash_attn_varlen_func takes no dropout yet"),
+                          (lambda: ct.flash_attn_func(q, q, q, dropout_p=0.1, learnable_sink=sink),
+                           "dropout_p: 0.1 with learnable_sink or return_attn_probs: not taken"),
+                          (lambda: ct.flash_attn_func(q, q, q, dropout_p=1.5), "dropout_p: must be a number in"),
                           (lambda: ct.flash_attn_func(q, q, q, alibi_slopes=q), "alibi_slopes: "),
                           (lambda: ct.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4, block_table=cu),
                            "block_table: cukern's attention has no paged KV cache")):

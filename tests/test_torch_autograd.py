@@ -102,6 +102,23 @@ def _attention_sink(q, k, v, sinks, causal, scale, wl, wr, cap, det):
     return (_sink_like(q, k, v, sinks, causal, scale, wl, wr, cap),)
 
 
+def _attention_dropout(q, k, v, rng, causal, scale, wl, wr, cap, p, det):
+    """The weights dropped by the mask the kernels draw (the NumPy reference's), the kept scaled."""
+    from cukern.attention.reference import dropout_keep_mask
+
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    mask = M.mask_of(causal, (wl, wr), cap, sq, sk)
+    qt, kt, vt = (a.transpose(1, 2) for a in (q, k, v))
+    kt, vt = (a.repeat_interleave(h // hkv, dim=1) for a in (kt, vt))
+    s = (qt @ kt.transpose(-1, -2) * scale).masked_fill(~torch.as_tensor(M.visible(mask, sq, sk), device=q.device),
+                                                        float("-inf"))
+    keep = torch.as_tensor(dropout_keep_mask(p, int(rng[0]) % 2**64, int(rng[1]) % 2**32, b, h, sq, sk),
+                           device=q.device)
+    w = torch.where(keep, torch.softmax(s, dim=-1) / (1 - p), torch.zeros((), device=q.device, dtype=s.dtype))
+    return ((w @ vt).transpose(1, 2),)
+
+
 def _attention_varlen_sink(q, k, v, cu_q, cu_k, sinks, max_q, max_k, causal, scale, wl, wr, cap, det):
     out = []
     for d in range(cu_q.shape[0] - 1):
@@ -174,6 +191,7 @@ TORCH_OWN = {
     "attention_sink": _attention_sink,
     "attention_sink_lse": _attention_sink,
     "attention_varlen_sink": _attention_varlen_sink,
+    "attention_dropout": _attention_dropout,
     "cross_entropy": _cross_entropy,
     "linear_cross_entropy": _linear_cross_entropy,
     "glu": _glu,

@@ -152,6 +152,12 @@ CASES = {
                                           _offsets([37, 130, 1, 0, 90]), 130, 130, _leaf((4,), torch.float32, 3)),
                                          lambda q, k, v, cq, ck, mq, mk, s: ct.flash_attn_varlen_func(
                                              q, k, v, cq, ck, mq, mk, causal=True, learnable_sink=s)),
+    # (dropout: its draw a (2,) int64 input made each call from the generator, reseeded so that
+    # every call drops the same weights)
+    "attention_dropout": lambda dt: ((_leaf((2, 150, 4, 64), _half(dt), 0), _leaf((2, 150, 2, 64), _half(dt), 1),
+                                      _leaf((2, 150, 2, 64), _half(dt), 2)),
+                                     lambda q, k, v: (torch.cuda.manual_seed(5),
+                                                      ct.flash_attn_func(q, k, v, dropout_p=0.2, causal=True))[1]),
 }
 
 

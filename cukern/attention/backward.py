@@ -6,9 +6,10 @@ from .._arrays import DeviceArray
 from .._kernels import MapSlot
 from .._plans import Builder, Plan, PlanCache
 from . import configs as _cfg
-from .checks import _check_like_q, _check_lse, _check_qkv, _check_varlen, _like, _read, _scale, _strides3, _tma_readable
+from .checks import (_check_like_q, _check_lse, _check_qkv, _check_varlen, _dropout_args, _dropout_p, _dropout_rng,
+                     _like, _read, _scale, _strides3, _tma_readable)
 from .configs import LOG2E, Configs
-from .forward import _check_sinks, _mask_key, _offsets, _qkv, _sinks, _varlen_cacheable
+from .forward import _check_sinks, _mask_key, _offsets, _qkv, _rng_slot, _sinks, _varlen_cacheable
 
 # ---- backward -------------------------------------------------------------------------------
 
@@ -16,12 +17,13 @@ _BWD = PlanCache()
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, deterministic=False,
-                       window=(-1, -1), softcap=0.0, sinks=None):
+                       window=(-1, -1), softcap=0.0, sinks=None, dropout_p=0.0, dropout_rng=None):
     """Gradients of ``attention``: ``(dq, dk, dv)``.
 
     Args:
         dout: (B, Sq, H, D) gradient of ``out``, q's dtype, any batch/sequence/head strides.
-        q, k, v, causal, softmax_scale, window, softcap, sinks: as given to the forward.
+        q, k, v, causal, softmax_scale, window, softcap, sinks, dropout_p, dropout_rng: as given
+            to the forward (dropout_rng holding the same seed and offset: the same weights dropped).
         out, lse: the forward's output and log-sum-exp (``return_lse=True``; with sinks, the
             lse that includes them, as the forward returns it).
         deterministic: False (default, as FlashAttention): dQ is summed over key tiles with
@@ -37,7 +39,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         float32, summed over the batch and queries in a fixed order (the same bits every call).
     """
     return _attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, _cfg.CONFIGS, window,
-                               softcap, sinks)
+                               softcap, sinks, dropout_p, dropout_rng)
 
 
 def _bwd_arrays(dout, q, k, v, out, lse) -> list:
@@ -51,25 +53,26 @@ def _gradients(plan: Plan, bufs, sinks) -> tuple:
 
 
 def _attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, configs: Configs,
-                        window=(-1, -1), softcap=0.0, sinks=None):
-    arrays = [*_bwd_arrays(dout, q, k, v, out, lse), *_sinks(sinks)]
+                        window=(-1, -1), softcap=0.0, sinks=None, dropout_p=0.0, dropout_rng=None):
+    p = _dropout_p(dropout_p, softcap)
+    arrays = [*_bwd_arrays(dout, q, k, v, out, lse), *_sinks(sinks), *_dropout_rng(p, dropout_rng)]
     mkey = _mask_key(window, softcap)
     plain = (softmax_scale is None or type(softmax_scale) in (float, int)) and mkey is not None
-    key = (bool(causal), softmax_scale, bool(deterministic), configs, mkey, *(a.key for a in arrays))
+    key = (bool(causal), softmax_scale, bool(deterministic), configs, mkey, p, sinks is None, *(a.key for a in arrays))
     plan = _BWD.plan(key if plain else None, _plan_backward, arrays, bool(causal), softmax_scale, bool(deterministic),
-                     configs, window, softcap)
+                     configs, window, softcap, None, sinks is not None, p)
     return _gradients(plan, plan(arrays), sinks)
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               causal=False, softmax_scale=None, deterministic=False, window=(-1, -1), softcap=0.0,
-                              sinks=None):
+                              sinks=None, dropout_p=0.0, dropout_rng=None):
     """Gradients of ``attention_varlen``: ``(dq, dk, dv)`` of the packed documents.
 
     Args:
         dout: (total_q, H, D) gradient of ``out``.
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-            window, softcap, sinks: as given to the forward.
+            window, softcap, sinks, dropout_p, dropout_rng: as given to the forward.
         out, lse: the forward's output and log-sum-exp (H, total_q) (``return_lse=True``).
         deterministic: as for ``attention_backward``.
 
@@ -80,13 +83,16 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         dq (total_q, H, D), dk and dv (total_k, Hkv, D) of q's dtype; with ``sinks`` also
         dsinks (H,) float32.
     """
-    arrays = [*_bwd_arrays(dout, q, k, v, out, lse), *_offsets(cu_seqlens_q, cu_seqlens_k), *_sinks(sinks)]
+    p = _dropout_p(dropout_p, softcap)
+    arrays = [*_bwd_arrays(dout, q, k, v, out, lse), *_offsets(cu_seqlens_q, cu_seqlens_k), *_sinks(sinks),
+              *_dropout_rng(p, dropout_rng)]
     mkey = _mask_key(window, softcap)
     plain = _varlen_cacheable(softmax_scale, mkey, max_seqlen_q, max_seqlen_k)
-    key = (bool(causal), softmax_scale, bool(deterministic), _cfg.CONFIGS, mkey, max_seqlen_q, max_seqlen_k,
-           *(a.key for a in arrays))
+    key = (bool(causal), softmax_scale, bool(deterministic), _cfg.CONFIGS, mkey, max_seqlen_q, max_seqlen_k, p,
+           sinks is None, *(a.key for a in arrays))
     plan = _BWD_VARLEN.plan(key if plain else None, _plan_backward, arrays, bool(causal), softmax_scale,
-                            bool(deterministic), _cfg.CONFIGS, window, softcap, (max_seqlen_q, max_seqlen_k))
+                            bool(deterministic), _cfg.CONFIGS, window, softcap, (max_seqlen_q, max_seqlen_k),
+                            sinks is not None, p)
     return _gradients(plan, plan(arrays), sinks)
 
 
@@ -94,11 +100,11 @@ _BWD_VARLEN = PlanCache()
 
 
 def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Configs, window=(-1, -1), softcap=0.0,
-                   varlen: tuple | None = None) -> Plan:
+                   varlen: tuple | None = None, has_sinks: bool = False, dropout_p: float = 0.0) -> Plan:
     """The backward's plan; ``varlen`` = (max_seqlen_q, max_seqlen_k) for packed documents,
     whose offsets are arrays 6 and 7 (the kernels then see one batch of all the tokens); the
-    sinks, where given, are the last array."""
-    sinks_at = len(arrays) - 1 if len(arrays) > (8 if varlen else 6) else None
+    sinks, where given, next; the dropout draw, where dropout_p > 0, last."""
+    sinks_at = (8 if varlen else 6) if has_sinks else None
     da, qa, ka, va, oa, la = arrays[:6]
     if varlen is None:
         _check_qkv(qa, ka, va, configs.bwd_head_dims, " by the backward")
@@ -139,6 +145,7 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
     dk = b.alloc(ka.shape, qa.dtype, "contiguous" if 2 in copied else "like", 2, name="dk")
     dv = b.alloc(va.shape, qa.dtype, "contiguous" if 3 in copied else "like", 3, name="dv")
     sinks = _check_sinks(arrays, sinks_at, h, b)
+    rng = _rng_slot(arrays, dropout_p, b)
     dsinks = None if sinks is None else b.alloc((h,), "float32", name="dsinks")
     if batch * h * sq == 0 or sk == 0:   # (no key: O is 0, so is every row's correction, so dsinks)
         b.fill(0.0, dq, dk, dv, dsinks)
@@ -158,7 +165,8 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
                **{f"v_{n}": s for n, s in _strides3(vs).items()}, **{f"d_{n}": s for n, s in _strides3(ds).items()}}
     out_strides = {**{f"dk_{n}": s for n, s in _strides3(dks).items()},
                    **{f"dv_{n}": s for n, s in _strides3(dvs).items()}}
-    hopper = (configs.use_sm90_bwd and d in dict(configs.bwd_sm90) and _kernels.compute_capability(device) == (9, 0)
+    hopper = (configs.use_sm90_bwd and not dropout_p and d in dict(configs.bwd_sm90)
+              and _kernels.compute_capability(device) == (9, 0)
               and all(i in copied or _tma_readable(a) for i, a in enumerate(arrays[:4])))
     # The Hopper kernel loads lse * log2(e) and Dsum by TMA, a query tile's [2][rows] at once.
     which = "bwd_sm90_softcap" if mask.softcap else "bwd_sm90"
@@ -201,17 +209,19 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
                  **{n: masked[n] for n in ("cu_q", "cu_k", "max_q", "max_k", "fault")},
                  groups=pairs)
     else:
-        cfg = configs.get("bwd", d)
-        k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, deterministic, bool(mask.softcap)), device)
+        dropping = bool(dropout_p)
+        cfg = configs.sm80("bwd", d, dropping)
+        k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, deterministic, bool(mask.softcap), dropping), device)
         b.launch(k, (-(-rows_k // cfg.bn), groups * hkv), q=b.slot(1), k=b.slot(2), v=b.slot(3), dout=b.slot(0),
                  lse=b.slot(5), dsum=dsum, dk=dk, dv=dv, dq_accum=dq_accum, **strided, **out_strides, **tail,
-                 **masked)
+                 **masked, **_dropout_args(dropout_p, rng))
     if deterministic:
-        qcfg = configs.get("dq", d)
-        k = _kernels.kernel(qcfg.instance(qa.dtype, d, mask.kind, bool(mask.softcap)), device)
+        qcfg = configs.sm80("dq", d, bool(dropout_p))
+        k = _kernels.kernel(qcfg.instance(qa.dtype, d, mask.kind, bool(mask.softcap), bool(dropout_p)), device)
         b.launch(k, (-(-rows_q // (16 * qcfg.warps)), groups * h), q=b.slot(1), k=b.slot(2), v=b.slot(3),
                  dout=b.slot(0), lse=b.slot(5), dsum=dsum, dq=dq, **strided,
-                 **{f"dq_{n}": s for n, s in _strides3(dqs).items()}, **tail, **masked)
+                 **{f"dq_{n}": s for n, s in _strides3(dqs).items()}, **tail, **masked,
+                 **_dropout_args(dropout_p, rng))
     else:
         k = _kernels.kernel(configs.convert(qa.dtype, d), device)
         n8 = batch * sq * h * d // 8

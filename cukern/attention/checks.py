@@ -128,6 +128,37 @@ def _scale(softmax_scale, d: int) -> float:
     return _checks.positive_float32(softmax_scale, "softmax_scale", log2e=True)
 
 
+def _dropout_p(dropout_p, softcap) -> float:
+    """``dropout_p`` as a float in [0, 1), checked (the softcap is not taken with dropout)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p: must be a number in [0, 1), got {dropout_p!r}")
+    if dropout_p and softcap:
+        raise ValueError(f"dropout_p: {dropout_p} with softcap {softcap}: the kernels take one or the other")
+    return float(dropout_p)
+
+
+def _dropout_rng(dropout_p: float, dropout_rng) -> list:
+    """The draw's (seed, offset) as the last array of a call where ``dropout_p`` > 0, else nothing."""
+    if not dropout_p:
+        return []
+    if dropout_rng is None:
+        raise ValueError("dropout_rng: dropout_p > 0 needs the draw's seed and Philox offset, a (2,) int64 device "
+                         "array on q's device")
+    ra = _arrays.as_device_array(dropout_rng, "dropout_rng", ("int64",))
+    if ra.shape != (2,):
+        raise ValueError(f"dropout_rng: shape {ra.shape}; expected (2,): the seed and the Philox offset")
+    return [ra]
+
+
+def _dropout_args(dropout_p: float, rng_slot) -> dict:
+    """The sm_80 kernels' dropout arguments (unused by instances without dropout)."""
+    from .._philox import dropout_threshold
+
+    if not dropout_p:
+        return dict(drop_rng=None, drop_threshold=0, drop_rescale=1.0)
+    return dict(drop_rng=rng_slot, drop_threshold=dropout_threshold(dropout_p), drop_rescale=1.0 / (1.0 - dropout_p))
+
+
 def _misaligned(a: DeviceArray) -> bool:
     """cp.async moves 16-byte chunks: rows must start 16-byte aligned. Such a view is read from
     a fresh copy (a contiguous view at a misaligned address stays misaligned under contiguous())."""

@@ -53,12 +53,12 @@ class FwdConfig:
         """Q, two K and two V tiles, and 1 KB to align the tiles."""
         return (self.block_rows + 4 * self.bn) * row_elems(d) * itemsize + 1024
 
-    def instance(self, dtype: str, d: int, mask: int, softcap: bool = False) -> Instance:
+    def instance(self, dtype: str, d: int, mask: int, softcap: bool = False, dropout: bool = False) -> Instance:
         """``mask``: Mask.kind (a bool: causal or not)."""
         smem = self.smem(d, _arrays.DTYPES[dtype][1])
         return Instance(SOURCE, f"attention_fwd<{_ctype(dtype)}, {d}, {self.warps}, {self.mt}, {self.bn}, "
-                                f"{self.bnc}, {_b(self.qreg)}, {int(mask)}, {_b(softcap)}, {smem}>", 32 * self.warps,
-                        smem)
+                                f"{self.bnc}, {_b(self.qreg)}, {int(mask)}, {_b(softcap)}, {_b(dropout)}, {smem}>",
+                        32 * self.warps, smem)
 
 
 SM90_MAX_SMEM = 227 * 1024   # (a block's opt-in shared memory on H100 and H200)
@@ -166,12 +166,13 @@ class BwdConfig:
         return ((2 * self.bn + 4 * self.bm) * row_elems(d) * itemsize + 2 * self.bm * row_elems(self.bn) * itemsize
                 + 4 * self.bm * 4 + 1024)
 
-    def instance(self, dtype: str, d: int, mask: int, deterministic: bool, softcap: bool = False) -> Instance:
+    def instance(self, dtype: str, d: int, mask: int, deterministic: bool, softcap: bool = False,
+                 dropout: bool = False) -> Instance:
         """``mask``: Mask.kind (a bool: causal or not)."""
         smem = self.smem(d, _arrays.DTYPES[dtype][1])
         return Instance(BWD_SOURCE, f"attention_bwd_dkdv<{_ctype(dtype)}, {d}, {self.bm}, {self.bn}, {self.warps}, "
                                     f"{self.wm_s}, {self.wn_kv}, {self.wm_q}, {int(mask)}, {_b(softcap)}, "
-                                    f"{_b(not deterministic)}, {smem}>", 32 * self.warps, smem)
+                                    f"{_b(dropout)}, {_b(not deterministic)}, {smem}>", 32 * self.warps, smem)
 
 
 @dataclass(frozen=True)
@@ -230,11 +231,11 @@ class DqConfig:
     def smem(self, d: int, itemsize: int) -> int:
         return (2 * 16 * self.warps + 4 * self.bn) * row_elems(d) * itemsize
 
-    def instance(self, dtype: str, d: int, mask: int, softcap: bool = False) -> Instance:
+    def instance(self, dtype: str, d: int, mask: int, softcap: bool = False, dropout: bool = False) -> Instance:
         """``mask``: Mask.kind (a bool: causal or not)."""
         smem = self.smem(d, _arrays.DTYPES[dtype][1])
         return Instance(BWD_SOURCE, f"attention_bwd_dq<{_ctype(dtype)}, {d}, {self.warps}, {self.bn}, {int(mask)}, "
-                                    f"{_b(softcap)}, {smem}>", 32 * self.warps, smem)
+                                    f"{_b(softcap)}, {_b(dropout)}, {smem}>", 32 * self.warps, smem)
 
 
 @dataclass(frozen=True, eq=False)   # (hashed by identity: plans are keyed by it, on every call)
@@ -287,6 +288,12 @@ class Configs:
                                                                (128, Sm90BwdConfig(64, producer=True)))
     # (packed documents take the same configs: their span is kept in uniform registers)
     use_sm90_bwd: bool = True
+    # Dropout runs on the sm_80 kernels on every GPU, with these configs where the default's
+    # spill with the draw's registers (half-width key sub-tiles; d64's backward as d96's).
+    fwd_dropout: tuple[tuple[int, FwdConfig], ...] = (
+        (32, FwdConfig(4, 2, 64, 32, True)), (64, FwdConfig(4, 2, 64, 32, True)), (96, FwdConfig(4, 2, 32, 16, False)),
+        (128, FwdConfig(4, 2, 32, 16, False)), (256, FwdConfig(4, 1, 32, 16, False)))
+    bwd_dropout: tuple[tuple[int, BwdConfig], ...] = ((64, BwdConfig(64, 128, 8, 2, 4, 4)),)
     # The persistent backward's grid (Sm90BwdConfig.persistent): blocks, 0 for one an SM (tests
     # set a few, so that every block walks many units)
     bwd_sm90_blocks: int = 0
@@ -301,6 +308,11 @@ class Configs:
 
     def get(self, which: str, d: int):
         return dict(getattr(self, which))[d]
+
+    def sm80(self, which: str, d: int, dropout: bool = False):
+        """The sm_80 kernel's config (``which``: fwd, bwd or dq) for head dim ``d``: with
+        dropout, ``<which>_dropout``'s where it has one."""
+        return (dropout and dict(getattr(self, f"{which}_dropout", ())).get(d)) or self.get(which, d)
 
     def sm90_forward(self, d: int, causal: bool, softcap: bool = False) -> Sm90FwdConfig:
         """The Hopper forward's config for head dim ``d``: ``fwd_sm90_softcap``'s with the softcap,
@@ -373,4 +385,11 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
                 for cap in (False, True):
                     out += [cfg.instance(dt, d, m, det, cap) for det in (False, True)]
                     out.append(configs.get("dq", d).instance(dt, d, m, cap))
+    # dropout's: every mask (the softcap is not taken with dropout)
+    out += [configs.sm80("fwd", d, True).instance(dt, d, m, False, True) for dt in DTYPES for d, _ in configs.fwd
+            for m in (0, 1, 2)]
+    out += [configs.sm80("bwd", d, True).instance(dt, d, m, det, False, True) for dt in DTYPES for d, _ in configs.bwd
+            for m in (0, 1, 2) for det in (False, True)]
+    out += [configs.sm80("dq", d, True).instance(dt, d, m, False, True) for dt in DTYPES for d, _ in configs.bwd
+            for m in (0, 1, 2)]
     return out

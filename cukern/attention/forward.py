@@ -8,7 +8,8 @@ from .._attention_mask import Mask
 from .._kernels import MapSlot
 from .._plans import Builder, Plan, PlanCache
 from . import configs as _cfg
-from .checks import _check_qkv, _check_varlen, _like, _read, _scale, _strides3, _tma_readable
+from .checks import (_check_qkv, _check_varlen, _dropout_args, _dropout_p, _dropout_rng, _like, _read, _scale,
+                     _strides3, _tma_readable)
 from .configs import LOG2E, Configs
 
 # ---- forward --------------------------------------------------------------------------------
@@ -22,7 +23,7 @@ def _qkv(q, k, v) -> list:
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, window=(-1, -1), softcap=0.0,
-              sinks=None):
+              sinks=None, dropout_p=0.0, dropout_rng=None):
     """softmax(q k^T * softmax_scale [+ mask]) v, fused (FlashAttention-2 style).
 
     Args:
@@ -43,17 +44,37 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, wi
             per query head, in the units of the scaled (and capped) scores, that joins every
             row's softmax denominator and has no value: each row's weights sum to less than 1.
             The lse then includes it (a query that sees no key gets zeros and lse = its sink).
+        dropout_p: drops each attention weight with this probability and scales the kept ones
+            by 1 / (1 - dropout_p) (the lse stays the softmax's). Runs on the sm_80 kernels on
+            every GPU; not with ``softcap``.
+        dropout_rng: with dropout_p > 0, (2,) int64 on q's device: the seed and the Philox
+            offset of the draw (read on the device at the launch, so a CUDA graph replays with
+            the values there). Weight (b, h, i, j) is dropped when word j % 4 of
+            Philox4x32-10(counter (j // 4, i, b * H + h, offset % 2**32), key seed) is below
+            dropout_p * 2**32 (``cukern.attention.reference.dropout_keep_mask``); the backward takes the
+            same array and draws the same mask.
 
     Returns:
         ``out`` (B, Sq, H, D) of q's dtype, laid out like q (its stride order) when q is
         dense, else contiguous; with ``return_lse`` ``(out, lse)``.
     """
-    return _attention(q, k, v, causal, softmax_scale, return_lse, _cfg.CONFIGS, window, softcap, sinks)
+    return _attention(q, k, v, causal, softmax_scale, return_lse, _cfg.CONFIGS, window, softcap, sinks, dropout_p,
+                      dropout_rng)
 
 
 def _sinks(sinks) -> list:
     """The sinks as the last array of a call, or nothing."""
     return [] if sinks is None else [_arrays.as_device_array(sinks, "sinks", ("float32",))]
+
+
+def _rng_slot(arrays, dropout_p: float, b: Builder):
+    """The dropout draw's slot (the last array, made contiguous where it is not) or None."""
+    if not dropout_p:
+        return None
+    at = len(arrays) - 1
+    if not _arrays.is_contiguous(arrays[at]) and at not in {i for i, _ in b.fixes}:
+        b.fix(at, DeviceArray.contiguous)
+    return b.slot(at)
 
 
 def _check_sinks(arrays, at: int | None, h: int, b: Builder):
@@ -78,19 +99,20 @@ def _mask_key(window, softcap):
 
 
 def _attention(q, k, v, causal, softmax_scale, return_lse, configs: Configs, window=(-1, -1), softcap=0.0,
-               sinks=None):
-    arrays = [*_qkv(q, k, v), *_sinks(sinks)]
+               sinks=None, dropout_p=0.0, dropout_rng=None):
+    p = _dropout_p(dropout_p, softcap)
+    arrays = [*_qkv(q, k, v), *_sinks(sinks), *_dropout_rng(p, dropout_rng)]
     mkey = _mask_key(window, softcap)
     plain = (softmax_scale is None or type(softmax_scale) in (float, int)) and mkey is not None
-    key = (bool(causal), softmax_scale, bool(return_lse), configs, mkey, *(a.key for a in arrays))
+    key = (bool(causal), softmax_scale, bool(return_lse), configs, mkey, p, sinks is None, *(a.key for a in arrays))
     plan = _FWD.plan(key if plain else None, _plan_forward, arrays, bool(causal), softmax_scale, bool(return_lse),
-                     configs, window, softcap)
+                     configs, window, softcap, sinks is not None, p)
     bufs = plan(arrays)
     return (plan.out(bufs, "out"), plan.out(bufs, "lse")) if return_lse else plan.out(bufs, "out")
 
 
 def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs, window=(-1, -1),
-                  softcap=0.0) -> Plan:
+                  softcap=0.0, has_sinks=False, dropout_p=0.0) -> Plan:
     qa, ka, va = arrays[:3]
     _check_qkv(qa, ka, va, configs.head_dims, "")
     batch, sq, h, d = qa.shape
@@ -100,7 +122,8 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs, w
     device = _arrays.same_device(*arrays)
     b = Builder(arrays)
     qs, ks, vs = (_read(b, i, a) for i, a in enumerate(arrays[:3]))
-    sinks = _check_sinks(arrays, 3 if len(arrays) > 3 else None, h, b)
+    sinks = _check_sinks(arrays, 3 if has_sinks else None, h, b)
+    rng = _rng_slot(arrays, dropout_p, b)
     q_copied = any(i == 0 for i, _ in b.fixes)
     out = b.alloc(qa.shape, qa.dtype, "contiguous" if q_copied else "like", 0, name="out")
     lse = b.alloc((batch, h, sq), "float32", name="lse") if return_lse else None
@@ -108,7 +131,8 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs, w
         if sk == 0 and sinks is None:  # no keys: zeros, lse = +inf (with sinks the kernel writes theirs)
             b.fill(0.0, out)
             b.fill(float("inf"), lse)
-        elif (configs.use_sm90 and sk and d in dict(configs.fwd_sm90) and _kernels.compute_capability(device) == (9, 0)
+        elif (configs.use_sm90 and sk and not dropout_p and d in dict(configs.fwd_sm90)
+              and _kernels.compute_capability(device) == (9, 0)
               and all(i in {j for j, _ in b.fixes} or _tma_readable(a) for i, a in enumerate(arrays[:3]))):
             # TMA reads the inputs in place where cp.async can (16-byte rows and strides: _read)
             # (a window takes the causal config; its work tiles are handed out as the unmasked ones)
@@ -136,18 +160,20 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs, w
                      win_left=mask.left, win_right=mask.right, cu_q=None, cu_k=None, max_q=0, max_k=0, fault=None)
         else:
             _launch_forward_sm80(b, configs, qa, (qs, ks, vs), _like(qa, q_copied), out, lse, sinks, mask, scale,
-                                 grid_rows=sq, batches=batch, sq=sq, sk=sk, hkv=hkv, device=device)
+                                 grid_rows=sq, batches=batch, sq=sq, sk=sk, hkv=hkv, device=device,
+                                 dropout=(dropout_p, rng))
     return b.plan(device)
 
 
 def _launch_forward_sm80(b: Builder, configs: Configs, qa: DeviceArray, strides, os_, out, lse, sinks, mask: Mask,
                          scale: float, *, grid_rows: int, batches: int, sq: int, sk: int, hkv: int, device: int,
-                         varlen: tuple | None = None) -> None:
+                         varlen: tuple | None = None, dropout: tuple = (0.0, None)) -> None:
     """attention_fwd over ``batches`` (batch, head) groups of ``grid_rows`` query rows (packed:
-    ``varlen`` = (cu_q slot, cu_k slot, max_q, max_k), and sq, sk the token totals)."""
+    ``varlen`` = (cu_q slot, cu_k slot, max_q, max_k), and sq, sk the token totals);
+    ``dropout`` = (dropout_p, the draw's slot)."""
     d, h = qa.shape[-1], qa.shape[-2]
-    cfg = configs.get("fwd", d)
-    k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, bool(mask.softcap)), device)
+    cfg = configs.sm80("fwd", d, bool(dropout[0]))
+    k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, bool(mask.softcap), bool(dropout[0])), device)
     cap_in, cap_out = _attention_mask.softcap_log2(mask, scale)
     cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
     fault = _arrays.wrap(_faults.record(device), "fault record") if varlen is not None else None
@@ -156,7 +182,7 @@ def _launch_forward_sm80(b: Builder, configs: Configs, qa: DeviceArray, strides,
              **{f"{x}_{n}": s for x, st in zip("qkvo", (*strides, os_)) for n, s in _strides3(st).items()},
              H=h, Hkv=hkv, Sq=sq, Sk=sk, scale=scale, scale_log2=scale * LOG2E, win_left=mask.left,
              win_right=mask.right, cap_in=cap_in, cap_out=cap_out, cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k,
-             fault=fault)
+             fault=fault, **_dropout_args(*dropout))
 
 
 # ---- packed documents (varlen) ----------------------------------------------------------------
@@ -165,7 +191,8 @@ _FWD_VARLEN = PlanCache()
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                     softmax_scale=None, return_lse=False, window=(-1, -1), softcap=0.0, sinks=None):
+                     softmax_scale=None, return_lse=False, window=(-1, -1), softcap=0.0, sinks=None, dropout_p=0.0,
+                     dropout_rng=None):
     """``attention`` over documents packed into one sequence with no padding (flash-attn's
     ``flash_attn_varlen_func``): each document attends to its own tokens only.
 
@@ -178,6 +205,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             covers that many rows).
         causal, softmax_scale, window, softcap, sinks: as for ``attention``, each document's mask
             aligned to its own bottom right.
+        dropout_p, dropout_rng: as for ``attention``, the draw at the tokens' places in the pack
+            (b = 0, i and j counted from the pack's first token).
         return_lse: also return the log-sum-exp (H, total_q) float32.
 
     Offsets are read on the device: bad ones (decreasing, not from 0 to the total, a document
@@ -189,7 +218,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         ``out`` (total_q, H, D) of q's dtype; with ``return_lse`` ``(out, lse)``.
     """
     return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                             return_lse, window, softcap, _cfg.CONFIGS, sinks)
+                             return_lse, window, softcap, _cfg.CONFIGS, sinks, dropout_p, dropout_rng)
 
 
 def _offsets(cu_seqlens_q, cu_seqlens_k) -> list:
@@ -204,20 +233,22 @@ def _varlen_cacheable(softmax_scale, mkey, max_seqlen_q, max_seqlen_k) -> bool:
 
 
 def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                      return_lse, window, softcap, configs: Configs, sinks=None):
-    arrays = [*_qkv(q, k, v), *_offsets(cu_seqlens_q, cu_seqlens_k), *_sinks(sinks)]
+                      return_lse, window, softcap, configs: Configs, sinks=None, dropout_p=0.0, dropout_rng=None):
+    p = _dropout_p(dropout_p, softcap)
+    arrays = [*_qkv(q, k, v), *_offsets(cu_seqlens_q, cu_seqlens_k), *_sinks(sinks), *_dropout_rng(p, dropout_rng)]
     mkey = _mask_key(window, softcap)
     plain = _varlen_cacheable(softmax_scale, mkey, max_seqlen_q, max_seqlen_k)
-    key = (bool(causal), softmax_scale, bool(return_lse), configs, mkey, max_seqlen_q, max_seqlen_k,
-           *(a.key for a in arrays))
+    key = (bool(causal), softmax_scale, bool(return_lse), configs, mkey, max_seqlen_q, max_seqlen_k, p,
+           sinks is None, *(a.key for a in arrays))
     plan = _FWD_VARLEN.plan(key if plain else None, _plan_forward_varlen, arrays, max_seqlen_q, max_seqlen_k,
-                            bool(causal), softmax_scale, bool(return_lse), window, softcap, configs)
+                            bool(causal), softmax_scale, bool(return_lse), window, softcap, configs,
+                            sinks is not None, p)
     bufs = plan(arrays)
     return (plan.out(bufs, "out"), plan.out(bufs, "lse")) if return_lse else plan.out(bufs, "out")
 
 
 def _plan_forward_varlen(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_scale, return_lse, window, softcap,
-                         configs: Configs) -> Plan:
+                         configs: Configs, has_sinks=False, dropout_p=0.0) -> Plan:
     qa, ka, va, cq, ck = arrays[:5]
     max_q, max_k = _check_varlen(qa, ka, va, cq, ck, max_seqlen_q, max_seqlen_k, configs.head_dims, "")
     total_q, h, d = qa.shape
@@ -232,13 +263,14 @@ def _plan_forward_varlen(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_sca
     for i in (3, 4):
         if not _arrays.is_contiguous(arrays[i]):
             b.fix(i, DeviceArray.contiguous)
-    sinks = _check_sinks(arrays, 5 if len(arrays) > 5 else None, h, b)
+    sinks = _check_sinks(arrays, 5 if has_sinks else None, h, b)
+    rng = _rng_slot(arrays, dropout_p, b)
     q_copied = any(i == 0 for i, _ in b.fixes)
     out = b.alloc(qa.shape, qa.dtype, "contiguous" if q_copied else "like", 0, name="out")
     lse = b.alloc((h, total_q), "float32", name="lse") if return_lse else None
     if total_q * h and max_q:
         os_ = (0, *_like(qa, q_copied))
-        if (configs.use_sm90 and d in dict(configs.fwd_sm90_varlen) and total_k
+        if (configs.use_sm90 and not dropout_p and d in dict(configs.fwd_sm90_varlen) and total_k
                 and _kernels.compute_capability(device) == (9, 0)
                 and all(i in {j for j, _ in b.fixes} or _tma_readable(a) for i, a in enumerate(arrays[:3]))):
             # attention_fwd_sm90 over (query tiles of the longest document, documents x heads);
@@ -258,5 +290,5 @@ def _plan_forward_varlen(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_sca
         else:
             _launch_forward_sm80(b, configs, qa, (qs, ks, vs), os_, out, lse, sinks, mask, scale, grid_rows=max_q,
                                  batches=docs, sq=total_q, sk=total_k, hkv=hkv, device=device,
-                                 varlen=(b.slot(3), b.slot(4), max_q, max_k))
+                                 varlen=(b.slot(3), b.slot(4), max_q, max_k), dropout=(dropout_p, rng))
     return b.plan(device)

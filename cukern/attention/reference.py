@@ -7,7 +7,8 @@ from .. import _arrays, _attention_mask, _checks
 from .._arrays import DeviceArray
 from .._attention_mask import Mask
 from . import configs as _cfg
-from .checks import _check_cu_values, _check_like_q, _check_lse, _check_qkv, _check_varlen, _scale
+from .checks import (_check_cu_values, _check_like_q, _check_lse, _check_qkv, _check_varlen, _dropout_p, _dropout_rng,
+                     _scale)
 
 # ---- NumPy references ------------------------------------------------------------------------
 
@@ -113,8 +114,34 @@ def _ref_backward(dof, qf, kf, vf, scale, mask: Mask, sinks=None, keep=None, p_d
     return (*grads, -(p_sink * correction[..., 0]).sum(axis=(0, 2)))
 
 
+def _host_dropout(dropout_p, dropout_rng, softcap) -> tuple | None:
+    """(p, seed, offset) of a call with dropout, else None; ``dropout_rng`` as the kernels take it
+    (a (2,) int64 array, on the host or a device) or a (seed, offset) pair of ints."""
+    p = _dropout_p(dropout_p, softcap)
+    if not p:
+        return None
+    if isinstance(dropout_rng, (tuple, list)) and len(dropout_rng) == 2 and all(type(x) is int for x in dropout_rng):
+        seed, offset = dropout_rng
+    else:
+        if dropout_rng is None:
+            _dropout_rng(p, None)   # (raises: dropout_p > 0 needs the draw)
+        ra = _arrays.as_host_array(dropout_rng, "dropout_rng", ("int64",))
+        if ra.shape != (2,):
+            raise ValueError(f"dropout_rng: shape {ra.shape}; expected (2,): the seed and the Philox offset")
+        seed, offset = (int(x) for x in ra.obj)
+    return p, seed & 0xFFFFFFFFFFFFFFFF, offset & 0xFFFFFFFF
+
+
+def _keep(drop, batch: int, heads: int, sq: int, sk: int, q0: int = 0, k0: int = 0):
+    """(keep mask or None, p) of a call's dropout (``_host_dropout``'s)."""
+    if drop is None:
+        return None, 0.0
+    p, seed, offset = drop
+    return dropout_keep_mask(p, seed, offset, batch, heads, sq, sk, q0, k0), p
+
+
 def reference_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, window=(-1, -1),
-                        softcap=0.0, sinks=None):
+                        softcap=0.0, sinks=None, dropout_p=0.0, dropout_rng=None):
     """``attention`` in float64: out (B, Sq, H, Dv) [, lse (B, H, Sq)] (Dv: v's head size, which
     may differ from q's and k's here, as MLA's 128 beside 192); the mask aligned to the
     bottom right; a query that sees no key gives zeros and lse = +inf (as the kernel; with
@@ -122,12 +149,15 @@ def reference_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse
     qa, ka, va = _host_qkv(q, k, v, _cfg.CONFIGS.head_dims)
     mask = _attention_mask.mask_of(causal, window, softcap, qa.shape[1], ka.shape[1])
     qf, kf, vf = (a.obj.astype(np.float64) for a in (qa, ka, va))
-    out, lse = _ref_forward(qf, kf, vf, _scale(softmax_scale, qa.shape[-1]), mask, _host_sinks(sinks, qa.shape[2]))
+    keep, p = _keep(_host_dropout(dropout_p, dropout_rng, softcap), qa.shape[0], qa.shape[2], qa.shape[1], ka.shape[1])
+    out, lse = _ref_forward(qf, kf, vf, _scale(softmax_scale, qa.shape[-1]), mask, _host_sinks(sinks, qa.shape[2]),
+                            keep, p)
     return (out, lse) if return_lse else out
 
 
 def reference_attention_backward(dout, q, k, v, out=None, lse=None, *, causal=False, softmax_scale=None,
-                                 deterministic=False, window=(-1, -1), softcap=0.0, sinks=None):
+                                 deterministic=False, window=(-1, -1), softcap=0.0, sinks=None, dropout_p=0.0,
+                                 dropout_rng=None):
     """``attention_backward`` in float64: (dq, dk, dv), dk and dv summed over the query heads
     sharing a K/V head, and dsinks (H,) with ``sinks``. ``out`` and ``lse`` are recomputed
     (given ones are shape-checked)."""
@@ -141,7 +171,9 @@ def reference_attention_backward(dout, q, k, v, out=None, lse=None, *, causal=Fa
     if lse is not None:
         _check_lse(_arrays.as_host_array(lse, "lse", ("float32",)), qa)
     qf, kf, vf, dof = (a.obj.astype(np.float64) for a in (qa, ka, va, da))
-    return _ref_backward(dof, qf, kf, vf, _scale(softmax_scale, qa.shape[-1]), mask, _host_sinks(sinks, qa.shape[2]))
+    keep, p = _keep(_host_dropout(dropout_p, dropout_rng, softcap), qa.shape[0], qa.shape[2], qa.shape[1], ka.shape[1])
+    return _ref_backward(dof, qf, kf, vf, _scale(softmax_scale, qa.shape[-1]), mask, _host_sinks(sinks, qa.shape[2]),
+                         keep, p)
 
 
 def _host_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, head_dims, which: str = ""):
@@ -156,26 +188,29 @@ def _host_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 
 
 def reference_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                               softmax_scale=None, return_lse=False, window=(-1, -1), softcap=0.0, sinks=None):
+                               softmax_scale=None, return_lse=False, window=(-1, -1), softcap=0.0, sinks=None,
+                               dropout_p=0.0, dropout_rng=None):
     """``attention_varlen`` in float64: out (total_q, H, D) [, lse (H, total_q)]; each document
     attends to its own keys only, the mask aligned to the bottom right of each document."""
     qa, ka, va, cq, ck = _host_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       _cfg.CONFIGS.head_dims)
     scale = _scale(softmax_scale, qa.shape[-1])
     sf = _host_sinks(sinks, qa.shape[1])
+    drop = _host_dropout(dropout_p, dropout_rng, softcap)
     out = np.zeros((*qa.shape[:-1], va.shape[-1]))
     lse = np.full((qa.shape[1], qa.shape[0]), np.inf)
     for i in range(len(cq) - 1):
         (q0, q1), (k0, k1) = cq[i:i + 2], ck[i:i + 2]
         mask = _attention_mask.mask_of(causal, window, softcap, int(q1 - q0), int(k1 - k0))
         qf, kf, vf = (a.obj[None, r0:r1].astype(np.float64) for a, r0, r1 in ((qa, q0, q1), (ka, k0, k1), (va, k0, k1)))
-        out[q0:q1], lse[:, q0:q1] = (x[0] for x in _ref_forward(qf, kf, vf, scale, mask, sf))
+        keep, p = _keep(drop, 1, qa.shape[1], int(q1 - q0), int(k1 - k0), int(q0), int(k0))
+        out[q0:q1], lse[:, q0:q1] = (x[0] for x in _ref_forward(qf, kf, vf, scale, mask, sf, keep, p))
     return (out, lse) if return_lse else out
 
 
 def reference_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                         max_seqlen_k, *, causal=False, softmax_scale=None, deterministic=False,
-                                        window=(-1, -1), softcap=0.0, sinks=None):
+                                        window=(-1, -1), softcap=0.0, sinks=None, dropout_p=0.0, dropout_rng=None):
     """``attention_varlen_backward`` in float64: (dq, dk, dv) of the packed documents, and dsinks
     (H,) with ``sinks``. ``out`` and ``lse`` are recomputed (given ones are shape-checked)."""
     qa, ka, va, cq, ck = _host_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -191,6 +226,7 @@ def reference_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, c
             raise ValueError(f"lse: shape {la.shape} does not match (heads, total_q) = {(qa.shape[1], qa.shape[0])}")
     scale = _scale(softmax_scale, qa.shape[-1])
     sf = _host_sinks(sinks, qa.shape[1])
+    drop = _host_dropout(dropout_p, dropout_rng, softcap)
     grads = [np.zeros(qa.shape), np.zeros(ka.shape), np.zeros(va.shape)]
     dsinks = np.zeros(qa.shape[1])
     for i in range(len(cq) - 1):
@@ -198,7 +234,8 @@ def reference_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, c
         mask = _attention_mask.mask_of(causal, window, softcap, int(q1 - q0), int(k1 - k0))
         dof, qf = (a.obj[None, q0:q1].astype(np.float64) for a in (da, qa))
         kf, vf = (a.obj[None, k0:k1].astype(np.float64) for a in (ka, va))
-        got = _ref_backward(dof, qf, kf, vf, scale, mask, sf)
+        keep, p = _keep(drop, 1, qa.shape[1], int(q1 - q0), int(k1 - k0), int(q0), int(k0))
+        got = _ref_backward(dof, qf, kf, vf, scale, mask, sf, keep, p)
         for g, x, (r0, r1) in zip(grads, got, ((q0, q1), (k0, k1), (k0, k1))):
             g[r0:r1] = x[0]
         if sf is not None:

@@ -8,6 +8,7 @@ import math
 from .. import _arrays
 from .._family import TorchOp
 from .backward import attention_backward, attention_varlen_backward
+from .checks import _dropout_p
 from .configs import HEAD_DIMS
 from .forward import attention, attention_varlen
 
@@ -137,6 +138,64 @@ TORCH_OPS += (
             backward_args=lambda saved, state, grads, T: (grads[0], *saved, *state[:-1], _det(state, T)),
             grads_to=(0, 1, 2, 5), visible=2, native=True),
 )
+# With dropout: the draw's (seed, offset), (2,) int64 on the device, an input after k and v that
+# the backward takes again (the same weights dropped; a second backward too). dropout_p is state.
+def _dropout_fake(q, k, v, rng, *args):
+    return _fake(q, k, v, *args[:5], args[-1])
+
+
+def _dropout_bwd_fake(dout, q, k, v, rng, out, lse, *args):
+    return _bwd_fake(dout, q, k, v, out, lse)
+
+
+TORCH_OPS += (
+    TorchOp("attention_dropout", "(Tensor q, Tensor k, Tensor v, Tensor rng, bool causal, float scale, "
+                                 f"{_MASK_SCHEMA}, float dropout_p, int deterministic) -> (Tensor, Tensor)",
+            forward=lambda q, k, v, rng, c, s, wl, wr, cap, p, _: attention(
+                q, k, v, causal=c, softmax_scale=s, return_lse=True, window=(wl, wr), softcap=cap, dropout_p=p,
+                dropout_rng=rng),
+            fake=_dropout_fake,
+            save=lambda inputs, outputs: ((*inputs[:4], *outputs), inputs[4:]),
+            backward_schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor rng, Tensor out, Tensor lse, "
+                            f"bool causal, float scale, {_MASK_SCHEMA}, float dropout_p, bool deterministic) "
+                            "-> (Tensor, Tensor, Tensor)",
+            backward=lambda do, q, k, v, rng, o, lse, c, s, wl, wr, cap, p, det: attention_backward(
+                do, q, k, v, o, lse, causal=c, softmax_scale=s, deterministic=det, window=(wl, wr), softcap=cap,
+                dropout_p=p, dropout_rng=rng),
+            backward_fake=_dropout_bwd_fake,
+            backward_args=lambda saved, state, grads, T: (grads[0], *saved, *state[:-1], _det(state, T)),
+            grads_to=(0, 1, 2), native=True),
+)
+
+
+def dropout_draw(device):
+    """(2,) int64 on ``device``: the seed and Philox offset of one dropout call, taken from
+    PyTorch's CUDA generator of that device, whose offset it advances (so ``torch.manual_seed``
+    repeats a run and two calls draw apart), as PyTorch's own dropout kernels take theirs."""
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    gen = torch.cuda.default_generators[index]
+    seed, offset = gen.initial_seed(), gen.get_offset()
+    gen.set_offset(offset + 4)
+    return torch.tensor([seed - (1 << 64) if seed >= 1 << 63 else seed, offset], dtype=torch.int64, device=device)
+
+
+def dropout_unavailable(T, dropout_p) -> str | None:
+    """Why a call with dropout cannot take the kernels here, or None: the draw reads and advances
+    the generator on the host, which a CUDA graph's capture and a torch.compile trace do not
+    replay."""
+    import torch
+
+    if not dropout_p:
+        return None
+    if T.compiling():
+        return "dropout under torch.compile"
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return "dropout under CUDA-graph capture"
+    return None
+
+
 # flash_attn_func(return_attn_probs=True): the same ops with the lse visible (not differentiated)
 TORCH_OPS += (dataclasses.replace(TORCH_OPS[0], name="attention_lse", visible=2, inference=None, native=False),
               dataclasses.replace(TORCH_OPS[2], name="attention_sink_lse", visible=2, inference=None, native=False))
@@ -148,6 +207,7 @@ def _torch_api(T, ops, modules) -> dict:
     layouts, the lse it returns with ``return_attn_probs``), so that a flash-attn user switches
     by changing one import. Autograd and torch.compile through the custom ops."""
     dense, with_lse, packed = ops["attention"], ops["attention_lse"], ops["attention_varlen"]
+    dropping = ops["attention_dropout"]
     sink, sink_with_lse, packed_sink = ops["attention_sink"], ops["attention_sink_lse"], ops["attention_varlen_sink"]
 
     def _call(op, *args):
@@ -162,9 +222,9 @@ def _torch_api(T, ops, modules) -> dict:
 
         return learnable_sink.to(torch.float32)
 
-    def _unsupported(dropout_p, alibi_slopes, block_table=None):
-        if dropout_p:
-            raise ValueError(f"dropout_p: cukern's attention has no dropout, got {dropout_p}")
+    def _unsupported(dropout_p, alibi_slopes, block_table=None, why_not=None):
+        if dropout_p and why_not:
+            raise ValueError(f"dropout_p: {dropout_p}: {why_not} is not taken (the draw is made on the host)")
         if alibi_slopes is not None:
             raise ValueError("alibi_slopes: cukern's attention has no ALiBi bias")
         if block_table is not None:
@@ -183,10 +243,20 @@ def _torch_api(T, ops, modules) -> dict:
         bfloat16; the out (B, Sq, H, D); with ``return_attn_probs`` (out, lse (B, H, Sq), None).
         ``deterministic``: dq summed in a fixed order (as attention_backward's).
         ``learnable_sink``: (H,) attention sinks, FlashAttention-4's name (``cukern.attention``'s
-        ``sinks``), float32 or a dtype cast to it; differentiated."""
-        _unsupported(dropout_p, alibi_slopes)
+        ``sinks``), float32 or a dtype cast to it; differentiated. ``dropout_p``: drops attention
+        weights by a Philox draw seeded from PyTorch's CUDA generator (``torch.manual_seed``
+        repeats it; not with sinks, the softcap or ``return_attn_probs``, nor under torch.compile
+        or CUDA-graph capture)."""
+        _unsupported(dropout_p, alibi_slopes, why_not=dropout_unavailable(T, dropout_p))
         s, wl, wr, cap = _flags(q, softmax_scale, window_size, softcap)
         flags = (bool(causal), s, wl, wr, cap, int(bool(deterministic)))
+        if dropout_p:
+            _dropout_p(dropout_p, softcap)
+            if learnable_sink is not None or return_attn_probs:
+                raise ValueError(f"dropout_p: {dropout_p} with learnable_sink or return_attn_probs: not taken")
+            if not getattr(q, "is_cuda", False):
+                _arrays.as_device_array(q, "q")   # (raises: the draw needs a CUDA device)
+            return _call(dropping, q, k, v, dropout_draw(q.device), *flags[:5], float(dropout_p), flags[5])
         if learnable_sink is not None:
             args = (q, k, v, _sinks(learnable_sink), *flags)
             if not return_attn_probs:
@@ -205,7 +275,9 @@ def _torch_api(T, ops, modules) -> dict:
         """flash-attn's ``flash_attn_varlen_func``: documents packed with no padding, q
         (total_q, H, D), k and v (total_k, Hkv, D), cu_seqlens (B + 1,) int32; the out
         (total_q, H, D); with ``return_attn_probs`` (out, lse (H, total_q), None).
-        ``learnable_sink``: as for ``flash_attn_func``."""
+        ``learnable_sink``: as for ``flash_attn_func``; no dropout."""
+        if dropout_p:
+            raise ValueError(f"dropout_p: {dropout_p}: flash_attn_varlen_func takes no dropout yet")
         _unsupported(dropout_p, alibi_slopes, block_table)
         s, wl, wr, cap = _flags(q, softmax_scale, window_size, softcap)
         flags = (bool(causal), s, wl, wr, cap, int(bool(deterministic)))
@@ -221,17 +293,22 @@ def _torch_api(T, ops, modules) -> dict:
 
 
 def _route(T, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """(B, H, S, D) inputs of float16/bfloat16 (after autocast), no mask tensor, no dropout,
-    a supported head_dim, grouped-query K/V with ``enable_gqa``, ``is_causal`` with equal
-    query and key lengths (PyTorch aligns the causal mask to the top left, cukern to the
-    bottom right: they agree only there)."""
+    """(B, H, S, D) inputs of float16/bfloat16 (after autocast), no mask tensor, a supported
+    head_dim, grouped-query K/V with ``enable_gqa``, ``is_causal`` with equal query and key
+    lengths (PyTorch aligns the causal mask to the top left, cukern to the bottom right: they
+    agree only there); dropout drawn from PyTorch's generator (``dropout_draw``), in eager mode."""
     q, k, v = query, key, value
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return "not CUDA tensors"
     dt = T.autocast_dtype("scaled_dot_product_attention", q.dtype)
     q, k, v = T.cast(q, dt), T.cast(k, dt), T.cast(v, dt)
-    if attn_mask is not None or dropout_p != 0.0:
-        return "attn_mask or dropout"
+    if attn_mask is not None:
+        return "attn_mask"
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        return "dropout_p outside [0, 1)"
+    why = dropout_unavailable(T, dropout_p)
+    if why:
+        return why
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         return "shape"
     if q.dtype not in T.HALF_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -252,8 +329,11 @@ def _route(T, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         return T.SMALL
     s = 1.0 / math.sqrt(d) if scale is None else float(scale)
     # (B, H, S, D) read through its transpose; the output comes back in SDPA's layout: no copies.
-    return ("attention", (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bool(is_causal), s, -1, -1, 0.0,
-                          -1), _transpose12)
+    qkv = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    if dropout_p:
+        return ("attention_dropout", (*qkv, dropout_draw(q.device), bool(is_causal), s, -1, -1, 0.0,
+                                      float(dropout_p), -1), _transpose12)
+    return ("attention", (*qkv, bool(is_causal), s, -1, -1, 0.0, -1), _transpose12)
 
 
 def _transpose12(t):
