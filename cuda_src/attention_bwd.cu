@@ -358,12 +358,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
             for (int r = 0; r < 2; ++r) {
                 const int qi = ws_m + mt * 16 + g + r * 8;   // query within the tile
                 const float l2 = lrow[qi] * LOG2E, dsm = drow[qi];
+                unsigned int keeps = ~0u;
+                if constexpr (DROPOUT)
+                    keeps = draw.keep_pairs<SK / 8>(span[0] * H + h, span[1] + m0 + qi, span[2] + n0 + ws_n + 2 * t);
 #pragma unroll
                 for (int j = 0; j < SK / 8; ++j) {
                     float pv[2];
-                    unsigned int keep = 3u;
-                    if constexpr (DROPOUT)
-                        keep = draw.keep2(span[0] * H + h, span[1] + m0 + qi, span[2] + n0 + ws_n + j * 8 + 2 * t);
+                    const unsigned int keep = (keeps >> (2 * j)) & 3u;
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
                         float p, th = 0.f;
@@ -612,14 +613,15 @@ __device__ __forceinline__ void attention_bwd_dq_body(
         const int n0 = nb * BN, sq = span[3], sk = span[4];
         const KeyMask<MASK> mk = mask();
         const bool edge = m0 + BM > sq || mk.edge(n0, BN, m0, BM, sk);
+        unsigned int keeps[2] = {~0u, ~0u};   // (rows g and g + 8: bits 2 j, 2 j + 1 their keys of n-tile j)
+        if constexpr (DROPOUT) {
+            const unsigned int bh = span[0] * H + h, row = span[1] + m0 + warp * 16 + g;
+            keeps[0] = draw.keep_pairs<NT>(bh, row, span[2] + n0 + 2 * t);
+            keeps[1] = draw.keep_pairs<NT>(bh, row + 8, span[2] + n0 + 2 * t);
+        }
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
-            unsigned int keep = 15u;   // (bits 0, 1: row g's two keys; 2, 3: row g + 8's)
-            if constexpr (DROPOUT) {
-                const unsigned int bh = span[0] * H + h, row = span[1] + m0 + warp * 16 + g;
-                const unsigned int key = span[2] + n0 + j * 8 + 2 * t;
-                keep = draw.keep2(bh, row, key) | (draw.keep2(bh, row + 8, key) << 2);
-            }
+            const unsigned int keep = ((keeps[0] >> (2 * j)) & 3u) | (((keeps[1] >> (2 * j)) & 3u) << 2);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int r = e >> 1;

@@ -273,11 +273,11 @@ __device__ __forceinline__ void attention_fwd_body(
                         const DropoutDraw draw{drop_sh[0] | static_cast<unsigned long long>(drop_sh[1]) << 32,
                                                drop_sh[2], drop_threshold};
                         const unsigned int row = drop_sh[4] + m0 + tile_row(mt) + g + r * 8;
+                        const unsigned int keep = draw.keep_pairs<NT>(drop_sh[3], row, drop_sh[5] + n0 + 2 * t);
 #pragma unroll
                         for (int j = 0; j < NT; ++j) {
-                            const unsigned int keep = draw.keep2(drop_sh[3], row, drop_sh[5] + n0 + j * 8 + 2 * t);
-                            if (!(keep & 1u)) s[mt][j][2 * r] = 0.f;
-                            if (!(keep & 2u)) s[mt][j][2 * r + 1] = 0.f;
+                            if (!((keep >> (2 * j)) & 1u)) s[mt][j][2 * r] = 0.f;
+                            if (!((keep >> (2 * j)) & 2u)) s[mt][j][2 * r + 1] = 0.f;
                         }
                     }
 #pragma unroll

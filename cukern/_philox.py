@@ -32,19 +32,23 @@ def philox4x32_10(counter, key) -> np.ndarray:
 
 
 def dropout_threshold(p: float) -> int:
-    """The drop probability as the uint32 a random word must reach to keep its element:
-    floor(p * 2^32), at most 2^32 - 1 (an element is kept with probability 1 - threshold / 2^32)."""
+    """The drop probability as the 16-bit value a random half-word must reach to keep its
+    element: floor(p * 2^16), at most 2^16 - 1 (an element is kept with probability
+    1 - threshold / 2^16)."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_p: must be in [0, 1), got {p}")
-    return min(int(p * 4294967296.0), 0xFFFFFFFF)
+    return min(int(p * 65536.0), 0xFFFF)
 
 
 def dropout_keep(seed: int, offset: int, bh, rows, keys, p: float) -> np.ndarray:
     """Attention dropout's keep mask (True: kept) for every (bh, row, key) of the broadcast of
-    ``bh``, ``rows`` and ``keys`` (integer arrays), as the device's ``dropout_keep4`` draws it:
-    word key % 4 of philox(counter (key / 4, row, bh, offset), key seed)."""
+    ``bh``, ``rows`` and ``keys`` (integer arrays), as the device's ``dropout_keep2`` draws it:
+    the counter (call, row, bh, offset) with call = (key // 32) * 4 + (key // 2) % 4, key seed;
+    word (key // 8) % 4 of the four, its low 16 bits for an even key, the high for an odd one."""
     bh, rows, keys = np.broadcast_arrays(*(np.asarray(a, dtype=np.int64) for a in (bh, rows, keys)))
-    counter = np.stack([keys >> 2, rows, bh, np.full(keys.shape, offset)], axis=-1).astype(np.uint32)
+    call = ((keys >> 5) << 2) | ((keys >> 1) & 3)
+    counter = np.stack([call, rows, bh, np.full(keys.shape, offset)], axis=-1).astype(np.uint32)
     words = philox4x32_10(counter, np.array([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF], dtype=np.uint32))
-    word = np.take_along_axis(words, (keys & 3)[..., None], axis=-1)[..., 0]
-    return word >= np.uint32(dropout_threshold(p))
+    word = np.take_along_axis(words, ((keys >> 3) & 3)[..., None], axis=-1)[..., 0]
+    half = (word >> (16 * (keys & 1)).astype(np.uint32)) & np.uint32(0xFFFF)
+    return half >= np.uint32(dropout_threshold(p))

@@ -114,7 +114,7 @@ def test_dropout_argument_checks_without_a_gpu(host_arrays_as_device):
             assert ours, (name, [st[1].name for st in launches])
             for st in ours:
                 assert st[1].name[len(name):-1].split(", ")[at[name]] == "true", st[1].name
-                assert st[4]["drop_threshold"] == int(0.25 * 2**32) and st[4]["drop_rescale"] == pytest.approx(4 / 3)
+                assert st[4]["drop_threshold"] == int(0.25 * 2**16) and st[4]["drop_rescale"] == pytest.approx(4 / 3)
     with pytest.raises(DryRun):   # (dropout_p = 0: no draw needed, none taken)
         calls[0](dropout_p=0.0)
 

@@ -49,7 +49,7 @@ int main() {
             unsigned long long seed;
             unsigned int offset, bh, i, j, threshold;
             std::scanf("%llu %u %u %u %u %u", &seed, &offset, &bh, &i, &j, &threshold);
-            std::printf("%u\n", cuk::dropout_keep4(seed, offset, bh, i, j, threshold));
+            std::printf("%u\n", cuk::dropout_keep2(seed, offset, bh, i, j, threshold));
         }
     }
 }
@@ -94,12 +94,12 @@ def test_device_keep_bits_are_numpys_mask(host_philox, p):
     rng = np.random.default_rng(2)
     seed, offset = int(rng.integers(0, 2**63)), int(rng.integers(0, 2**32))
     bh, rows, keys = (rng.integers(0, n, 200) for n in (64, 4096, 4096))
-    keys = keys & ~3   # (a group of four keys a line)
+    keys = keys & ~1   # (a pair of keys a line)
     t = _philox.dropout_threshold(p)
     out = _run(host_philox, [f"k {seed} {offset} {a} {b} {c} {t}" for a, b, c in zip(bh, rows, keys)])
     bits = np.array([int(v) for v in out])
-    expect = _philox.dropout_keep(seed, offset, bh[:, None], rows[:, None], keys[:, None] + np.arange(4), p)
-    np.testing.assert_array_equal((bits[:, None] >> np.arange(4)) & 1, expect.astype(int))
+    expect = _philox.dropout_keep(seed, offset, bh[:, None], rows[:, None], keys[:, None] + np.arange(2), p)
+    np.testing.assert_array_equal((bits[:, None] >> np.arange(2)) & 1, expect.astype(int))
 
 
 def test_the_mask_keeps_one_minus_p_and_differs_by_call_and_element():
@@ -116,8 +116,8 @@ def test_the_mask_keeps_one_minus_p_and_differs_by_call_and_element():
 
 
 def test_threshold_refuses_what_is_not_a_probability():
-    assert _philox.dropout_threshold(0.0) == 0 and _philox.dropout_threshold(0.5) == 2**31
-    assert _philox.dropout_threshold(1 - 2**-40) == 2**32 - 1
+    assert _philox.dropout_threshold(0.0) == 0 and _philox.dropout_threshold(0.5) == 2**15
+    assert _philox.dropout_threshold(1 - 2**-40) == 2**16 - 1
     for bad in (-0.1, 1.0, float("nan")):
         with pytest.raises(ValueError, match="^dropout_p: must be in"):
             _philox.dropout_threshold(bad)

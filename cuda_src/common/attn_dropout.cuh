@@ -19,14 +19,40 @@ struct DropoutDraw {
         return DropoutDraw{static_cast<unsigned long long>(rng[0]), static_cast<unsigned int>(rng[1]), threshold};
     }
 
-    // The keep bits of keys `key` and key + 1 of query `row` in (batch, head) pair bh: bits 0
-    // and 1. One Philox call serves four keys; a pair that straddles two calls' keys (an odd
-    // first key: packed documents) takes two.
-    __device__ __forceinline__ unsigned int keep2(unsigned int bh, unsigned int row, unsigned int key) const
+    // The keep bits of keys base + 8 j and base + 8 j + 1, j < NJ, of query `row` in (batch, head)
+    // pair bh: bits 2 j and 2 j + 1 (a thread's keys of a row in mma.sync's layout, base = the
+    // first key + 2 t). A Philox call serves the pairs of 32 keys: it is drawn again only where
+    // the pairs cross into the next 32 (a sub-tile of 16 keys draws once for two pairs). An odd
+    // base (packed documents that start at an odd token) draws each key on its own.
+    template <int NJ>
+    __device__ __forceinline__ unsigned int keep_pairs(unsigned int bh, unsigned int row, unsigned int base) const
     {
-        const unsigned int w = dropout_keep4(seed, offset, bh, row, key, threshold) >> (key & 3u);
-        if ((key & 3u) != 3u) return w & 3u;
-        return (w & 1u) | ((dropout_keep4(seed, offset, bh, row, key + 1u, threshold) & 1u) << 1);
+        const unsigned int lo = static_cast<unsigned int>(seed), hi = static_cast<unsigned int>(seed >> 32);
+        unsigned int bits = 0;
+        if (base & 1u) {
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+                const unsigned int key = base + 8u * j;
+                const unsigned int odd = dropout_keep2(seed, offset, bh, row, key - 1u, threshold) >> 1;
+                const unsigned int even = dropout_keep2(seed, offset, bh, row, key + 1u, threshold) & 1u;
+                bits |= (odd | (even << 1)) << (2 * j);
+            }
+            return bits;
+        }
+        Philox4 r{0u, 0u, 0u, 0u};
+        unsigned int drawn = ~0u;
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+            const unsigned int key = base + 8u * j;
+            const unsigned int call = dropout_call(key);
+            if (call != drawn) {
+                r = philox4x32_10(Philox4{call, row, bh, offset}, lo, hi);
+                drawn = call;
+            }
+            const unsigned int w = dropout_word(r, key);
+            bits |= (((w & 0xFFFFu) >= threshold ? 1u : 0u) | ((w >> 16) >= threshold ? 2u : 0u)) << (2 * j);
+        }
+        return bits;
     }
 };
 

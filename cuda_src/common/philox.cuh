@@ -42,18 +42,29 @@ CUK_PHILOX_FN Philox4 philox4x32_10(Philox4 c, unsigned int k0, unsigned int k1)
     return c;
 }
 
-// Attention dropout's keep bits: element (row i, key j) of (batch, head) pair bh in the call whose
-// generator position is (seed, offset) is kept when word j % 4 of
-// philox(counter (j / 4, i, bh, offset), key seed) is at least `threshold` (= the drop
-// probability times 2^32). A function of the indices alone: any tiling, forward or backward, on
-// any kernel, draws the same mask. Returns the keep bits of keys 4 * (j / 4) ... + 3 in bits 0..3.
-CUK_PHILOX_FN unsigned int dropout_keep4(unsigned long long seed, unsigned int offset, unsigned int bh, unsigned int i,
+// Attention dropout's draw. Element (row i, key j) of (batch, head) pair bh in the call whose
+// generator position is (seed, offset) takes a 16-bit half of one of four words: the call
+// counter (dropout_call(j), i, bh, offset), key seed; word (j / 8) % 4; the low half for an even
+// j, the high for an odd one. So one Philox call serves the 8 keys an mma.sync thread holds of a
+// row in 32 keys (j = 8 m + 2 t + c, m < 4, c < 2: thread t of a quad), and it is kept when its
+// half is at least `threshold` (the drop probability times 2^16). A function of the indices
+// alone: any tiling, forward or backward, on any kernel, draws the same mask.
+CUK_PHILOX_FN unsigned int dropout_call(unsigned int j) { return ((j >> 5) << 2) | ((j >> 1) & 3u); }
+
+CUK_PHILOX_FN unsigned int dropout_word(const Philox4& r, unsigned int j)
+{
+    const unsigned int w = (j >> 3) & 3u;
+    return w == 0 ? r.x : w == 1 ? r.y : w == 2 ? r.z : r.w;
+}
+
+// The keep bits of keys j and j + 1 (j even: one word) of row i: bits 0 and 1.
+CUK_PHILOX_FN unsigned int dropout_keep2(unsigned long long seed, unsigned int offset, unsigned int bh, unsigned int i,
                                          unsigned int j, unsigned int threshold)
 {
-    const Philox4 r = philox4x32_10(Philox4{j >> 2, i, bh, offset}, static_cast<unsigned int>(seed),
+    const Philox4 r = philox4x32_10(Philox4{dropout_call(j), i, bh, offset}, static_cast<unsigned int>(seed),
                                     static_cast<unsigned int>(seed >> 32));
-    return (r.x >= threshold ? 1u : 0u) | (r.y >= threshold ? 2u : 0u) | (r.z >= threshold ? 4u : 0u) |
-           (r.w >= threshold ? 8u : 0u);
+    const unsigned int w = dropout_word(r, j);
+    return ((w & 0xFFFFu) >= threshold ? 1u : 0u) | ((w >> 16) >= threshold ? 2u : 0u);
 }
 
 }  // namespace cuk

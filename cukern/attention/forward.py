@@ -49,9 +49,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, wi
             every GPU; not with ``softcap``.
         dropout_rng: with dropout_p > 0, (2,) int64 on q's device: the seed and the Philox
             offset of the draw (read on the device at the launch, so a CUDA graph replays with
-            the values there). Weight (b, h, i, j) is dropped when word j % 4 of
-            Philox4x32-10(counter (j // 4, i, b * H + h, offset % 2**32), key seed) is below
-            dropout_p * 2**32 (``cukern.attention.reference.dropout_keep_mask``); the backward takes the
+            the values there). Weight (b, h, i, j) is dropped when the 16-bit half j % 2 of
+            word (j // 8) % 4 of Philox4x32-10(counter ((j // 32) * 4 + (j // 2) % 4, i, b * H + h,
+            offset % 2**32), key seed) is below dropout_p * 2**16
+            (``cukern.attention.reference.dropout_keep_mask``); the backward takes the
             same array and draws the same mask.
 
     Returns:

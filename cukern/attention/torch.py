@@ -154,6 +154,8 @@ TORCH_OPS += (
             forward=lambda q, k, v, rng, c, s, wl, wr, cap, p, _: attention(
                 q, k, v, causal=c, softmax_scale=s, return_lse=True, window=(wl, wr), softcap=cap, dropout_p=p,
                 dropout_rng=rng),
+            inference=lambda q, k, v, rng, c, s, wl, wr, cap, p, _: attention(
+                q, k, v, causal=c, softmax_scale=s, window=(wl, wr), softcap=cap, dropout_p=p, dropout_rng=rng),
             fake=_dropout_fake,
             save=lambda inputs, outputs: ((*inputs[:4], *outputs), inputs[4:]),
             backward_schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor rng, Tensor out, Tensor lse, "
