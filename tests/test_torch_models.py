@@ -400,17 +400,17 @@ def test_mistral_window_runs_on_the_kernels():
 
 
 @pytest.mark.gpu
-def test_attention_dropout_runs_on_the_kernels():
-    """GPT-2's default config trains with attention dropout 0.1: those calls take the kernels
-    (the draw from PyTorch's CUDA generator), and the step's gradients are finite."""
+def test_attention_dropout_falls_back_counted():
+    """GPT-2's default config trains with attention dropout 0.1: the kernels' dropout measured
+    slower than PyTorch's, so those calls stay with PyTorch, counted."""
     m = _model("gpt2", "cuda", attn_pdrop=0.1)
     ids = _ids(2, 128, "cuda")
     ct.reset_counts()
     with ct.patch(m, min_size=0):
         _train_step(m, ids, ids)
         counts = ct.counts(reasons=True)
-    assert counts["attention"] == {"cukern": 2, "torch": 0}, counts
-    assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+    assert counts["attention"]["cukern"] == 0
+    assert counts["attention"]["torch_reasons"] == {"dropout": 2}
 
 
 @pytest.mark.gpu

@@ -298,7 +298,7 @@ def _route(T, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     """(B, H, S, D) inputs of float16/bfloat16 (after autocast), no mask tensor, a supported
     head_dim, grouped-query K/V with ``enable_gqa``, ``is_causal`` with equal query and key
     lengths (PyTorch aligns the causal mask to the top left, cukern to the bottom right: they
-    agree only there); dropout drawn from PyTorch's generator (``dropout_draw``), in eager mode."""
+    agree only there); no dropout (``flash_attn_func(dropout_p=)`` takes it on the kernels)."""
     q, k, v = query, key, value
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return "not CUDA tensors"
@@ -308,9 +308,8 @@ def _route(T, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         return "attn_mask"
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         return "dropout_p outside [0, 1)"
-    why = dropout_unavailable(T, dropout_p)
-    if why:
-        return why
+    if dropout_p:   # (the kernels' dropout measured slower than PyTorch's: docs/notes-attention.md)
+        return "dropout"
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         return "shape"
     if q.dtype not in T.HALF_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -331,11 +330,8 @@ def _route(T, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         return T.SMALL
     s = 1.0 / math.sqrt(d) if scale is None else float(scale)
     # (B, H, S, D) read through its transpose; the output comes back in SDPA's layout: no copies.
-    qkv = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    if dropout_p:
-        return ("attention_dropout", (*qkv, dropout_draw(q.device), bool(is_causal), s, -1, -1, 0.0,
-                                      float(dropout_p), -1), _transpose12)
-    return ("attention", (*qkv, bool(is_causal), s, -1, -1, 0.0, -1), _transpose12)
+    return ("attention", (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bool(is_causal), s, -1, -1, 0.0,
+                          -1), _transpose12)
 
 
 def _transpose12(t):

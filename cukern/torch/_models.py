@@ -22,8 +22,8 @@ not reach them. ``patch(model)`` routes, module by module:
 * ``attention``: the model's attention implementation ("cukern", registered with transformers'
   AttentionInterface, with its mask function): causal masks run causal, padding masks and
   packed documents (position ids that restart) as varlen, Mistral's sliding window as a
-  window, training's attention dropout (drawn from PyTorch's CUDA generator); other masks,
-  dropout with padding, documents or a softcap, and cached decoding go to PyTorch's SDPA, counted;
+  window; other masks, dropout (the kernels' measured slower than PyTorch's) and cached
+  decoding go to PyTorch's SDPA, counted;
 * ``loss``: the LM head and the loss of ``*ForCausalLM`` / GPT-2's LM head in training with
   labels: ``linear_cross_entropy`` on the last hidden state, without the (tokens, vocabulary)
   logits (``outputs.logits`` is None then, as with Liger-Kernel).
@@ -213,8 +213,7 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
                   sliding_window=None, softcap=None, **kwargs):
     """transformers' attention interface for "cukern": q (B, H, Sq, D), k and v (B, Hkv, Sk, D)
     in, (B, Sq, H, D) out. Causal or not, key padding (as varlen), a sliding window and a
-    softcap on the kernels, and dropout without padding, documents or the softcap; other masks and
-    decoding on PyTorch's SDPA."""
+    softcap on the kernels; dropout, other masks and decoding on PyTorch's SDPA."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
@@ -229,8 +228,8 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
         reason = "a mask that is neither causal, key padding nor packed documents"
     elif docs is not None and not causal:
         reason = "packed documents without a causal mask"
-    elif dropout and (pad is not None or docs is not None or softcap):
-        reason = "dropout with key padding, packed documents or the softcap"
+    elif dropout:
+        reason = "dropout"
     elif kwargs.get("output_attentions") or kwargs.get("position_bias") is not None:
         reason = "attention weights or a position bias"
     elif sq != sk:
@@ -238,8 +237,7 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     elif pad is not None and window is not None:
         reason = "key padding with a sliding window"
     if reason is None:
-        r = _sdpa_route()(_tools, query, key, value, dropout_p=float(dropout or 0.0), is_causal=causal,
-                          scale=scaling, enable_gqa=True)
+        r = _sdpa_route()(_tools, query, key, value, is_causal=causal, scale=scaling, enable_gqa=True)
         if isinstance(r, str):
             reason = r
     if reason != "compiling":
@@ -249,11 +247,8 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
             attention_mask = _dense_mask(pad, sq, causal, window)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, softcap=softcap, **kwargs)
-    wl = window - 1 if window is not None else -1
-    if r[0] == "attention_dropout":   # (dense: the draw the route took, and its probability)
-        q, k, v, rng, c, s, *_ = r[1]
-        return OPS["attention_dropout"](q, k, v, rng, c, s, wl, -1, 0.0, float(dropout), -1)[0], None
     _, (q, k, v, c, s, *_), _ = r   # (B, S, H, D) views, the mask flags and scale as the route read them
+    wl = window - 1 if window is not None else -1
     cap = float(softcap or 0.0)
     if docs is not None:
         return _packed(q, k, v, docs, s, cap), None
