@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import cukern
+from cukern import reference as ref
 from arrays import assert_close, poison_allocator, random_host, to_device, to_host, torch
 from attention_grads import gradient_scales
 
@@ -164,17 +165,17 @@ def test_dropout_forward_and_backward_match_the_reference(case, dtype, framework
     rd = _rng(framework, seed, offset)
     poison_allocator(framework, [q.nbytes, b * h * sq * 4])
     out, lse = cukern.attention(qd, kd, vd, return_lse=True, dropout_rng=rd, **kw)
-    e_out, e_lse = cukern.reference.attention(q, k, v, return_lse=True, dropout_rng=(seed, offset), **kw)
+    e_out, e_lse = ref.attention(q, k, v, return_lse=True, dropout_rng=(seed, offset), **kw)
     assert_close(out, e_out, dtype, "out", tol=TOL[dtype])
     _assert_lse(lse, e_lse)
     # (the mask differs from no dropout's, and from another offset's)
-    plain = cukern.reference.attention(q, k, v, causal=causal, window=window)
+    plain = ref.attention(q, k, v, causal=causal, window=window)
     assert np.abs(to_host(out).astype(np.float64) - plain).max() > 0.1
     other = cukern.attention(qd, kd, vd, dropout_rng=_rng(framework, seed, offset + 1), **kw)
     assert not np.array_equal(to_host(other), to_host(out))
     poison_allocator(framework, [q.nbytes, k.nbytes, k.nbytes])
     grads = cukern.attention_backward(dod, qd, kd, vd, out, lse, deterministic=deterministic, dropout_rng=rd, **kw)
-    expect = cukern.reference.attention_backward(do, q, k, v, dropout_rng=(seed, offset), **kw)
+    expect = ref.attention_backward(do, q, k, v, dropout_rng=(seed, offset), **kw)
     scales = gradient_scales(do, q, k, v, causal, None, window)
     for name, got, e, sc in zip(("dq", "dk", "dv"), grads, expect, scales):
         assert_close(got, e, dtype, name, tol=2 * TOL[dtype], scale=sc / (1 - p))
@@ -199,13 +200,13 @@ def test_packed_dropout_matches_the_reference(deterministic):
     qd, kd, vd, dod, cud = (to_device(a, "cupy") for a in (q, k, v, do, cu))
     rd = _rng("cupy", 99, 3)
     out, lse = cukern.attention_varlen(qd, kd, vd, cud, cud, 200, 200, return_lse=True, dropout_rng=rd, **kw)
-    e_out, e_lse = cukern.reference.attention_varlen(q, k, v, cu, cu, 200, 200, return_lse=True, dropout_rng=(99, 3),
+    e_out, e_lse = ref.attention_varlen(q, k, v, cu, cu, 200, 200, return_lse=True, dropout_rng=(99, 3),
                                                      **kw)
     assert_close(out, e_out, dtype, "out")
     _assert_lse(lse, e_lse)
     grads = cukern.attention_varlen_backward(dod, qd, kd, vd, out, lse, cud, cud, 200, 200, dropout_rng=rd,
                                              deterministic=deterministic, **kw)
-    expect = cukern.reference.attention_varlen_backward(do, q, k, v, None, None, cu, cu, 200, 200,
+    expect = ref.attention_varlen_backward(do, q, k, v, None, None, cu, cu, 200, 200,
                                                         dropout_rng=(99, 3), **kw)
     for name, got, e in zip(("dq", "dk", "dv"), grads, expect):
         assert_close(got, e, dtype, name, tol=2 * TOL[dtype], scale=float(np.sqrt(np.mean(e * e))))
