@@ -325,3 +325,108 @@ def test_the_checks_patch_runs_are_not_counted_as_the_models_calls(monkeypatch):
     q = torch.randn(1, 2, 3, 8, dtype=torch.bfloat16)
     wrap(False)(q, q, torch.rand(1, 3, 8), torch.rand(1, 3, 8))   # (a model's call is counted)
     assert sum(ct.counts()["rope"].values()) == 1
+
+
+# ---- the loss: the LM head found by what the logits are ---------------------------------------------
+
+LM_HEAD = "loss: linear cross-entropy on the LM head"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_named_familys_loss_is_found_and_trains_as_its_own(family):
+    """The causal LM's loss is routed where its logits are the LM head's of the last hidden state
+    (Granite's scaled by 1 / logits_scaling, Gemma 2's softcapped): in float32 on the CPU, the
+    patched model's loss and every gradient equal the model's own."""
+    import copy
+
+    cfg_cls, model_cls, over, _ = FAMILIES[family]
+    base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=97, max_position_embeddings=64, **over)
+    if family == "granite":
+        base["logits_scaling"] = 4.0
+    if family == "gemma2":   # (a cap the small logits reach: one that only a wrong route would miss)
+        base["final_logit_softcapping"] = 0.5
+    torch.manual_seed(0)
+    a = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**base)).train()
+    b = copy.deepcopy(a)
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+    la = a(input_ids=ids, labels=ids).loss
+    la.backward()
+    with ct.patch(b, parts=["loss"]):
+        want = LM_HEAD + {"granite": ", logits times 0.25", "gemma2": ", softcap 0.5"}.get(family, "")
+        assert ct.routing(b)["(model)"] == want
+        out = b(input_ids=ids, labels=ids)
+        assert out.logits is None
+        out.loss.backward()
+    torch.testing.assert_close(out.loss, la, rtol=1e-5, atol=1e-5)
+    for (n, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        if pa.grad is not None:
+            torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_logits_that_are_not_the_heads_are_left_alone():
+    """A causal LM whose logits are transformed in a way the config does not name (here: a
+    temperature) keeps its own loss, with the reason."""
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=50, max_position_embeddings=32)
+
+    class Tempered(transformers.LlamaForCausalLM):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            out = super().forward(input_ids=input_ids, **kwargs)
+            out.logits = out.logits / 1.7
+            return out
+
+    m = Tempered(cfg)
+    with ct.patch(m, parts=["loss"]):
+        assert ct.routing(m)["(model)"].startswith("left alone: its logits are not the LM head's")
+        assert "forward" not in m.__dict__
+
+
+# ---- whole models: every part at once -------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2",
+                                  "granite", "gpt_neox", "starcoder2"])
+def test_each_demo_family_patched_whole_trains_as_its_own_on_the_cpu(kind):
+    """``python -m cukern train-demo --model KIND``'s model, every part patched: in float32 on the
+    CPU (where the routed calls run PyTorch's ops) the loss and every gradient equal the model's
+    own, so each routing computes what the module did: Gemma's scaled embeddings, softcapped
+    attention and logits included."""
+    import copy
+
+    from cukern.demo import hf, options
+
+    torch.manual_seed(0)
+    a = hf.build(options.Config(layers=2, dim=64, heads=4, seq=32, vocab=97, model=kind)).train()
+    b = copy.deepcopy(a)
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+    la = a(input_ids=ids, labels=ids).loss
+    la.backward()
+    with ct.patch(b):
+        decisions = ct.routing(b)
+        lb = b(input_ids=ids, labels=ids).loss
+        lb.backward()
+    assert not [v for v in decisions.values() if v.startswith("left alone")], decisions
+    assert any(v.startswith("loss: ") for v in decisions.values()) and any(v.startswith("norm: ") for v in
+                                                                         decisions.values())
+    torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)
+    for (n, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        if pa.grad is not None:
+            torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_a_scaled_embedding_is_found_and_a_look_alike_left_alone():
+    class Scaled(nn.Embedding):   # (Gemma's: the lookup times sqrt(hidden) in the weight's dtype)
+        def __init__(self):
+            super().__init__(11, 6)
+            self.embed_scale = 6 ** 0.5
+
+        def forward(self, ids):
+            return super().forward(ids) * torch.tensor(self.embed_scale, dtype=self.weight.dtype)
+
+    class Shifted(nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) + 1.0
+
+    assert _recognize.recognize_embedding(nn.Embedding(5, 3)) == (1.0, None)
+    assert _recognize.recognize_embedding(Scaled()) == (pytest.approx(6 ** 0.5), None)
+    assert _recognize.recognize_embedding(Shifted(5, 3)) == (None, "its output is not the lookup times one scale")

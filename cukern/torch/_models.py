@@ -24,9 +24,11 @@ not reach them. ``patch(model)`` routes, module by module:
   packed documents (position ids that restart) as varlen, Mistral's sliding window as a
   window; other masks, dropout (the kernels' measured slower than PyTorch's) and cached
   decoding go to PyTorch's SDPA, counted;
-* ``loss``: the LM head and the loss of ``*ForCausalLM`` / GPT-2's LM head in training with
-  labels: ``linear_cross_entropy`` on the last hidden state, without the (tokens, vocabulary)
-  logits (``outputs.logits`` is None then, as with Liger-Kernel).
+* ``loss``: the LM head and the loss of a causal LM (``*ForCausalLM``, GPT-2's LM head) in
+  training with labels, where its logits are found to be the LM head of the base model's last
+  hidden state (scaled by Granite's ``logits_scaling``, capped by Gemma 2's
+  ``final_logit_softcapping``): ``linear_cross_entropy`` on that hidden state, without the
+  (tokens, vocabulary) logits (``outputs.logits`` is None then, as with Liger-Kernel).
 
 Each routed call counts in ``cukern.torch.counts()``; calls the kernels do not take run the
 model's own code. ``unpatch(model)`` (or leaving the ``with`` block) restores the model.
@@ -52,7 +54,6 @@ from ._ops import OPS
 PARTS = ("norm", "embedding", "mlp", "rope", "attention", "loss")
 
 # Hugging Face classes by name: recognising them needs no transformers import.
-HF_CAUSAL_LMS = ("LlamaForCausalLM", "MistralForCausalLM", "GPT2LMHeadModel")
 HF_TANH_GELUS = ("NewGELUActivation",)
 # the models whose attention passes ``sliding_window`` with the mask it makes for it
 HF_WINDOWED = ("mistral",)
@@ -91,6 +92,17 @@ def _rms_norm(self, input):
 def _embedding(self, input):
     return DROPINS["embedding"](input, self.weight, self.padding_idx, self.max_norm, self.norm_type,
                                 self.scale_grad_by_freq, self.sparse)
+
+
+def _scaled_embedding(scale: float):
+    """The forward of an embedding found to output the lookup times ``scale`` (Gemma's), the
+    scale rounded to the weight's dtype as the model's own code rounds it."""
+    if scale == 1.0:
+        return _embedding
+
+    def forward(self, input):
+        return _embedding(self, input) * torch.tensor(scale, dtype=self.weight.dtype, device=self.weight.device)
+    return forward
 
 
 def _recognized_norm(variant: "_recognize.NormVariant"):
@@ -243,6 +255,21 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     if reason != "compiling":
         _tools.count("attention", reason)
     if reason is not None:
+        if softcap or kwargs.get("output_attentions"):   # (what PyTorch's SDPA cannot: the model's eager code)
+            eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+            if eager is not None and (attention_mask is None or pad is not None or attention_mask.dim() == 4):
+                if attention_mask is None or pad is not None:
+                    keep = _dense_mask(pad if pad is not None else torch.ones((query.shape[0], sk), dtype=torch.bool,
+                                                                              device=query.device), sq, causal, window)
+                elif attention_mask.dtype == torch.bool:
+                    keep = attention_mask
+                else:
+                    keep = None
+                if keep is not None:   # (eager code adds its mask to the scores)
+                    attention_mask = torch.zeros(keep.shape, dtype=query.dtype, device=query.device).masked_fill(
+                        ~keep, torch.finfo(query.dtype).min)
+                return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                             softcap=softcap, **kwargs)
         if pad is not None:
             attention_mask = _dense_mask(pad, sq, causal, window)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -299,7 +326,18 @@ def _signature(cls):
     return inspect.signature(cls.forward)
 
 
-def _hf_causal_lm(self, *args, **kwargs):
+def _causal_lm_loss(spec: "_recognize.LMHead"):
+    def forward(self, *args, **kwargs):
+        return _hf_causal_lm(self, *args, _lm=spec, **kwargs)
+    return forward
+
+
+def _describe_lm_head(spec: "_recognize.LMHead") -> str:
+    return ("linear cross-entropy on the LM head" + (f", logits times {spec.scale:g}" if spec.scale != 1 else "")
+            + (f", softcap {spec.softcap:g}" if spec.softcap is not None else ""))
+
+
+def _hf_causal_lm(self, *args, _lm=None, **kwargs):
     """The model's forward, except in training with labels: the base model's last hidden
     state goes to ``linear_cross_entropy`` with the LM head's weight (labels shifted as
     transformers' ForCausalLMLoss shifts them, ``num_items_in_batch``, ``ignore_index`` and
@@ -337,8 +375,12 @@ def _hf_causal_lm(self, *args, **kwargs):
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     head = self.lm_head
-    loss = _api("linear_cross_entropy")(hidden, head.weight, shift_labels.to(hidden.device), head.bias,
-                                        ignore_index=ignore_index,
+    spec = _lm or _recognize.LMHead()
+    bias = head.bias
+    if spec.scale != 1:   # (scaled logits: the hidden state and the bias scaled, the logits never made)
+        hidden, bias = hidden * spec.scale, None if bias is None else bias * spec.scale
+    loss = _api("linear_cross_entropy")(hidden, head.weight, shift_labels.to(hidden.device), bias,
+                                        ignore_index=ignore_index, softcap=spec.softcap,
                                         reduction="mean" if num_items is None else "sum")
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
@@ -486,13 +528,15 @@ def patch_model(model: nn.Module, parts=None) -> None:
             elif "norm" in names and _norm_shaped(m):
                 _route_found(rec, path, m, "norm", _recognize.recognize_norm(m), _recognized_norm, _describe)
             elif "embedding" in names and isinstance(m, nn.Embedding):
-                _set_forward(rec, m, _embedding)
+                _route_found(rec, path, m, "embedding", _recognize.recognize_embedding(m), _scaled_embedding,
+                             lambda scale: "nn.Embedding" + ("" if scale == 1.0 else f", times {scale:g}"))
             elif "mlp" in names and _recognize._mlp_candidates(m):
                 _route_found(rec, path, m, "mlp", _recognize.recognize_mlp(m), _recognized_mlp, _describe_mlp)
             elif "mlp" in names and cls in HF_TANH_GELUS:
                 _set_forward(rec, m, _tanh_gelu)
-            elif "loss" in names and cls in HF_CAUSAL_LMS and isinstance(getattr(m, "lm_head", None), nn.Linear):
-                _set_forward(rec, m, _hf_causal_lm)
+            elif "loss" in names and isinstance(getattr(m, "lm_head", None), nn.Linear):
+                _route_found(rec, path or "(model)", m, "loss", _recognize.recognize_lm_head(m), _causal_lm_loss,
+                             _describe_lm_head)
             modname = type(m).__module__
             if ("rope" in names and modname not in rec.rope_modules and modname not in rec.rope_looked
                     and callable(getattr(sys.modules.get(modname), "apply_rotary_pos_emb", None))):

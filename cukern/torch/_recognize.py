@@ -7,10 +7,17 @@ Norms: a leaf module with a 1-D ``weight`` (and perhaps a 1-D ``bias``) whose fo
 of cukern's casting modes (LLaMA's rounding of the normalized input before the weight, or float32
 throughout), and LayerNorm with or without its bias. The verdict is kept per (class, dtype,
 width, parameters, eps): modules of one class and configuration are run once.
+
+The loss: a ``*ForCausalLM`` (any module with an ``nn.Linear`` ``lm_head``, a base model under
+its ``base_model_prefix`` and a forward that takes ``labels``) whose logits are the LM head of the
+base model's last hidden state, times a scale (Granite's 1 / ``logits_scaling``) and through a
+softcap (Gemma 2's ``final_logit_softcapping``) where its config names them: its own forward is
+run once on a few tokens, in eval mode, against each candidate.
 """
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 
 import torch
@@ -326,3 +333,100 @@ def recognize_rope(modname: str, fn, wrap, device, dtype) -> tuple[str | None, b
                 why = rope_of(fn, wrap(rounds), q, k, cos32, sin32)
         _rope_cache[key] = (why, rounds and why is None)
     return _rope_cache[key]
+
+
+# ---- the LM head: logits from the base model's last hidden state --------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class LMHead:
+    """logits = softcap * tanh(lm_head(h) * scale / softcap) (no tanh where softcap is None)."""
+    scale: float = 1.0
+    softcap: float | None = None
+
+
+_lm_cache: dict[tuple, tuple[LMHead | None, str | None]] = {}
+
+
+def _lm_candidates(m: nn.Module) -> list[LMHead]:
+    cfg = getattr(m, "config", None)
+    scaling = getattr(cfg, "logits_scaling", None)
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    scale = 1.0 / float(scaling) if isinstance(scaling, (int, float)) and scaling and scaling != 1 else 1.0
+    cap = float(cap) if isinstance(cap, (int, float)) and cap and cap > 0 else None
+    out = [LMHead(scale, cap), LMHead(scale, None), LMHead(1.0, cap), LMHead()]
+    return list(dict.fromkeys(out))
+
+
+def recognize_lm_head(m: nn.Module) -> tuple[LMHead | None, str | None]:
+    """(how ``m``'s logits come from its base model's last hidden state, None) or (None, why
+    not), for a causal LM's loss without logits (see the module's docstring)."""
+    head = getattr(m, "lm_head", None)
+    prefix = getattr(m, "base_model_prefix", None)
+    base = getattr(m, prefix, None) if isinstance(prefix, str) and prefix else None
+    if not isinstance(head, nn.Linear):
+        return None, "no nn.Linear lm_head"
+    if not isinstance(base, nn.Module):
+        return None, "no base model under its base_model_prefix"
+    if "labels" not in inspect.signature(type(m).forward).parameters:
+        return None, "its forward takes no labels"
+    cands = _lm_candidates(m)
+    key = (type(m), head.weight.dtype, head.weight.shape, head.bias is not None, tuple(cands))
+    if key not in _lm_cache:
+        _lm_cache[key] = _probe_lm(m, base, head, cands)
+    return _lm_cache[key]
+
+
+def _probe_lm(m: nn.Module, base: nn.Module, head: nn.Linear, cands: list[LMHead]):
+    ids = torch.randint(0, head.out_features, (1, 5), generator=torch.Generator().manual_seed(0)).to(head.weight.device)
+    was = m.training
+    m.eval()   # (dropout off: the two runs must see the same network)
+    try:
+        with torch.no_grad(), uncounted():
+            own = type(m).forward(m, input_ids=ids, return_dict=True).logits
+            hidden = base(input_ids=ids, return_dict=True).last_hidden_state
+            raw = head(hidden).float()
+    except Exception as e:  # noqa: BLE001 - a forward of another shape: not a causal LM's
+        return None, f"its forward on input_ids alone failed ({type(e).__name__})"
+    finally:
+        m.train(was)
+    if own is None or own.shape != raw.shape:
+        return None, "its logits are not the LM head's of the last hidden state"
+    tol = 8 * _ulps(head.weight.dtype)
+    for c in cands:
+        x = raw * c.scale
+        if c.softcap is not None:
+            x = torch.tanh(x / c.softcap) * c.softcap
+        if _disagreement(x, own.float()) <= tol:
+            return c, None
+    return None, "its logits are not the LM head's of the last hidden state (scaled, capped) to the dtype's rounding"
+
+
+# ---- embeddings: a lookup, perhaps scaled -----------------------------------------------------------
+
+_embedding_cache: dict[tuple, tuple[float | None, str | None]] = {}
+
+
+def recognize_embedding(m: nn.Module) -> tuple[float | None, str | None]:
+    """(the scale ``m``'s output is the lookup times, None) or (None, why not): an
+    ``nn.Embedding`` with its own forward (Gemma's scaled word embeddings multiply by
+    sqrt(hidden) in the weight's dtype) is run once per class, dtype and width on a few indices."""
+    if type(m).forward is nn.Embedding.forward:
+        return 1.0, None
+    w = m.weight
+    key = (type(m), w.dtype, w.shape[1], float(getattr(m, "embed_scale", 1.0)))
+    if key not in _embedding_cache:
+        ids = torch.arange(min(m.num_embeddings, 7), device=w.device)[None]
+        try:
+            with torch.no_grad(), uncounted():
+                own = m(ids)
+                look = nn.functional.embedding(ids, w, m.padding_idx)
+        except Exception as e:  # noqa: BLE001 - another signature: not an embedding's
+            _embedding_cache[key] = None, f"its forward on indices alone failed ({type(e).__name__})"
+        else:
+            scale = getattr(m, "embed_scale", 1.0)
+            scale = float(scale.item() if torch.is_tensor(scale) else scale)
+            # (the scale rounded to the weight's dtype, as Gemma multiplies)
+            want = look * torch.tensor(scale, dtype=w.dtype, device=w.device)
+            ok = own.dtype == want.dtype and _disagreement(own, want) <= _ulps(w.dtype)
+            _embedding_cache[key] = (scale, None) if ok else (None, "its output is not the lookup times one scale")
+    return _embedding_cache[key]
