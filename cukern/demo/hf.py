@@ -1,12 +1,30 @@
-"""Hugging Face ``transformers`` models built from configs (no downloads) for the demo:
-GPT-2, LLaMA (grouped-query attention, LLaMA 3's vocabulary) and Mistral, at the demo's width,
-depth, heads and sequence length, trained through their own ``forward(input_ids, labels)``."""
+"""Hugging Face ``transformers`` models built from configs (no downloads) for the demo: GPT-2,
+LLaMA (grouped-query attention, LLaMA 3's vocabulary), Mistral and the other decoder families
+``patch(model)`` is measured on (Qwen2, Qwen3, Gemma 2 and 3, Phi-3, OLMo 2, Granite, GPT-NeoX,
+StarCoder2), at the demo's width, depth, heads and sequence length, with the released models'
+vocabularies, trained through their own ``forward(input_ids, labels)``."""
 from __future__ import annotations
 
 from .options import Config
 
 # The vocabularies of the released models (the demo's --vocab overrides them).
-VOCAB = {"gpt2": 50257, "llama": 128256, "mistral": 32768}
+VOCAB = {"gpt2": 50257, "llama": 128256, "mistral": 32768, "qwen2": 151936, "qwen3": 151936, "gemma2": 256000,
+         "gemma3": 262144, "phi3": 32064, "olmo2": 100352, "granite": 49155, "gpt_neox": 50304,
+         "starcoder2": 49152}
+
+# The other families: (config class, model class, MLP width over the model's, the config's own
+# arguments). Head dims are the model's width over its heads; dropout is off as in pretraining.
+FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", 8 / 3, {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", 3.0, {}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", 4.0, {}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", 4.0, {}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", 8 / 3, {"pad_token_id": 0}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", 8 / 3, {"pad_token_id": 0}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", 8 / 3, {"pad_token_id": 0}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", 4.0, {"pad_token_id": 0}),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", 4.0, {}),
+}
 
 
 def _mlp_width(dim: int, ratio: float) -> int:
@@ -15,7 +33,7 @@ def _mlp_width(dim: int, ratio: float) -> int:
 
 def build(cfg: Config):
     """The model ``cfg.model`` names, in float32 (train it under autocast) with dropout off
-    (as in pretraining today), PyTorch's SDPA as its attention."""
+    (as in pretraining today), PyTorch's SDPA as its attention (Gemma 2: its eager attention)."""
     import transformers
 
     vocab = cfg.vocab or VOCAB[cfg.model]
@@ -35,9 +53,16 @@ def build(cfg: Config):
                                        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
                                        num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=cfg.seq)
         cls = transformers.MistralForCausalLM
+    elif cfg.model in FAMILIES:
+        config_cls, model_cls, ratio, own = FAMILIES[cfg.model]
+        c = getattr(transformers, config_cls)(
+            hidden_size=cfg.dim, intermediate_size=_mlp_width(cfg.dim, ratio), num_hidden_layers=cfg.layers,
+            num_attention_heads=cfg.heads, num_key_value_heads=kv, head_dim=cfg.dim // cfg.heads,
+            vocab_size=vocab, max_position_embeddings=cfg.seq, **own)
+        cls = getattr(transformers, model_cls)
     else:
-        raise ValueError(f"model: expected gpt2, llama or mistral, got {cfg.model!r}")
-    c._attn_implementation = "sdpa"
+        raise ValueError(f"model: expected gpt2, llama, mistral or one of {sorted(FAMILIES)}, got {cfg.model!r}")
+    c._attn_implementation = "eager" if cfg.model == "gemma2" else "sdpa"   # (Gemma 2 has no SDPA path)
     return cls(c)
 
 

@@ -15,7 +15,7 @@ class Config:
     vocab: int = 50304
     seq: int = 2048
     norm: str = "layer"   # "layer" or "rms"
-    model: str = "gpt"    # "gpt" (this demo's own) or a Hugging Face model: "gpt2", "llama", "mistral"
+    model: str = "gpt"    # "gpt" (this demo's own) or a Hugging Face model family (MODELS)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -29,13 +29,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(needs transformers; patch(model) routes it)")
     g.add_argument("--vocab", type=int, default=None,
                    help="vocabulary size (default: 50304 for the demo GPT, the released model's for the others: "
-                        "GPT-2 50257, LLaMA 3 128256, Mistral 32768)")
+                        "GPT-2 50257, LLaMA 3 128256, Mistral 32768, Qwen 151936, ...)")
     g.add_argument("--seq", type=int, default=d.seq, help="sequence length")
     g.add_argument("--norm", choices=("layer", "rms"), default=d.norm, help="LayerNorm or RMSNorm")
     g.add_argument("--batch", type=int, default=8, help="sequences a micro-batch (a rank)")
 
 
-MODELS = ("gpt", "gpt2", "llama", "mistral")
+MODELS = ("gpt", "gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite",
+          "gpt_neox", "starcoder2")
 
 
 def config(a) -> Config:
