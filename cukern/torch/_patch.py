@@ -1,5 +1,5 @@
 """``patch()`` / ``unpatch()``: with a model, route that model's own modules (``_models``:
-Hugging Face GPT-2, LLaMA and Mistral included); without, route the ``torch.nn.functional``
+Hugging Face decoders included); without, route the ``torch.nn.functional``
 functions that the families declare drop-ins for — and so the nn modules that call them — to
 cukern for the calls it supports, to PyTorch for the others. The functions ``patch()`` replaces
 (tests/test_docs.py checks this list against the families' declarations):
@@ -50,9 +50,9 @@ def patch(model=None, *, ops=None, parts=None, min_size=None) -> _Patched:
     ``unpatch``). Usable as a call or as ``with cukern.torch.patch(...): ...``.
 
     Args:
-        model: an ``nn.Module`` (a Hugging Face GPT-2, LLaMA or Mistral model, or any model
-            with nn.LayerNorm / nn.RMSNorm / nn.Embedding modules): its norms, embeddings,
-            gated MLP, rotary embedding, attention and masks, and LM-head loss go to cukern
+        model: an ``nn.Module`` (a Hugging Face decoder, or any model with norm, embedding
+            and MLP modules): its norms, embeddings, gated MLP, rotary embedding, attention and
+            masks, and LM-head loss, each found by running it, go to cukern
             (docs/torch.md), its code and state_dict unchanged, nothing global touched but
             the rotary function of its modeling module. None: the functions below.
         ops: without a model, the names of the functions to route (default: all,
