@@ -254,17 +254,24 @@ def test_the_dense_mask_of_key_padding_is_sdpas():
         assert torch.equal(got, want.expand_as(got)), window
 
 
-def test_mistral_sliding_window_masks():
+def test_sliding_window_masks_are_read_for_their_window():
+    """A window that hides keys: SDPA's mask, found to be causal within the window (one document
+    a row), whatever the model; a window wider than the sequence: the plain causal mask."""
     _models._register_attention()
-    cfg = _config("mistral", sliding_window=4)
-    cfg._attn_implementation = "cukern"
-    assert _mask(cfg, None, 12) is None   # (the attention applies the window it is told)
-    cfg = _config("llama")
-    cfg._attn_implementation = "cukern"
     from transformers.masking_utils import create_sliding_window_causal_mask
-    m = create_sliding_window_causal_mask(config=_with(cfg, sliding_window=4), inputs_embeds=torch.zeros((2, 12, 8)),
-                                          attention_mask=None, cache=None, position_ids=torch.arange(12)[None])
-    assert m is not None and m.dim() == 4   # (a model not known to pass its window: SDPA's mask)
+
+    for kind in ("mistral", "llama"):
+        cfg = _with(_config(kind), sliding_window=4)
+        cfg._attn_implementation = "cukern"
+        m = create_sliding_window_causal_mask(config=cfg, inputs_embeds=torch.zeros((2, 12, 8)), attention_mask=None,
+                                              cache=None, position_ids=torch.arange(12)[None])
+        assert m is not None and m.dim() == 4
+        cu, longest, window = m._cukern_documents
+        assert cu.tolist() == [0, 12, 24] and longest == 12 and window == 4
+        wide = create_sliding_window_causal_mask(config=_with(cfg, sliding_window=40),
+                                                 inputs_embeds=torch.zeros((2, 12, 8)), attention_mask=None,
+                                                 cache=None, position_ids=torch.arange(12)[None])
+        assert wide is None
 
 
 def _with(cfg, **kw):

@@ -430,3 +430,32 @@ def test_a_scaled_embedding_is_found_and_a_look_alike_left_alone():
     assert _recognize.recognize_embedding(nn.Embedding(5, 3)) == (1.0, None)
     assert _recognize.recognize_embedding(Scaled()) == (pytest.approx(6 ** 0.5), None)
     assert _recognize.recognize_embedding(Shifted(5, 3)) == (None, "its output is not the lookup times one scale")
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "mistral", "qwen2"])
+def test_windowed_layers_reach_the_kernels_route_whatever_the_family(family):
+    """Sliding-window layers whose window hides keys: their mask is read for its window (one
+    document a row), so the calls reach the kernels' route (on the CPU: PyTorch's, counted "not
+    CUDA tensors" alone, never "a mask that is neither causal ..."), and the loss is the model's."""
+    import copy
+
+    cfg_cls, model_cls, over, _ = FAMILIES[family]
+    kw = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=97, max_position_embeddings=64, sliding_window=4, **{"head_dim": 16, **over})
+    if family == "gemma3":
+        kw["layer_types"] = ["sliding_attention", "full_attention"]
+    if family == "qwen2":
+        kw.update(use_sliding_window=True, max_window_layers=0)
+    c = getattr(transformers, cfg_cls)(**kw)
+    c._attn_implementation = "eager"
+    torch.manual_seed(0)
+    a = getattr(transformers, model_cls)(c).train()
+    b = copy.deepcopy(a)
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(2))
+    la = a(input_ids=ids, labels=ids).loss
+    ct.reset_counts()
+    with ct.patch(b):
+        lb = b(input_ids=ids, labels=ids).loss
+        counts = ct.counts(reasons=True)["attention"]
+    assert counts["torch_reasons"] == {"not CUDA tensors": 2}, counts
+    torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)

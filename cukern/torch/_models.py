@@ -21,8 +21,8 @@ not reach them. ``patch(model)`` routes, module by module:
   rotary tables and other calls go to the module's own function;
 * ``attention``: the model's attention implementation ("cukern", registered with transformers'
   AttentionInterface, with its mask function): causal masks run causal, padding masks and
-  packed documents (position ids that restart) as varlen, Mistral's sliding window as a
-  window; other masks, dropout (the kernels' measured slower than PyTorch's) and cached
+  packed documents (position ids that restart) as varlen, a sliding window (a windowed layer's
+  mask read for it) as a window; other masks, dropout (the kernels' measured slower than PyTorch's) and cached
   decoding go to PyTorch's SDPA, counted;
 * ``loss``: the LM head and the loss of a causal LM (``*ForCausalLM``, GPT-2's LM head) in
   training with labels, where its logits are found to be the LM head of the base model's last
@@ -55,8 +55,6 @@ PARTS = ("norm", "embedding", "mlp", "rope", "attention", "loss")
 
 # Hugging Face classes by name: recognising them needs no transformers import.
 HF_TANH_GELUS = ("NewGELUActivation",)
-# the models whose attention passes ``sliding_window`` with the mask it makes for it
-HF_WINDOWED = ("mistral",)
 
 _lock = threading.Lock()
 _patched: "weakref.WeakKeyDictionary[nn.Module, _Record]" = weakref.WeakKeyDictionary()
@@ -153,10 +151,13 @@ def _hf_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_func
              local_size=None, allow_is_causal_skip=True, config=None, **kwargs):
     """transformers' mask function for "cukern": None for a causal mask, the (B, S) bool
     padding mask for a causal mask with key padding, and SDPA's mask (4D) for anything else,
-    marked with its documents where it is causal within packed documents."""
+    marked with its documents where it is found to be causal within packed documents (and
+    within a sliding window: a windowed layer's mask is read, not assumed)."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-    window_known = local_size is None or kv_length < local_size or getattr(config, "model_type", None) in HF_WINDOWED
+    # (a window that hides a key: SDPA's mask below, which is read for its window; None or the
+    # padding alone would leave the window to the attention module passing it)
+    window_known = local_size is None or kv_length < local_size
     plain = (allow_is_causal_skip and isinstance(q_offset, int) and q_offset == 0 and kv_offset == 0
              and q_length == kv_length and window_known
              and (mask_function is causal_mask_function or local_size is not None))
@@ -171,11 +172,11 @@ def _hf_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_func
     if (torch.is_tensor(dense) and dense.dim() == 4 and dense.dtype == torch.bool and dense.shape[1] == 1
             and q_length == kv_length and isinstance(q_offset, int) and q_offset == 0 and kv_offset == 0
             and not _tools.compiling()):
-        # packed documents (position ids that restart): SDPA's mask goes on to the attention,
-        # which runs them as varlen; the documents ride on the mask, so that anything else
-        # that gets it (a copy, a fallback) still has SDPA's mask
-        window = local_size if getattr(config, "model_type", None) in HF_WINDOWED else None
-        docs = _documents(dense.expand(batch_size, -1, -1, -1), window)
+        # packed documents (position ids that restart), or a sliding window (one document a row):
+        # SDPA's mask goes on to the attention, which runs them as varlen with the window the
+        # mask was found to hold; the documents ride on the mask, so that anything else that
+        # gets it (a copy, a fallback) still has SDPA's mask
+        docs = _documents(dense.expand(batch_size, -1, -1, -1), local_size)
         if docs is not None:
             dense._cukern_documents = docs
     return dense
