@@ -459,3 +459,28 @@ def test_windowed_layers_reach_the_kernels_route_whatever_the_family(family):
         counts = ct.counts(reasons=True)["attention"]
     assert counts["torch_reasons"] == {"not CUDA tensors": 2}, counts
     torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)
+
+
+def test_a_tanh_gelu_written_out_is_found_by_running_it():
+    import math
+
+    class Written(nn.Module):   # (GPT-2's gelu_new, as transformers writes it)
+        def forward(self, x):
+            return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+    class Erf(nn.Module):
+        def forward(self, x):
+            return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+    class Needs2(nn.Module):
+        def forward(self, x, y):
+            return x + y
+
+    assert _recognize.recognize_tanh_gelu(Written())
+    assert not _recognize.recognize_tanh_gelu(Erf()) and not _recognize.recognize_tanh_gelu(Needs2())
+    assert not _recognize.recognize_tanh_gelu(nn.GELU(approximate="tanh"))   # (PyTorch's own: not run)
+    m = nn.Sequential(nn.Linear(4, 4), Written())
+    with ct.patch(m, parts=["mlp"]):
+        assert ct.routing(m)["1"] == "mlp: tanh GELU (PyTorch's fused)"
+        x = torch.randn(3, 4)
+        torch.testing.assert_close(m(x), m[1].__class__.forward(m[1], m[0](x)), rtol=1e-6, atol=1e-6)

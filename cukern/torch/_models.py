@@ -53,9 +53,6 @@ from ._ops import OPS
 
 PARTS = ("norm", "embedding", "mlp", "rope", "attention", "loss")
 
-# Hugging Face classes by name: recognising them needs no transformers import.
-HF_TANH_GELUS = ("NewGELUActivation",)
-
 _lock = threading.Lock()
 _patched: "weakref.WeakKeyDictionary[nn.Module, _Record]" = weakref.WeakKeyDictionary()
 _rope_swaps: dict[str, list] = {}    # modeling module -> [its own function, models using ours]
@@ -519,7 +516,6 @@ def patch_model(model: nn.Module, parts=None) -> None:
         for path, m in model.named_modules():
             if "forward" in m.__dict__ or m in rec.modules:
                 continue   # (a forward of its own: someone else's patch; leave it)
-            cls = type(m).__name__
             if "norm" in names and isinstance(m, nn.LayerNorm):
                 _set_forward(rec, m, _layer_norm)
                 rec.decisions[path] = "norm: nn.LayerNorm"
@@ -533,8 +529,9 @@ def patch_model(model: nn.Module, parts=None) -> None:
                              lambda scale: "nn.Embedding" + ("" if scale == 1.0 else f", times {scale:g}"))
             elif "mlp" in names and _recognize._mlp_candidates(m):
                 _route_found(rec, path, m, "mlp", _recognize.recognize_mlp(m), _recognized_mlp, _describe_mlp)
-            elif "mlp" in names and cls in HF_TANH_GELUS:
+            elif "mlp" in names and _recognize.recognize_tanh_gelu(m):
                 _set_forward(rec, m, _tanh_gelu)
+                rec.decisions[path] = "mlp: tanh GELU (PyTorch's fused)"
             elif "loss" in names and isinstance(getattr(m, "lm_head", None), nn.Linear):
                 _route_found(rec, path or "(model)", m, "loss", _recognize.recognize_lm_head(m), _causal_lm_loss,
                              _describe_lm_head)

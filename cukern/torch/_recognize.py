@@ -430,3 +430,33 @@ def recognize_embedding(m: nn.Module) -> tuple[float | None, str | None]:
             ok = own.dtype == want.dtype and _disagreement(own, want) <= _ulps(w.dtype)
             _embedding_cache[key] = (scale, None) if ok else (None, "its output is not the lookup times one scale")
     return _embedding_cache[key]
+
+
+# ---- activations written out by hand ------------------------------------------------------------
+
+_activation_cache: dict[type, str | None] = {}
+
+
+def recognize_tanh_gelu(m: nn.Module) -> bool:
+    """Whether ``m``, a parameterless leaf module that is not one of PyTorch's own (whose code
+    is PyTorch's kernels already), computes the tanh GELU (GPT-2's ``gelu_new`` written out as
+    0.5 x (1 + tanh(...)) in several elementwise kernels): run once per class, in eval mode, on
+    random float32 values."""
+    if type(m).__module__.startswith("torch.") or next(m.children(), None) is not None \
+            or next(m.parameters(), None) is not None or next(m.buffers(), None) is not None:
+        return False
+    if type(m) not in _activation_cache:
+        x = torch.randn(4, 33, generator=torch.Generator().manual_seed(0)) * 3
+        was = m.training
+        m.eval()
+        try:
+            with torch.no_grad(), uncounted():
+                y = m(x)
+            want = nn.functional.gelu(x, approximate="tanh")
+            ok = torch.is_tensor(y) and _disagreement(y, want) <= 2 * _ulps(x.dtype)
+        except Exception:  # noqa: BLE001 - not an elementwise module of one tensor
+            ok = False
+        finally:
+            m.train(was)
+        _activation_cache[type(m)] = "tanh GELU" if ok else None
+    return _activation_cache[type(m)] is not None
