@@ -484,3 +484,39 @@ def test_a_tanh_gelu_written_out_is_found_by_running_it():
         assert ct.routing(m)["1"] == "mlp: tanh GELU (PyTorch's fused)"
         x = torch.randn(3, 4)
         torch.testing.assert_close(m(x), m[1].__class__.forward(m[1], m[0](x)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite", "gpt_neox",
+                                  "starcoder2"])
+def test_each_demo_family_trains_on_the_kernels_like_its_own_on_the_gpu(kind):
+    """The demo's model of each family (head dim 64), one bf16-autocast training step patched and
+    not: every attention call, norm, embedding and the loss on the kernels, the loss and the
+    gradients as the model's own to bf16's rounding."""
+    import copy
+
+    from cukern.demo import hf, options
+
+    torch.manual_seed(0)
+    a = hf.build(options.Config(layers=2, dim=256, heads=4, seq=256, vocab=512, model=kind)).cuda().train()
+    b = copy.deepcopy(a)
+    ids = torch.randint(0, 512, (2, 256), generator=torch.Generator().manual_seed(1)).cuda()
+
+    def step(m):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.float(), {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None}
+
+    la, ga = step(a)
+    ct.reset_counts()
+    with ct.patch(b, min_size=0):
+        lb, gb = step(b)
+        counts = ct.counts(reasons=True)
+    for part in ("attention", "embedding", "linear_cross_entropy"):
+        assert counts[part]["cukern"] > 0 and counts[part]["torch"] == 0, (part, counts)
+    assert any(counts.get(n, {}).get("cukern", 0) for n in ("rms_norm", "layer_norm")), counts
+    torch.testing.assert_close(lb, la, rtol=5e-3, atol=5e-3)
+    for n in ga:
+        scale = ga[n].abs().max().item() + 1e-6
+        assert (ga[n] - gb[n]).abs().max().item() <= 0.05 * scale, n
