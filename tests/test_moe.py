@@ -1,0 +1,145 @@
+"""The mixture-of-experts references (cukern/moe/reference.py), on the CPU in float64: the
+router against PyTorch (softmax and sigmoid top-k, ties, renormalization, a selection bias), its
+backward and the auxiliary losses' against autograd (the load-balancing loss against
+transformers' own), the permutation's order, and the whole block against transformers'
+Mixtral block, forward and every gradient."""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from cukern.moe import reference as R
+
+torch = pytest.importorskip("torch")
+
+
+def _logits(rng, t, e):
+    return rng.standard_normal((t, e)) * 2
+
+
+@pytest.mark.parametrize("score, renormalize, biased", [("softmax", True, False), ("softmax", False, False),
+                                                        ("sigmoid", True, True), ("sigmoid", False, False)])
+def test_router_matches_pytorch_and_its_backward_autograd(score, renormalize, biased):
+    rng = np.random.default_rng(0)
+    t, e, k = 37, 8, 3
+    lg = _logits(rng, t, e)
+    bias = rng.standard_normal(e) if biased else None
+    w, ex, counts = R.router(lg, k, score=score, renormalize=renormalize, selection_bias=bias, scale=1.5)
+    lt = torch.tensor(lg, requires_grad=True)
+    s = torch.softmax(lt, -1) if score == "softmax" else torch.sigmoid(lt)
+    sel = s if bias is None else s + torch.tensor(bias)
+    idx = torch.topk(sel.detach(), k, dim=-1).indices
+    tw = s.gather(-1, idx)
+    if renormalize:
+        tw = tw / tw.sum(-1, keepdim=True)
+    tw = tw * 1.5
+    np.testing.assert_array_equal(ex, idx.numpy())
+    np.testing.assert_allclose(w, tw.detach().numpy(), rtol=1e-13)
+    np.testing.assert_array_equal(counts, np.bincount(ex.ravel(), minlength=e))
+    assert ex.dtype == np.int32 and counts.sum() == t * k
+    dw = rng.standard_normal(w.shape)
+    tw.backward(torch.tensor(dw))
+    got = R.router_backward(dw, lg, ex, score=score, renormalize=renormalize, scale=1.5)
+    np.testing.assert_allclose(got, lt.grad.numpy(), rtol=1e-11, atol=1e-13)
+
+
+def test_ties_choose_the_lower_expert_first():
+    lg = np.zeros((2, 5))
+    lg[1, [1, 3]] = 1.0
+    _, ex, _ = R.router(lg, 2)
+    assert ex.tolist() == [[0, 1], [1, 3]]
+
+
+def test_the_auxiliary_losses_match_transformers_and_autograd():
+    rng = np.random.default_rng(1)
+    t, e, k = 50, 6, 2
+    lg = _logits(rng, t, e)
+    _, ex, _ = R.router(lg, k)
+    lt = torch.tensor(lg, requires_grad=True)
+    if importlib.util.find_spec("transformers") is not None:
+        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+        want = load_balancing_loss_func((lt.detach(),), e, k)   # (its sums are float32)
+        assert R.load_balancing_loss(lg, ex, e) == pytest.approx(float(want), rel=1e-6)
+    p = torch.softmax(lt, -1)
+    hit = torch.nn.functional.one_hot(torch.tensor(ex, dtype=torch.int64), e).double()
+    lb = e * (hit.mean(0) * p.mean(0)[None]).sum()
+    z = (torch.logsumexp(lt, -1) ** 2).mean()
+    assert R.load_balancing_loss(lg, ex, e) == pytest.approx(lb.item(), rel=1e-12)
+    assert R.router_z_loss(lg) == pytest.approx(z.item(), rel=1e-12)
+    (0.7 * lb + 0.3 * z).backward()
+    got = R.load_balancing_loss_backward(0.7, lg, ex, e) + R.router_z_loss_backward(0.3, lg)
+    np.testing.assert_allclose(got, lt.grad.numpy(), rtol=1e-11, atol=1e-14)
+
+
+def test_permute_groups_pairs_by_expert_stably_and_unpermute_combines():
+    rng = np.random.default_rng(2)
+    t, e, k, h = 11, 4, 2, 3
+    x = rng.standard_normal((t, h))
+    w, ex, counts = R.router(_logits(rng, t, e), k)
+    xp, order, off = R.permute(x, ex, e)
+    assert off.tolist() == [0, *np.cumsum(counts).tolist()]
+    flat = ex.reshape(-1)[order]
+    assert (np.diff(flat) >= 0).all()                      # grouped by expert
+    for g in range(e):                                      # token order within an expert
+        assert (np.diff(order[off[g]:off[g + 1]]) > 0).all()
+    np.testing.assert_array_equal(xp, x[order // k])
+    np.testing.assert_allclose(R.unpermute(xp, order, w), x * w.sum(1, keepdims=True), rtol=1e-13)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match=r"^top_k: must be an int in \[1, 4\]"):
+        R.router(np.zeros((3, 4)), 5)
+    with pytest.raises(ValueError, match="^top_k: "):
+        R.router(np.zeros((3, 4)), True)
+    with pytest.raises(ValueError, match="^score: expected one of"):
+        R.router(np.zeros((3, 4)), 1, score="relu")
+    with pytest.raises(ValueError, match=r"^logits: expected \(tokens, experts\)"):
+        R.router(np.zeros(4), 1)
+    with pytest.raises(ValueError, match="^act: expected one of"):
+        R.moe(np.ones((2, 4)), np.ones((3, 4)), np.ones((3, 6, 4)), np.ones((3, 4, 3)), 1, act="relu")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
+def test_the_block_is_transformers_mixtral_block_forward_and_backward(act):
+    """transformers' Mixtral block (its Python loop over experts) in float64 (its router's softmax
+    in float32) against ``moe`` and ``moe_backward``: the output and the gradients of the tokens,
+    the router and both expert weights, with the load-balancing and z-losses' gradients added
+    through the logits."""
+    import transformers
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    act_name = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}[act]
+    cfg = transformers.MixtralConfig(hidden_size=16, intermediate_size=12, num_local_experts=6, num_experts_per_tok=2,
+                                     hidden_act=act_name)
+    torch.manual_seed(0)
+    block = MixtralSparseMoeBlock(cfg).double()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.5)
+    x = torch.randn(2, 9, 16, dtype=torch.float64, requires_grad=True)
+    out = block(x)
+    rw, wgu, wd = (p.detach().numpy() for p in (block.gate.weight, block.experts.gate_up_proj,
+                                                block.experts.down_proj))
+    xn = x.detach().numpy().reshape(-1, 16)
+    got, logits = R.moe(xn, rw, wgu, wd, 2, act=act, return_logits=True)
+    # (transformers' router takes its softmax in float32: its weights carry float32's rounding)
+    np.testing.assert_allclose(got, out.detach().numpy().reshape(-1, 16), rtol=2e-5, atol=2e-6)
+    dout = np.random.default_rng(3).standard_normal(got.shape)
+    lt = torch.tensor(logits)
+    _, ex, _ = R.router(logits, 2)
+    extra = R.load_balancing_loss_backward(0.01, logits, ex, 6) + R.router_z_loss_backward(0.001, logits)
+    # (the losses through the block's own logits: the same gradient reaches x and the router)
+    own_logits = torch.nn.functional.linear(x.reshape(-1, 16), block.gate.weight)
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    aux = 0.01 * load_balancing_loss_func((own_logits,), 6, 2) + 0.001 * (torch.logsumexp(own_logits, -1) ** 2).mean()
+    (out.reshape(-1, 16) * torch.tensor(dout)).sum().add(aux).backward()
+    dx, drw, dwgu, dwd = R.moe_backward(dout, xn, rw, wgu, wd, 2, act=act, dlogits_extra=extra)
+    assert lt.shape == (18, 6)
+    for name, a, b in (("dx", dx, x.grad.reshape(-1, 16)), ("drouter_w", drw, block.gate.weight.grad),
+                       ("dw_gate_up", dwgu, block.experts.gate_up_proj.grad),
+                       ("dw_down", dwd, block.experts.down_proj.grad)):
+        np.testing.assert_allclose(a, b.numpy(), rtol=2e-5, atol=2e-6, err_msg=name)
