@@ -444,4 +444,30 @@ def test_the_demo_builds_each_hugging_face_model():
         assert m.config._attn_implementation == "sdpa"
         assert kind in hf.describe(cfg, m).lower() or "gpt2" in type(m).__name__.lower()
     with pytest.raises(ValueError, match="model"):
-        hf.build(options.Config(model="bert"))
+        hf.build(options.Config(model="vit"))   # (no causal-LM head)
+
+
+def test_the_demo_takes_any_transformers_causal_lm_type():
+    """--model names any model type with a causal-LM head (built from its config class at the
+    demo's sizes, patched by what it computes); others are refused by name on the command line."""
+    import argparse
+
+    from cukern.demo import hf, options
+
+    p = argparse.ArgumentParser()
+    options.add_model_args(p)
+    assert p.parse_args(["--model", "mixtral"]).model == "mixtral"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--model", "vit"])
+    m = hf.build(options.Config(layers=1, dim=128, heads=4, seq=64, vocab=256, model="mixtral"))
+    assert type(m).__name__ == "MixtralForCausalLM" and m.config.num_hidden_layers == 1
+    assert m.config.hidden_size == 128 and m.config.vocab_size == 256
+    ids = torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        expect = m(input_ids=ids, labels=ids).loss
+    with ct.patch(m):
+        got = ct.routing(m)
+        assert got["(model)"] == "loss: linear cross-entropy on the LM head"
+        assert got["model.layers.0.input_layernorm"].startswith("norm: RMSNorm")
+        with torch.no_grad():
+            torch.testing.assert_close(m(input_ids=ids, labels=ids).loss, expect, rtol=1e-5, atol=1e-5)

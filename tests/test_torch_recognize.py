@@ -172,6 +172,83 @@ def test_probing_leaves_the_parameters_and_their_gradients_as_they_were():
     assert torch.equal(m.weight.detach(), before) and m.weight.grad is None
 
 
+class StrictRMSNorm(UsersRMSNorm):
+    """Refuses an input whose dtype is not its weight's."""
+
+    def forward(self, x):
+        if x.dtype != self.weight.dtype:
+            raise TypeError("dtype")
+        return super().forward(x)
+
+
+def _hf_norm(family: str, d: int):
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    cls = {"llama": "LlamaRMSNorm", "qwen3": "Qwen3RMSNorm", "gemma3": "Gemma3RMSNorm", "olmo2": "Olmo2RMSNorm"}[family]
+    return getattr(mod, cls)(d, eps=1e-6)
+
+
+MIXED = {"llama": "llama", "qwen3": "llama", "gemma3": "gemma", "olmo2": "gemma"}
+
+
+@pytest.mark.parametrize("family", sorted(MIXED))
+def test_a_float32_norm_on_16_bit_inputs_is_found_in_the_form_it_computes(family):
+    """Under autocast a float32 norm meets bf16 inputs (QK-norms, norms after a sublayer): LLaMA's
+    rounds x̂ and promotes to float32, Gemma's and OLMo 2's compute in float32 and round once; each
+    is found by running it, and its form's stand-in is the module's own to the rounding."""
+    _recognize._cache.clear()
+    m = _hf_norm(family, 48)
+    v, why = _recognize.recognize_norm(m)
+    assert why is None and v.mixed == MIXED[family]
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        m.weight.copy_(torch.rand(48, generator=g) + 0.5)
+    for dt in (torch.bfloat16, torch.float16):
+        x = (torch.randn(3, 48, generator=g) * 2).to(dt)
+        own = m(x)
+        want_dtype = torch.float32 if MIXED[family] == "llama" else dt
+        got = _recognize.mixed_candidate(v.mixed, v, x, m.weight.detach(), None)
+        assert own.dtype == got.dtype == want_dtype
+        torch.testing.assert_close(got, own.detach(), rtol=2e-2 if dt == torch.bfloat16 else 2e-3, atol=1e-5)
+    # a float32 module that refuses 16-bit inputs keeps its own code for them
+    v, why = _recognize.recognize_norm(StrictRMSNorm(48))
+    assert why is None and v.mixed is None
+    # and a bf16 module is never asked
+    v, why = _recognize.recognize_norm(_hf_norm(family, 48).to(torch.bfloat16))
+    assert why is None and v.mixed is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", sorted(MIXED))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_float32_norm_on_16_bit_inputs_runs_on_the_kernels_as_its_own(family, dtype):
+    """The routed forward of a float32 norm on a 16-bit CUDA input: on the kernels (counted), the
+    module's result dtype, its values to the input dtype's rounding, and x's and the float32
+    weight's gradients (the weight's in float32) as its own."""
+    torch.manual_seed(0)
+    m = _hf_norm(family, 1024).cuda()
+    with torch.no_grad():
+        m.weight.uniform_(0.5, 1.5)
+    x = (torch.randn(4, 77, 1024, device="cuda") * 3 + 0.25).to(dtype)
+    dy = torch.randn(4, 77, 1024, device="cuda")
+    xa = x.clone().requires_grad_(True)
+    own = m(xa)
+    ga = torch.autograd.grad(own, (xa, m.weight), dy.to(own.dtype))
+    ct.reset_counts()
+    with ct.patch(m, parts=["norm"], min_size=0):
+        assert "forward" in m.__dict__
+        xb = x.clone().requires_grad_(True)
+        got = m(xb)
+        gb = torch.autograd.grad(got, (xb, m.weight), dy.to(got.dtype))
+        counts = ct.counts()
+    assert counts["rms_norm"] == {"cukern": 1, "torch": 0}
+    assert got.dtype == own.dtype and gb[1].dtype == torch.float32
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    scale = own.float().abs().max().item()
+    assert (got.float() - own.float()).abs().max().item() <= 2 * ulp * scale
+    for a, b in zip(gb, ga):
+        assert (a.float() - b.float()).abs().max().item() <= 4 * ulp * b.float().abs().max().item()
+
+
 @pytest.mark.parametrize("casting", ["gemma", "llama", "none"])
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 def test_the_candidates_are_the_norm_kernels_arithmetic(casting, offset):
@@ -271,7 +348,7 @@ def test_an_interleaved_rope_is_left_alone_and_partial_tables_go_to_the_models_o
 
     wrap = functools.partial(_models._rope_wrapper, interleaved)
     assert _recognize.recognize_rope("test.interleaved", interleaved, wrap, "cpu", torch.float32) == \
-        ("its rotation is not cukern's (half-split) rope to the dtype's rounding", False)
+        ("its rotation is not cukern's (half-split) rope to the dtype's rounding", False, False)
 
     calls = []
 
@@ -290,6 +367,41 @@ def test_an_interleaved_rope_is_left_alone_and_partial_tables_go_to_the_models_o
     assert calls == [8, 8] and torch.equal(out[0], q)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_partial_rotary_is_found_by_running_it_and_computed_as_the_models_own(dtype):
+    """GPT-NeoX's and Phi-3's ropes rotate the dims their tables cover and pass the rest on:
+    found so (LLaMA's is not: it takes full-width tables alone), and the wrapper's result on
+    narrower tables, forward and backward, is the model's own."""
+    import functools
+
+    from cukern.torch import _models
+
+    found = {}
+    for family in ("gpt_neox", "phi3", "llama"):
+        modname = f"transformers.models.{family}.modeling_{family}"
+        fn = importlib.import_module(modname).apply_rotary_pos_emb
+        why, rounds, partial = _recognize.recognize_rope(modname, fn, functools.partial(_models._rope_wrapper, fn),
+                                                         "cpu", dtype)
+        assert why is None
+        found[family] = partial
+        if not partial:
+            continue
+        g = torch.Generator().manual_seed(5)
+        q = torch.randn(2, 4, 6, 32, generator=g).to(dtype).requires_grad_(True)
+        k = torch.randn(2, 2, 6, 32, generator=g).to(dtype).requires_grad_(True)
+        angles = torch.rand(2, 6, 4, generator=g) * 6
+        cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)   # (8 of 32 dims)
+        got = _models._rope_wrapper(fn, rounds, partial)(q, k, cos, sin)
+        want = fn(q, k, cos, sin)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        dys = [torch.randn(t.shape, generator=g).to(t.dtype) for t in want]
+        for a, b in zip(torch.autograd.grad(got, (q, k), dys), torch.autograd.grad(want, (q, k), dys)):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert found == {"gpt_neox": True, "phi3": True, "llama": False}
+
+
 def test_a_rope_that_rounds_to_qs_dtype_is_rounded_so_too():
     """With float32 tables and bfloat16 q (as autocast makes them), OLMo 2's rope rounds its
     result to q's dtype and LLaMA's keeps PyTorch's float32 promotion: each is matched."""
@@ -301,8 +413,8 @@ def test_a_rope_that_rounds_to_qs_dtype_is_rounded_so_too():
     for family in ("olmo2", "llama"):
         modname = type(_tiny(family, torch.bfloat16).model).__module__
         fn = importlib.import_module(modname).apply_rotary_pos_emb
-        why, rounds = _recognize.recognize_rope(modname, fn, functools.partial(_models._rope_wrapper, fn), "cpu",
-                                                torch.bfloat16)
+        why, rounds, _ = _recognize.recognize_rope(modname, fn, functools.partial(_models._rope_wrapper, fn), "cpu",
+                                                   torch.bfloat16)
         assert why is None
         found[family] = rounds
         q = torch.randn(1, 2, 3, 8, dtype=torch.bfloat16)
@@ -323,7 +435,7 @@ def test_the_checks_patch_runs_are_not_counted_as_the_models_calls(monkeypatch):
     assert _recognize.recognize_rope(modname, fn, wrap, "cpu", torch.bfloat16)[0] is None
     assert "rope" not in ct.counts()
     q = torch.randn(1, 2, 3, 8, dtype=torch.bfloat16)
-    wrap(False)(q, q, torch.rand(1, 3, 8), torch.rand(1, 3, 8))   # (a model's call is counted)
+    wrap(False, False)(q, q, torch.rand(1, 3, 8), torch.rand(1, 3, 8))   # (a model's call is counted)
     assert sum(ct.counts()["rope"].values()) == 1
 
 
@@ -516,6 +628,8 @@ def test_each_demo_family_trains_on_the_kernels_like_its_own_on_the_gpu(kind):
     for part in ("attention", "embedding", "linear_cross_entropy"):
         assert counts[part]["cukern"] > 0 and counts[part]["torch"] == 0, (part, counts)
     assert any(counts.get(n, {}).get("cukern", 0) for n in ("rms_norm", "layer_norm")), counts
+    # every norm, QK-norms and norms after a sublayer (bf16 inputs, float32 weights) included
+    assert all(counts.get(n, {}).get("torch", 0) == 0 for n in ("rms_norm", "layer_norm")), counts
     torch.testing.assert_close(lb, la, rtol=5e-3, atol=5e-3)
     for n in ga:
         scale = ga[n].abs().max().item() + 1e-6

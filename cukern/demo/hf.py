@@ -2,7 +2,8 @@
 LLaMA (grouped-query attention, LLaMA 3's vocabulary), Mistral and the other decoder families
 ``patch(model)`` is measured on (Qwen2, Qwen3, Gemma 2 and 3, Phi-3, OLMo 2, Granite, GPT-NeoX,
 StarCoder2), at the demo's width, depth, heads and sequence length, with the released models'
-vocabularies, trained through their own ``forward(input_ids, labels)``."""
+vocabularies, trained through their own ``forward(input_ids, labels)``; and any other model type
+transformers builds a causal LM of, from its config class's defaults at the demo's sizes."""
 from __future__ import annotations
 
 from .options import Config
@@ -36,7 +37,7 @@ def build(cfg: Config):
     (as in pretraining today), PyTorch's SDPA as its attention (Gemma 2: its eager attention)."""
     import transformers
 
-    vocab = cfg.vocab or VOCAB[cfg.model]
+    vocab = cfg.vocab or VOCAB.get(cfg.model)
     kv = max(1, cfg.heads // 4)
     if cfg.model == "gpt2":
         c = transformers.GPT2Config(n_layer=cfg.layers, n_embd=cfg.dim, n_head=cfg.heads, n_positions=cfg.seq,
@@ -61,9 +62,31 @@ def build(cfg: Config):
             vocab_size=vocab, max_position_embeddings=cfg.seq, **own)
         cls = getattr(transformers, model_cls)
     else:
-        raise ValueError(f"model: expected gpt2, llama, mistral or one of {sorted(FAMILIES)}, got {cfg.model!r}")
+        return _any(cfg, kv)
     c._attn_implementation = "eager" if cfg.model == "gemma2" else "sdpa"   # (Gemma 2 has no SDPA path)
     return cls(c)
+
+
+def _any(cfg: Config, kv: int):
+    """Any other transformers model type with a causal-LM head: its config class's defaults (the
+    released model's vocabulary, experts, ...) at the demo's width, depth, heads and length."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if cfg.model not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"model: {cfg.model!r} is not a transformers model type with a causal-LM head")
+    sizes = dict(hidden_size=cfg.dim, intermediate_size=_mlp_width(cfg.dim, 8 / 3), num_hidden_layers=cfg.layers,
+                 num_attention_heads=cfg.heads, num_key_value_heads=kv, head_dim=cfg.dim // cfg.heads,
+                 max_position_embeddings=cfg.seq)
+    if cfg.vocab:
+        sizes["vocab_size"] = cfg.vocab
+    c = transformers.AutoConfig.for_model(cfg.model, **sizes)
+    if isinstance(getattr(c, "pad_token_id", None), int) and c.pad_token_id >= c.vocab_size:
+        c.pad_token_id = None   # (the released model's padding token, past a smaller --vocab)
+    model = transformers.AutoModelForCausalLM.from_config(c, attn_implementation="sdpa") \
+        if getattr(transformers.AutoModelForCausalLM._model_mapping[type(c)], "_supports_sdpa", False) \
+        else transformers.AutoModelForCausalLM.from_config(c)
+    return model
 
 
 def describe(cfg: Config, model) -> str:

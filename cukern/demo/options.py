@@ -24,9 +24,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--layers", type=int, default=d.layers, help="transformer blocks")
     g.add_argument("--dim", type=int, default=d.dim, help="model width")
     g.add_argument("--heads", type=int, default=d.heads, help="attention heads (head_dim = dim / heads)")
-    g.add_argument("--model", choices=MODELS, default=d.model,
-                   help="the demo's own GPT, or a Hugging Face transformers model built from a config "
-                        "(needs transformers; patch(model) routes it)")
+    g.add_argument("--model", type=model_type, default=d.model, metavar="TYPE",
+                   help=f"the demo's own GPT, or a Hugging Face transformers model built from a config "
+                        f"(needs transformers; patch(model) routes it): {', '.join(MODELS[1:])} (measured "
+                        f"at the demo's sizes), or any other transformers model type with a causal-LM head "
+                        f"(mixtral, gemma, cohere, ...)")
     g.add_argument("--vocab", type=int, default=None,
                    help="vocabulary size (default: 50304 for the demo GPT, the released model's for the others: "
                         "GPT-2 50257, LLaMA 3 128256, Mistral 32768, Qwen 151936, ...)")
@@ -37,6 +39,22 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 MODELS = ("gpt", "gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite",
           "gpt_neox", "starcoder2")
+
+
+def model_type(name: str) -> str:
+    """--model: one of MODELS, or a model type transformers builds a causal LM of (checked against
+    transformers, imported only for such a name)."""
+    if name in MODELS:
+        return name
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        raise argparse.ArgumentTypeError(f"{name!r}: needs transformers (pip install transformers), "
+                                         f"or one of {', '.join(MODELS)}") from None
+    if name not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise argparse.ArgumentTypeError(f"{name!r} is not a transformers model type with a causal-LM head "
+                                         f"(e.g. {', '.join(MODELS[1:6])}, mixtral, gemma)")
+    return name
 
 
 def config(a) -> Config:

@@ -18,7 +18,8 @@ not reach them. ``patch(model)`` routes, module by module:
   kernel, the same function computed in float32 (as torch.compile computes it);
 * ``rope``: ``apply_rotary_pos_emb`` of each modeling module the model's classes come from, where
   it computes cukern's (half-split) rope, forward and backward, on a small random input; partial
-  rotary tables and other calls go to the module's own function;
+  rotary tables (GPT-NeoX's ``rotary_pct``) where it is found to pass the dims past them on; other
+  calls go to the module's own function;
 * ``attention``: the model's attention implementation ("cukern", registered with transformers'
   AttentionInterface, with its mask function): causal masks run causal, padding masks and
   packed documents (position ids that restart) as varlen, a sliding window (a windowed layer's
@@ -114,15 +115,40 @@ def _recognized_norm(variant: "_recognize.NormVariant"):
         x, w = hidden_states, self.weight
         b = self.bias if variant.bias else None
         reason = _tools.float_params(x, w, b)
+        mixed = reason is not None and _mixed(variant, x, w, b)
+        if mixed:
+            reason = None
         if reason is None and _tools.small(name, x.numel()):
             reason = _tools.SMALL
         _tools.count(name, reason)
         if reason is not None:
             return own(self, x)
+        if mixed:
+            return _mixed_norm(variant, x, w, b)
         if variant.kind == "rms":
             return OPS["rms_norm"](x, w, variant.eps, variant.offset, variant.casting)
         return OPS["layer_norm"](x, w, b, variant.eps, variant.offset)
     return forward
+
+
+def _mixed(variant: "_recognize.NormVariant", x, w, b) -> bool:
+    """Whether a call is a 16-bit CUDA input with float32 parameters on its device, in a module
+    found to take such inputs in one of ``_recognize.MIXED_FORMS``."""
+    return (variant.mixed is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and all(p is None or (p.dtype == torch.float32 and p.device == x.device) for p in (w, b)))
+
+
+def _mixed_norm(variant: "_recognize.NormVariant", x, w, b):
+    """A 16-bit x with float32 parameters, as the module computes it (``variant.mixed``): "llama"
+    as the kernel's x̂ rounded to x's dtype (no weight) times the float32 weight; "gemma" as the
+    float32 kernel on x in float32, rounded once. The float32 weight's gradient stays float32."""
+    if variant.mixed == "llama":   # (RMSNorm's alone: _recognize finds no LayerNorm so)
+        xhat = OPS["rms_norm"](x, None, variant.eps, 0.0, _recognize.CASTING_MODES["llama"])
+        return xhat * (w + variant.offset if variant.offset else w)
+    xf = x.float()
+    if variant.kind == "rms":
+        return OPS["rms_norm"](xf, w, variant.eps, variant.offset, variant.casting).to(x.dtype)
+    return OPS["layer_norm"](xf, w, b, variant.eps, variant.offset).to(x.dtype)
 
 
 def _tanh_gelu(self, input):
@@ -442,11 +468,13 @@ def _set_forward(rec: _Record, m: nn.Module, fn) -> None:
     rec.modules.append(m)
 
 
-def _rope_wrapper(own, rounds: bool = False):
+def _rope_wrapper(own, rounds: bool = False, partial: bool = False):
     """cukern's rope in place of ``own`` (a modeling module's ``apply_rotary_pos_emb``) for its
-    callers: its arguments read by its own signature; tables narrower than the head (partial
-    rotary, GPT-NeoX's ``rotary_pct``) and anything else it takes go to ``own``. ``rounds``:
-    ``own`` rounds its result to q's dtype (OLMo 2's), so the result is rounded so too."""
+    callers: its arguments read by its own signature; anything else it takes goes to ``own``.
+    ``rounds``: ``own`` rounds its result to q's dtype (OLMo 2's), so the result is rounded so
+    too. ``partial``: ``own`` was found to rotate the first dims where its tables are narrower
+    than the head (GPT-NeoX's ``rotary_pct``): the kernel rotates those in place of its chain of
+    ops, and the rest is passed on as ``own`` passes it; without it such tables go to ``own``."""
     ours = _api("apply_rotary_pos_emb")
     sig = inspect.signature(own)
 
@@ -458,9 +486,17 @@ def _rope_wrapper(own, rounds: bool = False):
             return own(*args, **kwargs)
         q, k, cos, sin = (a.get(n) for n in ("q", "k", "cos", "sin"))
         extra = set(a) - {"q", "k", "cos", "sin", "position_ids", "unsqueeze_dim"}
-        if extra or not all(torch.is_tensor(t) for t in (q, k, cos, sin)) or cos.shape[-1] != q.shape[-1]:
+        if extra or not all(torch.is_tensor(t) for t in (q, k, cos, sin)):
             return own(*args, **kwargs)
-        oq, ok = ours(q, k, cos, sin, unsqueeze_dim=a.get("unsqueeze_dim", 1))
+        d, r = q.shape[-1], cos.shape[-1]
+        if r != d and not (partial and r < d and r % 2 == 0 and k.shape[-1] == d):
+            return own(*args, **kwargs)
+        dim = a.get("unsqueeze_dim", 1)
+        if r == d:
+            oq, ok = ours(q, k, cos, sin, unsqueeze_dim=dim)
+        else:
+            oq, ok = ours(q[..., :r], k[..., :r], cos, sin, unsqueeze_dim=dim)
+            oq, ok = torch.cat([oq, q[..., r:].to(oq.dtype)], -1), torch.cat([ok, k[..., r:].to(ok.dtype)], -1)
         if rounds:
             oq, ok = oq.to(q.dtype), ok.to(k.dtype)
         return oq, ok
@@ -479,8 +515,9 @@ def _swap_rope(rec: _Record, modname: str, m: nn.Module) -> None:
     if entry is None:
         p = next(m.parameters(), None)
         device, dtype = (p.device, p.dtype) if p is not None and p.dtype.is_floating_point else ("cpu", torch.float32)
-        why, rounds = _recognize.recognize_rope(modname, fn, functools.partial(_rope_wrapper, fn), device, dtype)
-        wrapper = _rope_wrapper(fn, rounds)
+        why, rounds, partial = _recognize.recognize_rope(modname, fn, functools.partial(_rope_wrapper, fn), device,
+                                                         dtype)
+        wrapper = _rope_wrapper(fn, rounds, partial)
         verdict = "rope: cukern's rope" if why is None else f"left alone: {why}"
         rec.decisions[f"{modname}.apply_rotary_pos_emb"] = verdict
         if why is not None:

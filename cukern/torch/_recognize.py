@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import warnings
 
 import torch
 from torch import nn
@@ -31,12 +32,22 @@ from ._tools import uncounted
 class NormVariant:
     """A cukern norm: ``kind`` "rms" or "layer"; ``offset`` added to the weight (Gemma's 1);
     ``casting`` the RMSNorm casting mode's int (``CASTING_MODES``); ``bias`` whether LayerNorm
-    adds the module's bias; ``eps`` the module's."""
+    adds the module's bias; ``eps`` the module's; ``mixed`` what a float32-weight module does with
+    a 16-bit input (autocast's q/k projections, a sublayer's output): one of ``MIXED_FORMS``, or
+    None where it was not found to do either (such calls then run its own code)."""
     kind: str
     offset: float
     casting: int
     bias: bool
     eps: float
+    mixed: str | None = None
+
+
+# A float32 weight on a 16-bit input x: "llama" rounds the normalized x to x's dtype and multiplies
+# by the float32 weight, a float32 result by PyTorch's type promotion (LLaMA's
+# ``weight * x.to(input_dtype)``); "gemma" computes in float32 and rounds the result once to x's
+# dtype (Gemma's ``type_as(x)``, OLMo 2's ``(weight * x).to(input_dtype)``). LayerNorm: "gemma" alone.
+MIXED_FORMS = ("llama", "gemma")
 
 
 _EPS_NAMES = ("variance_epsilon", "eps", "epsilon", "rms_norm_eps", "layer_norm_eps")
@@ -68,6 +79,23 @@ def candidate(v: NormVariant, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor 
     if v.casting == CASTING_MODES["llama"]:
         return y.to(x.dtype) * (w + v.offset if v.offset else w)
     return (y * wf).to(x.dtype)
+
+
+def mixed_candidate(form: str, v: NormVariant, x: torch.Tensor, w: torch.Tensor,
+                    b: torch.Tensor | None) -> torch.Tensor:
+    """What a module of variant ``v`` with float32 parameters computes of a 16-bit ``x`` in
+    ``form`` (``MIXED_FORMS``), in PyTorch's ops."""
+    xf = x.float()
+    wf = w + v.offset if v.offset else w
+    if v.kind == "layer":
+        mean = xf.mean(-1, keepdim=True)
+        y = (xf - mean) * torch.rsqrt((xf - mean).pow(2).mean(-1, keepdim=True) + v.eps)
+    else:
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + v.eps)
+    if form == "llama":
+        return y.to(x.dtype) * wf
+    y = y * wf
+    return (y + b if v.kind == "layer" and v.bias and b is not None else y).to(x.dtype)
 
 
 def _variants(eps: float, has_bias: bool) -> list[NormVariant]:
@@ -161,7 +189,54 @@ def _probe(m: nn.Module, eps: float) -> tuple[NormVariant | None, str | None]:
             best, best_err = v, err
     if best is None:
         return None, "computes none of cukern's norms (RMSNorm, LayerNorm, their variants) to its dtype's rounding"
+    if w.dtype == torch.float32:
+        best = dataclasses.replace(best, mixed=_probe_mixed(m, best, x, pw, pb, dy))
     return best, None
+
+
+def _probe_mixed(m: nn.Module, v: NormVariant, x, pw, pb, dy) -> str | None:
+    """The form (``MIXED_FORMS``) in which ``m``, of float32 parameters and variant ``v``,
+    takes bfloat16 and float16 inputs (the result's dtype, values and gradients), or None."""
+    w, b = m.weight, getattr(m, "bias", None)
+    found = set()
+    for dt in (torch.bfloat16, torch.float16):
+        x16, dy16 = x.to(dt), dy.to(dt)
+        saved = (w.data, None if b is None else b.data)
+        try:
+            with torch.enable_grad():
+                w.data = pw
+                if b is not None:
+                    b.data = pb
+                xl = x16.clone().requires_grad_(True)
+                with warnings.catch_warnings():   # (F.rms_norm's note that it cannot fuse mixed dtypes)
+                    warnings.simplefilter("ignore")
+                    own = m(xl)
+                if not isinstance(own, torch.Tensor) or own.shape != x.shape:
+                    return None
+                leaves = (xl, w) + ((b,) if b is not None else ())
+                own_grads = torch.autograd.grad(own, leaves, dy16.to(own.dtype), allow_unused=True)
+        except Exception:  # noqa: BLE001 - a module that refuses mixed dtypes keeps its own code for them
+            return None
+        finally:
+            w.data = saved[0]
+            if b is not None:
+                b.data = saved[1]
+        fits = set()
+        for form in MIXED_FORMS if v.kind == "rms" else ("gemma",):
+            xv = x16.clone().requires_grad_(True)
+            wv = pw.clone().requires_grad_(True)
+            bv = None if pb is None else pb.clone().requires_grad_(True)
+            with torch.enable_grad():
+                y = mixed_candidate(form, v, xv, wv, bv)
+                if _disagreement(own.detach(), y.detach()) > 4 * _ulps(dt):
+                    continue
+                grads = torch.autograd.grad(y, (xv, wv) + ((bv,) if bv is not None else ()), dy16.to(y.dtype),
+                                            allow_unused=True)
+            if _grads_disagreement(own_grads, grads) <= 8 * _ulps(dt):
+                fits.add(form)
+        found = fits if dt == torch.bfloat16 else found & fits
+    # (a module both forms fit: its result's dtype tells them apart, so at most one fits)
+    return next((f for f in MIXED_FORMS if f in found), None)
 
 
 # ---- gated MLPs ---------------------------------------------------------------------------------
@@ -308,12 +383,14 @@ def rope_of(fn, ours, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
     return None if max(errs) <= tol else "its rotation is not cukern's (half-split) rope to the dtype's rounding"
 
 
-def recognize_rope(modname: str, fn, wrap, device, dtype) -> tuple[str | None, bool]:
-    """(None, rounds) where modeling module ``modname``'s ``apply_rotary_pos_emb`` ``fn`` is
-    cukern's rope, else (why not, False): run once per module and dtype on random q, k
-    (2, 3, 5, 16) and full-width tables of q's dtype, and, for 16-bit q, float32 tables (as
+def recognize_rope(modname: str, fn, wrap, device, dtype) -> tuple[str | None, bool, bool]:
+    """(None, rounds, partial) where modeling module ``modname``'s ``apply_rotary_pos_emb``
+    ``fn`` is cukern's rope, else (why not, False, False): run once per module and dtype on random
+    q, k (2, 3, 5, 16) and full-width tables of q's dtype, and, for 16-bit q, float32 tables (as
     autocast makes them). ``rounds``: ``fn`` rounds its result to q's dtype there (OLMo 2's),
-    where PyTorch's promotion gives float32 (LLaMA's); ``wrap(rounds)`` is the function to check."""
+    where PyTorch's promotion gives float32 (LLaMA's); ``partial``: with tables narrower than the
+    head, ``fn`` rotates the first dims and passes the rest (GPT-NeoX's ``rotary_pct``);
+    ``wrap(rounds, partial)`` is the function to check."""
     key = (modname, str(device), dtype)
     if key not in _rope_cache:
         g = torch.Generator().manual_seed(0)
@@ -321,17 +398,21 @@ def recognize_rope(modname: str, fn, wrap, device, dtype) -> tuple[str | None, b
         angles = torch.rand(2, 5, 8, generator=g) * 6
         cos32 = torch.cat([angles.cos()] * 2, -1).to(device=device)
         sin32 = torch.cat([angles.sin()] * 2, -1).to(device=device)
-        rounds = False
+        rounds = partial = False
         if dtype != torch.float32:
             try:
                 rounds = fn(q, k, cos32, sin32)[0].dtype == dtype
             except Exception:  # noqa: BLE001 - told by rope_of below
                 pass
         with uncounted():
-            why = rope_of(fn, wrap(rounds), q, k, cos32.to(dtype), sin32.to(dtype))
+            why = rope_of(fn, wrap(rounds, False), q, k, cos32.to(dtype), sin32.to(dtype))
             if why is None and dtype != torch.float32:
-                why = rope_of(fn, wrap(rounds), q, k, cos32, sin32)
-        _rope_cache[key] = (why, rounds and why is None)
+                why = rope_of(fn, wrap(rounds, False), q, k, cos32, sin32)
+            if why is None:   # (a quarter of the head rotated, as GPT-NeoX's default rotary_pct)
+                c4, s4 = (torch.cat([t[..., :2]] * 2, -1) for t in (angles.cos(), angles.sin()))
+                partial = all(rope_of(fn, wrap(rounds, True), q, k, c4.to(device=device, dtype=dt),
+                                      s4.to(device=device, dtype=dt)) is None for dt in {dtype, torch.float32})
+        _rope_cache[key] = (why, rounds and why is None, partial)
     return _rope_cache[key]
 
 
