@@ -5,6 +5,7 @@ routing, the restoring, the state_dict and the masks; on the GPU, patched agains
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 
@@ -471,3 +472,86 @@ def test_the_demo_takes_any_transformers_causal_lm_type():
         assert got["model.layers.0.input_layernorm"].startswith("norm: RMSNorm")
         with torch.no_grad():
             torch.testing.assert_close(m(input_ids=ids, labels=ids).loss, expect, rtol=1e-5, atol=1e-5)
+
+
+# ---- attention sinks (GPT-OSS's s_aux) ---------------------------------------------------------------
+
+def _gpt_oss(device="cpu"):
+    from cukern.demo import hf, options
+
+    torch.manual_seed(0)
+    m = hf.build(options.Config(layers=2, dim=128, heads=4, seq=64, vocab=256, model="gpt_oss")).to(device)
+    with torch.no_grad():
+        for layer in m.model.layers:   # (the sinks start at zero; random ones are told apart)
+            layer.self_attn.sinks.normal_(0.0, 2.0)
+    return m
+
+
+def test_gpt_oss_sinks_are_never_dropped_on_the_cpu():
+    """Calls the kernels do not take go to GPT-OSS's own eager code with its sinks (PyTorch's SDPA
+    would drop them): the patched model's loss and gradients, sinks' included, are its own."""
+    a = _gpt_oss()
+    b = copy.deepcopy(a)
+    ids = _ids(2, 24)
+    a(input_ids=ids, labels=ids).loss.backward()
+    ct.reset_counts()
+    with ct.patch(b):
+        b(input_ids=ids, labels=ids).loss.backward()
+        assert ct.counts(reasons=True)["attention"]["torch"] == 2
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_gpt_oss_sinks_reach_the_sink_ops(monkeypatch):
+    """On the kernels' path the sinks go to the sink ops as float32 (H,), one per query head;
+    packed documents and windowed layers take the varlen sink op."""
+    from cukern.torch import _models
+
+    calls = []
+
+    def route(T, q, k, v, is_causal, scale, enable_gqa):
+        return "attention", (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal, scale), None
+
+    def op(name):
+        def run(*args):
+            calls.append((name, args))
+            q = args[0]
+            return torch.zeros(q.shape, dtype=q.dtype), None
+        return run
+
+    monkeypatch.setattr(_models, "_sdpa_route", lambda: route)
+    for name in ("attention", "attention_sink", "attention_varlen", "attention_varlen_sink"):
+        monkeypatch.setitem(_models.OPS, name, op(name))
+    module = types.SimpleNamespace(is_causal=True)
+    q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
+    sinks = torch.randn(4, dtype=torch.bfloat16)
+    _models._hf_attention(module, q, k, v, None, scaling=0.5, s_aux=sinks)
+    name, args = calls[-1]
+    assert name == "attention_sink" and args[3].dtype == torch.float32 and torch.equal(args[3], sinks.float())
+    _models._hf_attention(module, q, k, v, None, scaling=0.5)
+    assert calls[-1][0] == "attention"
+    pad = torch.ones(2, 16, dtype=torch.bool)
+    pad[0, :3] = False
+    _models._hf_attention(module, q, k, v, pad, scaling=0.5, s_aux=sinks)
+    name, args = calls[-1]
+    assert name == "attention_varlen_sink" and torch.equal(args[5], sinks.float())
+    # sinks that are not one logit a query head: the model's own code, never the kernels without them
+    n = len(calls)
+    with pytest.raises(RuntimeError, match="sinks"):
+        _models._hf_attention(module, q, k, v, None, scaling=0.5, s_aux=torch.randn(3))
+    assert len(calls) == n
+
+
+@pytest.mark.gpu
+def test_gpt_oss_trains_on_the_sink_kernels_like_its_own_on_the_gpu():
+    a = _gpt_oss("cuda")
+    b = copy.deepcopy(a)
+    ids = _ids(2, 256, "cuda")
+    la, ga = _train_step(a, ids, ids)
+    ct.reset_counts()
+    with ct.patch(b, min_size=0):
+        lb, gb = _train_step(b, ids, ids)
+        counts = ct.counts(reasons=True)
+    assert counts["attention"]["cukern"] == 2 and counts["attention"]["torch"] == 0, counts
+    torch.testing.assert_close(lb, la, rtol=5e-3, atol=5e-3)
+    _close_grads(ga, gb, 0.05)

@@ -23,8 +23,9 @@ not reach them. ``patch(model)`` routes, module by module:
 * ``attention``: the model's attention implementation ("cukern", registered with transformers'
   AttentionInterface, with its mask function): causal masks run causal, padding masks and
   packed documents (position ids that restart) as varlen, a sliding window (a windowed layer's
-  mask read for it) as a window; other masks, dropout (the kernels' measured slower than PyTorch's) and cached
-  decoding go to PyTorch's SDPA, counted;
+  mask read for it) as a window, GPT-OSS's sinks with the sinks; other masks, dropout (the kernels'
+  measured slower than PyTorch's) and cached decoding go to PyTorch's SDPA (the model's eager code
+  for a softcap or sinks), counted;
 * ``loss``: the LM head and the loss of a causal LM (``*ForCausalLM``, GPT-2's LM head) in
   training with labels, where its logits are found to be the LM head of the base model's last
   hidden state (scaled by Granite's ``logits_scaling``, capped by Gemma 2's
@@ -248,11 +249,13 @@ def _sdpa_route():
 def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                   sliding_window=None, softcap=None, **kwargs):
     """transformers' attention interface for "cukern": q (B, H, Sq, D), k and v (B, Hkv, Sk, D)
-    in, (B, Sq, H, D) out. Causal or not, key padding (as varlen), a sliding window and a
-    softcap on the kernels; dropout, other masks and decoding on PyTorch's SDPA."""
+    in, (B, Sq, H, D) out. Causal or not, key padding (as varlen), a sliding window, a softcap
+    and GPT-OSS's sinks (``s_aux``) on the kernels; dropout, other masks and decoding on PyTorch's
+    SDPA, or on the model's own eager code where SDPA cannot compute them (a softcap, sinks)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    sinks = kwargs.get("s_aux")   # (GPT-OSS's learnable sinks, one logit a query head)
     sq, sk = query.shape[2], key.shape[2]
     window = int(sliding_window) if sliding_window and causal and sk > sliding_window - 1 else None
     pad = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
@@ -272,6 +275,8 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
         reason = "query and key lengths differ (decoding)"
     elif pad is not None and window is not None:
         reason = "key padding with a sliding window"
+    elif sinks is not None and (not torch.is_tensor(sinks) or sinks.shape != (query.shape[1],)):
+        reason = "sinks that are not one logit a query head"
     if reason is None:
         r = _sdpa_route()(_tools, query, key, value, is_causal=causal, scale=scaling, enable_gqa=True)
         if isinstance(r, str):
@@ -279,8 +284,11 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     if reason != "compiling":
         _tools.count("attention", reason)
     if reason is not None:
-        if softcap or kwargs.get("output_attentions"):   # (what PyTorch's SDPA cannot: the model's eager code)
-            eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if softcap or sinks is not None or kwargs.get("output_attentions"):   # (what PyTorch's SDPA cannot:
+            eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)  # its own)
+            if eager is None and sinks is not None:   # (SDPA would drop the sinks: a wrong answer)
+                raise RuntimeError(f"cukern attention: {reason}, and {type(module).__name__}'s module has no "
+                                   "eager_attention_forward to run its sinks (s_aux) with")
             if eager is not None and (attention_mask is None or pad is not None or attention_mask.dim() == 4):
                 if attention_mask is None or pad is not None:
                     keep = _dense_mask(pad if pad is not None else torch.ones((query.shape[0], sk), dtype=torch.bool,
@@ -301,25 +309,35 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     _, (q, k, v, c, s, *_), _ = r   # (B, S, H, D) views, the mask flags and scale as the route read them
     wl = window - 1 if window is not None else -1
     cap = float(softcap or 0.0)
+    sk32 = None if sinks is None else sinks.float()
     if docs is not None:
-        return _packed(q, k, v, docs, s, cap), None
+        return _packed(q, k, v, docs, s, cap, sk32), None
     if pad is None:
+        if sk32 is not None:
+            return OPS["attention_sink"](q, k, v, sk32, c, s, wl, -1, cap, -1), None
         return OPS["attention"](q, k, v, c, s, wl, -1, cap, -1), None
-    return _unpadded(q, k, v, pad, c, s, cap), None
+    return _unpadded(q, k, v, pad, c, s, cap, sk32), None
 
 
-def _packed(q, k, v, docs, scale, cap):
+def _varlen(q, k, v, cu, longest, causal, scale, wl, cap, sinks):
+    """The varlen op over (tokens, heads, D), with the sinks (float32 (H,)) where given."""
+    if sinks is not None:
+        return OPS["attention_varlen_sink"](q, k, v, cu, cu, sinks, longest, longest, causal, scale, wl, -1, cap, -1)
+    return OPS["attention_varlen"](q, k, v, cu, cu, longest, longest, causal, scale, wl, -1, cap, -1)
+
+
+def _packed(q, k, v, docs, scale, cap, sinks=None):
     """Packed documents (causal within each) as varlen over the (B * S) tokens."""
     cu, longest, window = docs
     b, s, h, d = q.shape
     hk = k.shape[2]
     wl = window - 1 if window is not None and window < longest else -1
-    out, _ = OPS["attention_varlen"](q.reshape(b * s, h, d), k.reshape(b * s, hk, d), v.reshape(b * s, hk, d),
-                                     cu, cu, longest, longest, True, scale, wl, -1, cap, -1)
+    out, _ = _varlen(q.reshape(b * s, h, d), k.reshape(b * s, hk, d), v.reshape(b * s, hk, d), cu, longest, True,
+                     scale, wl, cap, sinks)
     return out.view(b, s, h, d)
 
 
-def _unpadded(q, k, v, pad, causal, scale, cap):
+def _unpadded(q, k, v, pad, causal, scale, cap, sinks=None):
     """Key padding as packed sequences: the kept tokens of each row are one sequence (a
     padding token is dropped from keys and queries alike), attention runs varlen, and the
     output is scattered back with zeros at the padding (as transformers' FlashAttention
@@ -331,7 +349,7 @@ def _unpadded(q, k, v, pad, causal, scale, cap):
     longest = int(lens.max())
     hk = k.shape[2]
     qu, ku, vu = q.reshape(b * s, h, d)[idx], k.reshape(b * s, hk, d)[idx], v.reshape(b * s, hk, d)[idx]
-    out, _ = OPS["attention_varlen"](qu, ku, vu, cu, cu, longest, longest, causal, scale, -1, -1, cap, -1)
+    out, _ = _varlen(qu, ku, vu, cu, longest, causal, scale, -1, cap, sinks)
     return out.new_zeros((b * s, h, d)).index_copy(0, idx, out).view(b, s, h, d)
 
 
