@@ -634,3 +634,67 @@ def test_each_demo_family_trains_on_the_kernels_like_its_own_on_the_gpu(kind):
     for n in ga:
         scale = ga[n].abs().max().item() + 1e-6
         assert (ga[n] - gb[n]).abs().max().item() <= 0.05 * scale, n
+
+
+# ---- scaled rotary tables: LLaMA 3's and YaRN's ----------------------------------------------------
+
+ROPE_SCALING = {
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    # (YaRN also scales the tables' magnitude: attention_scaling 1.14 at factor 4)
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32},
+}
+
+
+def _scaled_llama(kind: str, device="cpu"):
+    c = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=97, max_position_embeddings=512,
+                                 rope_parameters=ROPE_SCALING[kind])
+    c._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(c).to(device)
+
+
+@pytest.mark.parametrize("kind", sorted(ROPE_SCALING))
+def test_scaled_rotary_tables_are_routed_and_train_as_the_models_own_on_the_cpu(kind):
+    """The rope is found by running the modeling module's function, whatever tables the model
+    makes: LLaMA 3's and YaRN's scaled ones reach the route, and the patched model's loss and
+    gradients (float32, CPU) are its own."""
+    import copy
+
+    a = _scaled_llama(kind)
+    b = copy.deepcopy(a)
+    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(3))
+    a(input_ids=ids, labels=ids).loss.backward()
+    ct.reset_counts()
+    with ct.patch(b):
+        assert ct.routing(b)["transformers.models.llama.modeling_llama.apply_rotary_pos_emb"] == "rope: cukern's rope"
+        b(input_ids=ids, labels=ids).loss.backward()
+        assert sum(ct.counts()["rope"].values()) == 2
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", sorted(ROPE_SCALING))
+def test_scaled_rotary_tables_train_on_the_kernels_as_the_models_own_on_the_gpu(kind):
+    import copy
+
+    a = _scaled_llama(kind, "cuda")
+    b = copy.deepcopy(a)
+    ids = torch.randint(0, 97, (2, 384), generator=torch.Generator().manual_seed(3)).cuda()
+
+    def step(m):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.float(), {n: p.grad.float() for n, p in m.named_parameters()}
+
+    la, ga = step(a)
+    ct.reset_counts()
+    with ct.patch(b, min_size=0):
+        lb, gb = step(b)
+        assert ct.counts()["rope"] == {"cukern": 2, "torch": 0}
+    torch.testing.assert_close(lb, la, rtol=5e-3, atol=5e-3)
+    for n in ga:
+        assert (ga[n] - gb[n]).abs().max().item() <= 0.05 * (ga[n].abs().max().item() + 1e-6), n
