@@ -477,10 +477,15 @@ def test_the_demo_takes_any_transformers_causal_lm_type():
 # ---- attention sinks (GPT-OSS's s_aux) ---------------------------------------------------------------
 
 def _gpt_oss(device="cpu"):
-    from cukern.demo import hf, options
+    """A small GPT-OSS (4 experts, top 2; its windowed layer's window 16, shorter than the
+    tests' sequences)."""
+    import transformers
 
+    c = transformers.GptOssConfig(hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=32, vocab_size=256, num_local_experts=4,
+                                  num_experts_per_tok=2, sliding_window=16, max_position_embeddings=512)
     torch.manual_seed(0)
-    m = hf.build(options.Config(layers=2, dim=128, heads=4, seq=64, vocab=256, model="gpt_oss")).to(device)
+    m = transformers.GptOssForCausalLM(c).to(device)
     with torch.no_grad():
         for layer in m.model.layers:   # (the sinks start at zero; random ones are told apart)
             layer.self_attn.sinks.normal_(0.0, 2.0)
