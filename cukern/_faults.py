@@ -23,6 +23,12 @@ KINDS = {
        "count in order, or is longer than max_seqlen; found on CUDA device {device} by an attention kernel since "
        "the last check (that document was not computed, and documents whose offsets overlap it may be wrong: "
        "the outputs of that call are not valid)",
+    4: "experts: expert id {value} is out of range for {bound} experts (valid: 0 to {last}); found on CUDA device "
+       "{device} by a mixture-of-experts permutation since the last check (its pair was placed after the last "
+       "expert's rows: the outputs of that call are not valid)",
+    5: "row_of / order: row {value} is out of range for {bound} rows; found on CUDA device {device} by a "
+       "mixture-of-experts kernel since the last check (that row was skipped: the outputs of that call are not "
+       "valid)",
 }
 
 
