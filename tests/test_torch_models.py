@@ -501,6 +501,8 @@ def test_gpt_oss_sinks_are_never_dropped_on_the_cpu():
     a(input_ids=ids, labels=ids).loss.backward()
     ct.reset_counts()
     with ct.patch(b):
+        assert ct.routing(b)["transformers.models.gpt_oss.modeling_gpt_oss.apply_rotary_pos_emb"] == \
+            "rope: cukern's rope"
         b(input_ids=ids, labels=ids).loss.backward()
         assert ct.counts(reasons=True)["attention"]["torch"] == 2
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
@@ -558,5 +560,6 @@ def test_gpt_oss_trains_on_the_sink_kernels_like_its_own_on_the_gpu():
         lb, gb = _train_step(b, ids, ids)
         counts = ct.counts(reasons=True)
     assert counts["attention"]["cukern"] == 2 and counts["attention"]["torch"] == 0, counts
+    assert counts["rope"] == {"cukern": 2, "torch": 0}, counts   # (its half-width tables)
     torch.testing.assert_close(lb, la, rtol=5e-3, atol=5e-3)
     _close_grads(ga, gb, 0.05)

@@ -348,7 +348,7 @@ def test_an_interleaved_rope_is_left_alone_and_partial_tables_go_to_the_models_o
 
     wrap = functools.partial(_models._rope_wrapper, interleaved)
     assert _recognize.recognize_rope("test.interleaved", interleaved, wrap, "cpu", torch.float32) == \
-        ("its rotation is not cukern's (half-split) rope to the dtype's rounding", False, False)
+        ("its rotation is not cukern's (half-split) rope to the dtype's rounding", False, False, False)
 
     calls = []
 
@@ -380,8 +380,8 @@ def test_partial_rotary_is_found_by_running_it_and_computed_as_the_models_own(dt
     for family in ("gpt_neox", "phi3", "llama"):
         modname = f"transformers.models.{family}.modeling_{family}"
         fn = importlib.import_module(modname).apply_rotary_pos_emb
-        why, rounds, partial = _recognize.recognize_rope(modname, fn, functools.partial(_models._rope_wrapper, fn),
-                                                         "cpu", dtype)
+        why, rounds, partial, _ = _recognize.recognize_rope(modname, fn,
+                                                            functools.partial(_models._rope_wrapper, fn), "cpu", dtype)
         assert why is None
         found[family] = partial
         if not partial:
@@ -402,6 +402,30 @@ def test_partial_rotary_is_found_by_running_it_and_computed_as_the_models_own(dt
     assert found == {"gpt_neox": True, "phi3": True, "llama": False}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_half_width_tables_are_found_by_running_them_and_computed_as_the_models_own(dtype):
+    """GPT-OSS's rope takes tables of half the head's width (one angle a pair (j, j + D/2)) and no
+    full-width ones: found so, and the wrapper's result (the tables repeated to the kernel's
+    width), forward and backward, is the model's own."""
+    import functools
+
+    modname = "transformers.models.gpt_oss.modeling_gpt_oss"
+    fn = importlib.import_module(modname).apply_rotary_pos_emb
+    why, rounds, partial, half = _recognize.recognize_rope(modname, fn, functools.partial(_models._rope_wrapper, fn),
+                                                           "cpu", dtype)
+    assert (why, partial, half) == (None, False, True)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 4, 6, 32, generator=g).to(dtype).requires_grad_(True)
+    k = torch.randn(2, 2, 6, 32, generator=g).to(dtype).requires_grad_(True)
+    angles = torch.rand(2, 6, 16, generator=g) * 6
+    got = _models._rope_wrapper(fn, rounds, partial, half)(q, k, angles.cos(), angles.sin())
+    want = fn(q, k, angles.cos(), angles.sin())
+    dys = [torch.randn(t.shape, generator=g).to(t.dtype) for t in want]
+    for a, b in zip((*got, *torch.autograd.grad(got, (q, k), dys)), (*want, *torch.autograd.grad(want, (q, k), dys))):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
 def test_a_rope_that_rounds_to_qs_dtype_is_rounded_so_too():
     """With float32 tables and bfloat16 q (as autocast makes them), OLMo 2's rope rounds its
     result to q's dtype and LLaMA's keeps PyTorch's float32 promotion: each is matched."""
@@ -413,8 +437,8 @@ def test_a_rope_that_rounds_to_qs_dtype_is_rounded_so_too():
     for family in ("olmo2", "llama"):
         modname = type(_tiny(family, torch.bfloat16).model).__module__
         fn = importlib.import_module(modname).apply_rotary_pos_emb
-        why, rounds, _ = _recognize.recognize_rope(modname, fn, functools.partial(_models._rope_wrapper, fn), "cpu",
-                                                   torch.bfloat16)
+        why, rounds, *_ = _recognize.recognize_rope(modname, fn, functools.partial(_models._rope_wrapper, fn), "cpu",
+                                                    torch.bfloat16)
         assert why is None
         found[family] = rounds
         q = torch.randn(1, 2, 3, 8, dtype=torch.bfloat16)

@@ -18,8 +18,9 @@ not reach them. ``patch(model)`` routes, module by module:
   kernel, the same function computed in float32 (as torch.compile computes it);
 * ``rope``: ``apply_rotary_pos_emb`` of each modeling module the model's classes come from, where
   it computes cukern's (half-split) rope, forward and backward, on a small random input; partial
-  rotary tables (GPT-NeoX's ``rotary_pct``) where it is found to pass the dims past them on; other
-  calls go to the module's own function;
+  rotary tables (GPT-NeoX's ``rotary_pct``) where it is found to pass the dims past them on, and
+  half-width tables (GPT-OSS's) where it takes those alone; other calls go to the module's own
+  function;
 * ``attention``: the model's attention implementation ("cukern", registered with transformers'
   AttentionInterface, with its mask function): causal masks run causal, padding masks and
   packed documents (position ids that restart) as varlen, a sliding window (a windowed layer's
@@ -486,13 +487,15 @@ def _set_forward(rec: _Record, m: nn.Module, fn) -> None:
     rec.modules.append(m)
 
 
-def _rope_wrapper(own, rounds: bool = False, partial: bool = False):
+def _rope_wrapper(own, rounds: bool = False, partial: bool = False, half: bool = False):
     """cukern's rope in place of ``own`` (a modeling module's ``apply_rotary_pos_emb``) for its
     callers: its arguments read by its own signature; anything else it takes goes to ``own``.
     ``rounds``: ``own`` rounds its result to q's dtype (OLMo 2's), so the result is rounded so
     too. ``partial``: ``own`` was found to rotate the first dims where its tables are narrower
     than the head (GPT-NeoX's ``rotary_pct``): the kernel rotates those in place of its chain of
-    ops, and the rest is passed on as ``own`` passes it; without it such tables go to ``own``."""
+    ops, and the rest is passed on as ``own`` passes it; without it such tables go to ``own``.
+    ``half``: ``own`` takes tables of half the head's width, one angle a pair of dims (j, j + D/2)
+    (GPT-OSS's): they are repeated to the kernel's full width."""
     ours = _api("apply_rotary_pos_emb")
     sig = inspect.signature(own)
 
@@ -507,7 +510,11 @@ def _rope_wrapper(own, rounds: bool = False, partial: bool = False):
         if extra or not all(torch.is_tensor(t) for t in (q, k, cos, sin)):
             return own(*args, **kwargs)
         d, r = q.shape[-1], cos.shape[-1]
-        if r != d and not (partial and r < d and r % 2 == 0 and k.shape[-1] == d):
+        if half:
+            if 2 * r != d or sin.shape[-1] != r:
+                return own(*args, **kwargs)
+            cos, sin, r = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1), d
+        elif r != d and not (partial and r < d and r % 2 == 0 and k.shape[-1] == d):
             return own(*args, **kwargs)
         dim = a.get("unsqueeze_dim", 1)
         if r == d:
@@ -533,9 +540,9 @@ def _swap_rope(rec: _Record, modname: str, m: nn.Module) -> None:
     if entry is None:
         p = next(m.parameters(), None)
         device, dtype = (p.device, p.dtype) if p is not None and p.dtype.is_floating_point else ("cpu", torch.float32)
-        why, rounds, partial = _recognize.recognize_rope(modname, fn, functools.partial(_rope_wrapper, fn), device,
-                                                         dtype)
-        wrapper = _rope_wrapper(fn, rounds, partial)
+        why, rounds, partial, half = _recognize.recognize_rope(modname, fn, functools.partial(_rope_wrapper, fn),
+                                                               device, dtype)
+        wrapper = _rope_wrapper(fn, rounds, partial, half)
         verdict = "rope: cukern's rope" if why is None else f"left alone: {why}"
         rec.decisions[f"{modname}.apply_rotary_pos_emb"] = verdict
         if why is not None:

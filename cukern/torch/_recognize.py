@@ -383,36 +383,50 @@ def rope_of(fn, ours, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
     return None if max(errs) <= tol else "its rotation is not cukern's (half-split) rope to the dtype's rounding"
 
 
-def recognize_rope(modname: str, fn, wrap, device, dtype) -> tuple[str | None, bool, bool]:
-    """(None, rounds, partial) where modeling module ``modname``'s ``apply_rotary_pos_emb``
-    ``fn`` is cukern's rope, else (why not, False, False): run once per module and dtype on random
-    q, k (2, 3, 5, 16) and full-width tables of q's dtype, and, for 16-bit q, float32 tables (as
-    autocast makes them). ``rounds``: ``fn`` rounds its result to q's dtype there (OLMo 2's),
-    where PyTorch's promotion gives float32 (LLaMA's); ``partial``: with tables narrower than the
-    head, ``fn`` rotates the first dims and passes the rest (GPT-NeoX's ``rotary_pct``);
-    ``wrap(rounds, partial)`` is the function to check."""
+def recognize_rope(modname: str, fn, wrap, device, dtype) -> tuple[str | None, bool, bool, bool]:
+    """(None, rounds, partial, half) where modeling module ``modname``'s ``apply_rotary_pos_emb``
+    ``fn`` is cukern's rope, else (why not, False, False, False): run once per module and dtype on
+    random q, k (2, 3, 5, 16) and full-width tables of q's dtype, and, for 16-bit q, float32
+    tables (as autocast makes them). ``rounds``: ``fn`` rounds its result to q's dtype there
+    (OLMo 2's), where PyTorch's promotion gives float32 (LLaMA's); ``partial``: with tables
+    narrower than the head, ``fn`` rotates the first dims and passes the rest (GPT-NeoX's
+    ``rotary_pct``); ``half``: ``fn`` takes tables of half the head's width, one angle a pair
+    (GPT-OSS's), and no full-width ones. ``wrap(rounds, partial, half)`` is the function to check."""
     key = (modname, str(device), dtype)
     if key not in _rope_cache:
         g = torch.Generator().manual_seed(0)
         q, k = (torch.randn(2, h, 5, 16, generator=g).to(device=device, dtype=dtype) for h in (3, 1))
         angles = torch.rand(2, 5, 8, generator=g) * 6
-        cos32 = torch.cat([angles.cos()] * 2, -1).to(device=device)
-        sin32 = torch.cat([angles.sin()] * 2, -1).to(device=device)
-        rounds = partial = False
-        if dtype != torch.float32:
-            try:
-                rounds = fn(q, k, cos32, sin32)[0].dtype == dtype
-            except Exception:  # noqa: BLE001 - told by rope_of below
-                pass
-        with uncounted():
-            why = rope_of(fn, wrap(rounds, False), q, k, cos32.to(dtype), sin32.to(dtype))
-            if why is None and dtype != torch.float32:
-                why = rope_of(fn, wrap(rounds, False), q, k, cos32, sin32)
-            if why is None:   # (a quarter of the head rotated, as GPT-NeoX's default rotary_pct)
-                c4, s4 = (torch.cat([t[..., :2]] * 2, -1) for t in (angles.cos(), angles.sin()))
-                partial = all(rope_of(fn, wrap(rounds, True), q, k, c4.to(device=device, dtype=dt),
-                                      s4.to(device=device, dtype=dt)) is None for dt in {dtype, torch.float32})
-        _rope_cache[key] = (why, rounds and why is None, partial)
+        full = tuple(torch.cat([f(angles)] * 2, -1).to(device=device) for f in (torch.cos, torch.sin))
+        halves = tuple(f(angles).to(device=device) for f in (torch.cos, torch.sin))
+        first_why, found = None, None
+        for half, (cos32, sin32) in ((False, full), (True, halves)):
+            rounds = False
+            if dtype != torch.float32:
+                try:
+                    rounds = fn(q, k, cos32, sin32)[0].dtype == dtype
+                except Exception:  # noqa: BLE001 - told by rope_of below
+                    pass
+            with uncounted():
+                why = rope_of(fn, wrap(rounds, False, half), q, k, cos32.to(dtype), sin32.to(dtype))
+                if why is None and dtype != torch.float32:
+                    why = rope_of(fn, wrap(rounds, False, half), q, k, cos32, sin32)
+            first_why = first_why or why
+            if why is None:
+                found = (rounds, half)
+                break
+        if found is None:
+            _rope_cache[key] = (first_why, False, False, False)
+        else:
+            rounds, half = found
+            partial = False
+            if not half:   # (a quarter of the head rotated, as GPT-NeoX's default rotary_pct)
+                c4, s4 = (torch.cat([f(angles)[..., :2]] * 2, -1) for f in (torch.cos, torch.sin))
+                with uncounted():
+                    partial = all(rope_of(fn, wrap(rounds, True, False), q, k, c4.to(device=device, dtype=dt),
+                                          s4.to(device=device, dtype=dt)) is None
+                                  for dt in {dtype, torch.float32})
+            _rope_cache[key] = (None, rounds, partial, half)
     return _rope_cache[key]
 
 
