@@ -332,7 +332,8 @@ __global__ void __launch_bounds__(THREADS) moe_combine(
     const long long t = static_cast<long long>(blockIdx.x) * (THREADS >> tpr_log2) + (threadIdx.x >> tpr_log2);
     if (t >= tokens) return;
     const long long rows = static_cast<long long>(tokens) * top_k;
-    long long bad_row = -1;
+    bool bad = false;
+    long long bad_row = 0;
     for (int v = lane; v < cols / VEC; v += 1 << tpr_log2) {
         float acc[VEC];
 #pragma unroll
@@ -340,13 +341,13 @@ __global__ void __launch_bounds__(THREADS) moe_combine(
 #pragma unroll 1
         for (int j = 0; j < top_k; ++j) {
             const long long pair = t * top_k + j;
-            long long row = row_of[pair];
-            float w = WEIGHTED ? weights[pair] : 1.f;
-            if (row < 0 || row >= rows) {   // (row 0 read with no weight; recorded after the loop)
+            const long long row = row_of[pair];
+            if (row < 0 || row >= rows) {   // (not read; recorded after the loop)
+                bad = true;
                 bad_row = row;
-                row = 0;
-                w = 0.f;
+                continue;
             }
+            const float w = WEIGHTED ? weights[pair] : 1.f;
             float f[VEC];
             unpack(load_vec<T, VEC>(y + row * cols + v * VEC), f);
 #pragma unroll
@@ -354,7 +355,7 @@ __global__ void __launch_bounds__(THREADS) moe_combine(
         }
         store_vec<T, VEC>(out + t * cols + v * VEC, pack<T, VEC>(acc));
     }
-    if (bad_row != -1 && lane == 0) record_fault(fault, bad_row, rows, 5);
+    if (bad && lane == 0) record_fault(fault, bad_row, rows, 5);
 }
 
 // The combine's backward, one warp a (token, slot): dy_perm[row] = dout[t] * w (rounded to T)

@@ -102,6 +102,9 @@ def test_bad_arguments_are_named(host_arrays_as_device):
                                        np.zeros((2, 2), np.float32)), ValueError, r"^weights: shape \(2, 2\)"),
         (lambda: routing.moe_permute_backward(np.zeros((6, 8), np.float32), np.zeros(6, np.int32), 4), ValueError,
          "^top_k: must be a positive int dividing the 6 rows"),
+        (lambda: routing.moe_permute_backward(np.zeros((6, 8), np.float32), np.zeros(6, np.int32), True), ValueError,
+         "^top_k: must be a positive int"),
+        (lambda: routing.moe_router(np.zeros((0, 300), np.float32), 1), ValueError, "^logits: 300 experts"),
         (lambda: routing.moe_unpermute_backward(np.zeros((3, 8), np.float16), np.zeros((6, 8), np.float32),
                                                 np.zeros(6, np.int32), np.zeros((3, 2), np.float32)), ValueError,
          r"^dout: shape \(3, 8\) float16"),
@@ -150,7 +153,9 @@ def test_router_matches_the_reference(framework, dtype, e, k, score, renormalize
                                      renormalize=renormalize, scale=1.5)
     want = R.router_backward(dw, lg.astype(np.float64), rex, score=score, renormalize=renormalize, scale=1.5)
     tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}[dtype]
-    np.testing.assert_allclose(to_host(dl), want, rtol=tol, atol=tol * np.abs(want).max())
+    # (measured against the weights' gradient too: one renormalized expert's true gradient is 0,
+    # which float32 leaves at a few ulps of dw)
+    np.testing.assert_allclose(to_host(dl), want, rtol=tol, atol=tol * max(np.abs(want).max(), np.abs(dw).max()))
 
 
 @gpu
@@ -175,7 +180,7 @@ def test_permute_and_combine_match_the_references(framework, dtype, t, e, k, h):
     # skewed routing: most pairs on the first experts, some experts empty
     ex = np.stack([rng.choice(e, k, replace=False, p=np.arange(e, 0, -1) ** 2 / (np.arange(e, 0, -1) ** 2).sum())
                    for _ in range(t)]).astype(np.int32)
-    poison_allocator(framework, [t * k * h * 4, t * k * 4, t * h * 4])
+    poison_allocator(framework, [t * k * h * 4, t * k * h * 2, t * k * 4, t * h * 4, t * h * 2])
     xp, order, row_of, offsets, counts = routing.moe_permute(to_device(x, framework), _ints(ex, framework), e)
     rxp, rorder, roff = R.permute(x.astype(np.float64), ex, e)
     np.testing.assert_array_equal(to_host(order), rorder)
@@ -224,7 +229,9 @@ def test_an_expert_id_out_of_range_is_reported_and_never_read_past():
     with pytest.raises(IndexError, match=r"^experts: expert id (5|-1) is out of range for 4 experts"):
         cukern.check_errors()
     rows = to_device(np.ones((6, 8), np.float32), "cupy")
-    bad = _ints(np.array([0, 1, 2, 3, 4, 99], np.int32), "cupy")
-    routing.moe_unpermute(rows, bad, to_device(np.ones((3, 2), np.float32), "cupy"))
-    with pytest.raises(IndexError, match=r"^row_of / order: row 99 is out of range for 6 rows"):
-        cukern.check_errors()
+    for row in (99, -1):
+        bad = _ints(np.array([0, 1, 2, 3, 4, row], np.int32), "cupy")
+        out = routing.moe_unpermute(rows, bad, to_device(np.ones((3, 2), np.float32), "cupy"))
+        assert to_host(out)[2].tolist() == [1.0] * 8   # (the bad row not read)
+        with pytest.raises(IndexError, match=rf"^row_of / order: row {row} is out of range for 6 rows"):
+            cukern.check_errors()

@@ -55,6 +55,11 @@ def instances() -> list[Instance]:
 
 # ---- checks ------------------------------------------------------------------------------------
 
+def _dense(a: DeviceArray) -> bool:
+    """C-contiguous, or empty (no element to lay out)."""
+    return 0 in a.shape or _arrays.is_contiguous(a)
+
+
 def _score(score) -> int:
     if score not in SCORES:
         raise ValueError(f"score: expected one of {', '.join(map(repr, SCORES))}, got {score!r}")
@@ -79,7 +84,7 @@ def _check_logits(la: DeviceArray) -> None:
         raise ValueError(f"logits: expected (tokens, experts), got shape {la.shape}")
     if la.shape[1] < 1:
         raise ValueError("logits: no experts (shape (T, 0))")
-    if not _arrays.is_contiguous(la):
+    if not _dense(la):
         raise ValueError("logits: must be contiguous")
 
 
@@ -88,7 +93,7 @@ def _check_pairs(ea: DeviceArray, tokens: int | None = None) -> tuple[int, int]:
         raise ValueError(f"experts: expected (tokens, top_k), got shape {ea.shape}")
     if tokens is not None and ea.shape[0] != tokens:
         raise ValueError(f"experts: {ea.shape[0]} tokens, expected {tokens}")
-    if not _arrays.is_contiguous(ea):
+    if not _dense(ea):
         raise ValueError("experts: must be contiguous")
     t, k = ea.shape
     if t * k >= 2**31:
@@ -155,6 +160,7 @@ def _plan_router(top_k, score, renorm, scale, arrays) -> Plan:
     bias = arrays[1] if len(arrays) > 1 else None
     if bias is not None and bias.shape != (experts,):
         raise ValueError(f"selection_bias: shape {bias.shape}; expected ({experts},), one an expert")
+    epl = _epl(experts)
     device = _arrays.same_device(*arrays)
     b = Builder(arrays)
     w = b.alloc((tokens, k), "float32", name="weights")
@@ -162,7 +168,7 @@ def _plan_router(top_k, score, renorm, scale, arrays) -> Plan:
     counts = b.alloc((experts,), "int32", name="counts")
     b.fill(0, counts)
     if tokens:
-        kern = _kernels.kernel(_router_instance("fwd", la.dtype, _epl(experts), sc, renorm), device)
+        kern = _kernels.kernel(_router_instance("fwd", la.dtype, epl, sc, renorm), device)
         b.launch(kern, -(-tokens // (THREADS // 32)), logits=b.slot(0), bias=b.slot(1) if bias is not None else None,
                  weights=w, experts_out=e, counts=counts, tokens=tokens, experts=experts, top_k=k, scale=scale)
     return b.plan(device)
@@ -186,14 +192,15 @@ def _plan_router_backward(score, renorm, scale, arrays) -> Plan:
     tokens, experts = la.shape
     _, k = _check_pairs(ea, tokens)
     _top_k(k, experts)
-    if da.shape != ea.shape or not _arrays.is_contiguous(da):
+    if da.shape != ea.shape or not _dense(da):
         raise ValueError(f"dweights: shape {da.shape}, expected {ea.shape} (contiguous)")
     sc = _score(score)
+    epl = _epl(experts)
     device = _arrays.same_device(*arrays)
     b = Builder(arrays)
     dl = b.alloc((tokens, experts), la.dtype, name="dlogits")
     if tokens:
-        kern = _kernels.kernel(_router_instance("bwd", la.dtype, _epl(experts), sc, renorm), device)
+        kern = _kernels.kernel(_router_instance("bwd", la.dtype, epl, sc, renorm), device)
         b.launch(kern, -(-tokens // (THREADS // 32)), dweights=b.slot(0), logits=b.slot(1), experts_in=b.slot(2),
                  dlogits=dl, tokens=tokens, experts=experts, top_k=k, scale=scale)
     return b.plan(device)
@@ -274,7 +281,7 @@ def moe_unpermute(y_perm, row_of, weights):
     float32. y_perm (T k, H) contiguous; row_of (T k,) int32; weights (T, k) float32."""
     arrays = [_arrays.as_device_array(y_perm, "y_perm"), _arrays.as_device_array(row_of, "row_of", INT),
               _arrays.as_device_array(weights, "weights", ("float32",))]
-    plan = _UNPERMUTE.plan(tuple(a.key for a in arrays), _plan_combine, True, arrays)
+    plan = _UNPERMUTE.plan(tuple(a.key for a in arrays), _plan_combine, None, arrays)
     return plan.out(plan(arrays), "out")
 
 
@@ -282,25 +289,28 @@ def moe_permute_backward(dx_perm, row_of, top_k: int):
     """dx (T, H) of ``moe_permute``'s x_perm: each token's k rows of ``dx_perm`` (T k, H)
     summed in float32."""
     arrays = [_arrays.as_device_array(dx_perm, "dx_perm"), _arrays.as_device_array(row_of, "row_of", INT)]
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k: must be a positive int dividing the {arrays[0].shape[0] if arrays[0].ndim else 0} "
+                         f"rows, got {top_k!r}")
     plan = _PERMUTE_BWD.plan((top_k, *(a.key for a in arrays)), _plan_combine, top_k, arrays)
     return plan.out(plan(arrays), "out")
 
 
 def _plan_combine(top_k, arrays) -> Plan:
-    """``top_k`` True: weighted by arrays[2] (T, k); an int: unweighted, k of them."""
+    """``top_k`` None: weighted by arrays[2] (T, k); an int: unweighted, k rows a token."""
     ya, ra = arrays[0], arrays[1]
-    wa = arrays[2] if top_k is True else None
-    if ya.ndim != 2 or not _arrays.is_contiguous(ya):
+    wa = arrays[2] if top_k is None else None
+    if ya.ndim != 2 or not _dense(ya):
         raise ValueError(f"{ya.name}: expected contiguous (pairs, hidden), got shape {ya.shape}")
-    if ra.ndim != 1 or ra.shape[0] != ya.shape[0] or not _arrays.is_contiguous(ra):
+    if ra.ndim != 1 or ra.shape[0] != ya.shape[0] or not _dense(ra):
         raise ValueError(f"row_of: shape {ra.shape}, expected ({ya.shape[0]},) (contiguous)")
     if wa is not None:
-        if wa.ndim != 2 or wa.shape[0] * wa.shape[1] != ya.shape[0] or not _arrays.is_contiguous(wa):
+        if wa.ndim != 2 or wa.shape[0] * wa.shape[1] != ya.shape[0] or not _dense(wa):
             raise ValueError(f"weights: shape {wa.shape}; expected contiguous (tokens, top_k) with tokens * top_k "
                              f"= {ya.shape[0]}")
         tokens, k = wa.shape
     else:
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1 or ya.shape[0] % top_k:
+        if ya.shape[0] % top_k:
             raise ValueError(f"top_k: must be a positive int dividing the {ya.shape[0]} rows, got {top_k!r}")
         tokens, k = ya.shape[0] // top_k, top_k
     cols = ya.shape[1]
@@ -328,15 +338,15 @@ def moe_unpermute_backward(dout, y_perm, row_of, weights):
 
 def _plan_combine_backward(arrays) -> Plan:
     da, ya, ra, wa = arrays
-    if ya.ndim != 2 or not _arrays.is_contiguous(ya):
+    if ya.ndim != 2 or not _dense(ya):
         raise ValueError(f"y_perm: expected contiguous (pairs, hidden), got shape {ya.shape}")
-    if wa.ndim != 2 or wa.shape[0] * wa.shape[1] != ya.shape[0] or not _arrays.is_contiguous(wa):
+    if wa.ndim != 2 or wa.shape[0] * wa.shape[1] != ya.shape[0] or not _dense(wa):
         raise ValueError(f"weights: shape {wa.shape}; expected contiguous (tokens, top_k) with tokens * top_k = "
                          f"{ya.shape[0]}")
     tokens, k = wa.shape
-    if da.shape != (tokens, ya.shape[1]) or da.dtype != ya.dtype or not _arrays.is_contiguous(da):
+    if da.shape != (tokens, ya.shape[1]) or da.dtype != ya.dtype or not _dense(da):
         raise ValueError(f"dout: shape {da.shape} {da.dtype}; expected contiguous {(tokens, ya.shape[1])} {ya.dtype}")
-    if ra.shape != (ya.shape[0],) or not _arrays.is_contiguous(ra):
+    if ra.shape != (ya.shape[0],) or not _dense(ra):
         raise ValueError(f"row_of: shape {ra.shape}, expected ({ya.shape[0]},) (contiguous)")
     pairs, cols = ya.shape
     device = _arrays.same_device(*arrays)
@@ -347,7 +357,7 @@ def _plan_combine_backward(arrays) -> Plan:
         if not cols:
             b.fill(0, dw)
         else:
-            vec = _arrays.vector_width(ya.itemsize, cols, [(ya, cols)])
+            vec = _arrays.vector_width(ya.itemsize, cols, [(ya, cols), (da, cols)])
             kern = _kernels.kernel(_rows_instance("combine_bwd", ya.dtype, vec), device)
             b.launch(kern, -(-pairs // (THREADS // 32)), dout=b.slot(0), y=b.slot(1), row_of=b.slot(2),
                      weights=b.slot(3), dy_perm=dy, dweights=dw, pairs=pairs, cols=cols, top_k=k,
