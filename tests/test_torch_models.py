@@ -463,6 +463,12 @@ def test_the_demo_takes_any_transformers_causal_lm_type():
     m = hf.build(options.Config(layers=1, dim=128, heads=4, seq=64, vocab=256, model="mixtral"))
     assert type(m).__name__ == "MixtralForCausalLM" and m.config.num_hidden_layers == 1
     assert m.config.hidden_size == 128 and m.config.vocab_size == 256
+    # dropout off as in pretraining (OPT's config has 0.1), the sizes on a composite's text config
+    opt = hf.build(options.Config(layers=1, dim=128, heads=4, seq=64, vocab=256, model="opt"))
+    assert opt.config.dropout == 0.0 and opt.config.attention_dropout == 0.0
+    llama4 = hf.build(options.Config(layers=1, dim=128, heads=4, seq=64, vocab=256, model="llama4"))
+    assert llama4.config.get_text_config().hidden_size == 128
+    assert sum(p.numel() for p in llama4.parameters()) < 2e7
     ids = torch.randint(0, 256, (1, 16))
     with torch.no_grad():
         expect = m(input_ids=ids, labels=ids).loss

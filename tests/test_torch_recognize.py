@@ -183,11 +183,12 @@ class StrictRMSNorm(UsersRMSNorm):
 
 def _hf_norm(family: str, d: int):
     mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    cls = {"llama": "LlamaRMSNorm", "qwen3": "Qwen3RMSNorm", "gemma3": "Gemma3RMSNorm", "olmo2": "Olmo2RMSNorm"}[family]
+    cls = {"llama": "LlamaRMSNorm", "qwen3": "Qwen3RMSNorm", "gemma3": "Gemma3RMSNorm", "olmo2": "Olmo2RMSNorm",
+           "t5": "T5LayerNorm", "imagegpt": "ImageGPTLayerNorm"}[family]
     return getattr(mod, cls)(d, eps=1e-6)
 
 
-MIXED = {"llama": "llama", "qwen3": "llama", "gemma3": "gemma", "olmo2": "gemma"}
+MIXED = {"llama": "llama", "qwen3": "llama", "gemma3": "gemma", "olmo2": "gemma", "t5": "float"}
 
 
 @pytest.mark.parametrize("family", sorted(MIXED))
@@ -205,12 +206,15 @@ def test_a_float32_norm_on_16_bit_inputs_is_found_in_the_form_it_computes(family
     for dt in (torch.bfloat16, torch.float16):
         x = (torch.randn(3, 48, generator=g) * 2).to(dt)
         own = m(x)
-        want_dtype = torch.float32 if MIXED[family] == "llama" else dt
+        want_dtype = dt if MIXED[family] == "gemma" else torch.float32
         got = _recognize.mixed_candidate(v.mixed, v, x, m.weight.detach(), None)
         assert own.dtype == got.dtype == want_dtype
         torch.testing.assert_close(got, own.detach(), rtol=2e-2 if dt == torch.bfloat16 else 2e-3, atol=1e-5)
-    # a float32 module that refuses 16-bit inputs keeps its own code for them
+    # a float32 module that refuses 16-bit inputs keeps its own code for them, and so does one
+    # that keeps its statistics in the input's dtype (ImageGPT's: within no form's rounding)
     v, why = _recognize.recognize_norm(StrictRMSNorm(48))
+    assert why is None and v.mixed is None
+    v, why = _recognize.recognize_norm(_hf_norm("imagegpt", 48))
     assert why is None and v.mixed is None
     # and a bf16 module is never asked
     v, why = _recognize.recognize_norm(_hf_norm(family, 48).to(torch.bfloat16))

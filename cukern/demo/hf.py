@@ -69,7 +69,8 @@ def build(cfg: Config):
 
 def _any(cfg: Config, kv: int):
     """Any other transformers model type with a causal-LM head: its config class's defaults (the
-    released model's vocabulary, experts, ...) at the demo's width, depth, heads and length."""
+    released model's vocabulary, experts, ...) with the demo's width, depth, heads and length set
+    on its text config, dropout off; refused, by name, where transformers cannot build it so."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -80,12 +81,29 @@ def _any(cfg: Config, kv: int):
                  max_position_embeddings=cfg.seq)
     if cfg.vocab:
         sizes["vocab_size"] = cfg.vocab
-    c = transformers.AutoConfig.for_model(cfg.model, **sizes)
-    if isinstance(getattr(c, "pad_token_id", None), int) and c.pad_token_id >= c.vocab_size:
-        c.pad_token_id = None   # (the released model's padding token, past a smaller --vocab)
-    model = transformers.AutoModelForCausalLM.from_config(c, attn_implementation="sdpa") \
-        if getattr(transformers.AutoModelForCausalLM._model_mapping[type(c)], "_supports_sdpa", False) \
-        else transformers.AutoModelForCausalLM.from_config(c)
+    c = transformers.AutoConfig.for_model(cfg.model)
+    text = c.get_text_config()
+    for obj in {id(c): c, id(text): text}.values():
+        for name, value in list(vars(obj).items()):   # (as in pretraining today)
+            if isinstance(value, float) and ("dropout" in name or "pdrop" in name):
+                setattr(obj, name, 0.0)
+    for name, value in sizes.items():
+        try:
+            setattr(text, name, value)
+        except (AttributeError, TypeError, ValueError):   # (a derived size: its config computes it)
+            pass
+    if isinstance(getattr(text, "pad_token_id", None), int) and text.pad_token_id >= text.vocab_size:
+        text.pad_token_id = None   # (the released model's padding token, past a smaller --vocab)
+    sdpa = getattr(transformers.AutoModelForCausalLM._model_mapping[type(c)], "_supports_sdpa", False)
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(c, **({"attn_implementation": "sdpa"} if sdpa else {}))
+    except Exception as e:  # noqa: BLE001 - any model type: say which and why
+        raise ValueError(f"model: transformers could not build {cfg.model!r} at width {cfg.dim}, {cfg.layers} "
+                         f"layers, {cfg.heads} heads ({type(e).__name__}: {e})") from e
+    built = model.config.get_text_config()
+    if getattr(built, "hidden_size", cfg.dim) != cfg.dim:
+        raise ValueError(f"model: {cfg.model!r} was built at width {built.hidden_size}, not {cfg.dim} "
+                         "(its config does not take the demo's sizes)")
     return model
 
 

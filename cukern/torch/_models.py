@@ -143,14 +143,17 @@ def _mixed(variant: "_recognize.NormVariant", x, w, b) -> bool:
 def _mixed_norm(variant: "_recognize.NormVariant", x, w, b):
     """A 16-bit x with float32 parameters, as the module computes it (``variant.mixed``): "llama"
     as the kernel's x̂ rounded to x's dtype (no weight) times the float32 weight; "gemma" as the
-    float32 kernel on x in float32, rounded once. The float32 weight's gradient stays float32."""
+    float32 kernel on x in float32, rounded once; "float" as that kernel, kept in float32. The
+    float32 weight's gradient stays float32."""
     if variant.mixed == "llama":   # (RMSNorm's alone: _recognize finds no LayerNorm so)
         xhat = OPS["rms_norm"](x, None, variant.eps, 0.0, _recognize.CASTING_MODES["llama"])
         return xhat * (w + variant.offset if variant.offset else w)
     xf = x.float()
     if variant.kind == "rms":
-        return OPS["rms_norm"](xf, w, variant.eps, variant.offset, variant.casting).to(x.dtype)
-    return OPS["layer_norm"](xf, w, b, variant.eps, variant.offset).to(x.dtype)
+        y = OPS["rms_norm"](xf, w, variant.eps, variant.offset, variant.casting)
+    else:
+        y = OPS["layer_norm"](xf, w, b, variant.eps, variant.offset)
+    return y if variant.mixed == "float" else y.to(x.dtype)
 
 
 def _tanh_gelu(self, input):
@@ -303,6 +306,9 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
                         ~keep, torch.finfo(query.dtype).min)
                 return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                              softcap=softcap, **kwargs)
+        if sinks is not None:   # (a mask the eager path above does not take: SDPA would drop the sinks)
+            raise RuntimeError(f"cukern attention: {reason}, and {type(module).__name__}'s sinks (s_aux) cannot go "
+                               "to PyTorch's SDPA with this mask")
         if pad is not None:
             attention_mask = _dense_mask(pad, sq, causal, window)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

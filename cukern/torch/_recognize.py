@@ -46,8 +46,9 @@ class NormVariant:
 # A float32 weight on a 16-bit input x: "llama" rounds the normalized x to x's dtype and multiplies
 # by the float32 weight, a float32 result by PyTorch's type promotion (LLaMA's
 # ``weight * x.to(input_dtype)``); "gemma" computes in float32 and rounds the result once to x's
-# dtype (Gemma's ``type_as(x)``, OLMo 2's ``(weight * x).to(input_dtype)``). LayerNorm: "gemma" alone.
-MIXED_FORMS = ("llama", "gemma")
+# dtype (Gemma's ``type_as(x)``, OLMo 2's ``(weight * x).to(input_dtype)``); "float" computes in
+# float32 and keeps the float32 result (T5's). LayerNorm: "gemma" and "float".
+MIXED_FORMS = ("llama", "gemma", "float")
 
 
 _EPS_NAMES = ("variance_epsilon", "eps", "epsilon", "rms_norm_eps", "layer_norm_eps")
@@ -95,7 +96,8 @@ def mixed_candidate(form: str, v: NormVariant, x: torch.Tensor, w: torch.Tensor,
     if form == "llama":
         return y.to(x.dtype) * wf
     y = y * wf
-    return (y + b if v.kind == "layer" and v.bias and b is not None else y).to(x.dtype)
+    y = y + b if v.kind == "layer" and v.bias and b is not None else y
+    return y if form == "float" else y.to(x.dtype)
 
 
 def _variants(eps: float, has_bias: bool) -> list[NormVariant]:
@@ -196,7 +198,10 @@ def _probe(m: nn.Module, eps: float) -> tuple[NormVariant | None, str | None]:
 
 def _probe_mixed(m: nn.Module, v: NormVariant, x, pw, pb, dy) -> str | None:
     """The form (``MIXED_FORMS``) in which ``m``, of float32 parameters and variant ``v``,
-    takes bfloat16 and float16 inputs (the result's dtype, values and gradients), or None."""
+    takes bfloat16 and float16 inputs (the result's dtype, values and gradients), or None. The
+    forms differ by a rounding of the input's dtype, so the closest one is taken, and only within
+    one such rounding (the modules that compute a form match it bit for bit on the CPU; one that
+    keeps its statistics in the 16-bit dtype matches none)."""
     w, b = m.weight, getattr(m, "bias", None)
     found = set()
     for dt in (torch.bfloat16, torch.float16):
@@ -221,22 +226,24 @@ def _probe_mixed(m: nn.Module, v: NormVariant, x, pw, pb, dy) -> str | None:
             w.data = saved[0]
             if b is not None:
                 b.data = saved[1]
-        fits = set()
-        for form in MIXED_FORMS if v.kind == "rms" else ("gemma",):
+        best, best_err = None, math.inf
+        for form in MIXED_FORMS if v.kind == "rms" else ("gemma", "float"):
             xv = x16.clone().requires_grad_(True)
             wv = pw.clone().requires_grad_(True)
             bv = None if pb is None else pb.clone().requires_grad_(True)
             with torch.enable_grad():
                 y = mixed_candidate(form, v, xv, wv, bv)
-                if _disagreement(own.detach(), y.detach()) > 4 * _ulps(dt):
+                err = _disagreement(own.detach(), y.detach())
+                if err > _ulps(dt) / 2 or err >= best_err:
                     continue
                 grads = torch.autograd.grad(y, (xv, wv) + ((bv,) if bv is not None else ()), dy16.to(y.dtype),
                                             allow_unused=True)
             if _grads_disagreement(own_grads, grads) <= 8 * _ulps(dt):
-                fits.add(form)
-        found = fits if dt == torch.bfloat16 else found & fits
-    # (a module both forms fit: its result's dtype tells them apart, so at most one fits)
-    return next((f for f in MIXED_FORMS if f in found), None)
+                best, best_err = form, err
+        if best is None or (found and best not in found):
+            return None
+        found = {best}
+    return found.pop()
 
 
 # ---- gated MLPs ---------------------------------------------------------------------------------
