@@ -726,3 +726,19 @@ def test_scaled_rotary_tables_train_on_the_kernels_as_the_models_own_on_the_gpu(
     torch.testing.assert_close(lb, la, rtol=5e-3, atol=5e-3)
     for n in ga:
         assert (ga[n] - gb[n]).abs().max().item() <= 0.05 * (ga[n].abs().max().item() + 1e-6), n
+
+
+@pytest.mark.parametrize("kind", ["qwen3"])
+def test_a_patched_family_compiles_to_one_graph_on_the_cpu(kind):
+    """torch.compile of a patched model: the routed forwards trace without a graph break (the
+    ops they call were looked up through a cache Dynamo traces into, which broke every layer into
+    graphs of its own and, past the recompile limit, left the rest eager)."""
+    from cukern.demo import hf, options
+
+    torch.manual_seed(0)
+    m = hf.build(options.Config(layers=2, dim=64, heads=4, seq=32, vocab=97, model=kind)).train()
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    with ct.patch(m):
+        explained = torch._dynamo.explain(m)(input_ids=ids, labels=ids)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]

@@ -73,8 +73,16 @@ class _Record:
         self.decisions: dict[str, str] = {}     # module name -> what was routed, or why not
 
 
+_API: dict = {}    # api() copied into a plain dict: torch.compile traces a lookup in it, while
+                   # through api()'s cache it would trace the registry's imports and break the graph
+
+
 def _api(name: str):
-    return api()[name]
+    fn = _API.get(name)
+    if fn is None:
+        _API.update(api())
+        fn = _API[name]
+    return fn
 
 
 # ---- the module forwards ------------------------------------------------------------------------
@@ -575,6 +583,8 @@ def patch_model(model: nn.Module, parts=None) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     names = parts_of(parts)
+    if not _API:
+        _API.update(api())
     with _lock:
         rec = _patched.get(model)
         if rec is not None:
