@@ -4,7 +4,8 @@ Tests marked `gpu` are skipped, with the reason shown once for all of them, wher
 device is visible.
 hypothesis profiles: `ci` (derandomized, no deadline) and `dev` (random, no deadline, since
 the first call of a kernel instance compiles it); choose with HYPOTHESIS_PROFILE.
-A run of the whole suite uses every core (up to 8) through pytest-xdist where it is installed;
+A run of the whole suite uses every core (up to 8) through pytest-xdist where it is installed
+(by file, or test by test where the compile check is deselected);
 `-n 0` (or `-p no:xdist`) keeps one process, as a run of single files or tests does.
 """
 import functools
@@ -36,6 +37,10 @@ def _whole_suite(config) -> bool:
     return all(a in (here, os.path.dirname(here)) for a in args) and not any("::" in str(a) for a in config.args)
 
 
+def _compile_deselected(markexpr: str | None) -> bool:
+    return bool(markexpr) and markexpr.replace(" ", "") in ("notcompile", "notcompileandnotgpu", "notgpuandnotcompile")
+
+
 @pytest.hookimpl(tryfirst=True)   # (before xdist's own, which turns -n into workers)
 def pytest_cmdline_main(config):
     # A run of the whole suite spreads over the cores; a run of files or single tests stays in one
@@ -49,9 +54,11 @@ def pytest_cmdline_main(config):
         if o.numprocesses < 2:
             o.numprocesses = None
         elif o.dist == "no":
-            # by file: the compile check's module fixture compiles every program, once in one
-            # worker (with -n given, the default split by test: pass --dist loadfile with it)
-            o.dist = "loadfile"
+            # by file where the compile check runs: its module fixture compiles every program,
+            # once in one worker (with -n given, the default split by test: pass --dist loadfile
+            # with it); without it, test by test to whichever worker is free (the files' times
+            # differ tenfold, so a split by file leaves one worker idle)
+            o.dist = "worksteal" if _compile_deselected(o.markexpr) else "loadfile"
 
 
 @functools.lru_cache(maxsize=None)

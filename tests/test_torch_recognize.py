@@ -736,7 +736,7 @@ def test_a_patched_family_compiles_to_one_graph_on_the_cpu(kind):
     from cukern.demo import hf, options
 
     torch.manual_seed(0)
-    m = hf.build(options.Config(layers=2, dim=64, heads=4, seq=32, vocab=97, model=kind)).train()
+    m = hf.build(options.Config(layers=1, dim=64, heads=4, seq=32, vocab=97, model=kind)).train()
     ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
     torch._dynamo.reset()
     with ct.patch(m):
