@@ -29,6 +29,9 @@ KINDS = {
     5: "row_of / order: row {value} is out of range for {bound} rows; found on CUDA device {device} by a "
        "mixture-of-experts kernel since the last check (that row was skipped: the outputs of that call are not "
        "valid)",
+    6: "offsets: expert {value}'s rows are not in order within the {bound} rows (offsets[0] = 0, offsets[e] <= "
+       "offsets[e + 1] <= rows); found on CUDA device {device} by a grouped expert product since the last check "
+       "(the offsets were clamped: the outputs of that call are not valid)",
 }
 
 

@@ -10,8 +10,11 @@ Where each job lives:
                   functions with their launch plans, forward and backward, no host
                   synchronization (``moe_router``, ``moe_permute``, ``moe_unpermute``, their
                   backwards).
+    grouped_mm.py the grouped expert products on tensor cores (cuda_src/moe_grouped_mm.cu):
+                  each expert's rows times its weight, and both backward products, the groups'
+                  sizes read on the device (``moe_grouped_mm``, ``moe_grouped_mm_backward``).
 
-The grouped expert products, the block as one call and ``cukern.torch``'s op come next
-(docs/moe.md has the plan); until they do, this package is not registered as a family (its
-kernels' compile check is tests/test_moe_routing.py's own).
+The block as one call and ``cukern.torch``'s op come next (docs/moe.md has the plan); until
+they do, this package is not registered as a family (its kernels' compile checks are
+tests/test_moe_routing.py's and tests/test_moe_grouped_mm.py's own).
 """

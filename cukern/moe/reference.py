@@ -132,6 +132,18 @@ def grouped_matmul(a, b, offsets) -> np.ndarray:
     return out
 
 
+def grouped_matmul_backward(dout, a, b, offsets) -> tuple[np.ndarray, np.ndarray]:
+    """(d a (R, K), d b (E, N, K)) of ``grouped_matmul``: rows outside every group get a zero
+    d a; an expert without rows a zero d b[e]."""
+    dout, a, b = (np.asarray(v, dtype=np.float64) for v in (dout, a, b))
+    da, db = np.zeros_like(a), np.zeros_like(b)
+    for e in range(b.shape[0]):
+        lo, hi = int(offsets[e]), int(offsets[e + 1])
+        da[lo:hi] = dout[lo:hi] @ b[e]
+        db[e] = dout[lo:hi].T @ a[lo:hi]
+    return da, db
+
+
 def _act(g: np.ndarray, act: str):
     """(act(g), act'(g))."""
     if act == "silu":

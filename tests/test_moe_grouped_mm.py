@@ -1,0 +1,177 @@
+"""The grouped expert products (cukern/moe/grouped_mm.py): the NumPy reference against PyTorch's
+autograd, argument checks and launch plans without a GPU, the compile check, and on the GPU the
+three products against the reference: every dtype, CuPy and torch, empty experts, groups that
+end inside a tile, partial tiles in every dimension, rows after the last expert, bad offsets
+reported."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cukern.moe import grouped_mm
+from cukern.moe import reference as R
+
+from arrays import TOL, np_dtype, poison_allocator, to_device, to_host, torch
+
+gpu = pytest.mark.gpu
+FRAMEWORKS = ["cupy"] + (["torch"] if torch is not None else [])
+DTYPES = ("float16", "bfloat16")
+
+
+def _ints(host: np.ndarray, framework: str):
+    if framework == "torch":
+        return torch.from_numpy(np.ascontiguousarray(host)).cuda()
+    import cupy
+
+    return cupy.asarray(host)
+
+
+def _offsets(counts, rows=None) -> np.ndarray:
+    off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    assert rows is None or rows >= off[-1]
+    return off
+
+
+# ---- no GPU: the reference, checks and plans ---------------------------------------------------------
+
+def test_reference_backward_matches_torch_autograd():
+    if torch is None:
+        pytest.skip("needs torch")
+    rng = np.random.default_rng(0)
+    counts = [3, 0, 5, 1]
+    rows = sum(counts) + 2   # (two rows after the last expert: zero outputs, zero d a)
+    off = _offsets(counts)
+    a, b = rng.standard_normal((rows, 6)), rng.standard_normal((4, 5, 6))
+    dout = rng.standard_normal((rows, 5))
+    ta, tb = torch.tensor(a, requires_grad=True), torch.tensor(b, requires_grad=True)
+    out = torch.cat([ta[off[e]:off[e + 1]] @ tb[e].T for e in range(4)] + [ta[off[-1]:] @ torch.zeros(6, 5,
+                                                                                                     dtype=ta.dtype)])
+    out.backward(torch.tensor(dout))
+    np.testing.assert_allclose(R.grouped_matmul(a, b, off), out.detach().numpy(), rtol=1e-12, atol=1e-12)
+    da, db = R.grouped_matmul_backward(dout, a, b, off)
+    np.testing.assert_allclose(da, ta.grad.numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(db, tb.grad.numpy(), rtol=1e-12, atol=1e-12)
+    assert not db[1].any() and not da[-2:].any()
+
+
+def test_every_call_builds_its_plan_against_the_kernels_declarations(host_arrays_as_device, monkeypatch):
+    """Valid calls reach their launch plan on the CPU: each launch's arguments packed by name, C
+    type and dtype against cuda_src/moe_grouped_mm.cu's declarations."""
+    from conftest import DryRun
+
+    from cukern import _faults
+
+    monkeypatch.setattr(_faults, "record", lambda device: np.zeros(3, np.int64))
+    for dtype in DTYPES:
+        a = np.ones((300, 64), np_dtype(dtype))
+        b = np.ones((4, 136, 64), np_dtype(dtype))
+        off = _offsets([100, 0, 150, 50])
+        dout = np.ones((300, 136), np_dtype(dtype))
+        for call, launches in ((lambda: grouped_mm.moe_grouped_mm(a, b, off), 1),
+                               (lambda: grouped_mm.moe_grouped_mm_backward(dout, a, b, off), 2)):
+            with pytest.raises(DryRun) as run:
+                call()
+            assert sum(1 for s in run.value.plan.steps if isinstance(s, tuple) and s[0] == "launch") == launches
+
+
+def test_bad_arguments_are_named(host_arrays_as_device):
+    f16, f32 = np.float16, np.float32
+    a, b, off = np.ones((10, 16), f16), np.ones((2, 8, 16), f16), _offsets([4, 6])
+    cases = [
+        (lambda: grouped_mm.moe_grouped_mm(a.astype(f32), b, off), ValueError, "^a: dtype float32"),
+        (lambda: grouped_mm.moe_grouped_mm(a, b.astype(np.float32), off), ValueError, "^b: dtype float32"),
+        (lambda: grouped_mm.moe_grouped_mm(a[None], b, off), ValueError, r"^a: expected contiguous \(rows, features\)"),
+        (lambda: grouped_mm.moe_grouped_mm(a, b[0], off), ValueError, r"^b: expected contiguous \(experts"),
+        (lambda: grouped_mm.moe_grouped_mm(a, b[:, :, :8], off), ValueError, r"^b: expected contiguous"),
+        (lambda: grouped_mm.moe_grouped_mm(a, b, off[:2]), ValueError, r"^offsets: shape \(2,\); expected"),
+        (lambda: grouped_mm.moe_grouped_mm(a, b, off.astype(np.int64)), ValueError, "^offsets: dtype int64"),
+        (lambda: grouped_mm.moe_grouped_mm(a, np.ones((2, 8, 8), f16), off), ValueError, "^b: shape .*in_features"),
+        (lambda: grouped_mm.moe_grouped_mm(np.ones((10, 12), f16), np.ones((2, 8, 12), f16), off), ValueError,
+         "^a: in_features 12 is not a multiple of 8"),
+        (lambda: grouped_mm.moe_grouped_mm(a, np.ones((2, 12, 16), f16), off), ValueError,
+         "^b: out_features 12 is not a multiple of 8"),
+        (lambda: grouped_mm.moe_grouped_mm(a, np.ones((0, 8, 16), f16), np.zeros(1, np.int32)), ValueError,
+         "^b: no experts"),
+        (lambda: grouped_mm.moe_grouped_mm_backward(np.ones((10, 16), f16), a, b, off), ValueError,
+         r"^dout: shape \(10, 16\)"),
+        (lambda: grouped_mm.moe_grouped_mm_backward(np.ones((10, 8), np.float32), a, b, off), ValueError,
+         "^dout: .*float32"),
+    ]
+    for call, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            call()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_every_instance_compiles_without_spills(arch):
+    from cukern import _nvrtc
+
+    insts = grouped_mm.instances()
+    usages = _nvrtc.compile_instances(grouped_mm.SOURCE, [i.name for i in insts], arch)
+    assert len(usages) == len(insts)
+    spilled = [u for u in usages if u.spill_stores or u.spill_loads]
+    assert not spilled, spilled
+
+
+# ---- GPU: the products against the reference ---------------------------------------------------------
+
+CASES = {   # experts' row counts, N, K, rows after the last expert
+    "one row": ([1], 8, 8, 0),
+    "empty experts, partial tiles": ([0, 130, 1, 257, 0], 64, 72, 0),
+    "rows after the last expert": ([40, 0, 300], 136, 264, 5),
+    "skewed, 16 experts": (list((3000 / np.arange(1, 17) ** 1.2).astype(int)), 256, 128, 0),
+    "64 experts": ([64 + (7 * e) % 50 for e in range(64)], 384, 512, 0),
+}
+
+
+@gpu
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_grouped_products_match_the_reference(framework, dtype, case):
+    """Forward, d a and d b against the float64 reference on the same rounded inputs; every
+    output poisoned first (an unwritten element shows as NaN)."""
+    counts, n, k, after = CASES[case]
+    experts = len(counts)
+    off = _offsets(counts)
+    rows = int(off[-1]) + after
+    rng = np.random.default_rng(rows + n + k)
+    a = (rng.standard_normal((rows, k)) + 0.25).astype(np_dtype(dtype))
+    b = (rng.standard_normal((experts, n, k)) / np.sqrt(k)).astype(np_dtype(dtype))
+    dout = rng.standard_normal((rows, n)).astype(np_dtype(dtype))
+    poison_allocator(framework, [rows * n * 2, rows * k * 2, experts * n * k * 2])
+    ad, bd, od = to_device(a, framework), to_device(b, framework), _ints(off, framework)
+    tol = TOL[dtype]
+
+    def close(got, want):
+        got = to_host(got)
+        assert not np.isnan(got).any()
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * max(np.abs(want).max(), 1e-3))
+
+    want = R.grouped_matmul(a, b, off)
+    close(grouped_mm.moe_grouped_mm(ad, bd, od), want)
+    da, db = grouped_mm.moe_grouped_mm_backward(to_device(dout, framework), ad, bd, od)
+    want_da, want_db = R.grouped_matmul_backward(dout, a, b, off)
+    close(da, want_da)
+    close(db, want_db)
+    if after:
+        assert not to_host(da)[-after:].any()
+    for e in np.flatnonzero(np.asarray(counts) == 0):
+        assert not to_host(db)[e].any()
+
+
+@gpu
+def test_offsets_out_of_order_are_reported_and_never_read_past():
+    import cukern
+
+    cukern.check_errors()
+    a = to_device(np.ones((20, 16), np.float16), "cupy")
+    b = to_device(np.ones((3, 8, 16), np.float16), "cupy")
+    for bad in ([0, 12, 5, 20], [0, 4, 30, 20], [2, 4, 8, 20], [0, -4, 8, 20]):
+        out = grouped_mm.moe_grouped_mm(a, b, _ints(np.array(bad, np.int32), "cupy"))
+        da, db = grouped_mm.moe_grouped_mm_backward(to_device(np.ones((20, 8), np.float16), "cupy"), a, b,
+                                                    _ints(np.array(bad, np.int32), "cupy"))
+        assert to_host(out).shape == (20, 8) and to_host(db).shape == (3, 8, 16) and to_host(da).shape == (20, 16)
+        with pytest.raises(IndexError, match=r"^offsets: expert \d's rows are not in order within the 20 rows"):
+            cukern.check_errors()
