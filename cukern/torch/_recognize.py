@@ -16,6 +16,7 @@ run once on a few tokens, in eval mode, against each candidate.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
@@ -148,6 +149,22 @@ def recognize_norm(m: nn.Module) -> tuple[NormVariant | None, str | None]:
     return _cache[key]
 
 
+@contextlib.contextmanager
+def _probe_parameters(w, b, pw, pb):
+    """The module's weight (and bias) hold the probe's random values for the block, and their
+    own again after it, whatever happens inside."""
+    saved = (w.data, None if b is None else b.data)
+    try:
+        w.data = pw
+        if b is not None:
+            b.data = pb
+        yield
+    finally:
+        w.data = saved[0]
+        if b is not None:
+            b.data = saved[1]
+
+
 def _probe(m: nn.Module, eps: float) -> tuple[NormVariant | None, str | None]:
     w, b = m.weight, getattr(m, "bias", None)
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -158,24 +175,15 @@ def _probe(m: nn.Module, eps: float) -> tuple[NormVariant | None, str | None]:
     pw = (torch.rand(d, generator=g) + 0.5).to(device=w.device, dtype=w.dtype)
     pb = None if b is None else torch.randn(d, generator=g).to(device=w.device, dtype=w.dtype)
     dy = torch.randn(2, 3, d, generator=g).to(device=w.device, dtype=w.dtype)
-    saved = (w.data, None if b is None else b.data)
-    try:
-        with torch.enable_grad():
-            w.data = pw
-            if b is not None:
-                b.data = pb
-            xl = x.clone().requires_grad_(True)
-            try:
-                own = m(xl)
-            except Exception as e:  # noqa: BLE001 - any module: one that cannot run so is not a norm
-                return None, f"its forward does not take one (..., {d}) tensor ({type(e).__name__})"
-            if not isinstance(own, torch.Tensor) or own.shape != x.shape:
-                return None, "its forward does not map (..., D) to (..., D)"
-            own_grads = torch.autograd.grad(own, (xl, w) + ((b,) if b is not None else ()), dy, allow_unused=True)
-    finally:
-        w.data = saved[0]
-        if b is not None:
-            b.data = saved[1]
+    with _probe_parameters(w, b, pw, pb), torch.enable_grad():
+        xl = x.clone().requires_grad_(True)
+        try:
+            own = m(xl)
+        except Exception as e:  # noqa: BLE001 - any module: one that cannot run so is not a norm
+            return None, f"its forward does not take one (..., {d}) tensor ({type(e).__name__})"
+        if not isinstance(own, torch.Tensor) or own.shape != x.shape:
+            return None, "its forward does not map (..., D) to (..., D)"
+        own_grads = torch.autograd.grad(own, (xl, w) + ((b,) if b is not None else ()), dy, allow_unused=True)
     best, best_err = None, math.inf
     for v in _variants(eps, b is not None):
         xv = x.clone().requires_grad_(True)
@@ -206,12 +214,8 @@ def _probe_mixed(m: nn.Module, v: NormVariant, x, pw, pb, dy) -> str | None:
     found = set()
     for dt in (torch.bfloat16, torch.float16):
         x16, dy16 = x.to(dt), dy.to(dt)
-        saved = (w.data, None if b is None else b.data)
         try:
-            with torch.enable_grad():
-                w.data = pw
-                if b is not None:
-                    b.data = pb
+            with _probe_parameters(w, b, pw, pb), torch.enable_grad():
                 xl = x16.clone().requires_grad_(True)
                 with warnings.catch_warnings():   # (F.rms_norm's note that it cannot fuse mixed dtypes)
                     warnings.simplefilter("ignore")
@@ -222,10 +226,6 @@ def _probe_mixed(m: nn.Module, v: NormVariant, x, pw, pb, dy) -> str | None:
                 own_grads = torch.autograd.grad(own, leaves, dy16.to(own.dtype), allow_unused=True)
         except Exception:  # noqa: BLE001 - a module that refuses mixed dtypes keeps its own code for them
             return None
-        finally:
-            w.data = saved[0]
-            if b is not None:
-                b.data = saved[1]
         best, best_err = None, math.inf
         for form in MIXED_FORMS if v.kind == "rms" else ("gemma", "float"):
             xv = x16.clone().requires_grad_(True)
