@@ -14,7 +14,10 @@ Where each job lives:
                   each expert's rows times its weight, and both backward products, the groups'
                   sizes read on the device (``moe_grouped_mm``, ``moe_grouped_mm_backward``).
 
-The block as one call and ``cukern.torch``'s op come next (docs/moe.md has the plan); until
-they do, this package is not registered as a family (its kernels' compile checks are
+    block.py      the MoE block as one call composed of those kernels: ``moe_forward`` (the
+                  output and what the backward needs) and ``moe_backward``.
+
+``cukern.torch``'s op and the Hopper products come next (docs/moe.md has the plan); until they
+do, this package is not registered as a family (its kernels' compile checks are
 tests/test_moe_routing.py's and tests/test_moe_grouped_mm.py's own).
 """

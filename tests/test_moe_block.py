@@ -1,0 +1,130 @@
+"""The MoE block as one call (cukern/moe/block.py): argument checks without a GPU, and on the GPU
+the forward and every gradient against the float64 reference (cukern/moe/reference.py) on the
+same rounded inputs, CuPy and torch, both 16-bit dtypes, the three activations, with logits
+whose choice of experts no rounding can change."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cukern.moe import block
+from cukern.moe import reference as R
+
+from arrays import np_dtype, to_device, to_host, torch
+
+gpu = pytest.mark.gpu
+FRAMEWORKS = ["cupy"] + (["torch"] if torch is not None else [])
+
+
+def test_bad_arguments_are_named(host_arrays_as_device):
+    f16 = np.float16
+    x, rw = np.ones((4, 16), f16), np.ones((8, 16), f16)
+    wgu, wd = np.ones((8, 32, 16), f16), np.ones((8, 16, 16), f16)
+    cases = [
+        (lambda: block.moe_forward(x[None], rw, wgu, wd, 2), r"^x: expected \(tokens, hidden\)"),
+        (lambda: block.moe_forward(x, rw[:, :8], wgu, wd, 2), r"^router_w: shape \(8, 8\); expected \(experts, 16\)"),
+        (lambda: block.moe_forward(x, rw, wgu[:4], wd, 2), r"^w_gate_up: shape \(4, 32, 16\); expected \(8, "),
+        (lambda: block.moe_forward(x, rw, np.ones((8, 31, 16), f16), wd, 2), "^w_gate_up: shape"),
+        (lambda: block.moe_forward(x, rw, wgu, np.ones((8, 16, 8), f16), 2), r"^w_down: shape \(8, 16, 8\); expected"),
+        (lambda: block.moe_forward(x, rw.astype(np.float32), wgu, wd, 2), "^router_w: dtype float32, expected x's"),
+        (lambda: block.moe_forward(x, rw, wgu, wd, 2, act="relu"), "^act: expected one of"),
+    ]
+    for call, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            call()
+
+
+@pytest.mark.parametrize("act", block.ACTS)
+def test_the_composition_is_the_references_block_on_the_cpu(monkeypatch, act):
+    """The block's wiring (which halves, orders and saved values each step gets), with every
+    kernel call replaced by its float64 NumPy counterpart: forward and every gradient equal the
+    reference block's (itself checked against transformers' Mixtral block in test_moe.py)."""
+    k = 2
+
+    def permute(x, ex, e):
+        xp, order, off = R.permute(x, ex, e)
+        row_of = np.empty_like(order)
+        row_of[order] = np.arange(order.size)
+        return xp, order, row_of, off, np.diff(off)
+
+    def order_of(row_of):
+        order = np.empty_like(row_of)
+        order[row_of] = np.arange(row_of.size)
+        return order
+
+    def unpermute_backward(dout, y, row_of, w):
+        t = w.shape[0]
+        rows = row_of.reshape(t, k)
+        dy = np.empty_like(y)
+        dy[rows] = dout[:, None, :] * w[:, :, None]
+        return dy, np.einsum("th,tjh->tj", dout, y[rows])
+
+    def gate(act, g, u):
+        return R._act(g, act)[0] * u
+
+    def gate_backward(act, dz, g, u):
+        a, da = R._act(g, act)
+        return dz * u * da, dz * a
+
+    fakes = {"moe_router": lambda lg, top_k, **kw: R.router(lg, top_k, **kw), "moe_permute": permute,
+             "moe_grouped_mm": R.grouped_matmul, "moe_grouped_mm_backward": R.grouped_matmul_backward,
+             "moe_unpermute": lambda y, row_of, w: R.unpermute(y, order_of(row_of), w),
+             "moe_unpermute_backward": unpermute_backward,
+             "moe_permute_backward": lambda dxp, row_of, top_k: dxp[row_of.reshape(-1, top_k)].sum(1),
+             "moe_router_backward": lambda dw, lg, ex, **kw: R.router_backward(dw, lg, ex, **kw),
+             "_gate": gate, "_gate_backward": gate_backward,
+             "_cat_columns": lambda a, b: np.concatenate([a, b], axis=1)}
+    for name, fn in fakes.items():
+        monkeypatch.setattr(block, name, fn)
+    monkeypatch.setattr(block, "_check", lambda *a: (a[0].shape[1], a[1].shape[0], a[3].shape[2]))
+    rng = np.random.default_rng(3)
+    t, h, e, i = 23, 12, 5, 7
+    x, rw = rng.standard_normal((t, h)), rng.standard_normal((e, h))
+    wgu, wd = rng.standard_normal((e, 2 * i, h)), rng.standard_normal((e, h, i))
+    dout, extra = rng.standard_normal((t, h)), rng.standard_normal((t, e))
+    out, saved = block.moe_forward(x, rw, wgu, wd, k, act=act, scale=1.5)
+    np.testing.assert_allclose(out, R.moe(x, rw, wgu, wd, k, act=act, scale=1.5), rtol=1e-12, atol=1e-12)
+    got = block.moe_backward(dout, x, rw, wgu, wd, saved, dlogits_extra=extra)
+    want = R.moe_backward(dout, x, rw, wgu, wd, k, act=act, scale=1.5, dlogits_extra=extra)
+    for g, w_, name in zip(got, want, ("dx", "drouter_w", "dw_gate_up", "dw_down")):
+        np.testing.assert_allclose(g, w_, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def _inputs(rng, t, h, e, i, dtype):
+    """x whose first E columns are distinct per token (a permutation, exactly representable) and a
+    router weight [I_E | 0]: the logits are those columns exactly in any precision, so the kernels
+    and the float64 reference choose the same experts."""
+    x = rng.standard_normal((t, h)) * 0.5
+    x[:, :e] = np.stack([rng.permutation(e) for _ in range(t)]) * (4.0 / e) - 2.0
+    rw = np.zeros((e, h))
+    rw[:, :e] = np.eye(e)
+    wgu = rng.standard_normal((e, 2 * i, h)) / np.sqrt(h)
+    wd = rng.standard_normal((e, h, i)) / np.sqrt(i)
+    return [a.astype(np_dtype(dtype)) for a in (x, rw, wgu, wd)]
+
+
+@gpu
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("act", block.ACTS)
+@pytest.mark.parametrize("t, h, e, i, k", [(1, 16, 8, 8, 1), (300, 64, 8, 40, 2), (700, 128, 64, 32, 8)])
+def test_block_matches_the_reference_forward_and_backward(framework, dtype, act, t, h, e, i, k):
+    rng = np.random.default_rng(t + e + k)
+    host = _inputs(rng, t, h, e, i, dtype)
+    dout = rng.standard_normal((t, h)).astype(np_dtype(dtype))
+    dev = [to_device(a, framework) for a in host]
+    out, saved = block.moe_forward(*dev, k, act=act)
+    want = R.moe(*host, k, act=act)
+    # (each of h, z and y is rounded to the 16-bit dtype once: a few of its roundings)
+    tol = {"float16": 4e-3, "bfloat16": 3e-2}[dtype]
+
+    def close(got, want, name):
+        got = to_host(got)
+        assert not np.isnan(got).any(), name
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max(), err_msg=name)
+
+    close(out, want, "out")
+    grads = block.moe_backward(to_device(dout, framework), *dev, saved)
+    for got, ref, name in zip(grads, R.moe_backward(dout, *host, k, act=act), ("dx", "drouter_w", "dw_gate_up",
+                                                                              "dw_down")):
+        close(got, ref, name)
