@@ -128,3 +128,68 @@ def test_block_matches_the_reference_forward_and_backward(framework, dtype, act,
     for got, ref, name in zip(grads, R.moe_backward(dout, *host, k, act=act), ("dx", "drouter_w", "dw_gate_up",
                                                                               "dw_down")):
         close(got, ref, name)
+
+
+def test_the_torch_experts_function_is_the_experts_reference_on_the_cpu(monkeypatch):
+    """cukern.moe.torch's autograd function (what patch(model) routes transformers' experts to),
+    its kernels replaced by float64 NumPy counterparts: the output and the gradients of x, the
+    weights and both projections equal autograd's through the experts' PyTorch reference."""
+    if torch is None:
+        pytest.skip("needs torch")
+    from cukern.moe import torch as moe_torch
+    from cukern.torch import _recognize
+
+    k = 2
+    np_ = lambda t: t.detach().numpy()   # noqa: E731
+    tt = torch.from_numpy
+
+    def permute(x, ex, e):
+        xp, order, off = R.permute(np_(x), np_(ex), e)
+        row_of = np.empty_like(order)
+        row_of[order] = np.arange(order.size)
+        return tt(xp), tt(order), tt(row_of), tt(off), None
+
+    def unpermute(y, row_of, w):
+        order = np.empty_like(np_(row_of))
+        order[np_(row_of)] = np.arange(order.size)
+        return tt(R.unpermute(np_(y), order, np_(w)))
+
+    def unpermute_backward(dout, y, row_of, w):
+        rows = np_(row_of).reshape(-1, k)
+        dy = np.empty_like(np_(y))
+        dy[rows] = np_(dout)[:, None, :] * np_(w)[:, :, None]
+        return tt(dy), tt(np.einsum("th,tjh->tj", np_(dout), np_(y)[rows]))
+
+    def gate(act, g, u):
+        return tt(R._act(np_(g), act)[0] * np_(u))
+
+    def gate_backward(act, dz, g, u):
+        a, da = R._act(np_(g), act)
+        return tt(np_(dz) * np_(u) * da), tt(np_(dz) * a)
+
+    fakes = {"moe_permute": permute, "moe_unpermute": unpermute, "moe_unpermute_backward": unpermute_backward,
+             "moe_grouped_mm": lambda a, b, off: tt(R.grouped_matmul(np_(a), np_(b), np_(off))),
+             "moe_grouped_mm_backward": lambda d, a, b, off: tuple(map(tt, R.grouped_matmul_backward(
+                 np_(d), np_(a), np_(b), np_(off)))),
+             "moe_permute_backward": lambda dxp, row_of, top_k: tt(np_(dxp)[np_(row_of).reshape(-1, top_k)].sum(1)),
+             "_gate": gate, "_gate_backward": gate_backward}
+    for name, fn in fakes.items():
+        monkeypatch.setattr(moe_torch, name, fn)
+    g = torch.Generator().manual_seed(0)
+    t, h, e, i = 11, 8, 5, 6
+    x = torch.randn(t, h, generator=g, dtype=torch.float64)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    w = torch.rand(t, k, generator=g, dtype=torch.float64)
+    gu = torch.randn(e, 2 * i, h, generator=g, dtype=torch.float64)
+    dn = torch.randn(e, h, i, generator=g, dtype=torch.float64)
+    dout = torch.randn(t, h, generator=g, dtype=torch.float64)
+    for act in block.ACTS:
+        leaves = [v.clone().requires_grad_(True) for v in (x, w, gu, dn)]
+        want = _recognize.experts_reference(act, leaves[0], idx, leaves[1], leaves[2], leaves[3])
+        want_grads = torch.autograd.grad(want, leaves, dout)
+        mine = [v.clone().requires_grad_(True) for v in (x, w, gu, dn)]
+        got = moe_torch.moe_experts(mine[0], idx, mine[1], mine[2], mine[3], act)
+        # (the weights are taken in float32, as the combine kernel reads them)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        for a, b_, name in zip(torch.autograd.grad(got, mine, dout), want_grads, ("x", "weights", "gate_up", "down")):
+            torch.testing.assert_close(a, b_, rtol=1e-6, atol=1e-6, msg=f"{act}: d {name}")

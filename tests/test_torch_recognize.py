@@ -742,3 +742,106 @@ def test_a_patched_family_compiles_to_one_graph_on_the_cpu(kind):
     with ct.patch(m):
         explained = torch._dynamo.explain(m)(input_ids=ids, labels=ids)
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+
+
+# ---- mixture-of-experts: the experts ---------------------------------------------------------------
+
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
+
+
+def _moe_model(kind: str, layers: int = 2, device="cpu"):
+    c = transformers.AutoConfig.for_model(kind, hidden_size=32, intermediate_size=16, moe_intermediate_size=16,
+                                          num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                                          vocab_size=53, num_local_experts=4, num_experts=4, num_experts_per_tok=2,
+                                          head_dim=16, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(c).to(device).train()
+
+
+@pytest.mark.parametrize("kind", MOE_FAMILIES)
+def test_moe_experts_are_found_by_what_they_compute_and_train_as_their_own_on_the_cpu(kind):
+    """Each family's fused experts are found (run against each activation on a random input);
+    on the CPU the routed forward runs their own code, counted, and the model's loss and every
+    gradient are its own."""
+    import copy
+
+    a = _moe_model(kind)
+    b = copy.deepcopy(a)
+    ids = torch.randint(0, 53, (2, 9), generator=torch.Generator().manual_seed(1))
+    a(input_ids=ids, labels=ids).loss.backward()
+    ct.reset_counts()
+    with ct.patch(b):
+        decisions = ct.routing(b)
+        b(input_ids=ids, labels=ids).loss.backward()
+        counts = ct.counts(reasons=True)["moe"]
+    assert [decisions[f"model.layers.{i}.mlp.experts"] for i in range(2)] == \
+        ["moe: grouped experts, swiglu (gate rows first)"] * 2
+    assert counts == {"cukern": 0, "torch": 2, "torch_reasons": {"not on a CUDA device": 2}}
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pb.grad, pa.grad, rtol=0, atol=0, msg=n)
+
+
+def test_experts_that_compute_something_else_are_left_alone_with_the_reason():
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    cfg = transformers.MixtralConfig(hidden_size=32, intermediate_size=16, num_local_experts=4)
+
+    class Relu(MixtralExperts):   # (an activation cukern's products do not take)
+        def __init__(self):
+            super().__init__(cfg)
+            self.act_fn = nn.ReLU()
+
+    class UpFirst(MixtralExperts):   # (the up rows first: gate and up swapped)
+        def forward(self, x, top_k_index, top_k_weights):
+            i = self.gate_up_proj.shape[1] // 2
+            swapped = torch.cat([self.gate_up_proj[:, i:], self.gate_up_proj[:, :i]], dim=1)
+            return _recognize.experts_reference("silu", x, top_k_index, top_k_weights, swapped, self.down_proj)
+
+    class Transposed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.randn(4, 32, 32))
+            self.down_proj = nn.Parameter(torch.randn(4, 16, 32))
+
+    for m, why in ((Relu(), "computes no gated experts"), (UpFirst(cfg), "computes no gated experts"),
+                   (Transposed(), "its weights are (4, 32, 32) and (4, 16, 32), not (E, 2I, H)")):
+        m.config = cfg
+        m.config._experts_implementation = "eager"
+        assert _recognize.experts_shaped(m)
+        spec, reason = _recognize.recognize_experts(m)
+        assert spec is None and reason.startswith(why), reason
+    gpt_oss = transformers.AutoModelForCausalLM.from_config(transformers.GptOssConfig(
+        hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, vocab_size=53, num_local_experts=4, num_experts_per_tok=2))
+    with ct.patch(gpt_oss):
+        assert ct.routing(gpt_oss)["model.layers.0.mlp.experts"].startswith(
+            "left alone: its experts have other parameters (down_proj_bias, gate_up_proj_bias)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", MOE_FAMILIES)
+def test_moe_experts_train_on_the_kernels_like_their_own_on_the_gpu(kind):
+    """One layer, the experts alone routed, bf16 autocast: the router sees the same input in
+    both runs (no expert choice can differ), and the loss and every gradient (the router's
+    through the weights) agree to bf16's rounding; every experts call ran on the kernels."""
+    import copy
+
+    a = _moe_model(kind, layers=1, device="cuda")
+    b = copy.deepcopy(a)
+    ids = torch.randint(0, 53, (4, 64), generator=torch.Generator().manual_seed(1)).cuda()
+
+    def step(m):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach().float()
+
+    la = step(a)
+    ct.reset_counts()
+    with ct.patch(b, parts=["moe"]):
+        lb = step(b)
+        assert ct.counts(reasons=True)["moe"] == {"cukern": 1, "torch": 0}
+    torch.testing.assert_close(lb, la, rtol=5e-3, atol=5e-3)
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        scale = pa.grad.abs().max().item() + 1e-6
+        assert (pb.grad - pa.grad).abs().max().item() <= 0.05 * scale, n

@@ -16,8 +16,10 @@ Where each job lives:
 
     block.py      the MoE block as one call composed of those kernels: ``moe_forward`` (the
                   output and what the backward needs) and ``moe_backward``.
+    torch.py      transformers' fused experts on those kernels under autograd (``moe_experts``:
+                  what ``cukern.torch.patch(model)`` routes a model's experts to).
 
-``cukern.torch``'s op and the Hopper products come next (docs/moe.md has the plan); until they
+The block's own torch op and the Hopper products come next (docs/moe.md has the plan); until they
 do, this package is not registered as a family (its kernels' compile checks are
 tests/test_moe_routing.py's and tests/test_moe_grouped_mm.py's own).
 """

@@ -31,7 +31,12 @@ not reach them. ``patch(model)`` routes, module by module:
   training with labels, where its logits are found to be the LM head of the base model's last
   hidden state (scaled by Granite's ``logits_scaling``, capped by Gemma 2's
   ``final_logit_softcapping``): ``linear_cross_entropy`` on that hidden state, without the
-  (tokens, vocabulary) logits (``outputs.logits`` is None then, as with Liger-Kernel).
+  (tokens, vocabulary) logits (``outputs.logits`` is None then, as with Liger-Kernel);
+* ``moe``: the experts of an MoE block (transformers' fused experts: Mixtral's, Qwen3-MoE's,
+  OLMoE's), found by running them to compute each token's weighted sum of
+  ``down_proj[e] @ (act(gate) * up)``: the permutation, the grouped products, the gated
+  activation and the combine on the family's kernels (``cukern.moe``); the router stays the
+  model's own. Experts with biases or transposed weights (GPT-OSS's) keep their code.
 
 Each routed call counts in ``cukern.torch.counts()``; calls the kernels do not take run the
 model's own code. ``unpatch(model)`` (or leaving the ``with`` block) restores the model.
@@ -54,7 +59,7 @@ from ._api import api
 from ._functional import DROPINS
 from ._ops import OPS
 
-PARTS = ("norm", "embedding", "mlp", "rope", "attention", "loss")
+PARTS = ("norm", "embedding", "mlp", "rope", "attention", "loss", "moe")
 
 _lock = threading.Lock()
 _patched: "weakref.WeakKeyDictionary[nn.Module, _Record]" = weakref.WeakKeyDictionary()
@@ -179,6 +184,47 @@ def _recognized_mlp(spec: "_recognize.GatedMLP"):
         gate, up = spec.halves(self, x)
         return getattr(self, spec.down)(_api(name)(gate, up, **kw))
     return forward
+
+
+# ---- mixture-of-experts: the experts ------------------------------------------------------------
+
+def _experts_fallback(self, x) -> str | None:
+    """Why a call of routed experts runs their own code, or None."""
+    if not x.is_cuda:
+        return "not on a CUDA device"
+    if x.ndim != 2 or x.dtype not in (torch.float16, torch.bfloat16):
+        return f"input {tuple(x.shape)} {x.dtype}, not (tokens, hidden) float16 or bfloat16"
+    if getattr(self, "_is_expert_parallel", False):
+        return "expert parallel"
+    gu = self.gate_up_proj
+    if gu.device != x.device or (gu.dtype != x.dtype and not (gu.dtype == torch.float32
+                                                               and torch.is_autocast_enabled("cuda"))):
+        return "parameter dtype or device differs from the input's"
+    if gu.shape[2] % 8 or gu.shape[1] % 16:
+        return "hidden or intermediate size not a multiple of 8"
+    if gu.shape[0] > 1024:
+        return "more than 1024 experts"
+    return None
+
+
+def _recognized_experts(spec: "_recognize.Experts"):
+    """The forward of fused experts found to compute ``spec``: permutation, grouped products,
+    the gated activation and the weighted combine on the kernels (the router stays the model's)."""
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        why = _experts_fallback(self, hidden_states)
+        _tools.count("moe", why)
+        if why is not None:
+            return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
+        from ..moe.torch import moe_experts
+
+        dt = hidden_states.dtype
+        return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj.to(dt),
+                           self.down_proj.to(dt), spec.act)
+    return forward
+
+
+def _describe_experts(spec: "_recognize.Experts") -> str:
+    return f"grouped experts, {_recognize.GATED_ACTS[spec.act][0]} (gate rows first)"
 
 
 # ---- attention: the implementation and its masks ---------------------------------------------
@@ -605,6 +651,9 @@ def patch_model(model: nn.Module, parts=None) -> None:
             elif "embedding" in names and isinstance(m, nn.Embedding):
                 _route_found(rec, path, m, "embedding", _recognize.recognize_embedding(m), _scaled_embedding,
                              lambda scale: "nn.Embedding" + ("" if scale == 1.0 else f", times {scale:g}"))
+            elif "moe" in names and _recognize.experts_shaped(m):
+                _route_found(rec, path, m, "moe", _recognize.recognize_experts(m), _recognized_experts,
+                             _describe_experts)
             elif "mlp" in names and _recognize._mlp_candidates(m):
                 _route_found(rec, path, m, "mlp", _recognize.recognize_mlp(m), _recognized_mlp, _describe_mlp)
             elif "mlp" in names and _recognize.recognize_tanh_gelu(m):
