@@ -73,7 +73,7 @@ def test_the_composition_is_the_references_block_on_the_cpu(monkeypatch, act):
              "moe_permute_backward": lambda dxp, row_of, top_k: dxp[row_of.reshape(-1, top_k)].sum(1),
              "moe_router_backward": lambda dw, lg, ex, **kw: R.router_backward(dw, lg, ex, **kw),
              "_gate": gate, "_gate_backward": gate_backward,
-             "_cat_columns": lambda a, b: np.concatenate([a, b], axis=1)}
+             "_cat_columns": lambda a, b: np.concatenate([a, b], axis=1), "_contiguous": np.ascontiguousarray}
     for name, fn in fakes.items():
         monkeypatch.setattr(block, name, fn)
     monkeypatch.setattr(block, "_check", lambda *a: (a[0].shape[1], a[1].shape[0], a[3].shape[2]))
@@ -193,3 +193,11 @@ def test_the_torch_experts_function_is_the_experts_reference_on_the_cpu(monkeypa
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         for a, b_, name in zip(torch.autograd.grad(got, mine, dout), want_grads, ("x", "weights", "gate_up", "down")):
             torch.testing.assert_close(a, b_, rtol=1e-6, atol=1e-6, msg=f"{act}: d {name}")
+
+
+def test_dlogits_extra_of_another_dtype_or_shape_is_named():
+    saved = block.MoESaved(np.zeros((3, 4), np.float16), *([None] * 8), 2, "silu", "softmax", True, 1.0)
+    saved.h = np.zeros((6, 8), np.float16)
+    for extra in (np.zeros((3, 4), np.float32), np.zeros((3, 5), np.float16)):
+        with pytest.raises(ValueError, match=r"^dlogits_extra: shape \(3, [45]\) float(32|16); expected \(3, 4\)"):
+            block.moe_backward(np.zeros((3, 8), np.float16), None, None, None, None, saved, dlogits_extra=extra)

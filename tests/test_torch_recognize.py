@@ -728,7 +728,7 @@ def test_scaled_rotary_tables_train_on_the_kernels_as_the_models_own_on_the_gpu(
         assert (ga[n] - gb[n]).abs().max().item() <= 0.05 * (ga[n].abs().max().item() + 1e-6), n
 
 
-@pytest.mark.parametrize("kind", ["qwen3"])
+@pytest.mark.parametrize("kind", ["qwen3", "mixtral"])
 def test_a_patched_family_compiles_to_one_graph_on_the_cpu(kind):
     """torch.compile of a patched model: the routed forwards trace without a graph break (the
     ops they call were looked up through a cache Dynamo traces into, which broke every layer into
@@ -845,3 +845,40 @@ def test_moe_experts_train_on_the_kernels_like_their_own_on_the_gpu(kind):
     for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
         scale = pa.grad.abs().max().item() + 1e-6
         assert (pb.grad - pa.grad).abs().max().item() <= 0.05 * scale, n
+
+
+def test_experts_with_a_clamped_gate_another_activation_or_frozen_weights():
+    """A gate of its own (``_apply_gate``) or a clamp that shows only on large inputs is left
+    alone; a model whose config names another activation is found with that one (not the first
+    model's, from a cache); frozen weights (as under LoRA) are probed without error."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    cfg = transformers.MixtralConfig(hidden_size=32, intermediate_size=16, num_local_experts=4)
+    cfg._experts_implementation = "eager"
+
+    class OwnGate(MixtralExperts):
+        def _apply_gate(self, gate_up_out):
+            gate, up = gate_up_out.chunk(2, dim=-1)
+            return self.act_fn(gate.clamp(max=10.0)) * up
+
+    class Clamped(MixtralExperts):   # (a clamp in its own forward: equal on inputs of unit size)
+        def forward(self, x, top_k_index, top_k_weights):
+            hid = torch.einsum("th,tkoh->tko", x, self.gate_up_proj[top_k_index])
+            i = hid.shape[-1] // 2
+            z = torch.nn.functional.silu(hid[..., :i].clamp(-10.0, 10.0)) * hid[..., i:]
+            y = torch.einsum("tki,tkhi->tkh", z, self.down_proj[top_k_index])
+            return (y * top_k_weights[..., None]).sum(1)
+
+    for m, why in ((OwnGate(cfg), "its gate is its own"), (Clamped(cfg), "computes no")):
+        m.config = cfg
+        spec, reason = _recognize.recognize_experts(m)
+        assert spec is None and reason.startswith(why), reason
+    assert _recognize.recognize_experts(MixtralExperts(cfg)) == (_recognize.Experts("silu"), None)
+    gelu = transformers.MixtralConfig(hidden_size=32, intermediate_size=16, num_local_experts=4, hidden_act="gelu")
+    gelu._experts_implementation = "eager"
+    assert _recognize.recognize_experts(MixtralExperts(gelu)) == (_recognize.Experts("gelu"), None)
+    frozen = _moe_model("mixtral", layers=1).requires_grad_(False)
+    with ct.patch(frozen):
+        assert ct.routing(frozen)["model.layers.0.mlp.experts"].startswith("moe: ")
+        assert ct.routing(frozen)["model.layers.0.input_layernorm"].startswith("norm: ")
+    assert not any(p.requires_grad for p in frozen.parameters())

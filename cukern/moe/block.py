@@ -67,6 +67,9 @@ def _check(x, router_w, w_gate_up, w_down) -> tuple[int, int, int]:
     for a in (ra, ga, da):
         if a.dtype != xa.dtype:
             raise ValueError(f"{a.name}: dtype {a.dtype}, expected x's {xa.dtype}")
+    if h % 8 or i % 8:
+        raise ValueError(f"w_gate_up: hidden {h} and intermediate {i} must be multiples of 8 (the products move "
+                         "16-byte vectors)")
     return h, e, i
 
 
@@ -82,9 +85,21 @@ def _gate_backward(act: str, dz, gate, up):
     return geglu_backward(dz, gate, up, approximate="tanh" if act == "gelu_tanh" else "none")
 
 
+def _torch(a) -> bool:
+    return type(a).__module__.split(".")[0] == "torch"
+
+
+def _contiguous(a):
+    if _torch(a):
+        return a.contiguous()
+    import cupy
+
+    return cupy.ascontiguousarray(a)
+
+
 def _cat_columns(a, b):
     """[a | b] along the columns, in a's framework."""
-    if type(a).__module__.split(".")[0] == "torch":
+    if _torch(a):
         import torch
 
         return torch.cat([a, b], dim=1)
@@ -122,10 +137,14 @@ def moe_forward(x, router_w, w_gate_up, w_down, top_k: int, *, act: str = "silu"
 def moe_backward(dout, x, router_w, w_gate_up, w_down, saved: MoESaved, dlogits_extra=None):
     """Gradients of ``moe_forward``: ``(dx, drouter_w, dw_gate_up, dw_down)`` in x's dtype, as
     ``cukern.moe.reference.moe_backward`` (the choice of experts held fixed). ``dout`` (T, H) of
-    x's dtype; ``dlogits_extra`` (T, E) or None: the auxiliary losses' gradient with respect to
-    the logits, added before the router's product."""
+    x's dtype; ``dlogits_extra`` (T, E) of the logits' dtype (x's) or None: the auxiliary losses'
+    gradient with respect to the logits, added before the router's product."""
     i = saved.h.shape[1] // 2
-    dy, dweights = moe_unpermute_backward(dout, saved.y, saved.row_of, saved.weights)
+    if dlogits_extra is not None and (tuple(dlogits_extra.shape) != tuple(saved.logits.shape)
+                                      or dlogits_extra.dtype != saved.logits.dtype):
+        raise ValueError(f"dlogits_extra: shape {tuple(dlogits_extra.shape)} {dlogits_extra.dtype}; expected "
+                         f"{tuple(saved.logits.shape)} {saved.logits.dtype}, the logits'")
+    dy, dweights = moe_unpermute_backward(_contiguous(dout), saved.y, saved.row_of, saved.weights)
     dz, dw_down = moe_grouped_mm_backward(dy, saved.z, w_down, saved.offsets)
     dgate, dup = _gate_backward(saved.act, dz, saved.h[:, :i], saved.h[:, i:])
     dx_perm, dw_gate_up = moe_grouped_mm_backward(_cat_columns(dgate, dup), saved.x_perm, w_gate_up, saved.offsets)

@@ -50,10 +50,20 @@ def _check(aa: DeviceArray, ba: DeviceArray, oa: DeviceArray, a_name: str = "a")
         raise ValueError("b: no experts (shape (0, ...))")
     if oa.shape != (experts + 1,) or not _arrays.is_contiguous(oa):
         raise ValueError(f"offsets: shape {oa.shape}; expected contiguous ({experts + 1},), one more than b's experts")
+    if experts > 65535:
+        raise ValueError(f"b: {experts} experts; at most 65535")
     rows = aa.shape[0]
-    if rows >= 2**31:
-        raise ValueError(f"{a_name}: {rows} rows; at most 2^31 - 1")
+    if rows > 2**31 - 1 - BM:
+        raise ValueError(f"{a_name}: {rows} rows; at most 2^31 - {BM + 1}")
     return rows, aa.shape[1], experts, ba.shape[1]
+
+
+def _aligned(b: Builder, slots) -> None:
+    """cp.async moves 16-byte chunks: an operand at an address that is not 16-byte aligned (a
+    view at an odd element offset) is read from a fresh copy."""
+    for i, a in slots:
+        if a.ptr % 16:
+            b.fix(i, DeviceArray.copy)
 
 
 def _multiple_of_8(name: str, what: str, v: int) -> None:
@@ -94,6 +104,7 @@ def _plan_forward(arrays) -> Plan:
     _multiple_of_8("b", "out_features", n)
     device = _arrays.same_device(*arrays)
     b = Builder(arrays)
+    _aligned(b, ((0, aa), (1, ba)))
     out = b.alloc((rows, n), aa.dtype, name="out")
     if rows and n:
         kern = _kernels.kernel(_instance("forward", aa.dtype), device)
@@ -127,6 +138,7 @@ def _plan_backward(arrays) -> Plan:
     _multiple_of_8("b", "out_features", n)
     device = _arrays.same_device(*arrays)
     b = Builder(arrays)
+    _aligned(b, ((0, da_), (1, aa), (2, ba)))
     da = b.alloc((rows, k), aa.dtype, name="da")
     db = b.alloc((experts, n, k), aa.dtype, name="db")
     fault = _fault(device)

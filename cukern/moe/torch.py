@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .block import _gate, _gate_backward
+from .block import _act, _gate, _gate_backward
 from .grouped_mm import moe_grouped_mm, moe_grouped_mm_backward
 from .routing import moe_permute, moe_permute_backward, moe_unpermute, moe_unpermute_backward
 
@@ -51,4 +51,4 @@ def moe_experts(x, top_k_index, top_k_weights, w_gate_up, w_down, act: str = "si
     Returns:
         (T, H) in x's dtype: each token's experts' outputs times their weights, summed in float32.
     """
-    return _Experts.apply(x, top_k_index, top_k_weights, w_gate_up, w_down, act)
+    return _Experts.apply(x, top_k_index, top_k_weights, w_gate_up, w_down, _act(act))

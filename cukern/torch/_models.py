@@ -192,34 +192,41 @@ def _experts_fallback(self, x) -> str | None:
     """Why a call of routed experts runs their own code, or None."""
     if not x.is_cuda:
         return "not on a CUDA device"
-    if x.ndim != 2 or x.dtype not in (torch.float16, torch.bfloat16):
-        return f"input {tuple(x.shape)} {x.dtype}, not (tokens, hidden) float16 or bfloat16"
+    autocast = torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") in (torch.float16,
+                                                                                          torch.bfloat16)
+    if x.ndim != 2 or not (x.dtype in (torch.float16, torch.bfloat16) or (x.dtype == torch.float32 and autocast)):
+        return f"input {tuple(x.shape)} {x.dtype}, not (tokens, hidden) float16 or bfloat16 (or float32 under autocast)"
     if getattr(self, "_is_expert_parallel", False):
         return "expert parallel"
-    gu = self.gate_up_proj
-    if gu.device != x.device or (gu.dtype != x.dtype and not (gu.dtype == torch.float32
-                                                               and torch.is_autocast_enabled("cuda"))):
-        return "parameter dtype or device differs from the input's"
-    if gu.shape[2] % 8 or gu.shape[1] % 16:
+    for p in (self.gate_up_proj, self.down_proj):
+        if p.device != x.device or (p.dtype != x.dtype and not (p.dtype == torch.float32 and autocast)):
+            return "parameter dtype or device differs from the input's"
+    if self.gate_up_proj.shape[2] % 8 or self.gate_up_proj.shape[1] % 16:
         return "hidden or intermediate size not a multiple of 8"
-    if gu.shape[0] > 1024:
+    if self.gate_up_proj.shape[0] > 1024:
         return "more than 1024 experts"
     return None
 
 
 def _recognized_experts(spec: "_recognize.Experts"):
     """The forward of fused experts found to compute ``spec``: permutation, grouped products,
-    the gated activation and the weighted combine on the kernels (the router stays the model's)."""
+    the gated activation and the weighted combine on the kernels (the router stays the model's).
+    Under autocast the input and the float32 weights are cast to autocast's dtype, as its
+    F.linear casts them, and the result is returned in the input's dtype, as the model's own
+    code returns it. Inside torch.compile the model's own code (traced by Dynamo)."""
     def forward(self, hidden_states, top_k_index, top_k_weights):
+        if _tools.compiling():
+            return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
         why = _experts_fallback(self, hidden_states)
         _tools.count("moe", why)
         if why is not None:
             return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
         from ..moe.torch import moe_experts
 
-        dt = hidden_states.dtype
-        return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj.to(dt),
-                           self.down_proj.to(dt), spec.act)
+        dt = hidden_states.dtype if hidden_states.dtype != torch.float32 else torch.get_autocast_dtype("cuda")
+        out = moe_experts(hidden_states.to(dt), top_k_index, top_k_weights, self.gate_up_proj.to(dt),
+                          self.down_proj.to(dt), spec.act)
+        return out.to(hidden_states.dtype)
     return forward
 
 

@@ -150,14 +150,29 @@ def recognize_norm(m: nn.Module) -> tuple[NormVariant | None, str | None]:
 
 
 @contextlib.contextmanager
+def _requiring_grad(params):
+    """The parameters require a gradient for the block (a probe differentiates with respect to
+    them; a frozen model's, as under LoRA, do not), and their own setting again after it."""
+    saved = [(p, p.requires_grad) for p in params]
+    try:
+        for p, _ in saved:
+            p.requires_grad_(True)
+        yield
+    finally:
+        for p, r in saved:
+            p.requires_grad_(r)
+
+
+@contextlib.contextmanager
 def _swapped(pairs):
-    """Each (parameter, value): the parameter holds the probe's value for the block, and its own
-    again after it, whatever happens inside."""
+    """Each (parameter, value): the parameter holds the probe's value (and requires a gradient)
+    for the block, and its own again after it, whatever happens inside."""
     saved = [(p, p.data) for p, _ in pairs]
     try:
         for p, v in pairs:
             p.data = v
-        yield
+        with _requiring_grad([p for p, _ in pairs]):
+            yield
     finally:
         for p, d in saved:
             p.data = d
@@ -331,7 +346,7 @@ def recognize_mlp(m: nn.Module) -> tuple[GatedMLP | None, str | None]:
     if not specs:
         return None, "not two or three Linear children of a gated MLP's shapes"
     first = next(m.parameters())
-    key = (type(m), first.dtype, tuple((n, tuple(p.shape)) for n, p in m.named_parameters()))
+    key = (type(m), first.dtype, tuple((n, tuple(p.shape)) for n, p in m.named_parameters()), _settings(m))
     if key not in _cache:
         _cache[key] = _probe_mlp(m, specs)
     return _cache[key]
@@ -344,7 +359,7 @@ def _probe_mlp(m: nn.Module, specs: list[GatedMLP]) -> tuple[GatedMLP | None, st
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(2, 3, hidden, generator=g).to(device=w.device, dtype=w.dtype)
     dy = torch.randn(2, 3, hidden, generator=g).to(device=w.device, dtype=w.dtype)
-    with torch.enable_grad():
+    with _requiring_grad(params), torch.enable_grad():
         xl = x.clone().requires_grad_(True)
         try:
             own = m(xl)
@@ -401,10 +416,24 @@ def recognize_experts(m: nn.Module) -> tuple[Experts | None, str | None]:
     if two_i % 2 or dn.shape != (e, h, two_i // 2):
         return None, (f"its weights are {tuple(gu.shape)} and {tuple(dn.shape)}, not (E, 2I, H) and (E, H, I) "
                       "(transposed or interleaved layouts are not taken)")
-    key = (type(m), tuple(gu.shape))
+    own_gate = getattr(type(m), "_apply_gate", None)
+    if own_gate is not None:
+        from transformers.integrations.moe import _default_apply_gate
+
+        if own_gate is not _default_apply_gate:
+            return None, "its gate is its own (_apply_gate: a clamp or another form), not act(gate) * up"
+    key = (type(m), tuple(gu.shape), _settings(m))
     if key not in _experts_cache:
         _experts_cache[key] = _probe_experts(m, e, two_i // 2, h)
     return _experts_cache[key]
+
+
+def _settings(m: nn.Module) -> tuple:
+    """What besides its class and shapes can change what a module computes: its plain
+    attributes (a clamp's limit, ...) and its activation module (from the config's hidden_act)."""
+    plain = tuple(sorted((k, v) for k, v in vars(m).items()
+                         if not k.startswith("_") and isinstance(v, (bool, int, float, str, type(None)))))
+    return plain, repr(getattr(m, "act_fn", None))
 
 
 def experts_reference(act: str, x, top_k_index, top_k_weights, gate_up, down):
@@ -418,10 +447,22 @@ def experts_reference(act: str, x, top_k_index, top_k_weights, gate_up, down):
 
 
 def _probe_experts(m: nn.Module, e: int, i: int, h: int) -> tuple[Experts | None, str | None]:
+    """Found only where one activation matches at both scales: inputs of unit size (where the
+    activations differ) and of about 30 (where a clamp of the gate would show)."""
+    found = None
+    for scale in (1.0, 30.0):
+        act, why = _probe_experts_at(m, e, i, h, scale)
+        if act is None or (found is not None and act != found):
+            return None, why or "computes no one gated-experts form at every input size"
+        found = act
+    return Experts(found), None
+
+
+def _probe_experts_at(m: nn.Module, e: int, i: int, h: int, scale: float) -> tuple[str | None, str | None]:
     dev = m.gate_up_proj.device
     g = torch.Generator(device="cpu").manual_seed(0)
     t, k = 6, min(2, e)
-    x = torch.randn(t, h, generator=g).to(dev)
+    x = (torch.randn(t, h, generator=g) * scale).to(dev)
     idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(dev)
     w = (torch.rand(t, k, generator=g) + 0.1).to(dev)
     pgu = (torch.randn(e, 2 * i, h, generator=g) / h ** 0.5).to(dev)
@@ -444,7 +485,7 @@ def _probe_experts(m: nn.Module, e: int, i: int, h: int) -> tuple[Experts | None
                 continue
             grads = torch.autograd.grad(y, leaves, dy, allow_unused=True)
         if _grads_disagreement(own_grads, grads) <= 16 * _ulps(torch.float32):
-            return Experts(act), None
+            return act, None
     return None, "computes no gated experts (silu, gelu or tanh-gelu) cukern has to float32's rounding"
 
 
