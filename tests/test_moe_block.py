@@ -137,7 +137,7 @@ def test_the_torch_experts_function_is_the_experts_reference_on_the_cpu(monkeypa
     if torch is None:
         pytest.skip("needs torch")
     from cukern.moe import torch as moe_torch
-    from cukern.torch import _recognize
+    from cukern.torch import _recognize_experts
 
     k = 2
     np_ = lambda t: t.detach().numpy()   # noqa: E731
@@ -185,7 +185,7 @@ def test_the_torch_experts_function_is_the_experts_reference_on_the_cpu(monkeypa
     dout = torch.randn(t, h, generator=g, dtype=torch.float64)
     for act in block.ACTS:
         leaves = [v.clone().requires_grad_(True) for v in (x, w, gu, dn)]
-        want = _recognize.experts_reference(act, leaves[0], idx, leaves[1], leaves[2], leaves[3])
+        want = _recognize_experts.experts_reference(act, leaves[0], idx, leaves[1], leaves[2], leaves[3])
         want_grads = torch.autograd.grad(want, leaves, dout)
         mine = [v.clone().requires_grad_(True) for v in (x, w, gu, dn)]
         got = moe_torch.moe_experts(mine[0], idx, mine[1], mine[2], mine[3], act)

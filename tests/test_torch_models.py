@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 import cukern.torch as ct  # noqa: E402
 from cukern.torch import _models  # noqa: E402
+from cukern.torch import _transformers_attention as _attention  # noqa: E402
 
 VOCAB = 97
 
@@ -177,7 +178,7 @@ def _mask(config, attention_mask, s, position_ids=None):
 
 
 def test_the_mask_function_gives_causal_key_padding_or_sdpa_masks():
-    _models._register_attention()
+    _attention.register()
     cfg = _config("llama")
     cfg._attn_implementation = "cukern"
     s = 12
@@ -206,7 +207,7 @@ def test_packed_documents_are_read_from_the_mask(seed):
     """Random documents a row (lengths 1 up to the row), with and without Mistral's window:
     the documents marked on SDPA's mask are the ones the position ids give; a mask that is
     not causal within documents gets no mark."""
-    _models._register_attention()
+    _attention.register()
     g = torch.Generator().manual_seed(seed)
     s, b = 24, 3
     rows = []
@@ -231,11 +232,11 @@ def test_packed_documents_are_read_from_the_mask(seed):
         assert cu.tolist() == starts + [b * s] and longest == max(max(row) for row in rows) and w == window
         broken = mask.clone()
         broken[1, 0, s - 1, 0] = ~broken[1, 0, s - 1, 0]
-        assert _models._documents(broken, window) is None
+        assert _attention._documents(broken, window) is None
     # a non-causal document mask (bidirectional within documents) is not taken
     doc = torch.repeat_interleave(torch.arange(4), 6)
     bidir = (doc[:, None] == doc[None, :])[None, None].expand(2, 1, s, s)
-    assert _models._documents(bidir, None) is None
+    assert _attention._documents(bidir, None) is None
 
 
 def test_the_dense_mask_of_key_padding_is_sdpas():
@@ -251,14 +252,14 @@ def test_the_dense_mask_of_key_padding_is_sdpas():
         fn = create_sliding_window_causal_mask if window else create_causal_mask
         want = fn(config=cfg, inputs_embeds=torch.zeros((3, s, 8)), attention_mask=pad, cache=None,
                   position_ids=torch.arange(s)[None])
-        got = _models._dense_mask(pad, s, True, window)
+        got = _attention._dense_mask(pad, s, True, window)
         assert torch.equal(got, want.expand_as(got)), window
 
 
 def test_sliding_window_masks_are_read_for_their_window():
     """A window that hides keys: SDPA's mask, found to be causal within the window (one document
     a row), whatever the model; a window wider than the sequence: the plain causal mask."""
-    _models._register_attention()
+    _attention.register()
     from transformers.masking_utils import create_sliding_window_causal_mask
 
     for kind in ("mistral", "llama"):
@@ -538,26 +539,26 @@ def test_gpt_oss_sinks_reach_the_sink_ops(monkeypatch):
             return torch.zeros(q.shape, dtype=q.dtype), None
         return run
 
-    monkeypatch.setattr(_models, "_sdpa_route", lambda: route)
+    monkeypatch.setattr(_attention, "_sdpa_route", lambda: route)
     for name in ("attention", "attention_sink", "attention_varlen", "attention_varlen_sink"):
         monkeypatch.setitem(_models.OPS, name, op(name))
     module = types.SimpleNamespace(is_causal=True)
     q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
     sinks = torch.randn(4, dtype=torch.bfloat16)
-    _models._hf_attention(module, q, k, v, None, scaling=0.5, s_aux=sinks)
+    _attention._hf_attention(module, q, k, v, None, scaling=0.5, s_aux=sinks)
     name, args = calls[-1]
     assert name == "attention_sink" and args[3].dtype == torch.float32 and torch.equal(args[3], sinks.float())
-    _models._hf_attention(module, q, k, v, None, scaling=0.5)
+    _attention._hf_attention(module, q, k, v, None, scaling=0.5)
     assert calls[-1][0] == "attention"
     pad = torch.ones(2, 16, dtype=torch.bool)
     pad[0, :3] = False
-    _models._hf_attention(module, q, k, v, pad, scaling=0.5, s_aux=sinks)
+    _attention._hf_attention(module, q, k, v, pad, scaling=0.5, s_aux=sinks)
     name, args = calls[-1]
     assert name == "attention_varlen_sink" and torch.equal(args[5], sinks.float())
     # sinks that are not one logit a query head: the model's own code, never the kernels without them
     n = len(calls)
     with pytest.raises(RuntimeError, match="sinks"):
-        _models._hf_attention(module, q, k, v, None, scaling=0.5, s_aux=torch.randn(3))
+        _attention._hf_attention(module, q, k, v, None, scaling=0.5, s_aux=torch.randn(3))
     assert len(calls) == n
 
 

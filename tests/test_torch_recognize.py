@@ -17,7 +17,7 @@ import transformers  # noqa: E402
 from torch import nn  # noqa: E402
 
 import cukern.torch as ct  # noqa: E402
-from cukern.torch import _models, _recognize  # noqa: E402
+from cukern.torch import _models, _recognize, _recognize_experts  # noqa: E402
 
 LLAMA_RMS = "norm: RMSNorm, casting llama"
 GEMMA_RMS = "norm: RMSNorm, weight + 1, casting gemma"
@@ -795,7 +795,7 @@ def test_experts_that_compute_something_else_are_left_alone_with_the_reason():
         def forward(self, x, top_k_index, top_k_weights):
             i = self.gate_up_proj.shape[1] // 2
             swapped = torch.cat([self.gate_up_proj[:, i:], self.gate_up_proj[:, :i]], dim=1)
-            return _recognize.experts_reference("silu", x, top_k_index, top_k_weights, swapped, self.down_proj)
+            return _recognize_experts.experts_reference("silu", x, top_k_index, top_k_weights, swapped, self.down_proj)
 
     class Transposed(nn.Module):
         def __init__(self):
@@ -807,8 +807,8 @@ def test_experts_that_compute_something_else_are_left_alone_with_the_reason():
                    (Transposed(), "its weights are (4, 32, 32) and (4, 16, 32), not (E, 2I, H)")):
         m.config = cfg
         m.config._experts_implementation = "eager"
-        assert _recognize.experts_shaped(m)
-        spec, reason = _recognize.recognize_experts(m)
+        assert _recognize_experts.experts_shaped(m)
+        spec, reason = _recognize_experts.recognize_experts(m)
         assert spec is None and reason.startswith(why), reason
     gpt_oss = transformers.AutoModelForCausalLM.from_config(transformers.GptOssConfig(
         hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -871,12 +871,12 @@ def test_experts_with_a_clamped_gate_another_activation_or_frozen_weights():
 
     for m, why in ((OwnGate(cfg), "its gate is its own"), (Clamped(cfg), "computes no")):
         m.config = cfg
-        spec, reason = _recognize.recognize_experts(m)
+        spec, reason = _recognize_experts.recognize_experts(m)
         assert spec is None and reason.startswith(why), reason
-    assert _recognize.recognize_experts(MixtralExperts(cfg)) == (_recognize.Experts("silu"), None)
+    assert _recognize_experts.recognize_experts(MixtralExperts(cfg)) == (_recognize_experts.Experts("silu"), None)
     gelu = transformers.MixtralConfig(hidden_size=32, intermediate_size=16, num_local_experts=4, hidden_act="gelu")
     gelu._experts_implementation = "eager"
-    assert _recognize.recognize_experts(MixtralExperts(gelu)) == (_recognize.Experts("gelu"), None)
+    assert _recognize_experts.recognize_experts(MixtralExperts(gelu)) == (_recognize_experts.Experts("gelu"), None)
     frozen = _moe_model("mixtral", layers=1).requires_grad_(False)
     with ct.patch(frozen):
         assert ct.routing(frozen)["model.layers.0.mlp.experts"].startswith("moe: ")

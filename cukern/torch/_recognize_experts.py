@@ -1,0 +1,106 @@
+"""Finding, by running them, the experts of an MoE block that cukern's kernels compute:
+transformers' fused experts (Mixtral's, Qwen3-MoE's, OLMoE's), as ``_recognize`` finds norms,
+gated MLPs and rotary embeddings."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from ._recognize import GATED_ACTS, _disagreement, _grads_disagreement, _settings, _swapped, _ulps
+
+
+@dataclasses.dataclass(frozen=True)
+class Experts:
+    """transformers' fused experts (Mixtral's, Qwen3-MoE's, OLMoE's): ``forward(x (T, H),
+    top_k_index (T, k), top_k_weights (T, k))`` = each token's sum over its k experts e of its
+    weight times ``down_proj[e] @ (act(gate) * up)``, ``(gate, up) = gate_up_proj[e] @ x``
+    (the gate's I rows first)."""
+    act: str
+
+
+def experts_shaped(m: nn.Module) -> bool:
+    """Holds 3-D ``gate_up_proj`` and ``down_proj`` parameters: a candidate for ``recognize_experts``."""
+    gu, dn = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
+    return isinstance(gu, nn.Parameter) and isinstance(dn, nn.Parameter) and gu.ndim == 3 and dn.ndim == 3
+
+
+_experts_cache: dict[tuple, tuple[Experts | None, str | None]] = {}
+
+
+def recognize_experts(m: nn.Module) -> tuple[Experts | None, str | None]:
+    """(the ``Experts`` ``m`` computes, None) or (None, why not): ``m`` run on a small random
+    input with random weights, in float32, against each activation cukern's products take,
+    forward and backward (x, the weights and both projections)."""
+    gu, dn = m.gate_up_proj, m.down_proj
+    others = sorted(n for n, _ in m.named_parameters() if n not in ("gate_up_proj", "down_proj"))
+    if others:
+        return None, f"its experts have other parameters ({', '.join(others)}): biases are not in the products"
+    e, two_i, h = gu.shape
+    if two_i % 2 or dn.shape != (e, h, two_i // 2):
+        return None, (f"its weights are {tuple(gu.shape)} and {tuple(dn.shape)}, not (E, 2I, H) and (E, H, I) "
+                      "(transposed or interleaved layouts are not taken)")
+    own_gate = getattr(type(m), "_apply_gate", None)
+    if own_gate is not None:
+        from transformers.integrations.moe import _default_apply_gate
+
+        if own_gate is not _default_apply_gate:
+            return None, "its gate is its own (_apply_gate: a clamp or another form), not act(gate) * up"
+    key = (type(m), tuple(gu.shape), _settings(m))
+    if key not in _experts_cache:
+        _experts_cache[key] = _probe_experts(m, e, two_i // 2, h)
+    return _experts_cache[key]
+
+
+def experts_reference(act: str, x, top_k_index, top_k_weights, gate_up, down):
+    """What ``Experts(act)`` computes, in PyTorch ops (the probe's candidate, and the path where
+    the kernels do not run): (T, H) in x's dtype."""
+    hid = torch.einsum("th,tkoh->tko", x, gate_up[top_k_index])
+    i = hid.shape[-1] // 2
+    z = GATED_ACTS[act][2](hid[..., :i]) * hid[..., i:]
+    y = torch.einsum("tki,tkhi->tkh", z, down[top_k_index])
+    return (y * top_k_weights[..., None]).sum(1).to(x.dtype)
+
+
+def _probe_experts(m: nn.Module, e: int, i: int, h: int) -> tuple[Experts | None, str | None]:
+    """Found only where one activation matches at both scales: inputs of unit size (where the
+    activations differ) and of about 30 (where a clamp of the gate would show)."""
+    found = None
+    for scale in (1.0, 30.0):
+        act, why = _probe_experts_at(m, e, i, h, scale)
+        if act is None or (found is not None and act != found):
+            return None, why or "computes no one gated-experts form at every input size"
+        found = act
+    return Experts(found), None
+
+
+def _probe_experts_at(m: nn.Module, e: int, i: int, h: int, scale: float) -> tuple[str | None, str | None]:
+    dev = m.gate_up_proj.device
+    g = torch.Generator(device="cpu").manual_seed(0)
+    t, k = 6, min(2, e)
+    x = (torch.randn(t, h, generator=g) * scale).to(dev)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(dev)
+    w = (torch.rand(t, k, generator=g) + 0.1).to(dev)
+    pgu = (torch.randn(e, 2 * i, h, generator=g) / h ** 0.5).to(dev)
+    pdn = (torch.randn(e, h, i, generator=g) / i ** 0.5).to(dev)
+    dy = torch.randn(t, h, generator=g).to(dev)
+    with _swapped([(m.gate_up_proj, pgu), (m.down_proj, pdn)]), torch.enable_grad():
+        xl, wl = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        try:
+            own = m(xl, idx, wl)
+        except Exception as ex:  # noqa: BLE001 - a module that cannot run so is not such experts
+            return None, f"its forward does not take (x, top_k_index, top_k_weights) ({type(ex).__name__})"
+        if not isinstance(own, torch.Tensor) or own.shape != x.shape:
+            return None, "its forward does not map (T, H) to (T, H)"
+        own_grads = torch.autograd.grad(own, [xl, wl, m.gate_up_proj, m.down_proj], dy, allow_unused=True)
+    for act in GATED_ACTS:
+        with torch.enable_grad():
+            leaves = [v.clone().requires_grad_(True) for v in (x, w, pgu, pdn)]
+            y = experts_reference(act, leaves[0], idx, leaves[1], leaves[2], leaves[3])
+            if _disagreement(own.detach(), y.detach()) > 8 * _ulps(torch.float32):
+                continue
+            grads = torch.autograd.grad(y, leaves, dy, allow_unused=True)
+        if _grads_disagreement(own_grads, grads) <= 16 * _ulps(torch.float32):
+            return act, None
+    return None, "computes no gated experts (silu, gelu or tanh-gelu) cukern has to float32's rounding"
