@@ -43,6 +43,15 @@ def to_device(host: np.ndarray, framework: str):
     return cupy.asarray(host)
 
 
+def ints_to_device(host: np.ndarray, framework: str):
+    """A device copy of an integer array in its own dtype (``to_device`` is for floats)."""
+    if framework == "torch":
+        return torch.from_numpy(np.ascontiguousarray(host)).cuda()
+    import cupy
+
+    return cupy.asarray(host)
+
+
 def to_host(a) -> np.ndarray:
     """float64 NumPy copy of a CuPy array or torch tensor."""
     if torch is not None and isinstance(a, torch.Tensor):

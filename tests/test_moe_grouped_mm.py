@@ -11,19 +11,11 @@ import pytest
 from cukern.moe import grouped_mm
 from cukern.moe import reference as R
 
-from arrays import TOL, np_dtype, poison_allocator, to_device, to_host, torch
+from arrays import TOL, ints_to_device, np_dtype, poison_allocator, to_device, to_host, torch
 
 gpu = pytest.mark.gpu
 FRAMEWORKS = ["cupy"] + (["torch"] if torch is not None else [])
 DTYPES = ("float16", "bfloat16")
-
-
-def _ints(host: np.ndarray, framework: str):
-    if framework == "torch":
-        return torch.from_numpy(np.ascontiguousarray(host)).cuda()
-    import cupy
-
-    return cupy.asarray(host)
 
 
 def _offsets(counts, rows=None) -> np.ndarray:
@@ -141,7 +133,7 @@ def test_grouped_products_match_the_reference(framework, dtype, case):
     b = (rng.standard_normal((experts, n, k)) / np.sqrt(k)).astype(np_dtype(dtype))
     dout = rng.standard_normal((rows, n)).astype(np_dtype(dtype))
     poison_allocator(framework, [rows * n * 2, rows * k * 2, experts * n * k * 2])
-    ad, bd, od = to_device(a, framework), to_device(b, framework), _ints(off, framework)
+    ad, bd, od = to_device(a, framework), to_device(b, framework), ints_to_device(off, framework)
     tol = TOL[dtype]
 
     def close(got, want):
@@ -169,9 +161,9 @@ def test_offsets_out_of_order_are_reported_and_never_read_past():
     a = to_device(np.ones((20, 16), np.float16), "cupy")
     b = to_device(np.ones((3, 8, 16), np.float16), "cupy")
     for bad in ([0, 12, 5, 20], [0, 4, 30, 20], [2, 4, 8, 20], [0, -4, 8, 20]):
-        out = grouped_mm.moe_grouped_mm(a, b, _ints(np.array(bad, np.int32), "cupy"))
+        out = grouped_mm.moe_grouped_mm(a, b, ints_to_device(np.array(bad, np.int32), "cupy"))
         da, db = grouped_mm.moe_grouped_mm_backward(to_device(np.ones((20, 8), np.float16), "cupy"), a, b,
-                                                    _ints(np.array(bad, np.int32), "cupy"))
+                                                    ints_to_device(np.array(bad, np.int32), "cupy"))
         assert to_host(out).shape == (20, 8) and to_host(db).shape == (3, 8, 16) and to_host(da).shape == (20, 16)
         with pytest.raises(IndexError, match=r"^offsets: expert \d's rows are not in order within the 20 rows"):
             cukern.check_errors()

@@ -10,7 +10,7 @@ import pytest
 from cukern.moe import reference as R
 from cukern.moe import routing
 
-from arrays import FLOAT_DTYPES, np_dtype, poison_allocator, to_device, to_host, torch
+from arrays import FLOAT_DTYPES, ints_to_device, np_dtype, poison_allocator, to_device, to_host, torch
 
 gpu = pytest.mark.gpu
 FRAMEWORKS = ["cupy"] + (["torch"] if torch is not None else [])
@@ -21,15 +21,6 @@ def _distinct_logits(rng, t, e, dtype):
     reference choose the same experts), exactly representable in ``dtype``."""
     base = np.stack([rng.permutation(e) for _ in range(t)]).astype(np.float64)
     return (base * (4.0 / e) - 2.0).astype(np_dtype(dtype))
-
-
-def _ints(host: np.ndarray, framework: str):
-    """An int32 device copy (arrays.to_device keeps float dtypes alone)."""
-    if framework == "torch":
-        return torch.from_numpy(np.ascontiguousarray(host)).cuda()
-    import cupy
-
-    return cupy.asarray(host)
 
 
 # ---- no GPU: checks and plans ----------------------------------------------------------------------
@@ -181,7 +172,7 @@ def test_permute_and_combine_match_the_references(framework, dtype, t, e, k, h):
     ex = np.stack([rng.choice(e, k, replace=False, p=np.arange(e, 0, -1) ** 2 / (np.arange(e, 0, -1) ** 2).sum())
                    for _ in range(t)]).astype(np.int32)
     poison_allocator(framework, [t * k * h * 4, t * k * h * 2, t * k * 4, t * h * 4, t * h * 2])
-    xp, order, row_of, offsets, counts = routing.moe_permute(to_device(x, framework), _ints(ex, framework), e)
+    xp, order, row_of, offsets, counts = routing.moe_permute(to_device(x, framework), ints_to_device(ex, framework), e)
     rxp, rorder, roff = R.permute(x.astype(np.float64), ex, e)
     np.testing.assert_array_equal(to_host(order), rorder)
     np.testing.assert_array_equal(to_host(offsets), roff)
@@ -211,7 +202,7 @@ def test_permute_and_combine_match_the_references(framework, dtype, t, e, k, h):
 @gpu
 def test_permute_of_no_tokens_gives_empty_rows_and_zero_offsets():
     xp, order, row_of, offsets, counts = routing.moe_permute(to_device(np.ones((0, 8), np.float32), "cupy"),
-                                                             _ints(np.zeros((0, 2), np.int32), "cupy"), 4)
+                                                             ints_to_device(np.zeros((0, 2), np.int32), "cupy"), 4)
     assert to_host(xp).shape == (0, 8) and to_host(order).shape == (0,)
     assert to_host(offsets).tolist() == [0] * 5 and to_host(counts).tolist() == [0] * 4
 
@@ -223,14 +214,14 @@ def test_an_expert_id_out_of_range_is_reported_and_never_read_past():
     cukern.check_errors()
     ex = np.array([[0, 1], [5, 2], [1, -1]], np.int32)
     xp, order, row_of, offsets, counts = routing.moe_permute(to_device(np.ones((3, 8), np.float32), "cupy"),
-                                                             _ints(ex, "cupy"), 4)
+                                                             ints_to_device(ex, "cupy"), 4)
     assert to_host(offsets).tolist() == [0, 1, 3, 4, 4] and to_host(counts).tolist() == [1, 2, 1, 0]
     assert sorted(to_host(order)[4:].tolist()) == [2, 5]   # (after the last expert's rows)
     with pytest.raises(IndexError, match=r"^experts: expert id (5|-1) is out of range for 4 experts"):
         cukern.check_errors()
     rows = to_device(np.ones((6, 8), np.float32), "cupy")
     for row in (99, -1):
-        bad = _ints(np.array([0, 1, 2, 3, 4, row], np.int32), "cupy")
+        bad = ints_to_device(np.array([0, 1, 2, 3, 4, row], np.int32), "cupy")
         out = routing.moe_unpermute(rows, bad, to_device(np.ones((3, 2), np.float32), "cupy"))
         assert to_host(out)[2].tolist() == [1.0] * 8   # (the bad row not read)
         with pytest.raises(IndexError, match=rf"^row_of / order: row {row} is out of range for 6 rows"):
