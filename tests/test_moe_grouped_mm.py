@@ -11,7 +11,7 @@ import pytest
 from cukern.moe import grouped_mm
 from cukern.moe import reference as R
 
-from arrays import TOL, ints_to_device, np_dtype, poison_allocator, to_device, to_host, torch
+from arrays import TOL, ints_to_device, np_dtype, poison_allocator, raise_as_expected, to_device, to_host, torch
 
 gpu = pytest.mark.gpu
 FRAMEWORKS = ["cupy"] + (["torch"] if torch is not None else [])
@@ -89,9 +89,7 @@ def test_bad_arguments_are_named(host_arrays_as_device):
         (lambda: grouped_mm.moe_grouped_mm_backward(np.ones((10, 8), np.float32), a, b, off), ValueError,
          "^dout: .*float32"),
     ]
-    for call, exc, pattern in cases:
-        with pytest.raises(exc, match=pattern):
-            call()
+    raise_as_expected(cases)
 
 
 @pytest.mark.compile

@@ -10,7 +10,8 @@ import pytest
 from cukern.moe import reference as R
 from cukern.moe import routing
 
-from arrays import FLOAT_DTYPES, ints_to_device, np_dtype, poison_allocator, to_device, to_host, torch
+from arrays import (FLOAT_DTYPES, ints_to_device, np_dtype, poison_allocator, raise_as_expected, to_device, to_host,
+                    torch)
 
 gpu = pytest.mark.gpu
 FRAMEWORKS = ["cupy"] + (["torch"] if torch is not None else [])
@@ -100,9 +101,7 @@ def test_bad_arguments_are_named(host_arrays_as_device):
                                                 np.zeros(6, np.int32), np.zeros((3, 2), np.float32)), ValueError,
          r"^dout: shape \(3, 8\) float16"),
     ]
-    for call, exc, pattern in cases:
-        with pytest.raises(exc, match=pattern):
-            call()
+    raise_as_expected(cases)
 
 
 @pytest.mark.compile
