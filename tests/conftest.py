@@ -5,7 +5,8 @@ device is visible.
 hypothesis profiles: `ci` (derandomized, no deadline) and `dev` (random, no deadline, since
 the first call of a kernel instance compiles it); choose with HYPOTHESIS_PROFILE.
 A run of the whole suite uses every core (up to 8) through pytest-xdist where it is installed
-(by file, or test by test where the compile check is deselected);
+(by file, or test by test where the compile check is deselected), each worker with its share of
+the cores' OpenMP threads;
 `-n 0` (or `-p no:xdist`) keeps one process, as a run of single files or tests does.
 """
 import functools
@@ -59,6 +60,12 @@ def pytest_cmdline_main(config):
             # with it); without it, test by test to whichever worker is free (the files' times
             # differ tenfold, so a split by file leaves one worker idle)
             o.dist = "worksteal" if _compile_deselected(o.markexpr) else "loadfile"
+    workers = o.numprocesses if isinstance(o.numprocesses, int) else 0
+    if workers >= 2:
+        # the workers share the cores: with OpenMP's and OpenBLAS's default of a thread a core in
+        # every worker, their spinning threads take turns on the same cores (twice the CPU time,
+        # slower than one process on two cores); the workers inherit this
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // workers)))
 
 
 @functools.lru_cache(maxsize=None)
