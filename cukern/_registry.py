@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import importlib
 
-FAMILIES = ("norm", "group_norm", "embedding", "attention", "cross_entropy", "swiglu", "rope")
+FAMILIES = ("norm", "group_norm", "embedding", "attention", "cross_entropy", "swiglu", "rope", "moe")
 
 # Modules with kernels that several families launch (compiled and checked like a family's).
 SHARED_KERNELS = ("_partials", "_hopper", "_fp8")

@@ -749,6 +749,75 @@ def swiglu_cases() -> list:
     return out
 
 
+# ---- moe ----------------------------------------------------------------------------------------
+
+# (tokens, hidden, experts, intermediate, top_k, score, selection bias): token counts that leave
+# an expert empty or fill a tile partially, experts beyond one router warp's 32
+MOE_SHAPES = (
+    (37, 24, 8, 16, 2, "softmax", False),
+    (5, 16, 3, 8, 3, "sigmoid", True),      # every expert chosen by every token
+    (70, 32, 40, 24, 4, "softmax", False),
+)
+
+
+def _moe_experts(A, t, k, e, seed):
+    """(T, k) int32 expert ids, distinct in a row, some experts never chosen where T k < E."""
+    rng = np.random.default_rng(seed)
+    return A.asarray(np.stack([rng.permutation(e)[:k] for _ in range(t)]), "int32")
+
+
+def _moe_case(dtype, t, h, e, i, k, score, bias):
+    def body(A, seed):
+        logits = A.randn((t, e), dtype, seed)
+        sb = A.randn((e,), "float32", seed + 1) if bias else None
+        weights, experts, _ = cukern.moe_router(logits, k, score=score, selection_bias=sb)
+        cukern.moe_router_backward(A.randn((t, k), "float32", seed + 2), logits, experts, score=score)
+        x = A.randn((t, h), dtype, seed + 3)
+        ex = _moe_experts(A, t, k, e, seed + 4)
+        x_perm, _, row_of, offsets, _ = cukern.moe_permute(x, ex, e)
+        w = A.randn((t, k), "float32", seed + 5)
+        cukern.moe_unpermute(x_perm, row_of, w)
+        cukern.moe_unpermute_backward(A.randn((t, h), dtype, seed + 6), x_perm, row_of, w)
+        cukern.moe_permute_backward(A.randn((t * k, h), dtype, seed + 7), row_of, k)
+        if dtype == "float32":
+            return
+        wgu = A.randn((e, 2 * i, h), dtype, seed + 8, scale=h ** -0.5)
+        cukern.moe_grouped_mm(x_perm, wgu, offsets)
+        cukern.moe_grouped_mm_backward(A.randn((t * k, 2 * i), dtype, seed + 9), x_perm, wgu, offsets)
+        rw = A.randn((e, h), dtype, seed + 10)
+        wd = A.randn((e, h, i), dtype, seed + 11, scale=i ** -0.5)
+        _, saved = cukern.moe_forward(x, rw, wgu, wd, k, act="gelu_tanh" if bias else "silu", score=score)
+        cukern.moe_backward(A.randn((t, h), dtype, seed + 12), x, rw, wgu, wd, saved)
+
+    calls = ("moe_router", "moe_router_backward", "moe_permute", "moe_unpermute", "moe_unpermute_backward",
+             "moe_permute_backward")
+    if dtype != "float32":
+        calls += ("moe_grouped_mm", "moe_grouped_mm_backward", "moe_forward", "moe_backward")
+    return _case(f"moe/{dtype}/T{t} H{h} E{e} I{i} k{k}/{score}{'+bias' if bias else ''}", body, calls)
+
+
+def _moe_grouped_ragged(A, seed):
+    """Grouped products over groups of 0, 1, 130 and 7 rows and rows past the last group."""
+    off = A.asarray([0, 0, 1, 131, 138], "int32")
+    a = A.randn((140, 40), "bfloat16", seed)
+    b = A.randn((4, 136, 40), "bfloat16", seed + 1, scale=40 ** -0.5)
+    cukern.moe_grouped_mm(a, b, off)
+    cukern.moe_grouped_mm_backward(A.randn((140, 136), "bfloat16", seed + 2), a, b, off)
+
+
+def _moe_fault(A, seed):
+    x = A.randn((6, 16), "float16", seed)
+    _expect_fault(lambda: cukern.moe_permute(x, A.asarray([[0, 9]] * 6, "int32"), 4))
+
+
+def moe_cases() -> list:
+    out = [_moe_case(dtype, *spec) for dtype in FLOAT_DTYPES for spec in MOE_SHAPES]
+    out.append(_case("moe/grouped_mm ragged/bfloat16", _moe_grouped_ragged,
+                     ("moe_grouped_mm", "moe_grouped_mm_backward")))
+    out.append(_case("moe/out-of-range expert/float16", _moe_fault, ("moe_permute",)))
+    return out
+
+
 ARRAY_CASES = {
     "norm": norm_cases,
     "group_norm": group_norm_cases,
@@ -757,6 +826,7 @@ ARRAY_CASES = {
     "cross_entropy": cross_entropy_cases,
     "rope": rope_cases,
     "swiglu": swiglu_cases,
+    "moe": moe_cases,
 }
 
 

@@ -89,7 +89,19 @@ def test_permute_groups_pairs_by_expert_stably_and_unpermute_combines():
     np.testing.assert_allclose(R.unpermute(xp, order, w), x * w.sum(1, keepdims=True), rtol=1e-13)
 
 
-def test_bad_arguments_are_named():
+def bad_input_cases(xp):
+    """(call, exception, message pattern) of the family's bad arguments: the routing's, the
+    grouped products' and the block's (tests/test_bad_inputs.py runs them, with and without a
+    GPU)."""
+    import test_moe_block
+    import test_moe_grouped_mm
+    import test_moe_routing
+
+    return (test_moe_routing.bad_input_cases(xp) + test_moe_grouped_mm.bad_input_cases(xp)
+            + test_moe_block.bad_input_cases(xp))
+
+
+def test_the_references_bad_arguments_are_named():
     with pytest.raises(ValueError, match=r"^top_k: must be an int in \[1, 4\]"):
         R.router(np.zeros((3, 4)), 5)
     with pytest.raises(ValueError, match="^top_k: "):

@@ -16,22 +16,22 @@ gpu = pytest.mark.gpu
 FRAMEWORKS = ["cupy"] + (["torch"] if torch is not None else [])
 
 
-def test_bad_arguments_are_named(host_arrays_as_device):
+def bad_input_cases(xp):
+    """(call, exception, message pattern) of the block's bad arguments (tests/test_moe.py gathers them)."""
     f16 = np.float16
-    x, rw = np.ones((4, 16), f16), np.ones((8, 16), f16)
-    wgu, wd = np.ones((8, 32, 16), f16), np.ones((8, 16, 16), f16)
+    x, rw = xp.ones((4, 16), f16), xp.ones((8, 16), f16)
+    wgu, wd = xp.ones((8, 32, 16), f16), xp.ones((8, 16, 16), f16)
+    f = block.moe_forward
     cases = [
-        (lambda: block.moe_forward(x[None], rw, wgu, wd, 2), r"^x: expected \(tokens, hidden\)"),
-        (lambda: block.moe_forward(x, rw[:, :8], wgu, wd, 2), r"^router_w: shape \(8, 8\); expected \(experts, 16\)"),
-        (lambda: block.moe_forward(x, rw, wgu[:4], wd, 2), r"^w_gate_up: shape \(4, 32, 16\); expected \(8, "),
-        (lambda: block.moe_forward(x, rw, np.ones((8, 31, 16), f16), wd, 2), "^w_gate_up: shape"),
-        (lambda: block.moe_forward(x, rw, wgu, np.ones((8, 16, 8), f16), 2), r"^w_down: shape \(8, 16, 8\); expected"),
-        (lambda: block.moe_forward(x, rw.astype(np.float32), wgu, wd, 2), "^router_w: dtype float32, expected x's"),
-        (lambda: block.moe_forward(x, rw, wgu, wd, 2, act="relu"), "^act: expected one of"),
+        (lambda: f(x[None], rw, wgu, wd, 2), ValueError, r"^x: expected \(tokens, hidden\)"),
+        (lambda: f(x, rw[:, :8], wgu, wd, 2), ValueError, r"^router_w: shape \(8, 8\); expected \(experts, 16\)"),
+        (lambda: f(x, rw, wgu[:4], wd, 2), ValueError, r"^w_gate_up: shape \(4, 32, 16\); expected \(8, "),
+        (lambda: f(x, rw, xp.ones((8, 31, 16), f16), wd, 2), ValueError, "^w_gate_up: shape"),
+        (lambda: f(x, rw, wgu, xp.ones((8, 16, 8), f16), 2), ValueError, r"^w_down: shape \(8, 16, 8\); expected"),
+        (lambda: f(x, rw.astype(np.float32), wgu, wd, 2), ValueError, "^router_w: dtype float32, expected x's"),
+        (lambda: f(x, rw, wgu, wd, 2, act="relu"), ValueError, "^act: expected one of"),
     ]
-    for call, pattern in cases:
-        with pytest.raises(ValueError, match=pattern):
-            call()
+    return cases
 
 
 @pytest.mark.parametrize("act", block.ACTS)

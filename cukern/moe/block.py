@@ -89,12 +89,15 @@ def _torch(a) -> bool:
     return type(a).__module__.split(".")[0] == "torch"
 
 
-def _contiguous(a):
-    if _torch(a):
-        return a.contiguous()
-    import cupy
+def _array_module(a):
+    """CuPy, or NumPy for the host arrays that stand in for device ones in the tests' dry runs."""
+    import importlib
 
-    return cupy.ascontiguousarray(a)
+    return importlib.import_module("numpy" if type(a).__module__.split(".")[0] == "numpy" else "cupy")
+
+
+def _contiguous(a):
+    return a.contiguous() if _torch(a) else _array_module(a).ascontiguousarray(a)
 
 
 def _cat_columns(a, b):
@@ -103,9 +106,7 @@ def _cat_columns(a, b):
         import torch
 
         return torch.cat([a, b], dim=1)
-    import cupy
-
-    return cupy.concatenate([a, b], axis=1)
+    return _array_module(a).concatenate([a, b], axis=1)
 
 
 def moe_forward(x, router_w, w_gate_up, w_down, top_k: int, *, act: str = "silu", score: str = "softmax",

@@ -1,0 +1,178 @@
+"""The family's benchmark cases: the grouped expert products at the shapes of a fine-grained
+MoE (64 experts, top-8, hidden 2048, expert width 768) and of Mixtral (8 experts, top-2, hidden
+4096, width 14336), balanced routing, against ``torch._grouped_mm`` where the installed torch has
+it (a loop over the experts where it does not). The bench reports them in TFLOP/s against the
+device's dense matrix rate: the ceiling at equal FLOPs."""
+from __future__ import annotations
+
+import functools
+
+from .._bench_cases import Case, generator, randn
+from .grouped_mm import moe_grouped_mm, moe_grouped_mm_backward
+
+# (label, experts, rows (tokens × top_k), in_features K, out_features N)
+WORKLOAD = {
+    "full": (("64e top8 up", 64, 16384 * 8, 2048, 2 * 768), ("64e top8 down", 64, 16384 * 8, 768, 2048),
+             ("mixtral up", 8, 8192 * 2, 4096, 2 * 14336), ("mixtral down", 8, 8192 * 2, 14336, 4096)),
+    "quick": (("64e top8 up", 64, 2048 * 8, 512, 2 * 256), ("64e top8 down", 64, 2048 * 8, 256, 512),
+              ("mixtral up", 8, 2048 * 2, 1024, 2 * 2048), ("mixtral down", 8, 2048 * 2, 2048, 1024)),
+    "dtype": "bfloat16",
+}
+
+
+def _inputs(experts, rows, k, n, dtype, seed, grad=False):
+    import torch
+
+    gen = generator(seed)
+    counts = [rows // experts + (e < rows % experts) for e in range(experts)]
+    offsets = torch.tensor([0] + [sum(counts[:e + 1]) for e in range(experts)], dtype=torch.int32, device="cuda")
+    t = {"a": randn((rows, k), dtype, gen), "b": randn((experts, n, k), dtype, gen) * k ** -0.5,
+         "offsets": offsets, "counts": counts}
+    if grad:
+        t["dout"] = randn((rows, n), dtype, gen)
+    return t
+
+
+def _fwd(t):
+    return moe_grouped_mm(t["a"], t["b"], t["offsets"])
+
+
+def _fwd_bwd(t):
+    return (_fwd(t), *moe_grouped_mm_backward(t["dout"], t["a"], t["b"], t["offsets"]))
+
+
+def _torch_product(a, b_kn, t):
+    """a (R, K) times each expert's b_kn (E, K, N) over its rows: ``torch._grouped_mm`` where it
+    runs, else one product an expert."""
+    import torch
+
+    if hasattr(torch, "_grouped_mm"):
+        try:
+            return torch._grouped_mm(a, b_kn, offs=t["offsets"][1:])
+        except (RuntimeError, NotImplementedError):
+            pass
+    rows = [0]
+    for c in t["counts"]:
+        rows.append(rows[-1] + c)
+    return torch.cat([a[lo:hi] @ b_kn[e] for e, (lo, hi) in enumerate(zip(rows, rows[1:]))])
+
+
+def _torch_fwd(t):
+    return _torch_product(t["a"], t["b"].transpose(-2, -1), t)
+
+
+def _torch_fwd_bwd(t):
+    import torch
+
+    out = _torch_fwd(t)
+    da = _torch_product(t["dout"], t["b"], t)
+    rows, db = 0, []
+    for c in t["counts"]:
+        db.append(t["dout"][rows:rows + c].T @ t["a"][rows:rows + c])
+        rows += c
+    return out, da, torch.stack(db)
+
+
+def bench_cases(quick: bool) -> list:
+    """FLOPs: 2 R K N a product (the forward), three products with both backward ones."""
+    dt = WORKLOAD["dtype"]
+    out = []
+    for label, e, r, k, n in WORKLOAD["quick" if quick else "full"]:
+        flops, shape = 2 * r * k * n, (e, r, k, n)
+        nbytes = 2 * (r * k + e * n * k + r * n)
+        out.append(Case(f"moe grouped_mm {label} fwd", "moe", shape, dt, nbytes,
+                        functools.partial(_inputs, e, r, k, n, dt), _fwd, _torch_fwd, flops=flops))
+        out.append(Case(f"moe grouped_mm {label} fwd+bwd", "moe", shape, dt, 3 * nbytes,
+                        functools.partial(_inputs, e, r, k, n, dt, grad=True), _fwd_bwd, _torch_fwd_bwd,
+                        flops=3 * flops))
+    return out
+
+
+# ---- the PyTorch path: transformers' fused experts, as patch(model) routes them ----------------
+
+EXPERTS = {"full": (16384, 2048, 64, 768, 8), "quick": (2048, 512, 16, 256, 4)}   # T, H, E, I, k
+
+
+def _grouped(a, b_kn, offsets):
+    """a's rows times each expert's b_kn (E, K, N): ``torch._grouped_mm`` where the installed
+    torch has it, else one product an expert (which reads the offsets on the host)."""
+    import torch
+
+    if hasattr(torch, "_grouped_mm"):
+        return torch._grouped_mm(a, b_kn, offs=offsets)
+    ends = [0, *offsets.tolist()]
+    return torch.cat([a[lo:hi] @ b_kn[e] for e, (lo, hi) in enumerate(zip(ends, ends[1:]))])
+
+
+def _torch_experts(x, idx, weights, gate_up, down):
+    """transformers' fused experts (SwiGLU) the way a PyTorch user writes them on grouped
+    products: the pairs sorted by expert, two grouped products, the weighted sum back."""
+    import torch
+    import torch.nn.functional as F
+
+    e, k = gate_up.shape[0], idx.shape[1]
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offsets = torch.cumsum(F.one_hot(flat, e).sum(0), 0).to(torch.int32)
+    token = order // k
+    h = _grouped(x[token], gate_up.transpose(-2, -1), offsets)
+    i = h.shape[1] // 2
+    y = _grouped(F.silu(h[:, :i]) * h[:, i:], down.transpose(-2, -1), offsets)
+    y = y * weights.reshape(-1)[order, None].to(y.dtype)
+    return torch.zeros_like(x).index_add_(0, token, y)
+
+
+def _experts_inputs(dims, dtype, seed):
+    import torch
+
+    t_, h, e, i, k = dims
+    gen = generator(seed)
+    # (balanced: token t's experts t k ... t k + k - 1, modulo E: distinct, each expert T k / E pairs)
+    idx = (torch.arange(t_ * k, device="cuda") % e).reshape(t_, k)
+    leaves = [randn((t_, h), dtype, gen).requires_grad_(True),
+              torch.rand((t_, k), device="cuda", generator=gen).requires_grad_(True),
+              (randn((e, 2 * i, h), dtype, gen) * h ** -0.5).requires_grad_(True),
+              (randn((e, h, i), dtype, gen) * i ** -0.5).requires_grad_(True)]
+    return {"leaves": leaves, "idx": idx, "dy": randn((t_, h), dtype, gen)}
+
+
+def _experts_on(F, t):
+    """``F.moe_experts`` where F has it (cukern.torch), else the PyTorch form above."""
+    x, w, gu, dn = t["leaves"]
+    fn = getattr(F, "moe_experts", None)
+    return fn(x, t["idx"], w, gu, dn) if fn is not None else _torch_experts(x, t["idx"], w, gu, dn)
+
+
+def _experts_array(t):
+    """The same forward and backward through the array functions (cukern.moe.torch's wiring)."""
+    from .block import _gate, _gate_backward
+    from .routing import moe_permute, moe_permute_backward, moe_unpermute, moe_unpermute_backward
+
+    import torch
+
+    x, w, gu, dn = (v.detach() for v in t["leaves"])
+    i = gu.shape[1] // 2
+    x_perm, _, row_of, offsets, _ = moe_permute(x, t["idx"].to(dtype=torch.int32), gu.shape[0])
+    h = moe_grouped_mm(x_perm, gu, offsets)
+    z = _gate("silu", h[:, :i], h[:, i:])
+    y = moe_grouped_mm(z, dn, offsets)
+    out = moe_unpermute(y, row_of, w)
+    dy, dw = moe_unpermute_backward(t["dy"], y, row_of, w)
+    dz, ddn = moe_grouped_mm_backward(dy, z, dn, offsets)
+    dg, du = _gate_backward("silu", dz, h[:, :i], h[:, i:])
+    dx_perm, dgu = moe_grouped_mm_backward(torch.cat([dg, du], dim=1), x_perm, gu, offsets)
+    return out, moe_permute_backward(dx_perm, row_of, t["idx"].shape[1]), dw, dgu, ddn
+
+
+def torch_bench_cases(quick: bool) -> list:
+    """The experts' forward and backward (patch(model)'s ``moe_experts``) against the same on
+    PyTorch's grouped products, eager and compiled. FLOPs: the three products of each pair,
+    forward, three times that with the backward."""
+    from .._bench_cases import TorchCase
+
+    dims, dt = EXPERTS["quick" if quick else "full"], WORKLOAD["dtype"]
+    t_, h, e, i, k = dims
+    flops = 2 * t_ * k * h * 3 * i
+    nbytes = 2 * (2 * t_ * h + e * 3 * i * h + t_ * k * (h + 3 * i))
+    return [TorchCase("moe experts fwd+bwd", "moe", (t_, h, e, i, k), dt, 3 * nbytes,
+                      functools.partial(_experts_inputs, dims, dt), _experts_on, _experts_array, flops=3 * flops)]
