@@ -50,14 +50,25 @@ VARIANTS = {"sm80": ({"CUKERN_ATTENTION_SM80": "1"}, ("attention",))}
 # where the same forward with O by st.global (not persistent) gives none. So the initcheck
 # processes run the Hopper forward that way; that the persistent forward writes every element
 # of O is what the poisoned-output tests check (tests/test_attention*.py).
-TOOL_ENV = {"initcheck": {"CUKERN_SANITIZE_O_BY_STORES": "1"}}
-TOOL_ENV_FAMILIES = {"initcheck": ("attention",)}
+# The same holds for cuBLAS's products on Hopper (either backend): PyTorch's own add reading a
+# (37, 8) bf16 product gets 296 reports, one an element. So the initcheck processes compute the
+# MoE block's router products (cukern.moe.block._matmul) by broadcast sums instead.
+TOOL_ENV = {"initcheck": {"CUKERN_SANITIZE_O_BY_STORES": "1", "CUKERN_SANITIZE_NO_CUBLAS": "1"}}
+TOOL_ENV_FAMILIES = {"initcheck": ("attention", "moe")}
+
+
+def product_by_sums(a, b):
+    """``a @ b`` (2-D torch tensors) as a broadcast product summed in float32 (PyTorch's
+    elementwise and reduction kernels: no cuBLAS), in a's dtype."""
+    return (a[:, :, None].float() * b[None].float()).sum(1).to(a.dtype)
 
 
 def configure_for_tool() -> None:
     """In a process that TOOL_ENV marks, what it asks for (see there)."""
     import os
 
+    if os.environ.get("CUKERN_SANITIZE_NO_CUBLAS", "0") == "1":
+        importlib.import_module("cukern.moe.block")._matmul = product_by_sums
     if os.environ.get("CUKERN_SANITIZE_O_BY_STORES", "0") != "1":
         return
     import dataclasses

@@ -335,9 +335,10 @@ def test_initcheck_processes_store_o_without_tma(monkeypatch):
     attn = importlib.import_module("cukern.attention")
     shipped = attn.configs.CONFIGS
     assert any(c.persistent for _, c in shipped.fwd_sm90 + shipped.fwd_sm90_full)
-    assert sc.TOOL_ENV["initcheck"] == {"CUKERN_SANITIZE_O_BY_STORES": "1"}
+    assert sc.TOOL_ENV["initcheck"]["CUKERN_SANITIZE_O_BY_STORES"] == "1"
     monkeypatch.setattr(attn.configs, "CONFIGS", shipped)
     monkeypatch.delenv("CUKERN_SANITIZE_O_BY_STORES", raising=False)
+    monkeypatch.delenv("CUKERN_SANITIZE_NO_CUBLAS", raising=False)
     sc.configure_for_tool()
     assert attn.configs.CONFIGS is shipped
     monkeypatch.setenv("CUKERN_SANITIZE_O_BY_STORES", "1")
@@ -352,3 +353,25 @@ def test_initcheck_processes_store_o_without_tma(monkeypatch):
                 c.instance(dt, d, 0)
     tool = _tool()
     assert tool._tool_env("initcheck") == sc.TOOL_ENV["initcheck"] and tool._tool_env("memcheck") == {}
+
+
+def test_initcheck_processes_compute_the_moe_blocks_products_without_cublas(monkeypatch):
+    """initcheck's processes compute the MoE block's router products by broadcast sums (the tool
+    does not see cuBLAS's stores on Hopper: sanitize_cases.TOOL_ENV), the same product."""
+    torch = pytest.importorskip("torch")
+    from cukern.moe import block
+
+    assert sc.TOOL_ENV["initcheck"]["CUKERN_SANITIZE_NO_CUBLAS"] == "1" and "moe" in sc.TOOL_ENV_FAMILIES["initcheck"]
+    monkeypatch.setattr(block, "_matmul", block._matmul)
+    shipped = block._matmul
+    monkeypatch.delenv("CUKERN_SANITIZE_O_BY_STORES", raising=False)
+    monkeypatch.delenv("CUKERN_SANITIZE_NO_CUBLAS", raising=False)
+    sc.configure_for_tool()
+    assert block._matmul is shipped
+    monkeypatch.setenv("CUKERN_SANITIZE_NO_CUBLAS", "1")
+    sc.configure_for_tool()
+    assert block._matmul is sc.product_by_sums
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(5, 7, generator=g, dtype=torch.float64), torch.randn(7, 3, generator=g, dtype=torch.float64)
+    # (summed in float32)
+    torch.testing.assert_close(block._matmul(a, b), a @ b, rtol=1e-5, atol=1e-5)

@@ -85,6 +85,13 @@ def _gate_backward(act: str, dz, gate, up):
     return geglu_backward(dz, gate, up, approximate="tanh" if act == "gelu_tanh" else "none")
 
 
+def _matmul(a, b):
+    """``a @ b``, the framework's own product (cuBLAS). A seam for the sanitizer's initcheck
+    processes (tests/sanitize_cases.py), which replace it: initcheck does not register cuBLAS's
+    stores on Hopper, so it reports every read of a cuBLAS product, PyTorch's own kernels' too."""
+    return a @ b
+
+
 def _torch(a) -> bool:
     return type(a).__module__.split(".")[0] == "torch"
 
@@ -123,7 +130,7 @@ def moe_forward(x, router_w, w_gate_up, w_down, top_k: int, *, act: str = "silu"
     """
     _act(act)
     _, e, i = _check(x, router_w, w_gate_up, w_down)
-    logits = x @ router_w.T
+    logits = _matmul(x, router_w.T)
     weights, experts, _ = moe_router(logits, top_k, score=score, renormalize=renormalize,
                                      selection_bias=selection_bias, scale=scale)
     x_perm, _, row_of, offsets, _ = moe_permute(x, experts, e)
@@ -154,4 +161,4 @@ def moe_backward(dout, x, router_w, w_gate_up, w_down, saved: MoESaved, dlogits_
                                   renormalize=saved.renormalize, scale=saved.scale)
     if dlogits_extra is not None:
         dlogits = dlogits + dlogits_extra
-    return dx + dlogits @ router_w, dlogits.T @ x, dw_gate_up, dw_down
+    return dx + _matmul(dlogits, router_w), _matmul(dlogits.T, x), dw_gate_up, dw_down
