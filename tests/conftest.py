@@ -60,12 +60,14 @@ def pytest_cmdline_main(config):
             # with it); without it, test by test to whichever worker is free (the files' times
             # differ tenfold, so a split by file leaves one worker idle)
             o.dist = "worksteal" if _compile_deselected(o.markexpr) else "loadfile"
-    workers = o.numprocesses if isinstance(o.numprocesses, int) else 0
+    cores = len(os.sched_getaffinity(0))
+    workers = (o.numprocesses if isinstance(o.numprocesses, int)
+               else cores if o.numprocesses in ("auto", "logical") else 0)
     if workers >= 2:
         # the workers share the cores: with OpenMP's and OpenBLAS's default of a thread a core in
         # every worker, their spinning threads take turns on the same cores (twice the CPU time,
         # slower than one process on two cores); the workers inherit this
-        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // workers)))
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // workers)))
 
 
 @functools.lru_cache(maxsize=None)

@@ -58,8 +58,11 @@ TOOL_ENV_FAMILIES = {"initcheck": ("attention", "moe")}
 
 
 def product_by_sums(a, b):
-    """``a @ b`` (2-D torch tensors) as a broadcast product summed in float32 (PyTorch's
-    elementwise and reduction kernels: no cuBLAS), in a's dtype."""
+    """``a @ b`` of 2-D torch tensors as a broadcast product summed in float32 (PyTorch's
+    elementwise and reduction kernels: no cuBLAS), in a's dtype; NumPy's product for the dry
+    run's host arrays."""
+    if isinstance(a, np.ndarray):
+        return a @ b
     return (a[:, :, None].float() * b[None].float()).sum(1).to(a.dtype)
 
 

@@ -1,7 +1,8 @@
 """The family's benchmark cases: the grouped expert products at the shapes of a fine-grained
 MoE (64 experts, top-8, hidden 2048, expert width 768) and of Mixtral (8 experts, top-2, hidden
 4096, width 14336), balanced routing, against ``torch._grouped_mm`` where the installed torch has
-it (a loop over the experts where it does not). The bench reports them in TFLOP/s against the
+it (a loop over the experts where it does not, or does not run), forward and both backward
+products (d b as its own backward computes it). The bench reports them in TFLOP/s against the
 device's dense matrix rate: the ceiling at equal FLOPs."""
 from __future__ import annotations
 
@@ -44,33 +45,31 @@ def _fwd_bwd(t):
 def _torch_product(a, b_kn, t):
     """a (R, K) times each expert's b_kn (E, K, N) over its rows: ``torch._grouped_mm`` where it
     runs, else one product an expert."""
-    import torch
-
-    if hasattr(torch, "_grouped_mm"):
-        try:
-            return torch._grouped_mm(a, b_kn, offs=t["offsets"][1:])
-        except (RuntimeError, NotImplementedError):
-            pass
-    rows = [0]
-    for c in t["counts"]:
-        rows.append(rows[-1] + c)
-    return torch.cat([a[lo:hi] @ b_kn[e] for e, (lo, hi) in enumerate(zip(rows, rows[1:]))])
+    return _grouped(a, b_kn, t["offsets"][1:])
 
 
 def _torch_fwd(t):
     return _torch_product(t["a"], t["b"].transpose(-2, -1), t)
 
 
-def _torch_fwd_bwd(t):
+def _torch_weight_grad(dout, a, offsets):
+    """Each expert's dout_eᵀ a_e (E, N, K): ``torch._grouped_mm`` over groups of rows (as its own
+    backward computes it), else one product an expert."""
     import torch
 
+    if hasattr(torch, "_grouped_mm"):
+        try:
+            return torch._grouped_mm(dout.t(), a, offs=offsets)
+        except (RuntimeError, NotImplementedError):
+            pass
+    ends = [0, *offsets.tolist()]
+    return torch.stack([dout[lo:hi].T @ a[lo:hi] for lo, hi in zip(ends, ends[1:])])
+
+
+def _torch_fwd_bwd(t):
     out = _torch_fwd(t)
     da = _torch_product(t["dout"], t["b"], t)
-    rows, db = 0, []
-    for c in t["counts"]:
-        db.append(t["dout"][rows:rows + c].T @ t["a"][rows:rows + c])
-        rows += c
-    return out, da, torch.stack(db)
+    return out, da, _torch_weight_grad(t["dout"], t["a"], t["offsets"][1:])
 
 
 def bench_cases(quick: bool) -> list:
@@ -94,12 +93,16 @@ EXPERTS = {"full": (16384, 2048, 64, 768, 8), "quick": (2048, 512, 16, 256, 4)} 
 
 
 def _grouped(a, b_kn, offsets):
-    """a's rows times each expert's b_kn (E, K, N): ``torch._grouped_mm`` where the installed
-    torch has it, else one product an expert (which reads the offsets on the host)."""
+    """a's rows times each expert's b_kn (E, K, N), ``offsets`` (E,) the groups' ends:
+    ``torch._grouped_mm`` where the installed torch has it and it runs on this GPU, else one
+    product an expert (which reads the offsets on the host)."""
     import torch
 
     if hasattr(torch, "_grouped_mm"):
-        return torch._grouped_mm(a, b_kn, offs=offsets)
+        try:
+            return torch._grouped_mm(a, b_kn, offs=offsets)
+        except (RuntimeError, NotImplementedError):
+            pass
     ends = [0, *offsets.tolist()]
     return torch.cat([a[lo:hi] @ b_kn[e] for e, (lo, hi) in enumerate(zip(ends, ends[1:]))])
 
@@ -113,7 +116,9 @@ def _torch_experts(x, idx, weights, gate_up, down):
     e, k = gate_up.shape[0], idx.shape[1]
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    offsets = torch.cumsum(F.one_hot(flat, e).sum(0), 0).to(torch.int32)
+    ones = torch.ones_like(flat, dtype=torch.int32)
+    counts = torch.zeros(e, dtype=torch.int32, device=x.device).scatter_add_(0, flat, ones)
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     token = order // k
     h = _grouped(x[token], gate_up.transpose(-2, -1), offsets)
     i = h.shape[1] // 2
@@ -137,10 +142,11 @@ def _experts_inputs(dims, dtype, seed):
 
 
 def _experts_on(F, t):
-    """``F.moe_experts`` where F has it (cukern.torch), else the PyTorch form above."""
+    """``F.moe_experts`` for cukern.torch, the PyTorch form above for torch.nn.functional."""
     x, w, gu, dn = t["leaves"]
-    fn = getattr(F, "moe_experts", None)
-    return fn(x, t["idx"], w, gu, dn) if fn is not None else _torch_experts(x, t["idx"], w, gu, dn)
+    if F.__name__ == "torch.nn.functional":
+        return _torch_experts(x, t["idx"], w, gu, dn)
+    return F.moe_experts(x, t["idx"], w, gu, dn)
 
 
 def _experts_array(t):
