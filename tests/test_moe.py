@@ -155,3 +155,35 @@ def test_the_block_is_transformers_mixtral_block_forward_and_backward(act):
                        ("dw_gate_up", dwgu, block.experts.gate_up_proj.grad),
                        ("dw_down", dwd, block.experts.down_proj.grad)):
         np.testing.assert_allclose(a, b.numpy(), rtol=2e-5, atol=2e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_the_benchs_pytorch_peers_compute_what_the_kernels_do(dtype):
+    """The bench's PyTorch side (cukern/moe/bench.py) on the CPU: the grouped products' forward
+    and both backward products (an empty expert among them) equal the references', and the
+    experts written on grouped products equal transformers' fused experts. float32 takes
+    ``torch._grouped_mm``; float64, which it refuses, the loop over the experts."""
+    from cukern.moe import bench
+    from cukern.torch import _recognize_experts
+
+    dt, tol = getattr(torch, dtype), {"float64": 1e-12, "float32": 1e-5}[dtype]
+    g = torch.Generator().manual_seed(0)
+    counts = [3, 0, 5, 2]
+    off = torch.tensor(np.concatenate([[0], np.cumsum(counts)]), dtype=torch.int32)
+    t = {"a": torch.randn(10, 8, generator=g, dtype=dt),
+         "b": torch.randn(4, 16, 8, generator=g, dtype=dt),   # (rows of 16 and 8: 16-byte strides)
+         "dout": torch.randn(10, 16, generator=g, dtype=dt), "offsets": off, "counts": counts}
+    out, da, db = bench._torch_fwd_bwd(t)
+    np.testing.assert_allclose(bench._torch_fwd(t).numpy(), R.grouped_matmul(t["a"], t["b"], off), rtol=tol, atol=tol)
+    np.testing.assert_allclose(out.numpy(), R.grouped_matmul(t["a"], t["b"], off), rtol=tol, atol=tol)
+    want_da, want_db = R.grouped_matmul_backward(t["dout"], t["a"], t["b"], off)
+    np.testing.assert_allclose(da.numpy(), want_da, rtol=tol, atol=tol)
+    np.testing.assert_allclose(db.numpy(), want_db, rtol=tol, atol=tol)
+    tk, h, e, i, k = 9, 8, 5, 6, 2
+    x = torch.randn(tk, h, generator=g, dtype=dt)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tk)])
+    w = torch.rand(tk, k, generator=g, dtype=dt)
+    gu = torch.randn(e, 2 * i, h, generator=g, dtype=dt)
+    dn = torch.randn(e, h, i, generator=g, dtype=dt)
+    torch.testing.assert_close(bench._torch_experts(x, idx, w, gu, dn),
+                               _recognize_experts.experts_reference("silu", x, idx, w, gu, dn), rtol=tol, atol=tol)
