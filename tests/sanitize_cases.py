@@ -86,7 +86,7 @@ def configure_for_tool() -> None:
 
 
 # The dtypes a family's custom ops take, where not every float dtype.
-TORCH_DTYPES = {"attention": HALF_DTYPES}
+TORCH_DTYPES = {"attention": HALF_DTYPES, "moe": HALF_DTYPES}
 
 
 class Case(NamedTuple):

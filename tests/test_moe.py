@@ -101,6 +101,77 @@ def bad_input_cases(xp):
             + test_moe_block.bad_input_cases(xp))
 
 
+def _experts_args(g, t=9, h=16, e=5, i=8, k=2, device="cpu", dtype=torch.float32):
+    """(x, top_k_index, top_k_weights, w_gate_up, w_down) of transformers' fused experts: each
+    token's k experts distinct."""
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(device)
+    x = torch.randn(t, h, generator=g).to(device, dtype)
+    w = torch.rand(t, k, generator=g).to(device)
+    gu = (torch.randn(e, 2 * i, h, generator=g) * h ** -0.5).to(device, dtype)
+    dn = (torch.randn(e, h, i, generator=g) * i ** -0.5).to(device, dtype)
+    return x, idx, w, gu, dn
+
+
+def torch_wiring_calls(which: str, g) -> list:
+    """(op, its arguments, PyTorch's same computation, the inputs that may need gradients)."""
+    from cukern.torch import _recognize_experts
+
+    x, idx, w, gu, dn = _experts_args(g)
+    x.requires_grad_(which in ("x", "both"))
+    gu.requires_grad_(which in ("w", "both"))
+    return [("moe_experts", (x, idx, w, gu, dn, 0),
+             lambda: _recognize_experts.experts_reference("silu", x, idx, w, gu, dn), (x, gu))]
+
+
+def torch_stand_ins() -> dict:
+    """op -> (forward, backward) computed by PyTorch on the CPU (the op's wiring is tested)."""
+    from torch_helpers import recompute
+
+    from cukern.moe.block import ACTS
+    from cukern.torch._recognize import GATED_ACTS
+
+    def products(rows, w, offsets):
+        ends = offsets.tolist()
+        return torch.cat([rows[lo:hi] @ w[e].T for e, (lo, hi) in enumerate(zip(ends, ends[1:]))])
+
+    def experts(x_perm, weights, gu, dn, row_of, offsets, act, k):
+        h = products(x_perm, gu, offsets)
+        i = h.shape[1] // 2
+        z = GATED_ACTS[ACTS[act]][2](h[:, :i]) * h[:, i:]
+        y = products(z, dn, offsets)
+        t = weights.shape[0]
+        return h, z, y, (y[row_of.long()].reshape(t, k, -1) * weights[..., None]).sum(1).to(x_perm.dtype)
+
+    def fwd(x, idx, w, gu, dn, act):
+        e, k = gu.shape[0], idx.shape[1]
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        row_of = torch.empty_like(order)
+        row_of[order] = torch.arange(order.numel())
+        offsets = torch.cat([flat.new_zeros(1), torch.bincount(flat, minlength=e).cumsum(0)]).int()
+        x_perm, weights = x[order // k], w.float()
+        h, z, y, out = experts(x_perm, weights, gu, dn, row_of, offsets, act, k)
+        return out, x_perm, row_of.int(), offsets, h, z, y, weights
+
+    def bwd(dout, x_perm, row_of, offsets, h, z, y, weights, gu, dn, act, k):
+        dx_perm, dw, dgu, ddn = recompute(lambda xp, w, g, d: experts(xp, w, g, d, row_of, offsets, act, k)[3],
+                                          (x_perm, weights, gu, dn), dout)
+        return dx_perm[row_of.long()].reshape(weights.shape[0], k, -1).sum(1), dw, dgu, ddn
+
+    return {"moe_experts": (fwd, bwd)}
+
+
+def opcheck_samples() -> list:
+    ops = torch.ops.cukern
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for act, (t, h, e, i, k) in enumerate([(37, 24, 8, 16, 2), (5, 16, 3, 8, 3), (64, 32, 40, 24, 4)]):
+        x, idx, w, gu, dn = _experts_args(g, t, h, e, i, k, "cuda", torch.bfloat16)
+        out.append((ops.moe_experts.default, (x.requires_grad_(True), idx, w.requires_grad_(True),
+                                               gu.requires_grad_(True), dn.requires_grad_(True), act)))
+    return out
+
+
 def test_the_references_bad_arguments_are_named():
     with pytest.raises(ValueError, match=r"^top_k: must be an int in \[1, 4\]"):
         R.router(np.zeros((3, 4)), 5)

@@ -137,14 +137,19 @@ def test_block_matches_the_reference_forward_and_backward(framework, dtype, act,
         close(got, ref, name)
 
 
-def test_the_torch_experts_function_is_the_experts_reference_on_the_cpu(monkeypatch):
-    """cukern.moe.torch's autograd function (what patch(model) routes transformers' experts to),
-    its kernels replaced by float64 NumPy counterparts: the output and the gradients of x, the
-    weights and both projections equal autograd's through the experts' PyTorch reference."""
+@pytest.mark.parametrize("path", ["eager", "custom op", "compiled"])
+def test_the_torch_experts_op_is_the_experts_reference_on_the_cpu(monkeypatch, path):
+    """cukern.torch.moe_experts (what patch(model) routes transformers' experts to) on its eager
+    autograd Function, on its custom op, and under torch.compile (the custom op's shapes traced,
+    aot_eager), its kernels replaced by float64 NumPy counterparts: the output and the gradients
+    of x, the weights and both projections equal autograd's through the experts' PyTorch
+    reference."""
     if torch is None:
         pytest.skip("needs torch")
+    import cukern.torch as ct
     from cukern.moe import torch as moe_torch
     from cukern.torch import _recognize_experts
+    from cukern.torch._ops import OPS
 
     k = 2
     np_ = lambda t: t.detach().numpy()   # noqa: E731
@@ -195,7 +200,14 @@ def test_the_torch_experts_function_is_the_experts_reference_on_the_cpu(monkeypa
         want = _recognize_experts.experts_reference(act, leaves[0], idx, leaves[1], leaves[2], leaves[3])
         want_grads = torch.autograd.grad(want, leaves, dout)
         mine = [v.clone().requires_grad_(True) for v in (x, w, gu, dn)]
-        got = moe_torch.moe_experts(mine[0], idx, mine[1], mine[2], mine[3], act)
+        if path == "eager":
+            got = ct.moe_experts(mine[0], idx, mine[1], mine[2], mine[3], act)
+        elif path == "custom op":
+            got = OPS["moe_experts"].compiled(mine[0], idx, mine[1], mine[2], mine[3], block.ACTS.index(act))
+        else:
+            torch._dynamo.reset()
+            got = torch.compile(ct.moe_experts, backend="aot_eager", fullgraph=True)(mine[0], idx, mine[1], mine[2],
+                                                                                    mine[3], act)
         # (the weights are taken in float32, as the combine kernel reads them)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         for a, b_, name in zip(torch.autograd.grad(got, mine, dout), want_grads, ("x", "weights", "gate_up", "down")):
@@ -240,8 +252,6 @@ def test_a_second_backward_of_the_block_is_the_first_and_leaves_its_inputs(frame
 def test_a_second_backward_through_the_torch_experts_gives_twice_the_gradient(dtype):
     """backward(retain_graph=True) twice gives exactly twice the first gradients and a third,
     freeing pass the same again; the upstream gradient is left as it was."""
-    from cukern.moe import torch as moe_torch
-
     g = torch.Generator(device="cuda").manual_seed(3)
     dt = getattr(torch, dtype)
     t, h, e, i, k = 300, 64, 8, 40, 2
@@ -251,7 +261,9 @@ def test_a_second_backward_through_the_torch_experts_gives_twice_the_gradient(dt
                                   ((e, h, i), i ** -0.5, dt))]
     dout = torch.randn(t, h, device="cuda", generator=g).to(dt)
     dout_before = dout.clone()
-    out = moe_torch.moe_experts(*leaves[:1], idx, *leaves[1:], "silu")
+    import cukern.torch as ct
+
+    out = ct.moe_experts(*leaves[:1], idx, *leaves[1:], "silu")
     once = torch.autograd.grad(out, leaves, dout, retain_graph=True)
     again = torch.autograd.grad(out, leaves, dout, retain_graph=True)
     out.backward(dout, retain_graph=True)

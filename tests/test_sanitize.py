@@ -378,4 +378,5 @@ def test_initcheck_processes_compute_the_moe_blocks_products_without_cublas(monk
     # (the CPU dry run sets the tool's environment too: its host arrays take NumPy's product)
     with sc.dry_run():
         for case in sc.cases("moe"):
-            case.run()
+            if not case.ops:   # (the array cases; the custom op's take CUDA tensors)
+                case.run()

@@ -178,6 +178,13 @@ def _rope(q, k, cos, sin, interleaved):
     return tuple(x * c + rotate(x) * s for x in (q, k))
 
 
+def _moe_experts(x, idx, w, gu, dn, act):
+    from cukern.moe.block import ACTS
+    from cukern.torch import _recognize_experts
+
+    return (_recognize_experts.experts_reference(ACTS[act], x, idx, w, gu, dn),)
+
+
 TORCH_OWN = {
     "layer_norm": _layer_norm,
     "rms_norm": _rms_norm,
@@ -196,6 +203,7 @@ TORCH_OWN = {
     "linear_cross_entropy": _linear_cross_entropy,
     "glu": _glu,
     "rope": _rope,
+    "moe_experts": _moe_experts,
 }
 
 

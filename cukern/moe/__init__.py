@@ -16,14 +16,15 @@ Where each job lives:
 
     block.py      the MoE block as one call composed of those kernels: ``moe_forward`` (the
                   output and what the backward needs) and ``moe_backward``.
-    torch.py      transformers' fused experts on those kernels under autograd (``moe_experts``:
+    torch.py      transformers' fused experts on those kernels: the ``moe_experts`` op's forward,
+                  backward and shapes (declared below as a TorchOp: ``cukern.torch.moe_experts``,
                   what ``cukern.torch.patch(model)`` routes a model's experts to).
 
     bench.py      the benchmark cases (the grouped products against ``torch._grouped_mm``).
 
 The block's own torch op and the Hopper products come next (docs/moe.md has the plan).
 """
-from .._family import Family
+from .._family import Family, TorchOp
 from . import block as _block
 from . import grouped_mm as _grouped_mm
 from . import routing as _routing
@@ -36,9 +37,53 @@ def instances() -> list:
     return _routing.instances() + _grouped_mm.instances()
 
 
+def _impl():
+    from . import torch as impl   # (torch is imported when an op first runs)
+
+    return impl
+
+
+TORCH_OPS = (
+    TorchOp("moe_experts",
+            "(Tensor x, Tensor top_k_index, Tensor top_k_weights, Tensor w_gate_up, Tensor w_down, int act) -> "
+            "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+            forward=lambda *a: _impl().experts_forward(*a),
+            fake=lambda *a: _impl().experts_fake(*a),
+            # (saved: x_perm, row_of, offsets, h, z, y, the float32 weights, and both projections)
+            save=lambda inputs, outputs: ((*outputs[1:], inputs[3], inputs[4]), (inputs[5], inputs[1].shape[1])),
+            backward_schema="(Tensor dout, Tensor x_perm, Tensor row_of, Tensor offsets, Tensor h, Tensor z, "
+                            "Tensor y, Tensor weights, Tensor w_gate_up, Tensor w_down, int act, int top_k) -> "
+                            "(Tensor, Tensor, Tensor, Tensor)",
+            backward=lambda *a: _impl().experts_backward(*a),
+            backward_fake=lambda *a: _impl().experts_backward_fake(*a),
+            backward_args=lambda saved, state, grads, T: (grads[0], *saved, *state),
+            grads_to=(0, 2, 3, 4)),
+)
+
+
 def _torch_api(T, ops, modules) -> dict:
-    """``cukern.torch.moe_experts``: transformers' fused experts on the kernels, with autograd."""
-    from .torch import moe_experts
+    """``cukern.torch.moe_experts``: transformers' fused experts on the kernels, with autograd
+    (the custom op inside torch.compile)."""
+    op = ops["moe_experts"]
+
+    def moe_experts(x, top_k_index, top_k_weights, w_gate_up, w_down, act: str = "silu"):
+        """transformers' fused experts on the kernels, with autograd.
+
+        Args:
+            x: (T, H) float16 or bfloat16 CUDA tensor: the tokens.
+            top_k_index: (T, k) integer: each token's experts (the model's router's choice).
+            top_k_weights: (T, k) float: their weights (the gradient flows back to the router).
+            w_gate_up: (E, 2I, H), x's dtype: each expert's gate rows then up rows.
+            w_down: (E, H, I), x's dtype.
+            act: "silu", "gelu" or "gelu_tanh" on the gate half.
+
+        Returns:
+            (T, H) in x's dtype: each token's experts' outputs times their weights, summed in
+            float32.
+        """
+        code = _block.ACTS.index(_block._act(act))
+        args = (x, top_k_index, top_k_weights, w_gate_up, w_down, code)
+        return op.compiled(*args) if T.compiling() else op(*args)
 
     return {"moe_experts": moe_experts}
 
@@ -54,5 +99,6 @@ FAMILY = Family(
     instances=instances,
     bench=_bench_cases,
     torch_bench=_torch_bench_cases,
+    torch_ops=TORCH_OPS,
     torch_api=_torch_api,
 )

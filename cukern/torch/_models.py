@@ -214,19 +214,16 @@ def _recognized_experts(spec: "_recognize_experts.Experts"):
     the gated activation and the weighted combine on the kernels (the router stays the model's).
     Under autocast the input and the float32 weights are cast to autocast's dtype, as its
     F.linear casts them, and the result is returned in the input's dtype, as the model's own
-    code returns it. Inside torch.compile the model's own code (traced by Dynamo)."""
+    code returns it. Inside torch.compile the custom op ``torch.ops.cukern.moe_experts``."""
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        if _tools.compiling():
-            return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
         why = _experts_fallback(self, hidden_states)
-        _tools.count("moe", why)
+        if not _tools.compiling():
+            _tools.count("moe", why)
         if why is not None:
             return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
-        from ..moe.torch import moe_experts
-
         dt = hidden_states.dtype if hidden_states.dtype != torch.float32 else torch.get_autocast_dtype("cuda")
-        out = moe_experts(hidden_states.to(dt), top_k_index, top_k_weights, self.gate_up_proj.to(dt),
-                          self.down_proj.to(dt), spec.act)
+        out = _api("moe_experts")(hidden_states.to(dt), top_k_index, top_k_weights, self.gate_up_proj.to(dt),
+                                  self.down_proj.to(dt), spec.act)
         return out.to(hidden_states.dtype)
     return forward
 
