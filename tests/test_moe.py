@@ -119,8 +119,30 @@ def torch_wiring_calls(which: str, g) -> list:
     x, idx, w, gu, dn = _experts_args(g)
     x.requires_grad_(which in ("x", "both"))
     gu.requires_grad_(which in ("w", "both"))
+    rw = torch.randn(5, 16, generator=g)
+    block = (x, rw, gu, dn, None, 2, 0, 0, True, 1.0)
     return [("moe_experts", (x, idx, w, gu, dn, 0),
-             lambda: _recognize_experts.experts_reference("silu", x, idx, w, gu, dn), (x, gu))]
+             lambda: _recognize_experts.experts_reference("silu", x, idx, w, gu, dn), (x, gu)),
+            ("moe_block", block, lambda: torch_block(*block)[0], (x, gu))]
+
+
+def torch_block(x, router_w, w_gate_up, w_down, selection_bias, top_k, act, score, renormalize, scale, experts=None):
+    """The MoE block in PyTorch's ops as a user writes it (transformers' router and fused
+    experts): (out, logits, weights, experts); ``experts`` given: that choice held fixed."""
+    from cukern.moe.block import ACTS
+    from cukern.torch import _recognize_experts
+
+    logits = x @ router_w.T
+    s = torch.softmax(logits.float(), -1) if score == 0 else torch.sigmoid(logits.float())
+    if experts is None:
+        choice = s if selection_bias is None else s + selection_bias
+        experts = torch.topk(choice, top_k, dim=-1).indices
+    w = s.gather(1, experts.long())
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    w = w * scale
+    return (_recognize_experts.experts_reference(ACTS[act], x, experts.long(), w, w_gate_up, w_down), logits, w,
+            experts)
 
 
 def torch_stand_ins() -> dict:
@@ -158,7 +180,21 @@ def torch_stand_ins() -> dict:
                                           (x_perm, weights, gu, dn), dout)
         return dx_perm[row_of.long()].reshape(weights.shape[0], k, -1).sum(1), dw, dgu, ddn
 
-    return {"moe_experts": (fwd, bwd)}
+    def block_fwd(x, rw, gu, dn, sb, top_k, act, score, renorm, scale):
+        out, logits, w, ex = torch_block(x, rw, gu, dn, sb, top_k, act, score, renorm, scale)
+        _, x_perm, row_of, offsets, h, z, y, weights = fwd(x, ex, w, gu, dn, act)
+        return out, logits, weights, ex.int(), x_perm, row_of, offsets, h, z, y
+
+    def block_bwd(dout, dlogits, x, rw, gu, dn, logits, weights, ex, x_perm, row_of, offsets, h, z, y, top_k, act,
+                  score, renorm, scale):
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(True) for t in (x, rw, gu, dn)]
+            out, lg, _, _ = torch_block(*leaves, None, top_k, act, score, renorm, scale, experts=ex)
+            if dlogits is None:
+                return torch.autograd.grad(out, leaves, dout)
+            return torch.autograd.grad((out, lg), leaves, (dout, dlogits))
+
+    return {"moe_experts": (fwd, bwd), "moe_block": (block_fwd, block_bwd)}
 
 
 def opcheck_samples() -> list:
@@ -169,6 +205,17 @@ def opcheck_samples() -> list:
         x, idx, w, gu, dn = _experts_args(g, t, h, e, i, k, "cuda", torch.bfloat16)
         out.append((ops.moe_experts.default, (x.requires_grad_(True), idx, w.requires_grad_(True),
                                                gu.requires_grad_(True), dn.requires_grad_(True), act)))
+    # (the block: logits that no rounding reorders, x's first E columns a permutation and
+    # router_w = [I | 0], as tests/test_moe_block.py makes them)
+    for act, (t, h, e, i, k, score) in enumerate([(37, 24, 8, 16, 2, 0), (20, 16, 4, 8, 1, 1)]):
+        x = torch.randn(t, h, generator=g) * 0.5
+        x[:, :e] = torch.stack([torch.randperm(e, generator=g) for _ in range(t)]) * (4.0 / e) - 2.0
+        rw = torch.zeros(e, h)
+        rw[:, :e] = torch.eye(e)
+        gu = torch.randn(e, 2 * i, h, generator=g) * h ** -0.5
+        dn = torch.randn(e, h, i, generator=g) * i ** -0.5
+        leaves = [a.to("cuda", torch.bfloat16).requires_grad_(True) for a in (x, rw, gu, dn)]
+        out.append((ops.moe_block.default, (*leaves, None, k, act, score, True, 1.0)))
     return out
 
 

@@ -278,3 +278,60 @@ def test_a_second_backward_through_the_torch_experts_gives_twice_the_gradient(dt
         assert torch.equal(two, a + a), name
         assert torch.equal(v.grad, a + a + a), name
     assert torch.equal(dout, dout_before)
+
+
+@pytest.mark.parametrize("path", ["eager", "custom op", "compiled"])
+def test_the_torch_block_op_is_pytorchs_block_on_the_cpu(monkeypatch, path):
+    """cukern.torch.moe_block on its eager autograd Function, its custom op and under
+    torch.compile (the custom op's shapes traced, aot_eager, one graph), with the block's array
+    functions replaced by PyTorch CPU stand-ins (tests/test_moe.py's): the output, the logits and
+    the gradients of x, the router and both projections, an upstream gradient reaching the
+    logits too, equal the block written in PyTorch's ops."""
+    if torch is None:
+        pytest.skip("needs torch")
+    import test_moe
+    from torch_helpers import in_fresh_thread
+
+    import cukern.torch as ct
+    from cukern.moe import torch as moe_torch
+    from cukern.moe.reference import SCORES
+    from cukern.torch._ops import OPS
+
+    fwd, bwd = test_moe.torch_stand_ins()["moe_block"]
+
+    def moe_forward(x, rw, gu, dn, top_k, *, act, score, renormalize, selection_bias, scale):
+        out, logits, *rest = fwd(x, rw, gu, dn, selection_bias, top_k, block.ACTS.index(act), SCORES.index(score),
+                                 renormalize, scale)
+        return out, block.MoESaved(logits, *rest, top_k, act, score, renormalize, scale)
+
+    def moe_backward(dout, x, rw, gu, dn, s, dlogits_extra=None):
+        # (the stand-in differentiates with autograd, which a custom op's backward runs below:
+        # on a thread of its own, whose dispatch state is the default one)
+        return in_fresh_thread(lambda: bwd(dout, dlogits_extra, x, rw, gu, dn, s.logits, s.weights, s.experts,
+                                           s.x_perm, s.row_of, s.offsets, s.h, s.z, s.y, s.top_k,
+                                           block.ACTS.index(s.act), SCORES.index(s.score), s.renormalize, s.scale))
+
+    monkeypatch.setattr(moe_torch, "moe_forward", moe_forward)
+    monkeypatch.setattr(moe_torch, "moe_backward", moe_backward)
+    g = torch.Generator().manual_seed(4)
+    t, h, e, i, k = 13, 16, 6, 8, 2
+    base = [torch.randn(t, h, generator=g), torch.randn(e, h, generator=g), torch.randn(e, 2 * i, h, generator=g) / 4,
+            torch.randn(e, h, i, generator=g) / 3]
+    dout, dlogits = torch.randn(t, h, generator=g), torch.randn(t, e, generator=g)
+    want_leaves = [v.clone().requires_grad_(True) for v in base]
+    w_out, w_logits, _, _ = test_moe.torch_block(*want_leaves, None, k, 1, 0, True, 2.0)
+    want = torch.autograd.grad((w_out, w_logits), want_leaves, (dout, dlogits))
+    mine = [v.clone().requires_grad_(True) for v in base]
+    if path == "eager":
+        out, logits = ct.moe_block(*mine, k, act="gelu", scale=2.0)
+    elif path == "custom op":
+        out, logits = OPS["moe_block"].compiled(*mine, None, k, 1, 0, True, 2.0)
+    else:
+        torch._dynamo.reset()
+        out, logits = torch.compile(lambda *a: ct.moe_block(*a, k, act="gelu", scale=2.0), backend="aot_eager",
+                                    fullgraph=True)(*mine)
+    torch.testing.assert_close(out, w_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, w_logits)
+    for a, b_, name in zip(torch.autograd.grad((out, logits), mine, (dout, dlogits)), want,
+                           ("x", "router_w", "w_gate_up", "w_down")):
+        torch.testing.assert_close(a, b_, rtol=1e-5, atol=1e-5, msg=name)

@@ -58,12 +58,30 @@ TORCH_OPS = (
             backward_fake=lambda *a: _impl().experts_backward_fake(*a),
             backward_args=lambda saved, state, grads, T: (grads[0], *saved, *state),
             grads_to=(0, 2, 3, 4)),
+    TorchOp("moe_block",
+            "(Tensor x, Tensor router_w, Tensor w_gate_up, Tensor w_down, Tensor? selection_bias, int top_k, "
+            "int act, int score, bool renormalize, float scale) -> "
+            "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+            forward=lambda *a: _impl().block_forward(*a),
+            fake=lambda *a: _impl().block_fake(*a),
+            # (visible: the output and the logits, whose gradient (the auxiliary losses') joins the
+            # router's; saved: the inputs, the logits and the rest of what the forward keeps)
+            save=lambda inputs, outputs: ((*inputs[:4], *outputs[1:]), tuple(inputs[5:])),
+            backward_schema="(Tensor dout, Tensor? dlogits, Tensor x, Tensor router_w, Tensor w_gate_up, "
+                            "Tensor w_down, Tensor logits, Tensor weights, Tensor experts, Tensor x_perm, "
+                            "Tensor row_of, Tensor offsets, Tensor h, Tensor z, Tensor y, int top_k, int act, "
+                            "int score, bool renormalize, float scale) -> (Tensor, Tensor, Tensor, Tensor)",
+            backward=lambda *a: _impl().block_backward(*a),
+            backward_fake=lambda *a: _impl().block_backward_fake(*a),
+            backward_args=lambda saved, state, grads, T: (grads[0], grads[1], *saved, *state),
+            grads_to=(0, 1, 2, 3), visible=2),
 )
 
 
 def _torch_api(T, ops, modules) -> dict:
-    """``cukern.torch.moe_experts``: transformers' fused experts on the kernels, with autograd
-    (the custom op inside torch.compile)."""
+    """``cukern.torch.moe_experts`` (transformers' fused experts) and ``cukern.torch.moe_block``
+    (the block, router included) on the kernels, with autograd (the custom ops inside
+    torch.compile)."""
     op = ops["moe_experts"]
 
     def moe_experts(x, top_k_index, top_k_weights, w_gate_up, w_down, act: str = "silu"):
@@ -85,7 +103,37 @@ def _torch_api(T, ops, modules) -> dict:
         args = (x, top_k_index, top_k_weights, w_gate_up, w_down, code)
         return op.compiled(*args) if T.compiling() else op(*args)
 
-    return {"moe_experts": moe_experts}
+    block_op = ops["moe_block"]
+
+    def moe_block(x, router_w, w_gate_up, w_down, top_k: int, *, act: str = "silu", score: str = "softmax",
+                  renormalize: bool = True, selection_bias=None, scale: float = 1.0):
+        """The MoE block as one op (``cukern.moe_forward`` / ``moe_backward`` under autograd; the
+        custom op ``torch.ops.cukern.moe_block`` inside torch.compile): the router's logits
+        ``x @ router_w.T``, each token's ``top_k`` experts (softmax or sigmoid scores, renormalized
+        where asked, times ``scale``; ``selection_bias`` (E,) float32 shifts the choice alone),
+        the experts' gated MLPs and the weighted sum, with no host synchronization.
+
+        Args:
+            x: (T, H) float16 or bfloat16 CUDA tensor. router_w: (E, H); w_gate_up: (E, 2I, H),
+                the gate's rows first; w_down: (E, H, I); all of x's dtype.
+            top_k: experts a token. act: "silu", "gelu" or "gelu_tanh". score: "softmax" or
+                "sigmoid".
+
+        Returns:
+            (out (T, H), logits (T, E)), both in x's dtype. The logits are for the auxiliary
+            losses (``cukern.moe.reference`` has their forms): their gradient reaches x and
+            router_w through the router's product; the choice of experts is held fixed.
+        """
+        from .reference import SCORES
+
+        if score not in SCORES:
+            raise ValueError(f"score: expected one of {SCORES}, got {score!r}")
+        args = (x, router_w, w_gate_up, w_down, selection_bias, int(top_k), _block.ACTS.index(_block._act(act)),
+                SCORES.index(score), bool(renormalize), float(scale))
+        out = block_op.compiled(*args) if T.compiling() else block_op(*args)
+        return tuple(out)
+
+    return {"moe_experts": moe_experts, "moe_block": moe_block}
 
 
 FAMILY = Family(

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .block import ACTS, _gate, _gate_backward
+from .block import ACTS, MoESaved, _gate, _gate_backward, moe_backward, moe_forward
+from .reference import SCORES
 from .grouped_mm import moe_grouped_mm, moe_grouped_mm_backward
 from .routing import moe_permute, moe_permute_backward, moe_unpermute, moe_unpermute_backward
 
@@ -48,3 +49,38 @@ def experts_fake(x, top_k_index, top_k_weights, w_gate_up, w_down, act):
 def experts_backward_fake(dout, x_perm, row_of, offsets, h, z, y, weights, w_gate_up, w_down, act, top_k):
     return (dout.new_empty(dout.shape), weights.new_empty(weights.shape), w_gate_up.new_empty(w_gate_up.shape),
             w_down.new_empty(w_down.shape))
+
+
+# ---- the block: router, experts and combine as one op -------------------------------------------
+
+def block_forward(x, router_w, w_gate_up, w_down, selection_bias, top_k: int, act: int, score: int,
+                  renormalize: bool, scale: float):
+    """(out (T, H), logits (T, E): both visible; then what the backward needs: the weights (T, k)
+    float32, the experts (T, k) int32, x_perm, row_of, offsets, h, z, y)."""
+    out, s = moe_forward(x.contiguous(), router_w.contiguous(), w_gate_up.contiguous(), w_down.contiguous(), top_k,
+                         act=ACTS[act], score=SCORES[score], renormalize=renormalize,
+                         selection_bias=selection_bias, scale=scale)
+    return out, s.logits, s.weights, s.experts, s.x_perm, s.row_of, s.offsets, s.h, s.z, s.y
+
+
+def block_backward(dout, dlogits, x, router_w, w_gate_up, w_down, logits, weights, experts, x_perm, row_of, offsets,
+                   h, z, y, top_k: int, act: int, score: int, renormalize: bool, scale: float):
+    """(dx, d router_w, d w_gate_up, d w_down), the choice of experts held fixed; ``dlogits`` (the
+    auxiliary losses' gradient reaching the visible logits, or None) joins the router's."""
+    saved = MoESaved(logits, weights, experts, x_perm, row_of, offsets, h, z, y, top_k, ACTS[act], SCORES[score],
+                     renormalize, scale)
+    return moe_backward(dout, x.contiguous(), router_w.contiguous(), w_gate_up.contiguous(), w_down.contiguous(), saved,
+                        dlogits_extra=dlogits)
+
+
+def block_fake(x, router_w, w_gate_up, w_down, selection_bias, top_k, act, score, renormalize, scale):
+    t, e, two_i = x.shape[0], router_w.shape[0], w_gate_up.shape[1]
+    pairs = t * top_k
+    return (x.new_empty(x.shape), x.new_empty((t, e)), x.new_empty((t, top_k), dtype=torch.float32),
+            x.new_empty((t, top_k), dtype=torch.int32), x.new_empty((pairs, x.shape[1])),
+            x.new_empty((pairs,), dtype=torch.int32), x.new_empty((e + 1,), dtype=torch.int32),
+            x.new_empty((pairs, two_i)), x.new_empty((pairs, two_i // 2)), x.new_empty((pairs, x.shape[1])))
+
+
+def block_backward_fake(dout, dlogits, x, router_w, w_gate_up, w_down, *rest):
+    return tuple(a.new_empty(a.shape) for a in (x, router_w, w_gate_up, w_down))
