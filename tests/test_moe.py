@@ -112,18 +112,38 @@ def _experts_args(g, t=9, h=16, e=5, i=8, k=2, device="cpu", dtype=torch.float32
     return x, idx, w, gu, dn
 
 
+def _experts_by_token(x, idx, w, gu, dn):
+    """transformers' fused experts (SiLU) token by token and expert by expert: the wiring tests'
+    reference, written apart from the batched forms the ops' PyTorch computations use."""
+    i = gu.shape[1] // 2
+    rows = []
+    for t in range(x.shape[0]):
+        acc = 0
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            hid = gu[e] @ x[t]
+            acc = acc + w[t, j] * (dn[e] @ (torch.nn.functional.silu(hid[:i]) * hid[i:]))
+        rows.append(acc)
+    return torch.stack(rows).to(x.dtype)
+
+
+def _block_by_token(x, rw, gu, dn, top_k):
+    """The block (softmax, renormalized) by ``_experts_by_token``, the router token by token."""
+    p = torch.softmax(x @ rw.T, -1)
+    idx = torch.stack([torch.argsort(-p[t].detach(), stable=True)[:top_k] for t in range(x.shape[0])])
+    w = p.gather(1, idx)
+    return _experts_by_token(x, idx, w / w.sum(-1, keepdim=True), gu, dn)
+
+
 def torch_wiring_calls(which: str, g) -> list:
     """(op, its arguments, PyTorch's same computation, the inputs that may need gradients)."""
-    from cukern.torch import _recognize_experts
-
     x, idx, w, gu, dn = _experts_args(g)
     x.requires_grad_(which in ("x", "both"))
     gu.requires_grad_(which in ("w", "both"))
     rw = torch.randn(5, 16, generator=g)
     block = (x, rw, gu, dn, None, 2, 0, 0, True, 1.0)
-    return [("moe_experts", (x, idx, w, gu, dn, 0),
-             lambda: _recognize_experts.experts_reference("silu", x, idx, w, gu, dn), (x, gu)),
-            ("moe_block", block, lambda: torch_block(*block)[0], (x, gu))]
+    return [("moe_experts", (x, idx, w, gu, dn, 0), lambda: _experts_by_token(x, idx, w, gu, dn), (x, gu)),
+            ("moe_block", block, lambda: _block_by_token(x, rw, gu, dn, 2), (x, gu))]
 
 
 def torch_block(x, router_w, w_gate_up, w_down, selection_bias, top_k, act, score, renormalize, scale, experts=None):
@@ -171,7 +191,7 @@ def torch_stand_ins() -> dict:
         row_of = torch.empty_like(order)
         row_of[order] = torch.arange(order.numel())
         offsets = torch.cat([flat.new_zeros(1), torch.bincount(flat, minlength=e).cumsum(0)]).int()
-        x_perm, weights = x[order // k], w.float()
+        x_perm, weights = x[order // k], w.to(torch.float32, copy=True)
         h, z, y, out = experts(x_perm, weights, gu, dn, row_of, offsets, act, k)
         return out, x_perm, row_of.int(), offsets, h, z, y, weights
 

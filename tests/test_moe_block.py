@@ -191,7 +191,8 @@ def test_the_torch_experts_op_is_the_experts_reference_on_the_cpu(monkeypatch, p
     t, h, e, i = 11, 8, 5, 6
     x = torch.randn(t, h, generator=g, dtype=torch.float64)
     idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-    w = torch.rand(t, k, generator=g, dtype=torch.float64)
+    # (float32 weights, as transformers' routers give them: the op must copy them, not pass them on)
+    w = torch.rand(t, k, generator=g, dtype=torch.float32)
     gu = torch.randn(e, 2 * i, h, generator=g, dtype=torch.float64)
     dn = torch.randn(e, h, i, generator=g, dtype=torch.float64)
     dout = torch.randn(t, h, generator=g, dtype=torch.float64)
@@ -209,6 +210,11 @@ def test_the_torch_experts_op_is_the_experts_reference_on_the_cpu(monkeypatch, p
                                                                                 mine[3], act)
     # (the weights are taken in float32, as the combine kernel reads them)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    if path == "eager":   # (no gradient wanted: the output alone, a tensor as with one)
+        with torch.no_grad():
+            plain = ct.moe_experts(x, idx, w, gu, dn, act)
+        assert isinstance(plain, torch.Tensor)
+        torch.testing.assert_close(plain, want.detach(), rtol=1e-6, atol=1e-6)
     for a, b_, name in zip(torch.autograd.grad(got, mine, dout), want_grads, ("x", "weights", "gate_up", "down")):
         torch.testing.assert_close(a, b_, rtol=1e-6, atol=1e-6, msg=f"{act}: d {name}")
 

@@ -16,13 +16,15 @@ Where each job lives:
 
     block.py      the MoE block as one call composed of those kernels: ``moe_forward`` (the
                   output and what the backward needs) and ``moe_backward``.
-    torch.py      transformers' fused experts on those kernels: the ``moe_experts`` op's forward,
-                  backward and shapes (declared below as a TorchOp: ``cukern.torch.moe_experts``,
-                  what ``cukern.torch.patch(model)`` routes a model's experts to).
+    torch.py      the family's two ops under PyTorch, declared below as TorchOps: ``moe_experts``
+                  (transformers' fused experts: ``cukern.torch.moe_experts``, what
+                  ``cukern.torch.patch(model)`` routes a model's experts to) and ``moe_block``
+                  (the block, router included: ``cukern.torch.moe_block``), their forwards,
+                  backwards and shapes.
 
     bench.py      the benchmark cases (the grouped products against ``torch._grouped_mm``).
 
-The block's own torch op and the Hopper products come next (docs/moe.md has the plan).
+The Hopper products come next (docs/moe.md has the plan).
 """
 from .._family import Family, TorchOp
 from . import block as _block
@@ -48,6 +50,7 @@ TORCH_OPS = (
             "(Tensor x, Tensor top_k_index, Tensor top_k_weights, Tensor w_gate_up, Tensor w_down, int act) -> "
             "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
             forward=lambda *a: _impl().experts_forward(*a),
+            inference=lambda *a: _impl().experts_forward(*a)[0],
             fake=lambda *a: _impl().experts_fake(*a),
             # (saved: x_perm, row_of, offsets, h, z, y, the float32 weights, and both projections)
             save=lambda inputs, outputs: ((*outputs[1:], inputs[3], inputs[4]), (inputs[5], inputs[1].shape[1])),
@@ -115,7 +118,8 @@ def _torch_api(T, ops, modules) -> dict:
 
         Args:
             x: (T, H) float16 or bfloat16 CUDA tensor. router_w: (E, H); w_gate_up: (E, 2I, H),
-                the gate's rows first; w_down: (E, H, I); all of x's dtype.
+                the gate's rows first; w_down: (E, H, I); all of x's dtype (outside autocast:
+                under it the router's product would follow autocast's dtype).
             top_k: experts a token. act: "silu", "gelu" or "gelu_tanh". score: "softmax" or
                 "sigmoid".
 

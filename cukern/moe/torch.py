@@ -17,7 +17,8 @@ def experts_forward(x, top_k_index, top_k_weights, w_gate_up, w_down, act: int):
     """(out (T, H), then what the backward needs: x_perm (T k, H), row_of (T k,) int32, offsets
     (E + 1,) int32, h (T k, 2I), z (T k, I), y (T k, H), the weights (T, k) in float32)."""
     experts = top_k_index.to(torch.int32).contiguous()
-    weights = top_k_weights.float().contiguous()
+    # (a copy even of float32 weights: a custom op's output must not be one of its inputs)
+    weights = top_k_weights.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     i = w_gate_up.shape[1] // 2
     x_perm, _, row_of, offsets, _ = moe_permute(x.contiguous(), experts, w_gate_up.shape[0])
     h = moe_grouped_mm(x_perm, w_gate_up.contiguous(), offsets)
