@@ -150,24 +150,13 @@ def _experts_on(F, t):
 
 
 def _experts_array(t):
-    """The same forward and backward through the array functions (cukern.moe.torch's wiring)."""
-    from .block import _gate, _gate_backward
-    from .routing import moe_permute, moe_permute_backward, moe_unpermute, moe_unpermute_backward
-
-    import torch
+    """The same forward and backward without autograd: the op's own forward and backward
+    (cukern/moe/torch.py), which call the array functions."""
+    from .torch import experts_backward, experts_forward
 
     x, w, gu, dn = (v.detach() for v in t["leaves"])
-    i = gu.shape[1] // 2
-    x_perm, _, row_of, offsets, _ = moe_permute(x, t["idx"].to(dtype=torch.int32), gu.shape[0])
-    h = moe_grouped_mm(x_perm, gu, offsets)
-    z = _gate("silu", h[:, :i], h[:, i:])
-    y = moe_grouped_mm(z, dn, offsets)
-    out = moe_unpermute(y, row_of, w)
-    dy, dw = moe_unpermute_backward(t["dy"], y, row_of, w)
-    dz, ddn = moe_grouped_mm_backward(dy, z, dn, offsets)
-    dg, du = _gate_backward("silu", dz, h[:, :i], h[:, i:])
-    dx_perm, dgu = moe_grouped_mm_backward(torch.cat([dg, du], dim=1), x_perm, gu, offsets)
-    return out, moe_permute_backward(dx_perm, row_of, t["idx"].shape[1]), dw, dgu, ddn
+    out, *saved = experts_forward(x, t["idx"], w, gu, dn, 0)
+    return (out, *experts_backward(t["dy"], *saved, gu, dn, 0, t["idx"].shape[1]))
 
 
 def torch_bench_cases(quick: bool) -> list:
