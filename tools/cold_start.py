@@ -92,7 +92,10 @@ def child(args) -> None:
     out = {"rank": rank, "import_s": import_s, "setup_s": setup_s, "steps": steps, "native": native,
            "process_s": time.perf_counter() - T_START, "loss": float(loss.detach()),
            "kernels": compiles}
-    print("COLD_START " + json.dumps(out), flush=True)
+    line = json.dumps(out)
+    if os.environ.get("COLD_START_DIR"):   # ranks' lines share one pipe and can interleave there
+        Path(os.environ["COLD_START_DIR"], f"rank{rank}.json").write_text(line)
+    print("COLD_START " + line, flush=True)
     if world > 1 or "LOCAL_RANK" in os.environ:
         import torch.distributed as dist
         dist.destroy_process_group()
@@ -100,9 +103,10 @@ def child(args) -> None:
 
 def _run(cmd, env, label) -> list[dict]:
     t = time.perf_counter()
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
-    wall = time.perf_counter() - t
-    rows = [json.loads(line.split(" ", 1)[1]) for line in p.stdout.splitlines() if line.startswith("COLD_START ")]
+    with tempfile.TemporaryDirectory(prefix="cukern-cold-rows-") as rows_dir:
+        p = subprocess.run(cmd, env=dict(env, COLD_START_DIR=rows_dir), capture_output=True, text=True, cwd=ROOT)
+        wall = time.perf_counter() - t
+        rows = [json.loads(f.read_text()) for f in sorted(Path(rows_dir).glob("rank*.json"))]
     if p.returncode != 0 or not rows:
         print(f"{label}: failed ({p.returncode})\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}", flush=True)
         return []
