@@ -19,6 +19,7 @@
 #include "common/dtype.cuh"
 #include "common/fault.cuh"
 #include "common/mma.cuh"
+#include "common/moe_groups.cuh"
 
 namespace cuk {
 namespace moe_mm {
@@ -32,17 +33,6 @@ __device__ __forceinline__ int swz(int r, int c) {
     constexpr int CHUNKS = COLS / 8;
     const int x = CHUNKS == 4 ? ((r >> 1) & 3) : (r & 7);
     return r * COLS + ((((c >> 3) ^ x)) << 3) + (c & 7);
-}
-
-// Expert e's rows [lo, hi), clamped to [0, rows] and recorded when out of order.
-__device__ __forceinline__ void group_rows(const int* __restrict__ offsets, int e, int experts, int rows,
-                                           long long* __restrict__ fault, int& lo, int& hi) {
-    const int a = e == 0 ? 0 : offsets[e];
-    const int b = e == experts ? rows : offsets[e + 1];
-    if (fault != nullptr && ((e == 0 && offsets[0] != 0) || a < 0 || b < a || b > rows))
-        record_fault(fault, e, rows, 6);
-    lo = min(max(a, 0), rows);
-    hi = min(max(b, lo), rows);
 }
 
 // One stage of a tile: rows [outer, outer + OUTER) of memory, each INNER contiguous elements
@@ -71,6 +61,7 @@ __global__ void __launch_bounds__(cuk::moe_mm::THREADS) moe_grouped_mm(
 {
     using namespace cuk;
     using namespace cuk::moe_mm;
+    using moe_groups::group_rows;
     __shared__ __align__(128) T sa[STAGES][BM * BK];
     __shared__ __align__(128) T sb[STAGES][BN * BK];
     int* s_found = reinterpret_cast<int*>(&sa[0][0]);   // (before the first load: 48 KiB is the static limit)
@@ -86,33 +77,8 @@ __global__ void __launch_bounds__(cuk::moe_mm::THREADS) moe_grouped_mm(
         group_rows(offsets, expert, experts, k_size, tid == 0 ? fault : nullptr, k_begin, k_end);
     } else {
         if (warp == 0) {
-            const int target = blockIdx.x;
-            int run = 0, found = -1, tile = 0;
-            for (int base = 0; base <= experts; base += 32) {
-                const int e = base + lane;
-                int tiles = 0;
-                if (e <= experts) {
-                    int lo, hi;
-                    group_rows(offsets, e, experts, m_size, fault, lo, hi);
-                    tiles = (hi - lo + BM - 1) / BM;
-                }
-                int incl = tiles;
-#pragma unroll
-                for (int o = 1; o < 32; o <<= 1) {
-                    const int v = __shfl_up_sync(0xffffffffu, incl, o);
-                    if (lane >= o) incl += v;
-                }
-                const int excl = incl - tiles;
-                const unsigned hit = __ballot_sync(0xffffffffu, tiles > 0 && target >= run + excl &&
-                                                                    target < run + incl);
-                if (hit) {
-                    const int src = __ffs(hit) - 1;
-                    found = base + src;
-                    tile = target - run - __shfl_sync(0xffffffffu, excl, src);
-                    break;
-                }
-                run += __shfl_sync(0xffffffffu, incl, 31);
-            }
+            int found, tile;
+            moe_groups::find_row_tile<BM>(offsets, experts, m_size, blockIdx.x, fault, found, tile);
             if (lane == 0) { s_found[0] = found; s_found[1] = tile; }
         }
         __syncthreads();

@@ -819,6 +819,18 @@ def _moe_grouped_ragged(A, seed):
     cukern.moe_grouped_mm_backward(A.randn((140, 136), "bfloat16", seed + 2), a, b, off)
 
 
+def _moe_grouped_hopper(A, seed):
+    """Shapes the Hopper products take (128-column tiles, at least 128 rows): ragged groups with
+    an empty expert and rows past the last one, k tails inside a 64-column stage (136 and 200)."""
+    off = A.asarray([0, 130, 130, 131, 390], "int32")
+    a = A.randn((395, 136), "bfloat16", seed)
+    b = A.randn((4, 256, 136), "bfloat16", seed + 1, scale=136 ** -0.5)
+    cukern.moe_grouped_mm(a, b, off)
+    a2 = A.randn((395, 200), "float16", seed + 2)
+    b2 = A.randn((4, 200, 384), "float16", seed + 3, scale=200 ** -0.5)
+    cukern.moe_grouped_mm_backward(a2, A.randn((395, 384), "float16", seed + 4), b2, off)
+
+
 def _moe_fault(A, seed):
     x = A.randn((6, 16), "float16", seed)
     _expect_fault(lambda: cukern.moe_permute(x, A.asarray([[0, 9]] * 6, "int32"), 4))
@@ -827,6 +839,8 @@ def _moe_fault(A, seed):
 def moe_cases() -> list:
     out = [_moe_case(dtype, *spec) for dtype in FLOAT_DTYPES for spec in MOE_SHAPES]
     out.append(_case("moe/grouped_mm ragged/bfloat16", _moe_grouped_ragged,
+                     ("moe_grouped_mm", "moe_grouped_mm_backward")))
+    out.append(_case("moe/grouped_mm hopper shapes/bfloat16+float16", _moe_grouped_hopper,
                      ("moe_grouped_mm", "moe_grouped_mm_backward")))
     out.append(_case("moe/out-of-range expert/float16", _moe_fault, ("moe_permute",)))
     return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from cukern._plans import PlanCache
 from cukern.moe import grouped_mm
 from cukern.moe import reference as R
 
@@ -101,17 +102,45 @@ CASES = {   # experts' row counts, N, K, rows after the last expert
     "rows after the last expert": ([40, 0, 300], 136, 264, 5),
     "skewed, 16 experts": (list((3000 / np.arange(1, 17) ** 1.2).astype(int)), 256, 128, 0),
     "64 experts": ([64 + (7 * e) % 50 for e in range(64)], 384, 512, 0),
+    # Hopper's tiles: the forward's 256 columns with a k tail (136 = 2 x 64 + 8) and rows after
+    # the last expert; d a's 384 columns with a k tail of 200 inside each expert's weight
+    "hopper forward, k tail": ([0, 130, 1, 257, 0, 70], 256, 136, 5),
+    "hopper d a, k tail": ([200, 0, 3, 129], 200, 384, 0),
 }
+PATHS = ("mma.sync", "hopper")
+
+
+def _hopper_products(counts, n, k, after) -> set:
+    """The products of a CASES entry that the Hopper kernels take."""
+    rows = sum(counts) + after
+    return {p for p, cols, inner in (("forward", n, k), ("da", k, n))
+            if rows >= 128 and inner >= 64 and cols % 128 == 0}
 
 
 @gpu
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(CASES))
-def test_grouped_products_match_the_reference(framework, dtype, case):
+def test_grouped_products_match_the_reference(framework, dtype, case, path, monkeypatch):
     """Forward, d a and d b against the float64 reference on the same rounded inputs; every
-    output poisoned first (an unwritten element shows as NaN)."""
+    output poisoned first (an unwritten element shows as NaN). On each path: the mma.sync
+    kernels alone, and Hopper's TMA and wgmma kernels where they take the product (the test
+    counts the Hopper launches it expects)."""
     counts, n, k, after = CASES[case]
+    used = []
+    if path == "hopper":
+        from cukern import _kernels
+
+        if _kernels.compute_capability(0) != (9, 0):
+            pytest.skip("the Hopper kernels need an sm_90 GPU")
+        if not _hopper_products(counts, n, k, after):
+            pytest.skip(f"{case}: no product of this shape takes the Hopper kernels")
+        real = grouped_mm._sm90_instance
+        monkeypatch.setattr(grouped_mm, "_sm90_instance", lambda p, *a: used.append(p) or real(p, *a))
+    monkeypatch.setattr(grouped_mm, "SM80_ONLY", path == "mma.sync")
+    for cache in ("_FORWARD", "_BACKWARD"):   # (plans built anew: the launches counted above)
+        monkeypatch.setattr(grouped_mm, cache, PlanCache())
     experts = len(counts)
     off = _offsets(counts)
     rows = int(off[-1]) + after
@@ -138,6 +167,8 @@ def test_grouped_products_match_the_reference(framework, dtype, case):
         assert not to_host(da)[-after:].any()
     for e in np.flatnonzero(np.asarray(counts) == 0):
         assert not to_host(db)[e].any()
+    if path == "hopper":
+        assert set(used) == _hopper_products(counts, n, k, after), used
 
 
 @gpu

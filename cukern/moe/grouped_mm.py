@@ -4,21 +4,32 @@ read on the device (``moe_permute``'s offsets): no host synchronization.
 
 Shapes: rows ``a`` (R, K); weights ``b`` (E, N, K) as nn.Linear's (an expert's output
 features by its input features); offsets (E + 1,) int32, expert e's rows offsets[e]:offsets[e +
-1]; float16 or bfloat16 (float32 accumulation, one rounding); K and N multiples of 8."""
+1]; float16 or bfloat16 (float32 accumulation, one rounding); K and N multiples of 8.
+
+On Hopper (sm_90), the forward and d a take cuda_src/moe_grouped_mm_sm90.cu (TMA and wgmma)
+where the output's columns are a multiple of 128, the rows at least 128 and K at least 64; the
+rest, and d b, take the mma.sync kernels. ``CUKERN_MOE_SM80=1`` (read at import) keeps Hopper
+on the mma.sync kernels too."""
 from __future__ import annotations
+
+import os
 
 from .. import _arrays, _faults, _kernels
 from .._arrays import DeviceArray
-from .._kernels import Instance
+from .._kernels import Instance, MapSlot
 from .._plans import Builder, Plan, PlanCache
 
 SOURCE = "moe_grouped_mm.cu"
+SM90_SOURCE = "moe_grouped_mm_sm90.cu"
 THREADS = 256
 BM = BN = 128                 # cuda_src/moe_grouped_mm.cu's tile
+SM90_THREADS = 384            # two consumer warpgroups and a producer
+SM90_STAGES = {256: 4, 128: 6}   # BN -> ring stages of 128 x 64 rows of a and BN x 64 of b
 DTYPES = ("float16", "bfloat16")
 INT = ("int32",)
 # (A's k contiguous, B's k contiguous, groups of k): the forward, d a, d b
 PRODUCTS = {"forward": (True, True, False), "da": (True, False, False), "db": (False, False, True)}
+SM80_ONLY = os.environ.get("CUKERN_MOE_SM80", "0") not in ("", "0")
 
 
 def _instance(product: str, dtype: str) -> Instance:
@@ -26,9 +37,28 @@ def _instance(product: str, dtype: str) -> Instance:
     return Instance(SOURCE, f"moe_grouped_mm<{_arrays.DTYPES[dtype][0]}, {a_kc}, {b_kc}, {group_k}>", THREADS)
 
 
+def _sm90_instance(product: str, dtype: str, bn: int) -> Instance:
+    stages = SM90_STAGES[bn]
+    smem = stages * (BM * 64 * 2 + bn * 64 * 2) + 1024   # the ring, and slack to align it to 1024 bytes
+    b_kmajor = str(product == "forward").lower()
+    return Instance(SM90_SOURCE, f"moe_grouped_mm_sm90<{_arrays.DTYPES[dtype][0]}, {b_kmajor}, {bn}, {stages}, "
+                                 f"{smem}>", SM90_THREADS, smem, "sm_90a")
+
+
 def instances() -> list[Instance]:
     """Every kernel instance the functions here can launch (for the compile check)."""
-    return [_instance(p, d) for p in PRODUCTS for d in DTYPES]
+    return ([_instance(p, d) for p in PRODUCTS for d in DTYPES]
+            + [_sm90_instance(p, d, bn) for p in ("forward", "da") for d in DTYPES for bn in SM90_STAGES])
+
+
+def _sm90_tile(device: int, rows: int, n_out: int, k: int, experts: int) -> int | None:
+    """The Hopper kernel's column tile for a product of groups of rows with ``n_out`` output
+    columns and inner size ``k``, or None where the mma.sync kernel runs."""
+    if SM80_ONLY or rows < BM or k < 64 or -(-rows // BM) + experts + 1 > 65535:
+        return None
+    if _kernels.compute_capability(device) != (9, 0):
+        return None
+    return 256 if n_out % 256 == 0 else 128 if n_out % 128 == 0 else None
 
 
 def _fault(device: int):
@@ -91,7 +121,7 @@ def moe_grouped_mm(a, b, offsets):
     """
     arrays = [_arrays.as_device_array(a, "a"), _arrays.as_device_array(b, "b"),
               _arrays.as_device_array(offsets, "offsets", INT)]
-    plan = _FORWARD.plan(tuple(x.key for x in arrays), _plan_forward, arrays)
+    plan = _FORWARD.plan((SM80_ONLY, *(x.key for x in arrays)), _plan_forward, arrays)
     return plan.out(plan(arrays), "out")
 
 
@@ -106,7 +136,13 @@ def _plan_forward(arrays) -> Plan:
     b = Builder(arrays)
     _aligned(b, ((0, aa), (1, ba)))
     out = b.alloc((rows, n), aa.dtype, name="out")
-    if rows and n:
+    bn = _sm90_tile(device, rows, n, k, experts) if rows and n else None
+    if bn is not None:
+        kern = _kernels.kernel(_sm90_instance("forward", aa.dtype, bn), device)
+        b.launch(kern, (n // bn, -(-rows // BM) + experts + 1), a_map=MapSlot(0, (BM, 64)),
+                 b_map=MapSlot(1, (1, bn, 64)), c=out, offsets=b.slot(2), m_size=rows, n_size=n, k_size=k,
+                 experts=experts, ldc=n, fault=_fault(device))
+    elif rows and n:
         kern = _kernels.kernel(_instance("forward", aa.dtype), device)
         b.launch(kern, (-(-rows // BM) + experts + 1, -(-n // BN)), a=b.slot(0), b=b.slot(1), c=out,
                  offsets=b.slot(2), m_size=rows, n_size=n, k_size=k, experts=experts, lda=k, ldb=k, ldc=n,
@@ -122,7 +158,7 @@ def moe_grouped_mm_backward(dout, a, b, offsets):
     offsets[E] a zero ``da``. dout (R, N) contiguous, a's dtype."""
     arrays = [_arrays.as_device_array(dout, "dout"), _arrays.as_device_array(a, "a"),
               _arrays.as_device_array(b, "b"), _arrays.as_device_array(offsets, "offsets", INT)]
-    plan = _BACKWARD.plan(tuple(x.key for x in arrays), _plan_backward, arrays)
+    plan = _BACKWARD.plan((SM80_ONLY, *(x.key for x in arrays)), _plan_backward, arrays)
     bufs = plan(arrays)
     return plan.out(bufs, "da"), plan.out(bufs, "db")
 
@@ -142,7 +178,14 @@ def _plan_backward(arrays) -> Plan:
     da = b.alloc((rows, k), aa.dtype, name="da")
     db = b.alloc((experts, n, k), aa.dtype, name="db")
     fault = _fault(device)
-    if rows and k:
+    bn = _sm90_tile(device, rows, k, n, experts) if rows and k else None
+    if bn is not None:
+        # da (rows, k) = dout (rows, n) . b[e] (n, k), b[e] read MN-major in boxes of 64 x 64
+        kern = _kernels.kernel(_sm90_instance("da", aa.dtype, bn), device)
+        b.launch(kern, (k // bn, -(-rows // BM) + experts + 1), a_map=MapSlot(0, (BM, 64)),
+                 b_map=MapSlot(2, (1, 64, 64)), c=da, offsets=b.slot(3), m_size=rows, n_size=k, k_size=n,
+                 experts=experts, ldc=k, fault=fault)
+    elif rows and k:
         # da (rows, k) = dout (rows, n) . b[e] (n, k): B(n', k') = b[e][k' * k + n'], groups of rows
         kern = _kernels.kernel(_instance("da", aa.dtype), device)
         b.launch(kern, (-(-rows // BM) + experts + 1, -(-k // BN)), a=b.slot(0), b=b.slot(2), c=da,
