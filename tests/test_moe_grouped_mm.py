@@ -103,7 +103,8 @@ CASES = {   # experts' row counts, N, K, rows after the last expert
     "skewed, 16 experts": (list((3000 / np.arange(1, 17) ** 1.2).astype(int)), 256, 128, 0),
     "64 experts": ([64 + (7 * e) % 50 for e in range(64)], 384, 512, 0),
     # Hopper's tiles: the forward's 256 columns with a k tail (136 = 2 x 64 + 8) and rows after
-    # the last expert; d a's 384 columns with a k tail of 200 inside each expert's weight
+    # the last expert; d a's and d b's 384 columns with a k tail of 200 inside each expert's
+    # weight (d b: 200 output rows, groups of 200, 3 and 129 rows summed, one expert empty)
     "hopper forward, k tail": ([0, 130, 1, 257, 0, 70], 256, 136, 5),
     "hopper d a, k tail": ([200, 0, 3, 129], 200, 384, 0),
 }
@@ -113,7 +114,7 @@ PATHS = ("mma.sync", "hopper")
 def _hopper_products(counts, n, k, after) -> set:
     """The products of a CASES entry that the Hopper kernels take."""
     rows = sum(counts) + after
-    return {p for p, cols, inner in (("forward", n, k), ("da", k, n))
+    return {p for p, cols, inner in (("forward", n, k), ("da", k, n), ("db", k, n))
             if rows >= 128 and inner >= 64 and cols % 128 == 0}
 
 

@@ -6,9 +6,10 @@ Shapes: rows ``a`` (R, K); weights ``b`` (E, N, K) as nn.Linear's (an expert's o
 features by its input features); offsets (E + 1,) int32, expert e's rows offsets[e]:offsets[e +
 1]; float16 or bfloat16 (float32 accumulation, one rounding); K and N multiples of 8.
 
-On Hopper (sm_90), the forward and d a take cuda_src/moe_grouped_mm_sm90.cu (TMA and wgmma)
-where the output's columns are a multiple of 128, the rows at least 128 and K at least 64; the
-rest, and d b, take the mma.sync kernels. ``CUKERN_MOE_SM80=1`` (read at import) keeps Hopper
+On Hopper (sm_90), the three products take cuda_src/moe_grouped_mm_sm90.cu (TMA and wgmma) where
+the output's columns are a multiple of 128 (N for the forward, K for d a and d b), the rows at
+least 128 and the inner size at least 64 (K for the forward, N for d a and d b); the rest take the
+mma.sync kernels. ``CUKERN_MOE_SM80=1`` (read at import) keeps Hopper
 on the mma.sync kernels too."""
 from __future__ import annotations
 
@@ -40,21 +41,21 @@ def _instance(product: str, dtype: str) -> Instance:
 def _sm90_instance(product: str, dtype: str, bn: int) -> Instance:
     stages = SM90_STAGES[bn]
     smem = stages * (BM * 64 * 2 + bn * 64 * 2) + 1024   # the ring, and slack to align it to 1024 bytes
-    b_kmajor = str(product == "forward").lower()
-    return Instance(SM90_SOURCE, f"moe_grouped_mm_sm90<{_arrays.DTYPES[dtype][0]}, {b_kmajor}, {bn}, {stages}, "
-                                 f"{smem}>", SM90_THREADS, smem, "sm_90a")
+    return Instance(SM90_SOURCE, f"moe_grouped_mm_sm90<{_arrays.DTYPES[dtype][0]}, {list(PRODUCTS).index(product)}, "
+                                 f"{bn}, {stages}, {smem}>", SM90_THREADS, smem, "sm_90a")
 
 
 def instances() -> list[Instance]:
     """Every kernel instance the functions here can launch (for the compile check)."""
     return ([_instance(p, d) for p in PRODUCTS for d in DTYPES]
-            + [_sm90_instance(p, d, bn) for p in ("forward", "da") for d in DTYPES for bn in SM90_STAGES])
+            + [_sm90_instance(p, d, bn) for p in PRODUCTS for d in DTYPES for bn in SM90_STAGES])
 
 
-def _sm90_tile(device: int, rows: int, n_out: int, k: int, experts: int) -> int | None:
-    """The Hopper kernel's column tile for a product of groups of rows with ``n_out`` output
-    columns and inner size ``k``, or None where the mma.sync kernel runs."""
-    if SM80_ONLY or rows < BM or k < 64 or -(-rows // BM) + experts + 1 > 65535:
+def _sm90_tile(device: int, rows: int, n_out: int, k: int) -> int | None:
+    """The Hopper kernel's column tile for a product with ``n_out`` output columns and inner
+    size ``k`` (groups of rows; for d b, ``k`` is the output's rows: its sum runs over the rows),
+    or None where the mma.sync kernel runs."""
+    if SM80_ONLY or rows < BM or k < 64:
         return None
     if _kernels.compute_capability(device) != (9, 0):
         return None
@@ -136,12 +137,13 @@ def _plan_forward(arrays) -> Plan:
     b = Builder(arrays)
     _aligned(b, ((0, aa), (1, ba)))
     out = b.alloc((rows, n), aa.dtype, name="out")
-    bn = _sm90_tile(device, rows, n, k, experts) if rows and n else None
+    bn = _sm90_tile(device, rows, n, k) if rows and n else None
     if bn is not None:
+        m_tiles = -(-rows // BM) + experts + 1
         kern = _kernels.kernel(_sm90_instance("forward", aa.dtype, bn), device)
-        b.launch(kern, (n // bn, -(-rows // BM) + experts + 1), a_map=MapSlot(0, (BM, 64)),
-                 b_map=MapSlot(1, (1, bn, 64)), c=out, offsets=b.slot(2), m_size=rows, n_size=n, k_size=k,
-                 experts=experts, ldc=n, fault=_fault(device))
+        b.launch(kern, (n // bn * m_tiles,), a_map=MapSlot(0, (BM, 64)), b_map=MapSlot(1, (1, bn, 64)), c=out,
+                 offsets=b.slot(2), m_size=rows, n_size=n, k_size=k, experts=experts, m_tiles=m_tiles, ldc=n,
+                 c_expert_stride=0, fault=_fault(device))
     elif rows and n:
         kern = _kernels.kernel(_instance("forward", aa.dtype), device)
         b.launch(kern, (-(-rows // BM) + experts + 1, -(-n // BN)), a=b.slot(0), b=b.slot(1), c=out,
@@ -178,20 +180,28 @@ def _plan_backward(arrays) -> Plan:
     da = b.alloc((rows, k), aa.dtype, name="da")
     db = b.alloc((experts, n, k), aa.dtype, name="db")
     fault = _fault(device)
-    bn = _sm90_tile(device, rows, k, n, experts) if rows and k else None
+    bn = _sm90_tile(device, rows, k, n) if rows and k else None
     if bn is not None:
         # da (rows, k) = dout (rows, n) . b[e] (n, k), b[e] read MN-major in boxes of 64 x 64
+        m_tiles = -(-rows // BM) + experts + 1
         kern = _kernels.kernel(_sm90_instance("da", aa.dtype, bn), device)
-        b.launch(kern, (k // bn, -(-rows // BM) + experts + 1), a_map=MapSlot(0, (BM, 64)),
-                 b_map=MapSlot(2, (1, 64, 64)), c=da, offsets=b.slot(3), m_size=rows, n_size=k, k_size=n,
-                 experts=experts, ldc=k, fault=fault)
+        b.launch(kern, (k // bn * m_tiles,), a_map=MapSlot(0, (BM, 64)), b_map=MapSlot(2, (1, 64, 64)), c=da,
+                 offsets=b.slot(3), m_size=rows, n_size=k, k_size=n, experts=experts, m_tiles=m_tiles, ldc=k,
+                 c_expert_stride=0, fault=fault)
     elif rows and k:
         # da (rows, k) = dout (rows, n) . b[e] (n, k): B(n', k') = b[e][k' * k + n'], groups of rows
         kern = _kernels.kernel(_instance("da", aa.dtype), device)
         b.launch(kern, (-(-rows // BM) + experts + 1, -(-k // BN)), a=b.slot(0), b=b.slot(2), c=da,
                  offsets=b.slot(3), m_size=rows, n_size=k, k_size=n, experts=experts, lda=n, ldb=k, ldc=k,
                  b_expert_stride=n * k, c_expert_stride=0, fault=fault)
-    if n and k:
+    bn = _sm90_tile(device, rows, k, n) if n and k else None
+    if bn is not None:
+        # db[e] (n, k) = dout^T . a over e's rows, both read MN-major in boxes of 64 rows x 64
+        kern = _kernels.kernel(_sm90_instance("db", aa.dtype, bn), device)
+        b.launch(kern, (-(-n // BM) * (k // bn), experts), a_map=MapSlot(0, (64, 64)), b_map=MapSlot(1, (64, 64)),
+                 c=db, offsets=b.slot(3), m_size=n, n_size=k, k_size=rows, experts=experts, m_tiles=0, ldc=k,
+                 c_expert_stride=n * k, fault=fault)
+    elif n and k:
         # db[e] (n, k) = dout^T . a over e's rows: A(m, r) = dout[r * n + m], B(k', r) = a[r * k + k']
         kern = _kernels.kernel(_instance("db", aa.dtype), device)
         b.launch(kern, (-(-n // BM) * -(-k // BN), experts), a=b.slot(0), b=b.slot(1), c=db, offsets=b.slot(3),
