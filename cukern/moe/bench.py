@@ -1,9 +1,10 @@
 """The family's benchmark cases: the grouped expert products at the shapes of a fine-grained
 MoE (64 experts, top-8, hidden 2048, expert width 768) and of Mixtral (8 experts, top-2, hidden
-4096, width 14336), balanced routing, against ``torch._grouped_mm`` where the installed torch has
-it (a loop over the experts where it does not, or does not run), forward and both backward
-products (d b as its own backward computes it). The bench reports them in TFLOP/s against the
-device's dense matrix rate: the ceiling at equal FLOPs."""
+4096, width 14336), balanced routing (and the first also with Zipf-skewed routing), against
+``torch._grouped_mm`` where the installed torch has it (a loop over the experts where it does
+not, or does not run), forward and both backward products (d b as its own backward computes
+it). The bench reports them in TFLOP/s against the device's dense matrix rate: the ceiling at
+equal FLOPs."""
 from __future__ import annotations
 
 import functools
@@ -11,21 +12,36 @@ import functools
 from .._bench_cases import Case, generator, randn
 from .grouped_mm import moe_grouped_mm, moe_grouped_mm_backward
 
-# (label, experts, rows (tokens × top_k), in_features K, out_features N)
+# (label, experts, rows (tokens × top_k), in_features K, out_features N, Zipf exponent of the
+# experts' loads or 0 for balanced routing)
 WORKLOAD = {
-    "full": (("64e top8 up", 64, 16384 * 8, 2048, 2 * 768), ("64e top8 down", 64, 16384 * 8, 768, 2048),
-             ("mixtral up", 8, 8192 * 2, 4096, 2 * 14336), ("mixtral down", 8, 8192 * 2, 14336, 4096)),
-    "quick": (("64e top8 up", 64, 2048 * 8, 512, 2 * 256), ("64e top8 down", 64, 2048 * 8, 256, 512),
-              ("mixtral up", 8, 2048 * 2, 1024, 2 * 2048), ("mixtral down", 8, 2048 * 2, 2048, 1024)),
+    "full": (("64e top8 up", 64, 16384 * 8, 2048, 2 * 768, 0),
+             ("64e top8 up zipf", 64, 16384 * 8, 2048, 2 * 768, 1.2),
+             ("64e top8 down", 64, 16384 * 8, 768, 2048, 0),
+             ("mixtral up", 8, 8192 * 2, 4096, 2 * 14336, 0), ("mixtral down", 8, 8192 * 2, 14336, 4096, 0)),
+    "quick": (("64e top8 up", 64, 2048 * 8, 512, 2 * 256, 0),
+              ("64e top8 up zipf", 64, 2048 * 8, 512, 2 * 256, 1.2),
+              ("64e top8 down", 64, 2048 * 8, 256, 512, 0),
+              ("mixtral up", 8, 2048 * 2, 1024, 2 * 2048, 0), ("mixtral down", 8, 2048 * 2, 2048, 1024, 0)),
     "dtype": "bfloat16",
 }
 
 
-def _inputs(experts, rows, k, n, dtype, seed, grad=False):
+def expert_counts(experts: int, rows: int, zipf: float) -> list[int]:
+    """Rows an expert: equal shares (zipf 0), or expert e's share proportional to (e + 1)^-zipf
+    (1.2 puts 29% of the rows on the first of 64 experts and 0.2% on the last), summing to rows."""
+    weights = [(e + 1) ** -zipf for e in range(experts)]
+    counts = [int(rows * w / sum(weights)) for w in weights]
+    for e in range(rows - sum(counts)):
+        counts[e % experts] += 1
+    return counts
+
+
+def _inputs(experts, rows, k, n, dtype, seed, grad=False, zipf=0.0):
     import torch
 
     gen = generator(seed)
-    counts = [rows // experts + (e < rows % experts) for e in range(experts)]
+    counts = expert_counts(experts, rows, zipf)
     offsets = torch.tensor([0] + [sum(counts[:e + 1]) for e in range(experts)], dtype=torch.int32, device="cuda")
     t = {"a": randn((rows, k), dtype, gen), "b": randn((experts, n, k), dtype, gen) * k ** -0.5,
          "offsets": offsets, "counts": counts}
@@ -76,13 +92,13 @@ def bench_cases(quick: bool) -> list:
     """FLOPs: 2 R K N a product (the forward), three products with both backward ones."""
     dt = WORKLOAD["dtype"]
     out = []
-    for label, e, r, k, n in WORKLOAD["quick" if quick else "full"]:
+    for label, e, r, k, n, zipf in WORKLOAD["quick" if quick else "full"]:
         flops, shape = 2 * r * k * n, (e, r, k, n)
         nbytes = 2 * (r * k + e * n * k + r * n)
         out.append(Case(f"moe grouped_mm {label} fwd", "moe", shape, dt, nbytes,
-                        functools.partial(_inputs, e, r, k, n, dt), _fwd, _torch_fwd, flops=flops))
+                        functools.partial(_inputs, e, r, k, n, dt, zipf=zipf), _fwd, _torch_fwd, flops=flops))
         out.append(Case(f"moe grouped_mm {label} fwd+bwd", "moe", shape, dt, 3 * nbytes,
-                        functools.partial(_inputs, e, r, k, n, dt, grad=True), _fwd_bwd, _torch_fwd_bwd,
+                        functools.partial(_inputs, e, r, k, n, dt, grad=True, zipf=zipf), _fwd_bwd, _torch_fwd_bwd,
                         flops=3 * flops))
     return out
 
