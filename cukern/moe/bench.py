@@ -154,7 +154,16 @@ def _experts_inputs(dims, dtype, seed):
               torch.rand((t_, k), device="cuda", generator=gen).requires_grad_(True),
               (randn((e, 2 * i, h), dtype, gen) * h ** -0.5).requires_grad_(True),
               (randn((e, h, i), dtype, gen) * i ** -0.5).requires_grad_(True)]
-    return {"leaves": leaves, "idx": idx, "dy": randn((t_, h), dtype, gen)}
+    return {"leaves": leaves, "idx": idx, "idx32": idx.to(torch.int32), "dy": randn((t_, h), dtype, gen)}
+
+
+def _experts_liger(t):
+    """Liger-Kernel's fused MoE experts (Triton grouped products, SwiGLU fused into the up
+    projection): the same leaves, the expert ids as int32."""
+    from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+
+    x, w, gu, dn = t["leaves"]
+    return LigerFusedMoEFunction.apply(x, gu, dn, t["idx32"], w)
 
 
 def _experts_on(F, t):
@@ -177,8 +186,8 @@ def _experts_array(t):
 
 def torch_bench_cases(quick: bool) -> list:
     """The experts' forward and backward (patch(model)'s ``moe_experts``) against the same on
-    PyTorch's grouped products, eager and compiled. FLOPs: the three products of each pair,
-    forward, three times that with the backward."""
+    PyTorch's grouped products, eager and compiled, and against Liger-Kernel's fused MoE. FLOPs:
+    the three products of each pair, forward, three times that with the backward."""
     from .._bench_cases import TorchCase
 
     dims, dt = EXPERTS["quick" if quick else "full"], WORKLOAD["dtype"]
@@ -186,4 +195,5 @@ def torch_bench_cases(quick: bool) -> list:
     flops = 2 * t_ * k * h * 3 * i
     nbytes = 2 * (2 * t_ * h + e * 3 * i * h + t_ * k * (h + 3 * i))
     return [TorchCase("moe experts fwd+bwd", "moe", (t_, h, e, i, k), dt, 3 * nbytes,
-                      functools.partial(_experts_inputs, dims, dt), _experts_on, _experts_array, flops=3 * flops)]
+                      functools.partial(_experts_inputs, dims, dt), _experts_on, _experts_array, liger=_experts_liger,
+                      flops=3 * flops)]
