@@ -831,6 +831,15 @@ def _moe_grouped_hopper(A, seed):
     cukern.moe_grouped_mm_backward(a2, A.randn((395, 384), "float16", seed + 4), b2, off)
 
 
+def _moe_grouped_hopper_fault(A, seed):
+    """Offsets out of order at shapes the Hopper products take: clamped, reported, never followed."""
+    a = A.randn((300, 128), "float16", seed)
+    b = A.randn((3, 256, 128), "float16", seed + 1, scale=128 ** -0.5)
+    off = A.asarray([0, 200, 70, 300], "int32")
+    _expect_fault(lambda: (cukern.moe_grouped_mm(a, b, off),
+                           cukern.moe_grouped_mm_backward(A.randn((300, 256), "float16", seed + 2), a, b, off)))
+
+
 def _moe_fault(A, seed):
     x = A.randn((6, 16), "float16", seed)
     _expect_fault(lambda: cukern.moe_permute(x, A.asarray([[0, 9]] * 6, "int32"), 4))
@@ -841,6 +850,8 @@ def moe_cases() -> list:
     out.append(_case("moe/grouped_mm ragged/bfloat16", _moe_grouped_ragged,
                      ("moe_grouped_mm", "moe_grouped_mm_backward")))
     out.append(_case("moe/grouped_mm hopper shapes/bfloat16+float16", _moe_grouped_hopper,
+                     ("moe_grouped_mm", "moe_grouped_mm_backward")))
+    out.append(_case("moe/grouped_mm hopper shapes, offsets out of order/float16", _moe_grouped_hopper_fault,
                      ("moe_grouped_mm", "moe_grouped_mm_backward")))
     out.append(_case("moe/out-of-range expert/float16", _moe_fault, ("moe_permute",)))
     return out

@@ -186,3 +186,30 @@ def test_offsets_out_of_order_are_reported_and_never_read_past():
         assert to_host(out).shape == (20, 8) and to_host(db).shape == (3, 8, 16) and to_host(da).shape == (20, 16)
         with pytest.raises(IndexError, match=r"^offsets: expert \d's rows are not in order within the 20 rows"):
             cukern.check_errors()
+
+
+@gpu
+@pytest.mark.parametrize("path", PATHS)
+def test_offsets_out_of_order_at_hopper_shapes_are_reported_and_never_read_past(path, monkeypatch):
+    """The same at shapes every product of which the Hopper kernels take (300 rows, N 256, K
+    128), on both paths: the groups' bounds clamped before any tile or TMA coordinate is made."""
+    import cukern
+    from cukern import _kernels
+
+    if path == "hopper" and _kernels.compute_capability(0) != (9, 0):
+        pytest.skip("the Hopper kernels need an sm_90 GPU")
+    monkeypatch.setattr(grouped_mm, "SM80_ONLY", path == "mma.sync")
+    cukern.check_errors()
+    rng = np.random.default_rng(11)
+    a = to_device(rng.standard_normal((300, 128)).astype(np.float16), "cupy")
+    b = to_device((rng.standard_normal((3, 256, 128)) / 12).astype(np.float16), "cupy")
+    dout = to_device(rng.standard_normal((300, 256)).astype(np.float16), "cupy")
+    for bad in ([0, 200, 70, 300], [0, 100, 450, 300], [5, 100, 200, 300], [0, -40, 200, 300]):
+        off = ints_to_device(np.array(bad, np.int32), "cupy")
+        out = grouped_mm.moe_grouped_mm(a, b, off)
+        da, db = grouped_mm.moe_grouped_mm_backward(dout, a, b, off)
+        assert to_host(out).shape == (300, 256) and to_host(da).shape == (300, 128)
+        assert to_host(db).shape == (3, 256, 128)
+        with pytest.raises(IndexError, match=r"^offsets: expert \d's rows are not in order within the 300 rows"):
+            cukern.check_errors()
+
