@@ -107,6 +107,10 @@ CASES = {   # experts' row counts, N, K, rows after the last expert
     # weight (d b: 200 output rows, groups of 200, 3 and 129 rows summed, one expert empty)
     "hopper forward, k tail": ([0, 130, 1, 257, 0, 70], 256, 136, 5),
     "hopper d a, k tail": ([200, 0, 3, 129], 200, 384, 0),
+    # d b's last row tile (N 192) with a box of 64 columns wholly past N (TMA reads zeros there)
+    "hopper d b, a box past n": ([200, 0, 3, 129], 192, 256, 0),
+    # more k stages than the ring holds at BN 256 (the forward's 8, d b's 5 with a partial last)
+    "hopper ring wraps": ([300, 0, 70], 256, 512, 0),
 }
 PATHS = ("mma.sync", "hopper")
 

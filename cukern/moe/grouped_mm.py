@@ -137,9 +137,9 @@ def _plan_forward(arrays) -> Plan:
     b = Builder(arrays)
     _aligned(b, ((0, aa), (1, ba)))
     out = b.alloc((rows, n), aa.dtype, name="out")
-    bn = _sm90_tile(device, rows, n, k) if rows and n else None
+    m_tiles = -(-rows // BM) + experts + 1   # (the Hopper grid is 1-D: column tiles x this, below 2^31)
+    bn = _sm90_tile(device, rows, n, k) if rows and n and n // 128 * m_tiles < 2**31 else None
     if bn is not None:
-        m_tiles = -(-rows // BM) + experts + 1
         kern = _kernels.kernel(_sm90_instance("forward", aa.dtype, bn), device)
         b.launch(kern, (n // bn * m_tiles,), a_map=MapSlot(0, (BM, 64)), b_map=MapSlot(1, (1, bn, 64)), c=out,
                  offsets=b.slot(2), m_size=rows, n_size=n, k_size=k, experts=experts, m_tiles=m_tiles, ldc=n,
@@ -180,10 +180,10 @@ def _plan_backward(arrays) -> Plan:
     da = b.alloc((rows, k), aa.dtype, name="da")
     db = b.alloc((experts, n, k), aa.dtype, name="db")
     fault = _fault(device)
-    bn = _sm90_tile(device, rows, k, n) if rows and k else None
+    m_tiles = -(-rows // BM) + experts + 1
+    bn = _sm90_tile(device, rows, k, n) if rows and k and k // 128 * m_tiles < 2**31 else None
     if bn is not None:
         # da (rows, k) = dout (rows, n) . b[e] (n, k), b[e] read MN-major in boxes of 64 x 64
-        m_tiles = -(-rows // BM) + experts + 1
         kern = _kernels.kernel(_sm90_instance("da", aa.dtype, bn), device)
         b.launch(kern, (k // bn * m_tiles,), a_map=MapSlot(0, (BM, 64)), b_map=MapSlot(2, (1, 64, 64)), c=da,
                  offsets=b.slot(3), m_size=rows, n_size=k, k_size=n, experts=experts, m_tiles=m_tiles, ldc=k,
