@@ -174,7 +174,8 @@ def cmd_bench(args) -> int:
     print(f"cukern {ver['cukern']}, torch {ver['torch']} (CUDA {ver['torch_cuda']}), "
           f"cupy {ver['cupy']}, NVRTC {ver['nvrtc']}"
           + (f", liger-kernel {_bench.liger_version() or 'not installed'}" if args.torch else "")
-          + (f", flash-attn-4 {_bench.fa4_version() or 'not installed'}" if args.torch else ""))
+          + (f", flash-attn-4 {_bench.fa4_version() or 'not installed'}" if args.torch else "")
+          + (f", quack {_bench.quack_version() or 'not installed'}" if args.torch else ""))
     print(f"timing: median of {reps} runs after {warmup} warm-up, CUDA events, a case's sides in alternating blocks"
           + (" (--quick shapes)" if args.quick else ""), flush=True)
     copy = _bench.copy_bandwidth()
@@ -196,7 +197,7 @@ def cmd_bench(args) -> int:
         progress.done()
     if args.torch:
         print("through cukern.torch with autograd (the PyTorch user's call) against the array API, PyTorch "
-              "eager, torch.compile and a peer library (Liger-Kernel, FlashAttention-4); ms by the bench's "
+              "eager, torch.compile and the peer libraries (Liger-Kernel, FlashAttention-4, quack); ms by the bench's "
               "method, an isolated call's ms, and host microseconds a call with the device kept busy", flush=True)
         print(_bench.format_torch_table(results))
     else:

@@ -49,7 +49,9 @@ class TorchCase:
     forward and ``torch.autograd.grad`` of it with ``t["dy"]``, else the forward under
     ``torch.no_grad``. ``array(t)`` does the same work through the array API; ``liger(t)``, if
     given, the forward through Liger-Kernel (timed when liger-kernel is installed); ``fa4(t)``,
-    if given, through FlashAttention-4 (timed when ``flash_attn.cute`` imports)."""
+    if given, through FlashAttention-4 (timed when ``flash_attn.cute`` imports); ``quack(t)``, if
+    given, through quack (timed when ``quack`` imports). A peer that raises on its first call is
+    left out of the row, with its error in the record."""
     name: str
     family: str
     shape: tuple[int, ...]
@@ -64,6 +66,7 @@ class TorchCase:
     liger_leaves: bool = False
     flops: int | None = None
     fa4: Callable[[dict], Any] | None = None
+    quack: Callable[[dict], Any] | None = None
 
     shape_label = property(lambda self: _shape_label(self.shape))
 

@@ -350,9 +350,9 @@ def test_asv_benchmarks_cover_every_case_under_their_historic_names():
             assert fn.unit == unit and fn.timeout >= 600 and fn.version == _bench.ASV_VERSION
     for c in _bench.torch_cases():
         for key in ("vs_eager", "vs_compile", "torch_over_array", "host_us", "peak_mib") + (
-                ("vs_liger",) if c.liger else ()) + (("vs_fa4",) if c.fa4 else ()):
+                ("vs_liger",) if c.liger else ()) + (("vs_fa4",) if c.fa4 else ()) + (("vs_quack",) if c.quack else ()):
             assert f"bench_torch_{c.family}.track_{_bench.slug(c.name)}_{key}" in tracks
-        for key, peer in (("vs_liger", c.liger), ("vs_fa4", c.fa4)):
+        for key, peer in (("vs_liger", c.liger), ("vs_fa4", c.fa4), ("vs_quack", c.quack)):
             if not peer:
                 assert f"bench_torch_{c.family}.track_{_bench.slug(c.name)}_{key}" not in tracks
     fake = {"skip": None, "copy_gbps": 3000.0,
@@ -502,6 +502,46 @@ def test_the_torch_table_names_each_rows_peer_library_and_says_when_it_is_missin
     assert "! sdpa causal d128 fwd+bwd: FA4 does not import here: not timed" in _bench.format_torch_table([missing])
     liger = {**rec, "library": "liger", "ms": {**missing["ms"], "liger": 1.2}, "vs_liger": 1.2 / 1.0}
     assert "1.200 Liger" in _bench.format_torch_table([liger])
+
+
+def test_the_torch_table_gives_quack_a_column_and_says_why_a_peer_is_missing():
+    rec = {"name": "rms_norm fwd+bwd", "shape": [4, 8], "dtype": "bfloat16", "routed": True, "error": None,
+           "ms": {"array": 1.0, "cukern.torch": 1.0, "eager": 2.0, "compile": 1.5, "liger": 1.1, "quack": 1.25},
+           "isolated_ms": {"cukern.torch": 1.1, "eager": 2.1}, "host_us": {"cukern.torch": 30, "eager": 10, "array": 9},
+           "peak_mib": {"cukern.torch": 100.0, "eager": 300.0, "liger": 90.0}, "torch_over_array": 1.0,
+           "vs_eager": 2.0, "vs_compile": 1.5, "vs_liger": 1.1, "vs_quack": 1.25, "rel_err": {}, "library": "liger",
+           "quack": True, "peer_errors": {}}
+    table = _bench.format_torch_table([rec])
+    assert "quack ms" in table and "1.250" in table and "1.25x" in table and "!" not in table
+    gone = {**rec, "ms": {k: v for k, v in rec["ms"].items() if k not in ("liger", "quack")}, "vs_liger": None,
+            "vs_quack": None, "peer_errors": {"liger": "RuntimeError: out of memory"}}
+    table = _bench.format_torch_table([gone])
+    assert "! rms_norm fwd+bwd: Liger failed on its first call, not timed: RuntimeError: out of memory" in table
+    assert "! rms_norm fwd+bwd: quack does not import here: not timed" in table
+    assert "Liger does not import" not in table
+
+
+def test_a_peer_library_that_raises_costs_its_column_and_cukerns_own_failure_the_row():
+    """The first call of every implementation: a peer library's exception is recorded and the
+    peer dropped; an exception of cukern's or PyTorch's own implementations propagates."""
+    torch = pytest.importorskip("torch")
+    from cukern._bench.run import first_calls
+
+    def boom(t):
+        raise RuntimeError("autotuning ran out of memory")
+
+    impls = {"eager": lambda t: t * 2, "cukern.torch": lambda t: t * 2, "liger": boom, "quack": lambda t: t * 3}
+    errors, failed = first_calls(impls, torch.ones(4))
+    assert list(impls) == ["eager", "cukern.torch", "quack"]
+    assert errors["cukern.torch"] == 0.0 and errors["quack"] == pytest.approx(0.5)
+    assert failed == {"liger": "RuntimeError: autotuning ran out of memory"}
+    with pytest.raises(RuntimeError, match="autotuning"):
+        first_calls({"eager": lambda t: t, "cukern.torch": boom}, torch.ones(4))
+
+
+def test_the_norm_and_loss_rows_have_quack_as_a_peer():
+    have = {c.name for c in _bench.torch_cases() if c.quack is not None}
+    assert have == {"layer_norm fwd+bwd", "rms_norm fwd+bwd", "rms_norm fwd", "cross_entropy fwd+bwd"}
 
 
 def test_every_attention_torch_case_has_the_fa4_peer():

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from .._bench_cases import Case, TorchCase
 from .asv import ASV_TIMEOUT, ASV_VERSION, asv_benchmarks, asv_results
-from .environment import device_info, fa4_version, liger_version, unavailable_reason, versions
+from .environment import device_info, fa4_version, liger_version, quack_version, unavailable_reason, versions
 from .results import (
                       AGREE,
                       L2_FACTOR,
@@ -69,4 +69,5 @@ from .timing import (
 __all__ = ["Case", "TorchCase", "Timing", "cases", "torch_cases", "time_cuda", "time_cuda_detail",
            "time_cuda_interleaved", "host_us",
            "copy_bandwidth", "matmul_rate", "run_cases", "run_case", "run_torch_cases", "summarize",
-           "format_table", "format_torch_table", "unavailable_reason", "fa4_version", "asv_results", "asv_benchmarks"]
+           "format_table", "format_torch_table", "unavailable_reason", "fa4_version", "quack_version", "asv_results",
+           "asv_benchmarks"]

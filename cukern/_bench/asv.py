@@ -88,7 +88,7 @@ def asv_benchmarks(namespace: dict) -> None:
     """Fill the asv module's namespace with a ``track_`` benchmark for every number of every
     family: array-API cases as ``bench_<family>.track_<case>_{gbps|tflops|speedup}`` (and
     ``bench_<family>.track_copy_gbps``, the ceiling), PyTorch-path cases as
-    ``bench_torch_<family>.track_<case>_{vs_eager|vs_compile|vs_liger|vs_fa4|over_array|host_us|peak_mib}``.
+    ``bench_torch_<family>.track_<case>_{vs_eager|vs_compile|vs_liger|vs_fa4|vs_quack|over_array|host_us|peak_mib}``.
     Everything is measured once, in the module's ``setup_cache`` (``asv_results()``), which
     every benchmark reads; without a GPU ``setup`` skips them all."""
     from .._registry import families
@@ -119,10 +119,12 @@ def asv_benchmarks(namespace: dict) -> None:
                                     ("vs_compile", "x", "speed-up over torch.compile"),
                                     ("vs_liger", "x", "speed-up over Liger-Kernel"),
                                     ("vs_fa4", "x", "speed-up over FlashAttention-4"),
+                                    ("vs_quack", "x", "speed-up over quack"),
                                     ("torch_over_array", "x", "time over the array API's"),
                                     ("host_us", "us", "host time a call"),
                                     ("peak_mib", "MiB", "peak memory a call beyond its inputs")):
-                if (key == "vs_liger" and c.liger is None) or (key == "vs_fa4" and c.fa4 is None):
+                if ((key == "vs_liger" and c.liger is None) or (key == "vs_fa4" and c.fa4 is None)
+                        or (key == "vs_quack" and c.quack is None)):
                     continue   # (no such peer for this case)
                 read = _case_value("torch_cases", c.name, key)
                 if key in ("host_us", "peak_mib"):

@@ -83,6 +83,11 @@ def liger_version() -> str | None:
     return _library_version("liger_kernel", "liger-kernel")
 
 
+def quack_version() -> str | None:
+    """quack's version (quack-kernels, CuTe DSL kernels) when it imports, else None."""
+    return _library_version("quack", "quack-kernels")
+
+
 def fa4_version() -> str | None:
     """FlashAttention-4's version (flash-attn-4, ``flash_attn.cute``) when it imports, else None."""
     return _library_version("flash_attn.cute", "flash-attn-4")

@@ -95,7 +95,7 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(out)
 
 # The peer library of a PyTorch-path row (Liger-Kernel, FlashAttention-4): its key and its label.
-LIBRARIES = {"liger": "Liger", "fa4": "FA4"}
+LIBRARIES = {"liger": "Liger", "fa4": "FA4", "quack": "quack"}
 
 
 def _library(r: dict) -> str:
@@ -113,8 +113,8 @@ def format_torch_table(results: list[dict]) -> str:
     """The PyTorch-path results: median ms of each implementation (the bench's method), the
     ratios, the isolated call's time and the host time a call."""
     head = ("case", "shape", "array ms", "cukern.torch ms", "/array", "eager ms", "compile ms", "library ms",
-            "vs eager", "vs compile", "vs library", "isolated ms (ct/eager)", "host us (ct/eager/array)",
-            "peak MiB (ct/eager/library)")
+            "vs eager", "vs compile", "vs library", "quack ms", "vs quack", "isolated ms (ct/eager)",
+            "host us (ct/eager/array)", "peak MiB (ct/eager/library)")
     rows = []
 
     def f(v, fmt):
@@ -134,6 +134,7 @@ def format_torch_table(results: list[dict]) -> str:
                      f(ms["compile"], ".3f"), f(lib_ms, ".3f") + (label if lib_ms is not None else ""),
                      f(r["vs_eager"], ".2f") + "x", f(r["vs_compile"], ".2f") + "x",
                      f(vs_lib, ".2f") + ("x" + label if vs_lib else ""),
+                     f(ms.get("quack"), ".3f"), f(r.get("vs_quack"), ".2f") + ("x" if r.get("vs_quack") else ""),
                      f"{iso['cukern.torch']:.3f} / {iso['eager']:.3f}",
                      f"{host['cukern.torch']:.0f} / {host['eager']:.0f} / {host['array']:.0f}",
                      _peaks(r.get("peak_mib"), lib)))
@@ -154,6 +155,11 @@ def format_torch_table(results: list[dict]) -> str:
                          + ", ".join(f"{k} {v:.2e}" for k, v in bad.items()) + ")")
         if r.get("fallbacks"):
             notes.append(f"! {r['name']}: cukern.torch fell back to PyTorch: {r['fallbacks']}")
-        if r.get("library") and r["library"] not in r["ms"]:
+        failed = r.get("peer_errors") or {}
+        for key, err in failed.items():
+            notes.append(f"! {r['name']}: {LIBRARIES[key]} failed on its first call, not timed: {err}")
+        if r.get("library") and r["library"] not in r["ms"] and r["library"] not in failed:
             notes.append(f"! {r['name']}: {LIBRARIES[r['library']]} does not import here: not timed")
+        if r.get("quack") and "quack" not in r["ms"] and "quack" not in failed:
+            notes.append(f"! {r['name']}: quack does not import here: not timed")
     return "\n".join(out + ([""] + notes if notes else []))

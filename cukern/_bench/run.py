@@ -7,7 +7,7 @@ import re
 from typing import Callable, Sequence
 
 from .._bench_cases import Case, TorchCase
-from .environment import fa4_version, liger_version
+from .environment import fa4_version, liger_version, quack_version
 from .results import AGREE, error_result, gbps, input_set_count, summarize, tflops
 from .timing import copy_bandwidth, host_us, l2_bytes, matmul_rate, time_cuda_detail, time_cuda_interleaved
 
@@ -115,7 +115,8 @@ def _run_each(run_one: Callable, cases: Sequence, progress: Callable | None, **k
 
 # ---- the PyTorch path (bench --torch) ---------------------------------------------------------
 
-TORCH_IMPLS = ("array", "cukern.torch", "eager", "compile", "liger", "fa4")
+TORCH_IMPLS = ("array", "cukern.torch", "eager", "compile", "liger", "fa4", "quack")
+PEERS = ("liger", "fa4", "quack")   # other libraries' implementations: optional, and left out where they fail
 
 def _step(case: TorchCase, forward: Callable, leaves: str = "leaves") -> Callable:
     """fn(t): the case's forward through ``forward`` (one output or a tuple) and, with
@@ -134,6 +135,26 @@ def _step(case: TorchCase, forward: Callable, leaves: str = "leaves") -> Callabl
             with torch.no_grad():
                 return forward(t)
     return run
+
+
+def first_calls(impls: dict[str, Callable], inputs) -> tuple[dict, dict]:
+    """Each implementation's first call on ``inputs``: (relative error against "eager"'s output
+    by name, the error of each peer library that raised). A peer that raises (another library's
+    first call: its autotuning, a dtype or layout it refuses) is removed from ``impls``, costing
+    its column rather than the row; cukern's and PyTorch's own raise."""
+    expect = impls["eager"](inputs)
+    errors, peer_errors = {}, {}
+    for name, fn in list(impls.items()):
+        if name == "eager":
+            continue
+        try:
+            errors[name] = relative_error(fn(inputs), expect)
+        except Exception as e:   # noqa: BLE001 - another library's failure costs its column, not the row
+            if name not in PEERS:
+                raise
+            peer_errors[name] = f"{type(e).__name__}: {e}"[:300]
+            del impls[name]
+    return errors, peer_errors
 
 
 def torch_impls(case: TorchCase) -> dict[str, Callable]:
@@ -157,6 +178,8 @@ def torch_impls(case: TorchCase) -> dict[str, Callable]:
         impls["liger"] = _step(case, case.liger, "liger_leaves" if case.liger_leaves else "leaves")
     if case.fa4 is not None and fa4_version() is not None:
         impls["fa4"] = _step(case, case.fa4)
+    if case.quack is not None and quack_version() is not None:
+        impls["quack"] = _step(case, case.quack)
     return impls
 
 
@@ -186,8 +209,7 @@ def run_torch_case(case: TorchCase, *, warmup: int = 10, reps: int = 100, copy_g
     nsets = input_set_count(case.nbytes, l2 if l2 is not None else l2_bytes())
     sets = [case.make(seed) for seed in range(nsets)]
     impls = torch_impls(case)
-    expect = impls["eager"](sets[0])
-    errors = {name: relative_error(fn(sets[0]), expect) for name, fn in impls.items() if name != "eager"}
+    errors, peer_errors = first_calls(impls, sets[0])
     ct.reset_counts()
     impls["cukern.torch"](sets[0])
     counts = ct.counts(reasons=True)
@@ -206,11 +228,11 @@ def run_torch_case(case: TorchCase, *, warmup: int = 10, reps: int = 100, copy_g
          "peak_mib": peak,
          "rel_err": errors, "routed": routed, "fallbacks": {k: v.get("torch_reasons") for k, v in counts.items()
                                                              if v.get("torch")},
-         "input_sets": nsets, "reps": reps,
+         "input_sets": nsets, "reps": reps, "peer_errors": peer_errors, "quack": case.quack is not None,
          "library": "fa4" if case.fa4 is not None else "liger" if case.liger is not None else None}
     mine = ms["cukern.torch"]
     r["torch_over_array"] = mine / ms["array"] if ms["array"] > 0 else None
-    for peer in ("eager", "compile", "liger", "fa4"):
+    for peer in ("eager", "compile", *PEERS):
         r[f"vs_{peer}"] = ms[peer] / mine if peer in ms and mine > 0 else None
     r["host_vs_eager"] = host["cukern.torch"] / host["eager"] if host["eager"] > 0 else None
     if case.flops is None:

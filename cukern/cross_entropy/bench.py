@@ -79,6 +79,12 @@ def _liger(t):
     return liger_cross_entropy(t["leaves"][0], t["target"])
 
 
+def _quack(t):
+    from quack import cross_entropy as quack_cross_entropy
+
+    return quack_cross_entropy(t["leaves"][0], t["target"])
+
+
 # (tokens, vocabulary, hidden size) of the linear cross-entropy: LLaMA-3-8B's head
 LINEAR_WORKLOAD = {"full": (16384, 128256, 4096), "quick": (4096, 32000, 1024), "dtype": "bfloat16"}
 
@@ -126,7 +132,7 @@ def torch_bench_cases(quick: bool) -> list:
     (lt, lv, lh), ldt = LINEAR_WORKLOAD["quick" if quick else "full"], LINEAR_WORKLOAD["dtype"]
     return [TorchCase("cross_entropy fwd+bwd", "cross_entropy", (T, V), dt,
                              elements_bytes((T, V), dt, 2), functools.partial(_inputs, T, V, dt, grad=True),
-                             _forward_on, _train, liger=_liger),
+                             _forward_on, _train, liger=_liger, quack=_quack),
             TorchCase("linear_cross_entropy fwd+bwd", "cross_entropy", (lt, lv, lh), ldt,
                              elements_bytes((lt, lv), ldt, 2),
                              functools.partial(_linear_bench_inputs, lt, lv, lh, ldt), _linear_forward_on,

@@ -134,17 +134,50 @@ def _liger(rms, t):
     return LigerLayerNormFunction.apply(x, w, t["leaves"][2], 1e-5)
 
 
+@functools.cache
+def _quack_layer_norm():
+    """quack's LayerNorm kernels (``layernorm_fwd`` / ``layernorm_bwd``, float32 weights) under
+    an autograd Function: quack gives RMSNorm one, LayerNorm only its two kernels."""
+    import torch
+    from quack.rmsnorm import layernorm_bwd, layernorm_fwd
+
+    class QuackLayerNorm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w, b):
+            y, rstd, mean = layernorm_fwd(x, w.float(), b.float(), eps=1e-5, return_rstd=True, return_mean=True)
+            ctx.save_for_backward(x, w, rstd, mean)
+            return y
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, w, rstd, mean = ctx.saved_tensors
+            dx, dw, db = layernorm_bwd(x, w.float(), dy.contiguous(), rstd, mean, has_bias=True)
+            return dx, dw.to(w.dtype), db.to(w.dtype)
+
+    return QuackLayerNorm
+
+
+def _quack(rms, t):
+    x, w = t["leaves"][:2]
+    if rms:
+        from quack import rmsnorm
+
+        return rmsnorm(x, w, eps=1e-6)
+    return _quack_layer_norm().apply(x, w, t["leaves"][2])
+
+
 def torch_bench_cases(quick: bool) -> list:
-    """The norms through cukern.torch with autograd, against PyTorch eager, torch.compile and
-    Liger: forward + backward, and the forward alone without autograd."""
+    """The norms through cukern.torch with autograd, against PyTorch eager, torch.compile,
+    Liger and quack: forward + backward, and the forward alone without autograd."""
     nd, dt = WORKLOAD["quick" if quick else "full"], WORKLOAD["dtype"]
     p = functools.partial
     cases = []
     for rms, name in ((False, "layer_norm"), (True, "rms_norm")):
         make = p(_inputs, nd, dt, bias=not rms, grad=True)
         cases.append(TorchCase(f"{name} fwd+bwd", "norm", nd, dt, elements_bytes(nd, dt, 5), make,
-                                      p(_forward_on, rms=rms), p(_fwd_bwd, rms), liger=p(_liger, rms)))
+                                      p(_forward_on, rms=rms), p(_fwd_bwd, rms), liger=p(_liger, rms),
+                                      quack=p(_quack, rms)))
     cases.append(TorchCase("rms_norm fwd", "norm", nd, dt, elements_bytes(nd, dt, 2),
                                   p(_inputs, nd, dt, bias=False, grad=True), p(_forward_on, rms=True),
-                                  p(_fwd, True), liger=p(_liger, True), backward=False))
+                                  p(_fwd, True), liger=p(_liger, True), quack=p(_quack, True), backward=False))
     return cases
