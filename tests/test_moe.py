@@ -325,3 +325,28 @@ def test_the_benchs_pytorch_peers_compute_what_the_kernels_do(dtype):
     dn = torch.randn(e, h, i, generator=g, dtype=dt)
     torch.testing.assert_close(bench._torch_experts(x, idx, w, gu, dn),
                                _recognize_experts.experts_reference("silu", x, idx, w, gu, dn), rtol=tol, atol=tol)
+
+
+def test_the_experts_benchs_pytorch_forms_agree_on_the_cpu():
+    """bench --torch's two PyTorch forms of the experts, the grouped products and transformers'
+    loop over the experts (its module on the meta device, the leaves passed in), give the same
+    output and the same gradients of all four leaves."""
+    pytest.importorskip("transformers")
+    import torch.nn.functional as F
+
+    from cukern.moe import bench
+
+    t_, h, e, i, k = 40, 16, 5, 8, 2
+    g = torch.Generator().manual_seed(8)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t_)])
+    leaves = [torch.randn(t_, h, generator=g).requires_grad_(True), torch.rand(t_, k, generator=g).requires_grad_(True),
+              (torch.randn(e, 2 * i, h, generator=g) / 4).requires_grad_(True),
+              (torch.randn(e, h, i, generator=g) / 3).requires_grad_(True)]
+    t = {"leaves": leaves, "idx": idx}
+    loop, grouped = bench._experts_or_loop(F, t), bench._experts_on(F, t)
+    assert loop.abs().max() > 0.1
+    torch.testing.assert_close(loop, grouped, rtol=1e-5, atol=1e-5)
+    dy = torch.randn(t_, h, generator=g)
+    for a, b in zip(torch.autograd.grad(loop, leaves, dy), torch.autograd.grad(grouped, leaves, dy)):
+        assert a.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -174,6 +174,32 @@ def _experts_on(F, t):
     return F.moe_experts(x, t["idx"], w, gu, dn)
 
 
+@functools.cache
+def _transformers_experts(e: int, h: int, i: int):
+    """transformers' Mixtral experts module with its Python loop over the experts
+    (``_experts_implementation`` "eager"), built on the meta device: the bench passes the
+    weights in (``torch.func.functional_call``), so that their gradients reach its leaves."""
+    import torch
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    config = MixtralConfig(hidden_size=h, intermediate_size=i, num_local_experts=e, hidden_act="silu")
+    config._experts_implementation = "eager"
+    with torch.device("meta"):
+        return MixtralExperts(config)
+
+
+def _experts_or_loop(F, t):
+    """``F.moe_experts`` for cukern.torch; transformers' loop for torch.nn.functional."""
+    import torch
+
+    x, w, gu, dn = t["leaves"]
+    if F.__name__ == "torch.nn.functional":
+        module = _transformers_experts(gu.shape[0], x.shape[1], dn.shape[2])
+        return torch.func.functional_call(module, {"gate_up_proj": gu, "down_proj": dn}, (x, t["idx"], w))
+    return F.moe_experts(x, t["idx"], w, gu, dn)
+
+
 def _experts_array(t):
     """The same forward and backward without autograd: the op's own forward and backward
     (cukern/moe/torch.py), which call the array functions."""
@@ -186,7 +212,8 @@ def _experts_array(t):
 
 def torch_bench_cases(quick: bool) -> list:
     """The experts' forward and backward (patch(model)'s ``moe_experts``) against the same on
-    PyTorch's grouped products, eager and compiled, and against Liger-Kernel's fused MoE. FLOPs:
+    PyTorch's grouped products, eager and compiled, and against Liger-Kernel's fused MoE; and
+    against transformers' Mixtral experts (its loop over the experts, eager and compiled). FLOPs:
     the three products of each pair, forward, three times that with the backward."""
     from .._bench_cases import TorchCase
 
@@ -194,6 +221,8 @@ def torch_bench_cases(quick: bool) -> list:
     t_, h, e, i, k = dims
     flops = 2 * t_ * k * h * 3 * i
     nbytes = 2 * (2 * t_ * h + e * 3 * i * h + t_ * k * (h + 3 * i))
-    return [TorchCase("moe experts fwd+bwd", "moe", (t_, h, e, i, k), dt, 3 * nbytes,
-                      functools.partial(_experts_inputs, dims, dt), _experts_on, _experts_array, liger=_experts_liger,
-                      flops=3 * flops)]
+    make = functools.partial(_experts_inputs, dims, dt)
+    return [TorchCase("moe experts fwd+bwd", "moe", (t_, h, e, i, k), dt, 3 * nbytes, make, _experts_on,
+                      _experts_array, liger=_experts_liger, flops=3 * flops),
+            TorchCase("moe experts fwd+bwd vs transformers loop", "moe", (t_, h, e, i, k), dt, 3 * nbytes, make,
+                      _experts_or_loop, _experts_array, flops=3 * flops)]
