@@ -285,22 +285,15 @@ def test_a_second_backward_through_the_torch_experts_gives_twice_the_gradient(dt
     assert torch.equal(dout, dout_before)
 
 
-@pytest.mark.parametrize("path", ["eager", "custom op", "compiled"])
-def test_the_torch_block_op_is_pytorchs_block_on_the_cpu(monkeypatch, path):
-    """cukern.torch.moe_block on its eager autograd Function, its custom op and under
-    torch.compile (the custom op's shapes traced, aot_eager, one graph), with the block's array
-    functions replaced by PyTorch CPU stand-ins (tests/test_moe.py's): the output, the logits and
-    the gradients of x, the router and both projections, an upstream gradient reaching the
-    logits too, equal the block written in PyTorch's ops."""
+def _block_stand_ins(monkeypatch):
+    """cukern.torch.moe_block's array block replaced by tests/test_moe.py's PyTorch CPU stand-ins."""
     if torch is None:
         pytest.skip("needs torch")
     import test_moe
     from torch_helpers import in_fresh_thread
 
-    import cukern.torch as ct
     from cukern.moe import torch as moe_torch
     from cukern.moe.reference import SCORES
-    from cukern.torch._ops import OPS
 
     fwd, bwd = test_moe.torch_stand_ins()["moe_block"]
 
@@ -318,6 +311,21 @@ def test_the_torch_block_op_is_pytorchs_block_on_the_cpu(monkeypatch, path):
 
     monkeypatch.setattr(moe_torch, "moe_forward", moe_forward)
     monkeypatch.setattr(moe_torch, "moe_backward", moe_backward)
+
+
+@pytest.mark.parametrize("path", ["eager", "custom op", "compiled"])
+def test_the_torch_block_op_is_pytorchs_block_on_the_cpu(monkeypatch, path):
+    """cukern.torch.moe_block on its eager autograd Function, its custom op and under
+    torch.compile (the custom op's shapes traced, aot_eager, one graph), with the block's array
+    functions replaced by PyTorch CPU stand-ins (tests/test_moe.py's): the output, the logits and
+    the gradients of x, the router and both projections, an upstream gradient reaching the
+    logits too, equal the block written in PyTorch's ops."""
+    _block_stand_ins(monkeypatch)
+    import test_moe
+
+    import cukern.torch as ct
+    from cukern.torch._ops import OPS
+
     g = torch.Generator().manual_seed(4)
     t, h, e, i, k = 13, 16, 6, 8, 2
     base = [torch.randn(t, h, generator=g), torch.randn(e, h, generator=g), torch.randn(e, 2 * i, h, generator=g) / 4,
@@ -340,6 +348,39 @@ def test_the_torch_block_op_is_pytorchs_block_on_the_cpu(monkeypatch, path):
     for a, b_, name in zip(torch.autograd.grad((out, logits), mine, (dout, dlogits)), want,
                            ("x", "router_w", "w_gate_up", "w_down")):
         torch.testing.assert_close(a, b_, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_the_torch_block_casts_to_autocasts_dtype_under_autocast_on_the_cpu(monkeypatch):
+    """Under CUDA autocast (its state faked here: no GPU), cukern.torch.moe_block casts x and the
+    float32 weights to autocast's dtype, as autocast's F.linear does: the stand-in block sees
+    bfloat16, the outputs are bfloat16, and the float32 leaves get float32 gradients, those of
+    the block's computed on the bfloat16 casts. Without autocast nothing is cast."""
+    _block_stand_ins(monkeypatch)
+    import test_moe
+
+    import cukern.torch as ct
+
+    g = torch.Generator().manual_seed(6)
+    t, h, e, i, k = 13, 16, 6, 8, 2
+    base = [torch.randn(t, h, generator=g), torch.randn(e, h, generator=g), torch.randn(e, 2 * i, h, generator=g) / 4,
+            torch.randn(e, h, i, generator=g) / 3]
+    dout = torch.randn(t, h, generator=g)
+    cast = [v.to(torch.bfloat16).requires_grad_(True) for v in base]
+    w_out, w_logits, _, _ = test_moe.torch_block(*cast, None, k, 0, 0, True, 1.0)
+    want = torch.autograd.grad(w_out, cast, dout.to(torch.bfloat16))
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a: a == ("cuda",))
+    monkeypatch.setattr(torch, "get_autocast_dtype", lambda *a: torch.bfloat16)
+    mine = [v.clone().requires_grad_(True) for v in base]
+    out, logits = ct.moe_block(*mine, k)
+    assert out.dtype == logits.dtype == torch.bfloat16
+    torch.testing.assert_close(out, w_out)
+    torch.testing.assert_close(logits, w_logits)
+    grads = torch.autograd.grad(out, mine, dout.to(torch.bfloat16))
+    for a, b_, name in zip(grads, want, ("x", "router_w", "w_gate_up", "w_down")):
+        assert a.dtype == torch.float32, name
+        torch.testing.assert_close(a, b_.float(), msg=name)
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a: False)
+    assert ct.moe_block(*mine, k)[0].dtype == torch.float32
 
 
 @gpu
@@ -403,3 +444,27 @@ def test_the_torch_block_is_captured_in_a_cuda_graph_and_replays_new_inputs():
         torch.testing.assert_close(got.float(), w.float(), rtol=2e-2, atol=2e-2 * scale, msg=name)
         if name != "drouter_w":   # (x's first columns change, but the router's gradient may be tiny)
             assert (got.float() - o.float()).abs().max().item() > 0.1 * scale, f"{name}: the captured values"
+
+
+@gpu
+@pytest.mark.skipif(torch is None or not torch.cuda.is_available(), reason="needs a CUDA build of torch")
+def test_the_torch_block_under_autocast_is_the_block_on_autocasts_dtype():
+    """float32 parameters and input under torch.autocast(bfloat16): the block's outputs are its
+    outputs on the bfloat16 casts, bit for bit, and the float32 leaves get those gradients in
+    float32."""
+    import cukern.torch as ct
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    t, h, e, i, k = 300, 64, 8, 64, 2
+    base = [torch.randn(t, h, device="cuda", generator=g), torch.randn(e, h, device="cuda", generator=g) / 8,
+            torch.randn(e, 2 * i, h, device="cuda", generator=g) / 8,
+            torch.randn(e, h, i, device="cuda", generator=g) / 8]
+    dout = torch.randn(t, h, device="cuda", generator=g).to(torch.bfloat16)
+    mine = [v.clone().requires_grad_(True) for v in base]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out, logits = ct.moe_block(*mine, k)
+    cast = [v.to(torch.bfloat16).requires_grad_(True) for v in base]
+    want_out, want_logits = ct.moe_block(*cast, k)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want_out) and torch.equal(logits, want_logits)
+    for a, b_ in zip(torch.autograd.grad(out, mine, dout), torch.autograd.grad(want_out, cast, dout)):
+        assert a.dtype == torch.float32 and torch.equal(a, b_.float())

@@ -118,20 +118,27 @@ def _torch_api(T, ops, modules) -> dict:
 
         Args:
             x: (T, H) float16 or bfloat16 CUDA tensor. router_w: (E, H); w_gate_up: (E, 2I, H),
-                the gate's rows first; w_down: (E, H, I); all of x's dtype (outside autocast:
-                under it the router's product would follow autocast's dtype).
+                the gate's rows first; w_down: (E, H, I); all of x's dtype. Under CUDA autocast
+                all four are cast to autocast's dtype first, as its F.linear casts its inputs
+                (float32 parameters then get float32 gradients through the cast).
             top_k: experts a token. act: "silu", "gelu" or "gelu_tanh". score: "softmax" or
                 "sigmoid".
 
         Returns:
-            (out (T, H), logits (T, E)), both in x's dtype. The logits are for the auxiliary
-            losses (``cukern.moe.reference`` has their forms): their gradient reaches x and
-            router_w through the router's product; the choice of experts is held fixed.
+            (out (T, H), logits (T, E)), both in x's dtype (autocast's under autocast). The
+            logits are for the auxiliary losses (``cukern.moe.reference`` has their forms):
+            their gradient reaches x and router_w through the router's product; the choice of
+            experts is held fixed.
         """
+        import torch
+
         from .reference import SCORES
 
         if score not in SCORES:
             raise ValueError(f"score: expected one of {SCORES}, got {score!r}")
+        if torch.is_autocast_enabled("cuda"):
+            dt = torch.get_autocast_dtype("cuda")
+            x, router_w, w_gate_up, w_down = (t.to(dt) for t in (x, router_w, w_gate_up, w_down))
         args = (x, router_w, w_gate_up, w_down, selection_bias, int(top_k), _block.ACTS.index(_block._act(act)),
                 SCORES.index(score), bool(renormalize), float(scale))
         out = block_op.compiled(*args) if T.compiling() else block_op(*args)
