@@ -118,9 +118,14 @@ __global__ void __launch_bounds__(cuk::moe_mm90::THREADS, 1) moe_grouped_mm_sm90
     if (!ring_loads<true, STAGES, CONSUMERS>(k_tiles, bar_free, load)) return;   // (the producer is done)
 
     const int wg = warpgroup_index();
+    // GROUP_K: the first stage's products overwrite acc (scale_d 0) and an expert without rows
+    // zeroes it after the loop: zeroed ahead of the loop beside the last stage's zeroing of
+    // rows, ptxas serialized the wgmma (C7515)
     float acc[BN / 2];
+    if constexpr (!GROUP_K) {
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+        for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    }
     for (int i = 0; i < k_tiles; ++i) {
         const int buf = i % STAGES;
         mbarrier_wait(&bar_full[buf], (i / STAGES) & 1);
@@ -141,7 +146,7 @@ __global__ void __launch_bounds__(cuk::moe_mm90::THREADS, 1) moe_grouped_mm_sm90
         for (int ks = 0; ks < BK / 16; ++ks)
             Wgmma<T, BN>::template ss<GROUP_K ? 1 : 0, B_KMAJOR ? 0 : 1>(
                 acc, wgmma_desc_advance(a_desc, GROUP_K ? ks * 16 * 128 : ks * 32),
-                wgmma_desc_advance(b_desc, B_KMAJOR ? ks * 32 : ks * 16 * 128), 1);
+                wgmma_desc_advance(b_desc, B_KMAJOR ? ks * 32 : ks * 16 * 128), !GROUP_K || i > 0 || ks > 0);
         wgmma_commit();
         // the product of the stage before is done: its buffer goes back to the producer
         wgmma_wait<1>();
@@ -150,6 +155,10 @@ __global__ void __launch_bounds__(cuk::moe_mm90::THREADS, 1) moe_grouped_mm_sm90
     }
     wgmma_wait<0>();
     wgmma_hold(acc);
+    if (GROUP_K && k_tiles == 0) {
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    }
 
     // The epilogue stages each warpgroup's 64 x BN tile in the ring (every load has been read:
     // both warpgroups' products are done at the barrier) and stores its rows.
