@@ -47,14 +47,33 @@ def test_reference_backward_matches_torch_autograd():
     assert not db[1].any() and not da[-2:].any()
 
 
-def test_every_call_builds_its_plan_against_the_kernels_declarations(host_arrays_as_device, monkeypatch):
+@pytest.mark.parametrize("capability", [(8, 0), (9, 0)])
+def test_every_call_builds_its_plan_against_the_kernels_declarations(host_arrays_as_device, monkeypatch, capability):
     """Valid calls reach their launch plan on the CPU: each launch's arguments packed by name, C
-    type and dtype against cuda_src/moe_grouped_mm.cu's declarations."""
+    type and dtype against cuda_src/moe_grouped_mm.cu's declarations, and on sm_90 against
+    moe_grouped_mm_sm90.cu's (every product there at a shape it takes, tensor maps included)."""
     from conftest import DryRun
 
-    from cukern import _faults
+    from cukern import _faults, _kernels, _tensormap
 
     monkeypatch.setattr(_faults, "record", lambda device: np.zeros(3, np.int64))
+    monkeypatch.setattr(_kernels, "compute_capability", lambda device: capability)
+    monkeypatch.setattr(_tensormap._driver, "encode_tiled", lambda *args: bytes(128))
+    for cache in ("_FORWARD", "_BACKWARD"):   # (plans built anew for this capability)
+        monkeypatch.setattr(grouped_mm, cache, PlanCache())
+    hopper = []
+    real = grouped_mm._sm90_instance
+    monkeypatch.setattr(grouped_mm, "_sm90_instance", lambda p, *a: hopper.append(p) or real(p, *a))
+    for dtype in DTYPES:
+        a = np.ones((300, 128), np_dtype(dtype))
+        b = np.ones((4, 256, 128), np_dtype(dtype))
+        off = _offsets([100, 0, 150, 50])
+        dout = np.ones((300, 256), np_dtype(dtype))
+        for call in (lambda: grouped_mm.moe_grouped_mm(a, b, off),
+                     lambda: grouped_mm.moe_grouped_mm_backward(dout, a, b, off)):
+            with pytest.raises(DryRun):
+                call()
+    assert hopper == (["forward", "da", "db"] * 2 if capability == (9, 0) else [])
     for dtype in DTYPES:
         a = np.ones((300, 64), np_dtype(dtype))
         b = np.ones((4, 136, 64), np_dtype(dtype))

@@ -51,11 +51,12 @@ def instances() -> list[Instance]:
             + [_sm90_instance(p, d, bn) for p in PRODUCTS for d in DTYPES for bn in SM90_STAGES])
 
 
-def _sm90_tile(device: int, rows: int, n_out: int, k: int) -> int | None:
+def _sm90_tile(device: int, rows: int, n_out: int, k: int, row_tiles: int) -> int | None:
     """The Hopper kernel's column tile for a product with ``n_out`` output columns and inner
     size ``k`` (groups of rows; for d b, ``k`` is the output's rows: its sum runs over the rows),
-    or None where the mma.sync kernel runs."""
-    if SM80_ONLY or rows < BM or k < 64:
+    or None where the mma.sync kernel runs. ``row_tiles``: the grid's row tiles, which times
+    the column tiles must stay below 2^31 (the Hopper grid is 1-D)."""
+    if SM80_ONLY or rows < BM or k < 64 or n_out // 128 * row_tiles >= 2**31:
         return None
     if _kernels.compute_capability(device) != (9, 0):
         return None
@@ -137,8 +138,8 @@ def _plan_forward(arrays) -> Plan:
     b = Builder(arrays)
     _aligned(b, ((0, aa), (1, ba)))
     out = b.alloc((rows, n), aa.dtype, name="out")
-    m_tiles = -(-rows // BM) + experts + 1   # (the Hopper grid is 1-D: column tiles x this, below 2^31)
-    bn = _sm90_tile(device, rows, n, k) if rows and n and n // 128 * m_tiles < 2**31 else None
+    m_tiles = -(-rows // BM) + experts + 1   # (an upper bound of the groups' row tiles)
+    bn = _sm90_tile(device, rows, n, k, m_tiles) if rows and n else None
     if bn is not None:
         kern = _kernels.kernel(_sm90_instance("forward", aa.dtype, bn), device)
         b.launch(kern, (n // bn * m_tiles,), a_map=MapSlot(0, (BM, 64)), b_map=MapSlot(1, (1, bn, 64)), c=out,
@@ -146,7 +147,7 @@ def _plan_forward(arrays) -> Plan:
                  c_expert_stride=0, fault=_fault(device))
     elif rows and n:
         kern = _kernels.kernel(_instance("forward", aa.dtype), device)
-        b.launch(kern, (-(-rows // BM) + experts + 1, -(-n // BN)), a=b.slot(0), b=b.slot(1), c=out,
+        b.launch(kern, (m_tiles, -(-n // BN)), a=b.slot(0), b=b.slot(1), c=out,
                  offsets=b.slot(2), m_size=rows, n_size=n, k_size=k, experts=experts, lda=k, ldb=k, ldc=n,
                  b_expert_stride=n * k, c_expert_stride=0, fault=_fault(device))
     return b.plan(device)
@@ -180,8 +181,8 @@ def _plan_backward(arrays) -> Plan:
     da = b.alloc((rows, k), aa.dtype, name="da")
     db = b.alloc((experts, n, k), aa.dtype, name="db")
     fault = _fault(device)
-    m_tiles = -(-rows // BM) + experts + 1
-    bn = _sm90_tile(device, rows, k, n) if rows and k and k // 128 * m_tiles < 2**31 else None
+    m_tiles = -(-rows // BM) + experts + 1   # (an upper bound of the groups' row tiles)
+    bn = _sm90_tile(device, rows, k, n, m_tiles) if rows and k else None
     if bn is not None:
         # da (rows, k) = dout (rows, n) . b[e] (n, k), b[e] read MN-major in boxes of 64 x 64
         kern = _kernels.kernel(_sm90_instance("da", aa.dtype, bn), device)
@@ -191,10 +192,10 @@ def _plan_backward(arrays) -> Plan:
     elif rows and k:
         # da (rows, k) = dout (rows, n) . b[e] (n, k): B(n', k') = b[e][k' * k + n'], groups of rows
         kern = _kernels.kernel(_instance("da", aa.dtype), device)
-        b.launch(kern, (-(-rows // BM) + experts + 1, -(-k // BN)), a=b.slot(0), b=b.slot(2), c=da,
+        b.launch(kern, (m_tiles, -(-k // BN)), a=b.slot(0), b=b.slot(2), c=da,
                  offsets=b.slot(3), m_size=rows, n_size=k, k_size=n, experts=experts, lda=n, ldb=k, ldc=k,
                  b_expert_stride=n * k, c_expert_stride=0, fault=fault)
-    bn = _sm90_tile(device, rows, k, n) if n and k else None
+    bn = _sm90_tile(device, rows, k, n, -(-n // BM)) if n and k else None
     if bn is not None:
         # db[e] (n, k) = dout^T . a over e's rows, both read MN-major in boxes of 64 rows x 64
         kern = _kernels.kernel(_sm90_instance("db", aa.dtype, bn), device)
