@@ -74,6 +74,17 @@ def test_every_call_builds_its_plan_against_the_kernels_declarations(host_arrays
             with pytest.raises(DryRun):
                 call()
     assert hopper == (["forward", "da", "db"] * 2 if capability == (9, 0) else [])
+    hopper.clear()
+    for dtype in DTYPES:   # (b (E, K, N): the forward on d a's kernel, d a on the forward's)
+        a = np.ones((300, 128), np_dtype(dtype))
+        b = np.ones((4, 128, 256), np_dtype(dtype))
+        off = _offsets([100, 0, 150, 50])
+        dout = np.ones((300, 256), np_dtype(dtype))
+        for call in (lambda: grouped_mm.moe_grouped_mm(a, b, off, b_layout="kn"),
+                     lambda: grouped_mm.moe_grouped_mm_backward(dout, a, b, off, b_layout="kn")):
+            with pytest.raises(DryRun):
+                call()
+    assert hopper == (["da", "forward", "db"] * 2 if capability == (9, 0) else [])
     for dtype in DTYPES:
         a = np.ones((300, 64), np_dtype(dtype))
         b = np.ones((4, 136, 64), np_dtype(dtype))
@@ -109,6 +120,11 @@ def bad_input_cases(xp):
          r"^dout: shape \(10, 16\)"),
         (lambda: grouped_mm.moe_grouped_mm_backward(xp.ones((10, 8), np.float32), a, b, off), ValueError,
          "^dout: .*float32"),
+        (lambda: grouped_mm.moe_grouped_mm(a, b, off, b_layout="kt"), ValueError, "^b_layout: expected one of"),
+        (lambda: grouped_mm.moe_grouped_mm(a, b, off, b_layout="kn"), ValueError,
+         r"^b: shape \(2, 8, 16\) \(in_features, out_features\); its in_features must be a's 16"),
+        (lambda: grouped_mm.moe_grouped_mm_backward(xp.ones((10, 16), f16), a, xp.ones((2, 16, 8), f16), off,
+                                                    b_layout="kn"), ValueError, r"^dout: shape \(10, 16\)"),
     ]
     return cases
 
@@ -134,23 +150,26 @@ CASES = {   # experts' row counts, N, K, rows after the last expert
 PATHS = ("mma.sync", "hopper")
 
 
-def _hopper_products(counts, n, k, after) -> set:
-    """The products of a CASES entry that the Hopper kernels take."""
+def _hopper_products(counts, n, k, after, layout="nk") -> set:
+    """The Hopper kernels a CASES entry's three products take (with b (E, K, N), "kn", the
+    forward runs d a's kernel and d a the forward's; d b's columns are then N)."""
     rows = sum(counts) + after
-    return {p for p, cols, inner in (("forward", n, k), ("da", k, n), ("db", k, n))
-            if rows >= 128 and inner >= 64 and cols % 128 == 0}
+    products = ((("forward", n, k), ("da", k, n), ("db", k, n)) if layout == "nk"
+                else (("da", n, k), ("forward", k, n), ("db", n, k)))
+    return {p for p, cols, inner in products if rows >= 128 and inner >= 64 and cols % 128 == 0}
 
 
 @gpu
+@pytest.mark.parametrize("layout", grouped_mm.LAYOUTS)
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(CASES))
-def test_grouped_products_match_the_reference(framework, dtype, case, path, monkeypatch):
+def test_grouped_products_match_the_reference(framework, dtype, case, path, layout, monkeypatch):
     """Forward, d a and d b against the float64 reference on the same rounded inputs; every
     output poisoned first (an unwritten element shows as NaN). On each path: the mma.sync
     kernels alone, and Hopper's TMA and wgmma kernels where they take the product (the test
-    counts the Hopper launches it expects)."""
+    counts the Hopper launches it expects). Both weight layouts: (E, N, K) and (E, K, N)."""
     counts, n, k, after = CASES[case]
     used = []
     if path == "hopper":
@@ -158,7 +177,7 @@ def test_grouped_products_match_the_reference(framework, dtype, case, path, monk
 
         if _kernels.compute_capability(0) != (9, 0):
             pytest.skip("the Hopper kernels need an sm_90 GPU")
-        if not _hopper_products(counts, n, k, after):
+        if not _hopper_products(counts, n, k, after, layout):
             pytest.skip(f"{case}: no product of this shape takes the Hopper kernels")
         real = grouped_mm._sm90_instance
         monkeypatch.setattr(grouped_mm, "_sm90_instance", lambda p, *a: used.append(p) or real(p, *a))
@@ -181,18 +200,20 @@ def test_grouped_products_match_the_reference(framework, dtype, case, path, monk
         assert not np.isnan(got).any()
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol * max(np.abs(want).max(), 1e-3))
 
+    if layout == "kn":   # (the same weights held (E, K, N))
+        bd = to_device(np.ascontiguousarray(b.transpose(0, 2, 1)), framework)
     want = R.grouped_matmul(a, b, off)
-    close(grouped_mm.moe_grouped_mm(ad, bd, od), want)
-    da, db = grouped_mm.moe_grouped_mm_backward(to_device(dout, framework), ad, bd, od)
+    close(grouped_mm.moe_grouped_mm(ad, bd, od, b_layout=layout), want)
+    da, db = grouped_mm.moe_grouped_mm_backward(to_device(dout, framework), ad, bd, od, b_layout=layout)
     want_da, want_db = R.grouped_matmul_backward(dout, a, b, off)
     close(da, want_da)
-    close(db, want_db)
+    close(db, want_db if layout == "nk" else want_db.transpose(0, 2, 1))
     if after:
         assert not to_host(da)[-after:].any()
     for e in np.flatnonzero(np.asarray(counts) == 0):
         assert not to_host(db)[e].any()
     if path == "hopper":
-        assert set(used) == _hopper_products(counts, n, k, after), used
+        assert set(used) == _hopper_products(counts, n, k, after, layout), used
 
 
 @gpu
