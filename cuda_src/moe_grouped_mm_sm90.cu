@@ -8,7 +8,9 @@
 //   2 d b:      db[e] = dout[rows of e]^T @ a[rows of e]: both operands MN-major, summed over
 //               the expert's rows (groups of k)
 // A block computes 128 rows x BN columns of the output: two consumer warpgroups of 64 rows each,
-// and a third warpgroup whose first thread issues the loads (64 of k a stage).
+// and a third warpgroup whose first thread issues the loads (64 of k a stage). Where BN does not
+// divide the output's columns (a multiple of 64) the last column tile is partial: B's columns
+// past the end read zeros (TMA) and are not stored.
 //
 // Groups of rows (0, 1): the grid is 1-D over (column tiles, an upper bound of the row tiles),
 // walked in panels of PANEL column tiles: the blocks in flight share a few row tiles and a few
@@ -57,7 +59,7 @@ __global__ void __launch_bounds__(cuk::moe_mm90::THREADS, 1) moe_grouped_mm_sm90
     const int tid = threadIdx.x, warp = tid >> 5;
 
     // This block's tile: m_tile, n_tile of the output, and its expert
-    const int n_tiles = n_size / BN;
+    const int n_tiles = (n_size + BN - 1) / BN;   // (the last one partial where BN does not divide n)
     int m_tile, n_tile;
     if (GROUP_K) {
         m_tile = blockIdx.x / n_tiles;
@@ -167,7 +169,8 @@ __global__ void __launch_bounds__(cuk::moe_mm90::THREADS, 1) moe_grouped_mm_sm90
     const int nrows = max(0, min(64, row_end - row0));
     T* const out = c + (GROUP_K ? static_cast<long long>(expert) * c_expert_stride : 0ll) +
                    static_cast<long long>(row0) * ldc + n_base;
-    store_tile_staged<T, BN, BOX>(acc, 1.f, 1.f, ring + wg * (64 * BN * 2), out, ldc, nrows, 2 + wg);
+    store_tile_staged<T, BN, BOX>(acc, 1.f, 1.f, ring + wg * (64 * BN * 2), out, ldc, nrows, 2 + wg,
+                                  min(BN, n_size - n_base));
 #elif defined(__CUDA_ARCH__)
     __trap();
 #endif

@@ -821,7 +821,8 @@ def _moe_grouped_ragged(A, seed):
 
 def _moe_grouped_hopper(A, seed):
     """Shapes the Hopper products take (128-column tiles, at least 128 rows): ragged groups with
-    an empty expert and rows past the last one, k tails inside a 64-column stage (136 and 200)."""
+    an empty expert and rows past the last one, k tails inside a 64-column stage (136 and 200),
+    a partial last column tile."""
     off = A.asarray([0, 130, 130, 131, 390], "int32")
     a = A.randn((395, 136), "bfloat16", seed)
     b = A.randn((4, 256, 136), "bfloat16", seed + 1, scale=136 ** -0.5)
@@ -829,6 +830,12 @@ def _moe_grouped_hopper(A, seed):
     a2 = A.randn((395, 200), "float16", seed + 2)
     b2 = A.randn((4, 200, 384), "float16", seed + 3, scale=200 ** -0.5)
     cukern.moe_grouped_mm_backward(a2, A.randn((395, 384), "float16", seed + 4), b2, off)
+    # (columns 128 does not divide: a partial last column tile in all three products, both layouts)
+    a3 = A.randn((395, 192), "bfloat16", seed + 5)
+    for layout, shape in (("nk", (4, 320, 192)), ("kn", (4, 192, 320))):
+        b3 = A.randn(shape, "bfloat16", seed + 6, scale=192 ** -0.5)
+        cukern.moe_grouped_mm(a3, b3, off, b_layout=layout)
+        cukern.moe_grouped_mm_backward(A.randn((395, 320), "bfloat16", seed + 7), a3, b3, off, b_layout=layout)
 
 
 def _moe_grouped_hopper_fault(A, seed):

@@ -62,7 +62,7 @@ __device__ __forceinline__ void stage_tile(const float (&acc)[D / 2], float s0, 
 }
 template <typename T, int D, int BOX>
 __device__ __forceinline__ void store_tile_staged(const float (&acc)[D / 2], float s0, float s1, unsigned char* stage,
-                                                  T* g, long long stride, int nrows, int bar) {
+                                                  T* g, long long stride, int nrows, int bar, int ncols = D) {
     stage_tile<T, D, BOX>(acc, s0, s1, stage, bar);
     const int tid = threadIdx.x % 128;
     constexpr int CPR = D / 8, RSTEP = 128 / CPR;   // 16-byte chunks a row; rows a pass
@@ -71,7 +71,7 @@ __device__ __forceinline__ void store_tile_staged(const float (&acc)[D / 2], flo
     for (int i = 0; i < 64 / RSTEP; ++i) {
         const int row = i * RSTEP + tid / CPR;
         const uint4 v = *reinterpret_cast<const uint4*>(stage + (c / 8) * BOX + row * 128 + (((c % 8) ^ (row & 7)) << 4));
-        if (row < nrows) *reinterpret_cast<uint4*>(g + static_cast<long long>(row) * stride + 8 * c) = v;
+        if (row < nrows && 8 * c < ncols) *reinterpret_cast<uint4*>(g + static_cast<long long>(row) * stride + 8 * c) = v;
     }
 }
 

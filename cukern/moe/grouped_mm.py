@@ -9,7 +9,7 @@ weight read the other way: the forward takes d a's kernel and d a the forward's)
 accumulation, one rounding); K and N multiples of 8.
 
 On Hopper (sm_90), the three products take cuda_src/moe_grouped_mm_sm90.cu (TMA and wgmma) where
-the output's columns are a multiple of 128 (N for the forward, K for d a and d b), the rows at
+the output's columns are a multiple of 64 (N for the forward, K for d a and d b), the rows at
 least 128 and the inner size at least 64 (K for the forward, N for d a and d b); the rest take the
 mma.sync kernels. ``CUKERN_MOE_SM80=1`` (read at import) keeps Hopper
 on the mma.sync kernels too."""
@@ -59,11 +59,12 @@ def _sm90_tile(device: int, rows: int, n_out: int, k: int, row_tiles: int) -> in
     size ``k`` (groups of rows; for d b, ``k`` is the output's rows: its sum runs over the rows),
     or None where the mma.sync kernel runs. ``row_tiles``: the grid's row tiles, which times
     the column tiles must stay below 2^31 (the Hopper grid is 1-D)."""
-    if SM80_ONLY or rows < BM or k < 64 or n_out // 128 * row_tiles >= 2**31:
+    if SM80_ONLY or rows < BM or k < 64 or -(-n_out // 128) * row_tiles >= 2**31:
         return None
     if _kernels.compute_capability(device) != (9, 0):
         return None
-    return 256 if n_out % 256 == 0 else 128 if n_out % 128 == 0 else None
+    # (128-column tiles also where 128 does not divide the columns: the last tile partial)
+    return 256 if n_out % 256 == 0 else 128 if n_out % 64 == 0 else None
 
 
 def _fault(device: int):
@@ -132,7 +133,7 @@ def _rows_by_bt(b: Builder, a: int, w: int, out, dtype: str, offsets: int, rows:
     bn = _sm90_tile(device, rows, n, k, m_tiles) if rows and n else None
     if bn is not None:
         kern = _kernels.kernel(_sm90_instance("forward", dtype, bn), device)
-        b.launch(kern, (n // bn * m_tiles,), a_map=MapSlot(a, (BM, 64)), b_map=MapSlot(w, (1, bn, 64)), c=out,
+        b.launch(kern, (-(-n // bn) * m_tiles,), a_map=MapSlot(a, (BM, 64)), b_map=MapSlot(w, (1, bn, 64)), c=out,
                  offsets=b.slot(offsets), m_size=rows, n_size=n, k_size=k, experts=experts, m_tiles=m_tiles,
                  ldc=n, c_expert_stride=0, fault=_fault(device))
     elif rows and n:
@@ -150,7 +151,7 @@ def _rows_by_b(b: Builder, a: int, w: int, out, dtype: str, offsets: int, rows: 
     bn = _sm90_tile(device, rows, n, k, m_tiles) if rows and n else None
     if bn is not None:
         kern = _kernels.kernel(_sm90_instance("da", dtype, bn), device)
-        b.launch(kern, (n // bn * m_tiles,), a_map=MapSlot(a, (BM, 64)), b_map=MapSlot(w, (1, 64, 64)), c=out,
+        b.launch(kern, (-(-n // bn) * m_tiles,), a_map=MapSlot(a, (BM, 64)), b_map=MapSlot(w, (1, 64, 64)), c=out,
                  offsets=b.slot(offsets), m_size=rows, n_size=n, k_size=k, experts=experts, m_tiles=m_tiles,
                  ldc=n, c_expert_stride=0, fault=_fault(device))
     elif rows and n:
@@ -169,7 +170,7 @@ def _groups_lt_r(b: Builder, left: int, right: int, out, dtype: str, offsets: in
     bn = _sm90_tile(device, rows, n, m, -(-m // BM)) if m and n else None
     if bn is not None:
         kern = _kernels.kernel(_sm90_instance("db", dtype, bn), device)
-        b.launch(kern, (-(-m // BM) * (n // bn), experts), a_map=MapSlot(left, (64, 64)),
+        b.launch(kern, (-(-m // BM) * -(-n // bn), experts), a_map=MapSlot(left, (64, 64)),
                  b_map=MapSlot(right, (64, 64)), c=out, offsets=b.slot(offsets), m_size=m, n_size=n, k_size=rows,
                  experts=experts, m_tiles=0, ldc=n, c_expert_stride=m * n, fault=_fault(device))
     elif m and n:
