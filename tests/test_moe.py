@@ -127,6 +127,31 @@ def _experts_by_token(x, idx, w, gu, dn):
     return torch.stack(rows).to(x.dtype)
 
 
+def _biased_args(g, t=9, h=16, e=5, i=8, k=2, device="cpu", dtype=torch.float32, scale=3.0):
+    """(x, top_k_index, top_k_weights, w_gate_up (E, H, 2I), b_gate_up, w_down (E, I, H), b_down)
+    of GPT-OSS's experts; ``scale`` sets the gate's inputs' size (3: some past a limit of 7...)."""
+    x, idx, w, _, _ = _experts_args(g, t, h, e, i, k, device, dtype)
+    gu = (torch.randn(e, h, 2 * i, generator=g) * scale * h ** -0.5).to(device, dtype)
+    bgu = torch.randn(e, 2 * i, generator=g).to(device)
+    dn = (torch.randn(e, i, h, generator=g) * i ** -0.5).to(device, dtype)
+    bdn = torch.randn(e, h, generator=g).to(device)
+    return x, idx, w, gu, bgu, dn, bdn
+
+
+def _biased_by_token(x, idx, w, gu, bgu, dn, bdn, alpha=1.702, limit=7.0):
+    """GPT-OSS's experts token by token, as its modeling code writes the gate."""
+    rows = []
+    for t in range(x.shape[0]):
+        acc = 0
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            hid = x[t] @ gu[e] + bgu[e]
+            gate, up = hid[::2].clamp(min=None, max=limit), hid[1::2].clamp(min=-limit, max=limit)
+            acc = acc + w[t, j] * ((up + 1) * (gate * torch.sigmoid(gate * alpha)) @ dn[e] + bdn[e])
+        rows.append(acc)
+    return torch.stack(rows).to(x.dtype)
+
+
 def _block_by_token(x, rw, gu, dn, top_k):
     """The block (softmax, renormalized) by ``_experts_by_token``, the router token by token."""
     p = torch.softmax(x @ rw.T, -1)
@@ -142,7 +167,13 @@ def torch_wiring_calls(which: str, g) -> list:
     gu.requires_grad_(which in ("w", "both"))
     rw = torch.randn(5, 16, generator=g)
     block = (x, rw, gu, dn, None, 2, 0, 0, True, 1.0)
+    bx, bidx, bw, bgu, bbgu, bdn, bbdn = _biased_args(g)
+    bx.requires_grad_(which in ("x", "both"))
+    for v in (bgu, bbgu, bdn, bbdn):
+        v.requires_grad_(which in ("w", "both"))
+    biased = (bx, bidx, bw, bgu, bbgu, bdn, bbdn, 1.702, 7.0)
     return [("moe_experts", (x, idx, w, gu, dn, 0), lambda: _experts_by_token(x, idx, w, gu, dn), (x, gu)),
+            ("moe_experts_biased", biased, lambda: _biased_by_token(*biased[:7]), (bx, bgu, bbgu, bdn, bbdn)),
             ("moe_block", block, lambda: _block_by_token(x, rw, gu, dn, 2), (x, gu))]
 
 
@@ -200,6 +231,28 @@ def torch_stand_ins() -> dict:
                                           (x_perm, weights, gu, dn), dout)
         return dx_perm[row_of.long()].reshape(weights.shape[0], k, -1).sum(1), dw, dgu, ddn
 
+    def biased(x_perm, weights, gu, bgu, dn, bdn, row_of, offsets, alpha, limit, k):
+        ends = offsets.tolist()
+        groups = list(enumerate(zip(ends, ends[1:])))
+        h = torch.cat([x_perm[lo:hi] @ gu[e] for e, (lo, hi) in groups])
+        hb = h + torch.cat([bgu[e].expand(hi - lo, -1) for e, (lo, hi) in groups])
+        g, u = hb[:, 0::2].clamp(max=limit), hb[:, 1::2].clamp(-limit, limit)
+        z = (u + 1) * g * torch.sigmoid(alpha * g)
+        y = torch.cat([z[lo:hi] @ dn[e] + bdn[e] for e, (lo, hi) in groups])
+        t = weights.shape[0]
+        return h, z, y, (y[row_of.long()].reshape(t, k, -1) * weights[..., None]).sum(1).to(x_perm.dtype)
+
+    def biased_fwd(x, idx, w, gu, bgu, dn, bdn, alpha, limit):
+        _, x_perm, row_of, offsets, _, _, _, weights = fwd(x, idx, w, gu.transpose(1, 2), dn.transpose(1, 2), 0)
+        h, z, y, out = biased(x_perm, weights, gu, bgu, dn, bdn, row_of, offsets, alpha, limit, idx.shape[1])
+        return out, x_perm, row_of, offsets, h, z, y, weights
+
+    def biased_bwd(dout, x_perm, row_of, offsets, h, z, y, weights, gu, bgu, dn, bdn, alpha, limit, k):
+        dx_perm, dw, dgu, dbgu, ddn, dbdn = recompute(
+            lambda xp, w, *p: biased(xp, w, *p, row_of, offsets, alpha, limit, k)[3],
+            (x_perm, weights, gu, bgu, dn, bdn), dout)
+        return dx_perm[row_of.long()].reshape(weights.shape[0], k, -1).sum(1), dw, dgu, dbgu, ddn, dbdn
+
     def block_fwd(x, rw, gu, dn, sb, top_k, act, score, renorm, scale):
         out, logits, w, ex = torch_block(x, rw, gu, dn, sb, top_k, act, score, renorm, scale)
         _, x_perm, row_of, offsets, h, z, y, weights = fwd(x, ex, w, gu, dn, act)
@@ -214,7 +267,8 @@ def torch_stand_ins() -> dict:
                 return torch.autograd.grad(out, leaves, dout)
             return torch.autograd.grad((out, lg), leaves, (dout, dlogits))
 
-    return {"moe_experts": (fwd, bwd), "moe_block": (block_fwd, block_bwd)}
+    return {"moe_experts": (fwd, bwd), "moe_experts_biased": (biased_fwd, biased_bwd),
+            "moe_block": (block_fwd, block_bwd)}
 
 
 def opcheck_samples() -> list:
@@ -225,6 +279,11 @@ def opcheck_samples() -> list:
         x, idx, w, gu, dn = _experts_args(g, t, h, e, i, k, "cuda", torch.bfloat16)
         out.append((ops.moe_experts.default, (x.requires_grad_(True), idx, w.requires_grad_(True),
                                                gu.requires_grad_(True), dn.requires_grad_(True), act)))
+    for t, h, e, i, k in [(37, 24, 8, 16, 2), (64, 32, 40, 24, 4)]:
+        x, idx, w, gu, bgu, dn, bdn = _biased_args(g, t, h, e, i, k, "cuda", torch.bfloat16)
+        out.append((ops.moe_experts_biased.default, (x.requires_grad_(True), idx, w.requires_grad_(True),
+                                                      gu.requires_grad_(True), bgu.requires_grad_(True),
+                                                      dn.requires_grad_(True), bdn.requires_grad_(True), 1.702, 7.0)))
     # (the block: logits that no rounding reorders, x's first E columns a permutation and
     # router_w = [I | 0], as tests/test_moe_block.py makes them)
     for act, (t, h, e, i, k, score) in enumerate([(37, 24, 8, 16, 2, 0), (20, 16, 4, 8, 1, 1)]):

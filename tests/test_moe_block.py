@@ -137,21 +137,9 @@ def test_block_matches_the_reference_forward_and_backward(framework, dtype, act,
         close(got, ref, name)
 
 
-@pytest.mark.parametrize("path, act", [("eager", "silu"), ("custom op", "gelu"), ("compiled", "gelu_tanh")])
-def test_the_torch_experts_op_is_the_experts_reference_on_the_cpu(monkeypatch, path, act):
-    """cukern.torch.moe_experts (what patch(model) routes transformers' experts to) on its eager
-    autograd Function, on its custom op, and under torch.compile (the custom op's shapes traced,
-    aot_eager), its kernels replaced by float64 NumPy counterparts: the output and the gradients
-    of x, the weights and both projections equal autograd's through the experts' PyTorch
-    reference."""
-    if torch is None:
-        pytest.skip("needs torch")
-    import cukern.torch as ct
-    from cukern.moe import torch as moe_torch
-    from cukern.torch import _recognize_experts
-    from cukern.torch._ops import OPS
-
-    k = 2
+def _kernel_fakes(k: int) -> dict:
+    """cukern.moe.torch's kernel calls as float64 NumPy counterparts (the references'), for the
+    torch ops' CPU tests; ``k`` experts a token."""
     np_ = lambda t: t.detach().numpy()   # noqa: E731
     tt = torch.from_numpy
 
@@ -172,6 +160,15 @@ def test_the_torch_experts_op_is_the_experts_reference_on_the_cpu(monkeypatch, p
         dy[rows] = np_(dout)[:, None, :] * np_(w)[:, :, None]
         return tt(dy), tt(np.einsum("th,tjh->tj", np_(dout), np_(y)[rows]))
 
+    def grouped_mm(a, b, off, b_layout="nk"):
+        b = np_(b) if b_layout == "nk" else np_(b).transpose(0, 2, 1)
+        return tt(R.grouped_matmul(np_(a), b, np_(off)))
+
+    def grouped_mm_backward(d, a, b, off, b_layout="nk"):
+        b = np_(b) if b_layout == "nk" else np_(b).transpose(0, 2, 1)
+        da, db = R.grouped_matmul_backward(np_(d), np_(a), b, np_(off))
+        return tt(da), tt(db if b_layout == "nk" else np.ascontiguousarray(db.transpose(0, 2, 1)))
+
     def gate(act, g, u):
         return tt(R._act(np_(g), act)[0] * np_(u))
 
@@ -179,13 +176,28 @@ def test_the_torch_experts_op_is_the_experts_reference_on_the_cpu(monkeypatch, p
         a, da = R._act(np_(g), act)
         return tt(np_(dz) * np_(u) * da), tt(np_(dz) * a)
 
-    fakes = {"moe_permute": permute, "moe_unpermute": unpermute, "moe_unpermute_backward": unpermute_backward,
-             "moe_grouped_mm": lambda a, b, off: tt(R.grouped_matmul(np_(a), np_(b), np_(off))),
-             "moe_grouped_mm_backward": lambda d, a, b, off: tuple(map(tt, R.grouped_matmul_backward(
-                 np_(d), np_(a), np_(b), np_(off)))),
+    return {"moe_permute": permute, "moe_unpermute": unpermute, "moe_unpermute_backward": unpermute_backward,
+             "moe_grouped_mm": grouped_mm, "moe_grouped_mm_backward": grouped_mm_backward,
              "moe_permute_backward": lambda dxp, row_of, top_k: tt(np_(dxp)[np_(row_of).reshape(-1, top_k)].sum(1)),
              "_gate": gate, "_gate_backward": gate_backward}
-    for name, fn in fakes.items():
+
+
+@pytest.mark.parametrize("path, act", [("eager", "silu"), ("custom op", "gelu"), ("compiled", "gelu_tanh")])
+def test_the_torch_experts_op_is_the_experts_reference_on_the_cpu(monkeypatch, path, act):
+    """cukern.torch.moe_experts (what patch(model) routes transformers' experts to) on its eager
+    autograd Function, on its custom op, and under torch.compile (the custom op's shapes traced,
+    aot_eager), its kernels replaced by float64 NumPy counterparts: the output and the gradients
+    of x, the weights and both projections equal autograd's through the experts' PyTorch
+    reference."""
+    if torch is None:
+        pytest.skip("needs torch")
+    import cukern.torch as ct
+    from cukern.moe import torch as moe_torch
+    from cukern.torch import _recognize_experts
+    from cukern.torch._ops import OPS
+
+    k = 2
+    for name, fn in _kernel_fakes(k).items():
         monkeypatch.setattr(moe_torch, name, fn)
     g = torch.Generator().manual_seed(0)
     t, h, e, i = 11, 8, 5, 6
@@ -217,6 +229,56 @@ def test_the_torch_experts_op_is_the_experts_reference_on_the_cpu(monkeypatch, p
         torch.testing.assert_close(plain, want.detach(), rtol=1e-6, atol=1e-6)
     for a, b_, name in zip(torch.autograd.grad(got, mine, dout), want_grads, ("x", "weights", "gate_up", "down")):
         torch.testing.assert_close(a, b_, rtol=1e-6, atol=1e-6, msg=f"{act}: d {name}")
+
+
+@pytest.mark.parametrize("path", ["eager", "custom op", "compiled"])
+def test_the_torch_biased_experts_op_is_gpt_osss_experts_on_the_cpu(monkeypatch, path):
+    """cukern.torch.moe_experts_biased (GPT-OSS's experts: weights held (E, in, out), gate and
+    up interleaved, biases, the clamped gate) on its three paths, the kernels replaced by
+    float64 NumPy counterparts: the output and the gradients of x, the weights and all four
+    parameters equal autograd's through the PyTorch reference, with gate inputs on both sides of
+    the clamps (and an expert no token chose: zero gradients for its weights and biases)."""
+    if torch is None:
+        pytest.skip("needs torch")
+    import cukern.torch as ct
+    from cukern.moe import torch as moe_torch
+    from cukern.torch import _recognize_experts
+    from cukern.torch._ops import OPS
+
+    k = 2
+    for name, fn in _kernel_fakes(k).items():
+        monkeypatch.setattr(moe_torch, name, fn)
+    g = torch.Generator().manual_seed(1)
+    t, h, e, i, alpha, limit = 13, 8, 6, 6, 1.702, 2.0
+    x = torch.randn(t, h, generator=g, dtype=torch.float64)
+    idx = torch.stack([torch.randperm(e - 1, generator=g)[:k] for _ in range(t)])   # (expert e - 1: no token)
+    w = torch.rand(t, k, generator=g, dtype=torch.float32)
+    params = [torch.randn(e, h, 2 * i, generator=g, dtype=torch.float64), torch.randn(e, 2 * i, generator=g,
+                                                                                       dtype=torch.float64),
+              torch.randn(e, i, h, generator=g, dtype=torch.float64), torch.randn(e, h, generator=g,
+                                                                                  dtype=torch.float64)]
+    dout = torch.randn(t, h, generator=g, dtype=torch.float64)
+    leaves = [v.clone().requires_grad_(True) for v in (x, w, *params)]
+    want = _recognize_experts.biased_experts_reference(alpha, limit, leaves[0], idx, *leaves[1:])
+    hid = torch.einsum("th,tkho->tko", x, params[0][idx]) + params[1][idx]
+    assert (hid[..., 0::2] > limit).any() and (hid[..., 1::2].abs() > limit).any() and (hid.abs() < limit).any()
+    want_grads = torch.autograd.grad(want, leaves, dout)
+    mine = [v.clone().requires_grad_(True) for v in (x, w, *params)]
+    args = (mine[0], idx, *mine[1:], alpha, limit)
+    if path == "eager":
+        got = ct.moe_experts_biased(*args)
+    elif path == "custom op":
+        got = OPS["moe_experts_biased"].compiled(*args)
+    else:
+        torch._dynamo.reset()
+        got = torch.compile(ct.moe_experts_biased, backend="aot_eager", fullgraph=True)(*args)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    names = ("x", "weights", "gate_up", "gate_up bias", "down", "down bias")
+    grads = torch.autograd.grad(got, mine, dout)
+    for a, b_, name in zip(grads, want_grads, names):
+        torch.testing.assert_close(a, b_, rtol=1e-6, atol=1e-6, msg=f"d {name}")
+    for a, name in zip(grads[2:], names[2:]):
+        assert not a[e - 1].any() and a[:e - 1].abs().sum() > 0, name
 
 
 def test_dlogits_extra_of_another_dtype_or_shape_is_named():
@@ -283,6 +345,53 @@ def test_a_second_backward_through_the_torch_experts_gives_twice_the_gradient(dt
         assert torch.equal(two, a + a), name
         assert torch.equal(v.grad, a + a + a), name
     assert torch.equal(dout, dout_before)
+
+
+@gpu
+@pytest.mark.skipif(torch is None or not torch.cuda.is_available(), reason="needs a CUDA build of torch")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("t, h, e, i, k", [(300, 128, 8, 128, 2), (37, 24, 5, 16, 3)])
+def test_the_torch_biased_experts_match_pytorch_and_a_second_backward_gives_twice(dtype, t, h, e, i, k):
+    """cukern.torch.moe_experts_biased on the GPU (the first shape's products on the Hopper
+    kernels there, the second's on mma.sync) against GPT-OSS's experts in float32 PyTorch ops
+    on the same rounded inputs, gate inputs on both sides of the limit; float32 biases (as a
+    model under autocast holds them). backward(retain_graph=True) twice gives exactly twice the
+    first gradients."""
+    import cukern.torch as ct
+    from cukern.torch import _recognize_experts
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    dt = getattr(torch, dtype)
+    idx = torch.stack([torch.randperm(e, device="cuda", generator=g)[:k] for _ in range(t)])
+    rnd = lambda shape, s, d: (torch.randn(shape, device="cuda", generator=g) * s).to(d)   # noqa: E731
+    leaves = [rnd((t, h), 1.0, dt), torch.rand(t, k, device="cuda", generator=g), rnd((e, h, 2 * i), 5 * h ** -0.5, dt),
+              rnd((e, 2 * i), 1.0, torch.float32), rnd((e, i, h), i ** -0.5, dt), rnd((e, h), 0.3, torch.float32)]
+    leaves = [v.requires_grad_(True) for v in leaves]
+    dout = rnd((t, h), 1.0, dt)
+    out = ct.moe_experts_biased(leaves[0], idx, *leaves[1:], 1.702, 7.0)
+    assert out.dtype == dt and out.shape == (t, h)
+    ref_leaves = [v.detach().float().requires_grad_(True) for v in leaves]
+    want = _recognize_experts.biased_experts_reference(1.702, 7.0, ref_leaves[0], idx, *ref_leaves[1:])
+    hid = torch.einsum("th,tkho->tko", ref_leaves[0], ref_leaves[2][idx]) + ref_leaves[3][idx]
+    assert (hid[..., 0::2] > 7).any() and (hid[..., 1::2] < -7).any()
+    want_grads = torch.autograd.grad(want, ref_leaves, dout.float())
+    tol = 2e-2 if dtype == "bfloat16" else 4e-3
+
+    def close(a, b, name):
+        assert torch.isfinite(a).all(), name
+        err = (a.float() - b).abs().max().item() / max(b.abs().max().item(), 1e-6)
+        assert err <= tol, (name, err)
+
+    close(out, want.detach(), "out")
+    once = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    names = ("x", "weights", "gate_up", "gate_up bias", "down", "down bias")
+    for a, b_, v, name in zip(once, want_grads, leaves, names):
+        assert a.dtype == v.dtype and a.shape == v.shape, name
+        close(a, b_, f"d {name}")
+    out.backward(dout, retain_graph=True)
+    out.backward(dout)
+    for a, v, name in zip(once, leaves, names):
+        assert torch.equal(v.grad, a + a), name
 
 
 def _block_stand_ins(monkeypatch):

@@ -185,6 +185,12 @@ def _moe_experts(x, idx, w, gu, dn, act):
     return (_recognize_experts.experts_reference(ACTS[act], x, idx, w, gu, dn),)
 
 
+def _moe_experts_biased(x, idx, w, gu, bgu, dn, bdn, alpha, limit):
+    from cukern.torch import _recognize_experts
+
+    return (_recognize_experts.biased_experts_reference(alpha, limit, x, idx, w, gu, bgu, dn, bdn),)
+
+
 TORCH_OWN = {
     "layer_norm": _layer_norm,
     "rms_norm": _rms_norm,
@@ -204,6 +210,7 @@ TORCH_OWN = {
     "glu": _glu,
     "rope": _rope,
     "moe_experts": _moe_experts,
+    "moe_experts_biased": _moe_experts_biased,
     "moe_block": lambda *a: __import__("test_moe").torch_block(*a)[:2],
 }
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import types
 
 import pytest
 
@@ -810,12 +811,98 @@ def test_experts_that_compute_something_else_are_left_alone_with_the_reason():
         assert _recognize_experts.experts_shaped(m)
         spec, reason = _recognize_experts.recognize_experts(m)
         assert spec is None and reason.startswith(why), reason
-    gpt_oss = transformers.AutoModelForCausalLM.from_config(transformers.GptOssConfig(
-        hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=16, vocab_size=53, num_local_experts=4, num_experts_per_tok=2))
+    gpt_oss = _gpt_oss_model()
+    with torch.no_grad():   # (a bias of another shape: its parameters, not biased experts)
+        gpt_oss.model.layers[0].mlp.experts.down_proj_bias = nn.Parameter(torch.zeros(4, 31))
     with ct.patch(gpt_oss):
         assert ct.routing(gpt_oss)["model.layers.0.mlp.experts"].startswith(
-            "left alone: its experts have other parameters (down_proj_bias, gate_up_proj_bias)")
+            "left alone: its weights and biases are (4, 32, 32), (4, 32), (4, 16, 32) and (4, 31)")
+
+
+def _gpt_oss_model(layers: int = 1, device="cpu"):
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(transformers.GptOssConfig(
+        hidden_size=32, intermediate_size=16, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, vocab_size=53, num_local_experts=4, num_experts_per_tok=2)).to(device).train()
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
+def test_gpt_oss_experts_are_found_with_their_clamped_gate_and_train_as_their_own_on_the_cpu(implementation):
+    """GPT-OSS's experts (weights (E, in, out), gate and up interleaved, biases, the clamped gate)
+    are found with the config's alpha and limit under either of transformers' implementations;
+    on the CPU the routed forward runs their own code, counted, and the loss and every gradient
+    are the model's own. A gate that is not the clamped one (another limit than the attribute
+    says) is left alone with the reason."""
+    import copy
+
+    a = _gpt_oss_model(layers=2)
+    a.config._experts_implementation = implementation
+    b = copy.deepcopy(a)
+    ids = torch.randint(0, 53, (2, 9), generator=torch.Generator().manual_seed(1))
+    a(input_ids=ids, labels=ids).loss.backward()
+    ct.reset_counts()
+    with ct.patch(b, parts=["moe"]):
+        decisions = ct.routing(b)
+        b(input_ids=ids, labels=ids).loss.backward()
+        counts = ct.counts(reasons=True)["moe"]
+    assert [decisions[f"model.layers.{i}.mlp.experts"] for i in range(2)] == \
+        ["moe: grouped experts with biases, clamped swiglu (alpha 1.702, limit 7; gate and up interleaved)"] * 2
+    assert counts == {"cukern": 0, "torch": 2, "torch_reasons": {"not on a CUDA device": 2}}
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pb.grad, pa.grad, rtol=0, atol=0, msg=n)
+    other = _gpt_oss_model()
+    other.model.layers[0].mlp.experts.limit = 3.0   # (its _apply_gate reads it: found with 3)
+    with ct.patch(other):
+        assert "limit 3;" in ct.routing(other)["model.layers.0.mlp.experts"]
+    lying = _gpt_oss_model()
+    lying.config._experts_implementation = "eager"
+    experts = lying.model.layers[0].mlp.experts
+
+    def unclamped(self, gate_up):   # (equal to the clamped gate wherever the gate is under the limit)
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2].clamp(-self.limit, self.limit)
+        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+    experts._apply_gate = types.MethodType(unclamped, experts)
+    spec, why = _recognize_experts._probe_biased(experts, _recognize_experts.BiasedExperts(1.702, 7.0), 4, 16, 32)
+    assert spec is None and why.startswith("computes no biased experts with the clamped gate (alpha 1.702, limit 7)")
+
+
+@pytest.mark.gpu
+def test_gpt_oss_experts_train_on_the_kernels_like_their_own_on_the_gpu():
+    """One GPT-OSS layer, the experts alone routed, bf16 autocast, widths the grouped kernels
+    take on every path (hidden 128, 2I 256, 300 tokens): the loss and every gradient (the
+    biases' and the router's included) agree with the model's own code to bf16's rounding."""
+    import copy
+
+    torch.manual_seed(0)
+    a = transformers.AutoModelForCausalLM.from_config(transformers.GptOssConfig(
+        hidden_size=128, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=32, vocab_size=97, num_local_experts=8, num_experts_per_tok=2)).cuda().train()
+    with torch.no_grad():   # (biases and weights of a trained size: some gate inputs past the limit)
+        ex = a.model.layers[0].mlp.experts
+        ex.gate_up_proj.normal_(0, 0.5)
+        ex.gate_up_proj_bias.normal_(0, 1.0)
+        ex.down_proj.normal_(0, 0.05)
+        ex.down_proj_bias.normal_(0, 0.1)
+    b = copy.deepcopy(a)
+    ids = torch.randint(0, 97, (3, 100), generator=torch.Generator().manual_seed(1)).cuda()
+
+    def step(m):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach().float()
+
+    la = step(a)
+    ct.reset_counts()
+    with ct.patch(b, parts=["moe"]):
+        assert ct.routing(b)["model.layers.0.mlp.experts"].startswith("moe: grouped experts with biases")
+        lb = step(b)
+        assert ct.counts(reasons=True)["moe"] == {"cukern": 1, "torch": 0}
+    torch.testing.assert_close(lb, la, rtol=5e-3, atol=5e-3)
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        scale = pa.grad.abs().max().item() + 1e-6
+        assert (pb.grad - pa.grad).abs().max().item() <= 0.05 * scale, n
 
 
 @pytest.mark.gpu

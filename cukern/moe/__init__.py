@@ -61,6 +61,23 @@ TORCH_OPS = (
             backward_fake=lambda *a: _impl().experts_backward_fake(*a),
             backward_args=lambda saved, state, grads, T: (grads[0], *saved, *state),
             grads_to=(0, 2, 3, 4)),
+    TorchOp("moe_experts_biased",
+            "(Tensor x, Tensor top_k_index, Tensor top_k_weights, Tensor w_gate_up, Tensor b_gate_up, "
+            "Tensor w_down, Tensor b_down, float alpha, float limit) -> "
+            "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+            forward=lambda *a: _impl().biased_experts_forward(*a),
+            inference=lambda *a: _impl().biased_experts_forward(*a)[0],
+            fake=lambda *a: _impl().biased_experts_fake(*a),
+            # (saved: x_perm, row_of, offsets, h, z, y, the float32 weights, both weights and biases)
+            save=lambda inputs, outputs: ((*outputs[1:], *inputs[3:7]), (inputs[7], inputs[8], inputs[1].shape[1])),
+            backward_schema="(Tensor dout, Tensor x_perm, Tensor row_of, Tensor offsets, Tensor h, Tensor z, "
+                            "Tensor y, Tensor weights, Tensor w_gate_up, Tensor b_gate_up, Tensor w_down, "
+                            "Tensor b_down, float alpha, float limit, int top_k) -> "
+                            "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+            backward=lambda *a: _impl().biased_experts_backward(*a),
+            backward_fake=lambda *a: _impl().biased_experts_backward_fake(*a),
+            backward_args=lambda saved, state, grads, T: (grads[0], *saved, *state),
+            grads_to=(0, 2, 3, 4, 5, 6)),
     TorchOp("moe_block",
             "(Tensor x, Tensor router_w, Tensor w_gate_up, Tensor w_down, Tensor? selection_bias, int top_k, "
             "int act, int score, bool renormalize, float scale) -> "
@@ -106,6 +123,29 @@ def _torch_api(T, ops, modules) -> dict:
         args = (x, top_k_index, top_k_weights, w_gate_up, w_down, code)
         return op.compiled(*args) if T.compiling() else op(*args)
 
+    biased_op = ops["moe_experts_biased"]
+
+    def moe_experts_biased(x, top_k_index, top_k_weights, w_gate_up, b_gate_up, w_down, b_down, alpha: float = 1.702,
+                           limit: float = 7.0):
+        """GPT-OSS's experts on the kernels, with autograd: for each token's k experts e,
+        ``h = x @ w_gate_up[e] + b_gate_up[e]``; gate ``g = min(h[0::2], limit)``, up ``u =
+        clamp(h[1::2], -limit, limit)``; ``z = (u + 1) * g * sigmoid(alpha * g)``; the sum of
+        ``top_k_weights`` times ``z @ w_down[e] + b_down[e]``. The products on the grouped
+        kernels (weights read (E, in, out)); the biases and the gate in float32 PyTorch ops.
+
+        Args:
+            x: (T, H) float16 or bfloat16 CUDA tensor. top_k_index: (T, k) integer; top_k_weights:
+                (T, k) float. w_gate_up: (E, H, 2I), x's dtype, gate and up columns interleaved;
+                b_gate_up: (E, 2I) float32 or x's dtype; w_down: (E, I, H), x's dtype; b_down: (E, H).
+            alpha, limit: the gate's slope and clamp (GPT-OSS: 1.702 and 7.0).
+
+        Returns:
+            (T, H) in x's dtype (each expert's output, bias included, rounded to it once, then
+            the weighted sum in float32).
+        """
+        args = (x, top_k_index, top_k_weights, w_gate_up, b_gate_up, w_down, b_down, float(alpha), float(limit))
+        return biased_op.compiled(*args) if T.compiling() else biased_op(*args)
+
     block_op = ops["moe_block"]
 
     def moe_block(x, router_w, w_gate_up, w_down, top_k: int, *, act: str = "silu", score: str = "softmax",
@@ -144,7 +184,7 @@ def _torch_api(T, ops, modules) -> dict:
         out = block_op.compiled(*args) if T.compiling() else block_op(*args)
         return tuple(out)
 
-    return {"moe_experts": moe_experts, "moe_block": moe_block}
+    return {"moe_experts": moe_experts, "moe_experts_biased": moe_experts_biased, "moe_block": moe_block}
 
 
 FAMILY = Family(

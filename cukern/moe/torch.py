@@ -52,6 +52,88 @@ def experts_backward_fake(dout, x_perm, row_of, offsets, h, z, y, weights, w_gat
             w_down.new_empty(w_down.shape))
 
 
+# ---- biased experts with weights held (E, in, out): GPT-OSS's -------------------------------------
+
+def _row_experts(offsets, rows: int):
+    """(rows,) int64: each permuted row's expert, E for the rows after offsets[E]."""
+    return torch.searchsorted(offsets[1:], torch.arange(rows, device=offsets.device, dtype=offsets.dtype),
+                              right=True)
+
+
+def _with_zero_row(bias):
+    """bias (E, n) as float32 with a zero row E (for the rows after offsets[E])."""
+    return torch.cat([bias.float(), bias.new_zeros((1, bias.shape[1]), dtype=torch.float32)])
+
+
+def _group_sums(rows, offsets, dtype):
+    """(E, n): each expert's rows of ``rows`` (R, n) summed in float32, rounded to ``dtype``."""
+    return torch.segment_reduce(rows.float(), "sum", offsets=offsets.long(), axis=0, unsafe=True,
+                                initial=0).to(dtype)
+
+
+def _clamped_glu(hb, alpha: float, limit: float):
+    """GPT-OSS's gate on (R, 2I) float32, gate and up interleaved: (up + 1) * g * sigmoid(alpha * g),
+    g = min(gate, limit), up clamped to [-limit, limit]."""
+    g, u = hb[:, 0::2].clamp(max=limit), hb[:, 1::2].clamp(-limit, limit)
+    return (u + 1) * g * torch.sigmoid(alpha * g)
+
+
+def _clamped_glu_backward(dz, hb, alpha: float, limit: float):
+    """d hb (R, 2I) float32, interleaved as hb; a clamp passes the gradient where its input is
+    within its bounds, ends included (as torch.clamp's backward)."""
+    hg, hu = hb[:, 0::2], hb[:, 1::2]
+    g, u = hg.clamp(max=limit), hu.clamp(-limit, limit)
+    s = torch.sigmoid(alpha * g)
+    dz = dz.float()
+    dg = dz * (u + 1) * (s + alpha * g * s * (1 - s)) * (hg <= limit)
+    du = dz * g * s * ((hu >= -limit) & (hu <= limit))
+    return torch.stack([dg, du], dim=2).reshape(hb.shape)
+
+
+def biased_experts_forward(x, top_k_index, top_k_weights, w_gate_up, b_gate_up, w_down, b_down, alpha: float,
+                           limit: float):
+    """GPT-OSS's experts: (out (T, H), then what the backward needs: x_perm (T k, H), row_of,
+    offsets, h (T k, 2I) before the bias, z (T k, I), y (T k, H) with its bias, the weights (T,
+    k) float32). w_gate_up (E, H, 2I) (gate and up columns interleaved), b_gate_up (E, 2I),
+    w_down (E, I, H), b_down (E, H)."""
+    experts = top_k_index.to(torch.int32).contiguous()
+    weights = top_k_weights.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    x_perm, _, row_of, offsets, _ = moe_permute(x.contiguous(), experts, w_gate_up.shape[0])
+    h = moe_grouped_mm(x_perm, w_gate_up.contiguous(), offsets, b_layout="kn")
+    row_e = _row_experts(offsets, h.shape[0])
+    z = _clamped_glu(h.float() + _with_zero_row(b_gate_up)[row_e], alpha, limit).to(x.dtype)
+    y = moe_grouped_mm(z, w_down.contiguous(), offsets, b_layout="kn")
+    y = (y.float() + _with_zero_row(b_down)[row_e]).to(x.dtype)
+    return moe_unpermute(y, row_of, weights), x_perm, row_of, offsets, h, z, y, weights
+
+
+def biased_experts_backward(dout, x_perm, row_of, offsets, h, z, y, weights, w_gate_up, b_gate_up, w_down, b_down,
+                            alpha: float, limit: float, top_k: int):
+    """(dx (T, H), d weights (T, k) float32, d w_gate_up, d b_gate_up, d w_down, d b_down)."""
+    dy, dweights = moe_unpermute_backward(dout.contiguous(), y, row_of, weights)
+    dz, dw_down = moe_grouped_mm_backward(dy, z, w_down.contiguous(), offsets, b_layout="kn")
+    row_e = _row_experts(offsets, h.shape[0])
+    dh = _clamped_glu_backward(dz, h.float() + _with_zero_row(b_gate_up)[row_e], alpha, limit).to(h.dtype)
+    dx_perm, dw_gate_up = moe_grouped_mm_backward(dh, x_perm, w_gate_up.contiguous(), offsets, b_layout="kn")
+    return (moe_permute_backward(dx_perm, row_of, top_k), dweights, dw_gate_up,
+            _group_sums(dh, offsets, b_gate_up.dtype), dw_down, _group_sums(dy, offsets, b_down.dtype))
+
+
+def biased_experts_fake(x, top_k_index, top_k_weights, w_gate_up, b_gate_up, w_down, b_down, alpha, limit):
+    pairs = top_k_index.shape[0] * top_k_index.shape[1]
+    e, two_i = w_gate_up.shape[0], w_gate_up.shape[2]
+    rows = lambda n, dt=x.dtype: x.new_empty((pairs, n), dtype=dt)   # noqa: E731
+    return (x.new_empty(x.shape), rows(x.shape[1]), x.new_empty((pairs,), dtype=torch.int32),
+            x.new_empty((e + 1,), dtype=torch.int32), rows(two_i), rows(two_i // 2), rows(x.shape[1]),
+            x.new_empty(tuple(top_k_weights.shape), dtype=torch.float32))
+
+
+def biased_experts_backward_fake(dout, x_perm, row_of, offsets, h, z, y, weights, w_gate_up, b_gate_up, w_down,
+                                 b_down, alpha, limit, top_k):
+    return (dout.new_empty(dout.shape), weights.new_empty(weights.shape),
+            *(a.new_empty(a.shape) for a in (w_gate_up, b_gate_up, w_down, b_down)))
+
+
 # ---- the block: router, experts and combine as one op -------------------------------------------
 
 def block_forward(x, router_w, w_gate_up, w_down, selection_bias, top_k: int, act: int, score: int,

@@ -36,7 +36,8 @@ not reach them. ``patch(model)`` routes, module by module:
   OLMoE's), found by running them (``_recognize_experts``) to compute each token's weighted sum of
   ``down_proj[e] @ (act(gate) * up)``: the permutation, the grouped products, the gated
   activation and the combine on the family's kernels (``cukern.moe``); the router stays the
-  model's own. Experts with biases or transposed weights (GPT-OSS's) keep their code.
+  model's own; GPT-OSS's biased experts with their clamped gate and transposed, interleaved
+  weights too (``cukern.torch.moe_experts_biased``).
 
 Each routed call counts in ``cukern.torch.counts()``; calls the kernels do not take run the
 model's own code. ``unpatch(model)`` (or leaving the ``with`` block) restores the model.
@@ -189,8 +190,9 @@ def _recognized_mlp(spec: "_recognize.GatedMLP"):
 
 # ---- mixture-of-experts: the experts ------------------------------------------------------------
 
-def _experts_fallback(self, x) -> str | None:
-    """Why a call of routed experts runs their own code, or None."""
+def _experts_fallback(self, x, biased: bool = False) -> str | None:
+    """Why a call of routed experts runs their own code, or None (``biased``: GPT-OSS's form,
+    weights (E, in, out), biases of float32 or the weights' dtype)."""
     if not x.is_cuda:
         return "not on a CUDA device"
     autocast = torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") in (torch.float16,
@@ -202,7 +204,12 @@ def _experts_fallback(self, x) -> str | None:
     for p in (self.gate_up_proj, self.down_proj):
         if p.device != x.device or (p.dtype != x.dtype and not (p.dtype == torch.float32 and autocast)):
             return "parameter dtype or device differs from the input's"
-    if self.gate_up_proj.shape[2] % 8 or self.gate_up_proj.shape[1] % 16:
+    if biased:
+        for p in (self.gate_up_proj_bias, self.down_proj_bias):
+            if p.device != x.device or p.dtype not in (torch.float32, self.gate_up_proj.dtype):
+                return "bias dtype or device differs from the weights'"
+    hidden, two_i = self.gate_up_proj.shape[1:] if biased else self.gate_up_proj.shape[2:0:-1]
+    if hidden % 8 or two_i % 16:
         return "hidden or intermediate size not a multiple of 8"
     if self.gate_up_proj.shape[0] > 1024:
         return "more than 1024 experts"
@@ -228,8 +235,34 @@ def _recognized_experts(spec: "_recognize_experts.Experts"):
     return forward
 
 
-def _describe_experts(spec: "_recognize_experts.Experts") -> str:
+def _recognized_biased_experts(spec: "_recognize_experts.BiasedExperts"):
+    """The forward of biased experts with the clamped gate (GPT-OSS's) found to compute
+    ``spec``: ``cukern.torch.moe_experts_biased``, cast as ``_recognized_experts`` casts (the
+    biases as they are: the op adds them in float32, as autocast adds a float32 bias)."""
+    def forward(self, hidden_states, router_indices=None, routing_weights=None):
+        why = _experts_fallback(self, hidden_states, biased=True)
+        if not _tools.compiling():
+            _tools.count("moe", why)
+        if why is not None:
+            return type(self).forward(self, hidden_states, router_indices, routing_weights)
+        dt = hidden_states.dtype if hidden_states.dtype != torch.float32 else torch.get_autocast_dtype("cuda")
+        out = _api("moe_experts_biased")(hidden_states.to(dt), router_indices, routing_weights,
+                                         self.gate_up_proj.to(dt), self.gate_up_proj_bias, self.down_proj.to(dt),
+                                         self.down_proj_bias, spec.alpha, spec.limit)
+        return out.to(hidden_states.dtype)
+    return forward
+
+
+def _describe_experts(spec) -> str:
+    if isinstance(spec, _recognize_experts.BiasedExperts):
+        return (f"grouped experts with biases, clamped swiglu (alpha {spec.alpha:g}, limit {spec.limit:g}; gate and "
+                "up interleaved)")
     return f"grouped experts, {_recognize.GATED_ACTS[spec.act][0]} (gate rows first)"
+
+
+def _experts_forward(spec):
+    return (_recognized_biased_experts if isinstance(spec, _recognize_experts.BiasedExperts)
+            else _recognized_experts)(spec)
 
 
 # ---- the loss: the LM head and cross-entropy without logits ------------------------------------
@@ -462,7 +495,7 @@ def patch_model(model: nn.Module, parts=None) -> None:
                 _route_found(rec, path, m, "embedding", _recognize.recognize_embedding(m), _scaled_embedding,
                              lambda scale: "nn.Embedding" + ("" if scale == 1.0 else f", times {scale:g}"))
             elif "moe" in names and _recognize_experts.experts_shaped(m):
-                _route_found(rec, path, m, "moe", _recognize_experts.recognize_experts(m), _recognized_experts,
+                _route_found(rec, path, m, "moe", _recognize_experts.recognize_experts(m), _experts_forward,
                              _describe_experts)
             elif "mlp" in names and _recognize._mlp_candidates(m):
                 _route_found(rec, path, m, "mlp", _recognize.recognize_mlp(m), _recognized_mlp, _describe_mlp)
