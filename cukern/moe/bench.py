@@ -210,6 +210,60 @@ def _experts_array(t):
     return (out, *experts_backward(t["dy"], *saved, gu, dn, 0, t["idx"].shape[1]))
 
 
+GPT_OSS = {"full": (8192, 2880, 32, 2880, 4), "quick": (2048, 512, 16, 256, 4)}   # T, H, E, I, k (gpt-oss-20b's)
+
+
+def _biased_inputs(dims, dtype, seed):
+    """GPT-OSS's experts' leaves: x, the weights, w_gate_up (E, H, 2I), its float32 bias, w_down
+    (E, I, H), its float32 bias (a model under autocast holds float32 biases)."""
+    import torch
+
+    t_, h, e, i, k = dims
+    gen = generator(seed)
+    idx = (torch.arange(t_ * k, device="cuda") % e).reshape(t_, k)
+    leaves = [randn((t_, h), dtype, gen), torch.rand((t_, k), device="cuda", generator=gen),
+              randn((e, h, 2 * i), dtype, gen) * h ** -0.5, randn((e, 2 * i), "float32", gen),
+              randn((e, i, h), dtype, gen) * i ** -0.5, randn((e, h), "float32", gen) * 0.1]
+    return {"leaves": [v.requires_grad_(True) for v in leaves], "idx": idx, "dy": randn((t_, h), dtype, gen)}
+
+
+@functools.cache
+def _transformers_gpt_oss_experts(e: int, h: int, i: int):
+    """transformers' GPT-OSS experts module with its default implementation (its grouped
+    products where the installed torch has them), on the meta device (the weights passed in)."""
+    import torch
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    config = GptOssConfig(hidden_size=h, intermediate_size=i, num_local_experts=e)
+    with torch.device("meta"):
+        module = GptOssExperts(config)
+    config._experts_implementation = "grouped_mm"   # (what a model from transformers takes by default)
+    module.config = config
+    return module
+
+
+def _biased_or_transformers(F, t):
+    """``F.moe_experts_biased`` for cukern.torch; transformers' GPT-OSS experts for
+    torch.nn.functional (under torch.compile for the compiled column)."""
+    import torch
+
+    x, w, gu, bgu, dn, bdn = t["leaves"]
+    if F.__name__ == "torch.nn.functional":
+        module = _transformers_gpt_oss_experts(gu.shape[0], x.shape[1], dn.shape[1])
+        params = {"gate_up_proj": gu, "gate_up_proj_bias": bgu, "down_proj": dn, "down_proj_bias": bdn}
+        return torch.func.functional_call(module, params, (x, t["idx"], w))
+    return F.moe_experts_biased(x, t["idx"], w, gu, bgu, dn, bdn)
+
+
+def _biased_array(t):
+    from .torch import biased_experts_backward, biased_experts_forward
+
+    x, w, gu, bgu, dn, bdn = (v.detach() for v in t["leaves"])
+    out, *saved = biased_experts_forward(x, t["idx"], w, gu, bgu, dn, bdn, 1.702, 7.0)
+    return (out, *biased_experts_backward(t["dy"], *saved, gu, bgu, dn, bdn, 1.702, 7.0, t["idx"].shape[1]))
+
+
 def torch_bench_cases(quick: bool) -> list:
     """The experts' forward and backward (patch(model)'s ``moe_experts``) against the same on
     PyTorch's grouped products, eager and compiled, and against Liger-Kernel's fused MoE; and
@@ -225,4 +279,18 @@ def torch_bench_cases(quick: bool) -> list:
     return [TorchCase("moe experts fwd+bwd", "moe", (t_, h, e, i, k), dt, 3 * nbytes, make, _experts_on,
                       _experts_array, liger=_experts_liger, flops=3 * flops),
             TorchCase("moe experts fwd+bwd vs transformers loop", "moe", (t_, h, e, i, k), dt, 3 * nbytes, make,
-                      _experts_or_loop, _experts_array, flops=3 * flops)]
+                      _experts_or_loop, _experts_array, flops=3 * flops),
+            _gpt_oss_case(quick)]
+
+
+def _gpt_oss_case(quick: bool):
+    """GPT-OSS's experts (biases, the clamped gate) against transformers' own module."""
+    from .._bench_cases import TorchCase
+
+    dims, dt = GPT_OSS["quick" if quick else "full"], WORKLOAD["dtype"]
+    t_, h, e, i, k = dims
+    flops = 2 * t_ * k * h * 3 * i
+    nbytes = 2 * (2 * t_ * h + e * 3 * i * h + t_ * k * (h + 3 * i))
+    return TorchCase("moe gpt-oss experts fwd+bwd vs transformers", "moe", dims, dt, 3 * nbytes,
+                     functools.partial(_biased_inputs, dims, dt), _biased_or_transformers, _biased_array,
+                     flops=3 * flops)
