@@ -355,10 +355,11 @@ def test_the_torch_biased_experts_match_pytorch_and_a_second_backward_gives_twic
     """cukern.torch.moe_experts_biased on the GPU (the first shape's products on the Hopper
     kernels there, the second's on mma.sync) against GPT-OSS's experts in float32 PyTorch ops
     on the same rounded inputs, gate inputs on both sides of the limit; float32 biases (as a
-    model under autocast holds them). backward(retain_graph=True) twice gives exactly twice the
-    first gradients."""
+    model under autocast holds them). The reference rounds where the kernels round (the products'
+    outputs, the gate's, the experts' outputs), as autocast rounds a product's output: a gate
+    input within a rounding of the limit is then on the same side of it in both.
+    backward(retain_graph=True) twice gives exactly twice the first gradients."""
     import cukern.torch as ct
-    from cukern.torch import _recognize_experts
 
     g = torch.Generator(device="cuda").manual_seed(7)
     dt = getattr(torch, dtype)
@@ -371,8 +372,13 @@ def test_the_torch_biased_experts_match_pytorch_and_a_second_backward_gives_twic
     out = ct.moe_experts_biased(leaves[0], idx, *leaves[1:], 1.702, 7.0)
     assert out.dtype == dt and out.shape == (t, h)
     ref_leaves = [v.detach().float().requires_grad_(True) for v in leaves]
-    want = _recognize_experts.biased_experts_reference(1.702, 7.0, ref_leaves[0], idx, *ref_leaves[1:])
-    hid = torch.einsum("th,tkho->tko", ref_leaves[0], ref_leaves[2][idx]) + ref_leaves[3][idx]
+    rx, rw, rgu, rbgu, rdn, rbdn = ref_leaves
+    rounded = lambda v: v.to(dt).float()   # noqa: E731 - (its gradient passes unchanged)
+    hid = rounded(torch.einsum("th,tkho->tko", rx, rgu[idx])) + rbgu[idx]
+    gate, up = hid[..., 0::2].clamp(max=7.0), hid[..., 1::2].clamp(-7.0, 7.0)
+    z = rounded((up + 1) * gate * torch.sigmoid(1.702 * gate))
+    y = rounded(rounded(torch.einsum("tki,tkih->tkh", z, rdn[idx])) + rbdn[idx])
+    want = (y * rw[..., None]).sum(1)
     assert (hid[..., 0::2] > 7).any() and (hid[..., 1::2] < -7).any()
     want_grads = torch.autograd.grad(want, ref_leaves, dout.float())
     tol = 2e-2 if dtype == "bfloat16" else 4e-3

@@ -85,7 +85,8 @@ def biased_experts_reference(alpha: float, limit: float, x, top_k_index, top_k_w
     hid = torch.einsum("th,tkho->tko", x, gate_up[top_k_index]) + gate_up_bias[top_k_index]
     g, u = hid[..., 0::2].clamp(max=limit), hid[..., 1::2].clamp(-limit, limit)
     z = (u + 1) * g * torch.sigmoid(alpha * g)
-    y = torch.einsum("tki,tkih->tkh", z, down[top_k_index]) + down_bias[top_k_index]
+    # (z cast to the weights' dtype, as autocast casts the next product's inputs)
+    y = torch.einsum("tki,tkih->tkh", z.to(down.dtype), down[top_k_index]) + down_bias[top_k_index]
     return (y * top_k_weights[..., None]).sum(1).to(x.dtype)
 
 
