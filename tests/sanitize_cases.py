@@ -847,6 +847,21 @@ def _moe_grouped_hopper_fault(A, seed):
                            cukern.moe_grouped_mm_backward(A.randn((300, 256), "float16", seed + 2), a, b, off)))
 
 
+def _moe_biased_glu(A, seed):
+    """GPT-OSS's gate, its backward, the group bias and sums: an empty expert, rows after the last
+    expert, float32 and 16-bit biases, one vector a row and wide rows."""
+    from cukern.moe import biased_glu
+
+    off = A.asarray([0, 70, 70, 71, 130], "int32")
+    for i, bias_dtype in ((8, "float32"), (1440, "bfloat16")):
+        h = A.randn((135, 2 * i), "bfloat16", seed, scale=6.0)
+        b = A.randn((4, 2 * i), bias_dtype, seed + 1)
+        biased_glu.moe_biased_glu(h, b, off, 1.702, 7.0)
+        dh, _ = biased_glu.moe_biased_glu_backward(A.randn((135, i), "bfloat16", seed + 2), h, b, off, 1.702, 7.0)
+        biased_glu.moe_group_bias(dh, b, off)
+        biased_glu.moe_group_sums(dh, off, 4)
+
+
 def _moe_fault(A, seed):
     x = A.randn((6, 16), "float16", seed)
     _expect_fault(lambda: cukern.moe_permute(x, A.asarray([[0, 9]] * 6, "int32"), 4))
@@ -860,6 +875,7 @@ def moe_cases() -> list:
                      ("moe_grouped_mm", "moe_grouped_mm_backward")))
     out.append(_case("moe/grouped_mm hopper shapes, offsets out of order/float16", _moe_grouped_hopper_fault,
                      ("moe_grouped_mm", "moe_grouped_mm_backward")))
+    out.append(_case("moe/biased gate, group bias and sums/bfloat16", _moe_biased_glu, ()))
     out.append(_case("moe/out-of-range expert/float16", _moe_fault, ("moe_permute",)))
     return out
 

@@ -93,12 +93,13 @@ def bad_input_cases(xp):
     """(call, exception, message pattern) of the family's bad arguments: the routing's, the
     grouped products' and the block's (tests/test_bad_inputs.py runs them, with and without a
     GPU)."""
+    import test_moe_biased_glu
     import test_moe_block
     import test_moe_grouped_mm
     import test_moe_routing
 
     return (test_moe_routing.bad_input_cases(xp) + test_moe_grouped_mm.bad_input_cases(xp)
-            + test_moe_block.bad_input_cases(xp))
+            + test_moe_block.bad_input_cases(xp) + test_moe_biased_glu.bad_input_cases(xp))
 
 
 def _experts_args(g, t=9, h=16, e=5, i=8, k=2, device="cpu", dtype=torch.float32):

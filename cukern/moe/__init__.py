@@ -10,23 +10,29 @@ Where each job lives:
                   functions with their launch plans, forward and backward, no host
                   synchronization (``moe_router``, ``moe_permute``, ``moe_unpermute``, their
                   backwards).
-    grouped_mm.py the grouped expert products on tensor cores (cuda_src/moe_grouped_mm.cu):
-                  each expert's rows times its weight, and both backward products, the groups'
-                  sizes read on the device (``moe_grouped_mm``, ``moe_grouped_mm_backward``).
+    grouped_mm.py the grouped expert products on tensor cores (cuda_src/moe_grouped_mm.cu on
+                  mma.sync, cuda_src/moe_grouped_mm_sm90.cu on Hopper's TMA and wgmma): each
+                  expert's rows times its weight (held (E, N, K) or (E, K, N)), and both
+                  backward products, the groups' sizes read on the device (``moe_grouped_mm``,
+                  ``moe_grouped_mm_backward``).
+    biased_glu.py GPT-OSS's biased experts around the grouped products (cuda_src/moe_biased_glu.cu):
+                  the clamped gate with the up projection's bias and its backward, a bias added
+                  to each expert's rows, each expert's rows summed (the biases' gradients).
 
     block.py      the MoE block as one call composed of those kernels: ``moe_forward`` (the
                   output and what the backward needs) and ``moe_backward``.
-    torch.py      the family's two ops under PyTorch, declared below as TorchOps: ``moe_experts``
+    torch.py      the family's ops under PyTorch, declared below as TorchOps: ``moe_experts``
                   (transformers' fused experts: ``cukern.torch.moe_experts``, what
-                  ``cukern.torch.patch(model)`` routes a model's experts to) and ``moe_block``
+                  ``cukern.torch.patch(model)`` routes a model's experts to),
+                  ``moe_experts_biased`` (GPT-OSS's) and ``moe_block``
                   (the block, router included: ``cukern.torch.moe_block``), their forwards,
                   backwards and shapes.
 
-    bench.py      the benchmark cases (the grouped products against ``torch._grouped_mm``).
-
-The Hopper products come next (docs/moe.md has the plan).
+    bench.py      the benchmark cases (the grouped products against ``torch._grouped_mm``; the
+                  experts against PyTorch's grouped products, Liger-Kernel and transformers).
 """
 from .._family import Family, TorchOp
+from . import biased_glu as _biased_glu
 from . import block as _block
 from . import grouped_mm as _grouped_mm
 from . import routing as _routing
@@ -36,7 +42,7 @@ from .bench import torch_bench_cases as _torch_bench_cases
 
 def instances() -> list:
     """Every kernel instance of the family (routing's and the grouped products')."""
-    return _routing.instances() + _grouped_mm.instances()
+    return _routing.instances() + _grouped_mm.instances() + _biased_glu.instances()
 
 
 def _impl():

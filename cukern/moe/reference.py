@@ -144,6 +144,50 @@ def grouped_matmul_backward(dout, a, b, offsets) -> tuple[np.ndarray, np.ndarray
     return da, db
 
 
+def _row_bias(bias, offsets, rows: int) -> np.ndarray:
+    """(rows, n): each row's expert's bias (zeros after offsets[E])."""
+    bias = np.asarray(bias, dtype=np.float64)
+    out = np.zeros((rows, bias.shape[1]))
+    for e in range(bias.shape[0]):
+        out[int(offsets[e]):int(offsets[e + 1])] = bias[e]
+    return out
+
+
+def biased_glu(h, bias, offsets, alpha: float, limit: float) -> np.ndarray:
+    """GPT-OSS's gate on h (R, 2I) plus its row's expert's bias (E, 2I), gate and up columns
+    interleaved: (u + 1) g sigmoid(alpha g), g = min(gate, limit), u = clamp(up, -limit, limit);
+    (R, I)."""
+    hb = np.asarray(h, dtype=np.float64) + _row_bias(bias, offsets, len(h))
+    g, u = np.minimum(hb[:, 0::2], limit), np.clip(hb[:, 1::2], -limit, limit)
+    return (u + 1) * g / (1 + np.exp(-alpha * g))
+
+
+def biased_glu_backward(dz, h, bias, offsets, alpha: float, limit: float) -> tuple[np.ndarray, np.ndarray]:
+    """(dh (R, 2I) interleaved as h, dbias (E, 2I): each expert's rows of dh summed) of
+    ``biased_glu``; a clamp passes the gradient where its input is within its bounds, ends
+    included (as torch.clamp's backward)."""
+    dz = np.asarray(dz, dtype=np.float64)
+    hb = np.asarray(h, dtype=np.float64) + _row_bias(bias, offsets, len(h))
+    hg, hu = hb[:, 0::2], hb[:, 1::2]
+    g, u = np.minimum(hg, limit), np.clip(hu, -limit, limit)
+    s = 1 / (1 + np.exp(-alpha * g))
+    dh = np.empty_like(hb)
+    dh[:, 0::2] = dz * (u + 1) * (s + alpha * g * s * (1 - s)) * (hg <= limit)
+    dh[:, 1::2] = dz * g * s * ((hu >= -limit) & (hu <= limit))
+    return dh, group_sums(dh, offsets, np.shape(bias)[0])
+
+
+def group_bias(y, bias, offsets) -> np.ndarray:
+    """y (R, N) plus each row's expert's bias (E, N); the rows after offsets[E] as they are."""
+    return np.asarray(y, dtype=np.float64) + _row_bias(bias, offsets, len(y))
+
+
+def group_sums(x, offsets, experts: int) -> np.ndarray:
+    """(E, N): expert e's rows of x summed (zeros for an expert without rows)."""
+    x = np.asarray(x, dtype=np.float64)
+    return np.stack([x[int(offsets[e]):int(offsets[e + 1])].sum(0) for e in range(experts)])
+
+
 def _act(g: np.ndarray, act: str):
     """(act(g), act'(g))."""
     if act == "silu":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .biased_glu import moe_biased_glu, moe_biased_glu_backward, moe_group_bias, moe_group_sums
 from .block import ACTS, MoESaved, _gate, _gate_backward, moe_backward, moe_forward
 from .reference import SCORES
 from .grouped_mm import moe_grouped_mm, moe_grouped_mm_backward
@@ -54,40 +55,9 @@ def experts_backward_fake(dout, x_perm, row_of, offsets, h, z, y, weights, w_gat
 
 # ---- biased experts with weights held (E, in, out): GPT-OSS's -------------------------------------
 
-def _row_experts(offsets, rows: int):
-    """(rows,) int64: each permuted row's expert, E for the rows after offsets[E]."""
-    return torch.searchsorted(offsets[1:], torch.arange(rows, device=offsets.device, dtype=offsets.dtype),
-                              right=True)
-
-
-def _with_zero_row(bias):
-    """bias (E, n) as float32 with a zero row E (for the rows after offsets[E])."""
-    return torch.cat([bias.float(), bias.new_zeros((1, bias.shape[1]), dtype=torch.float32)])
-
-
-def _group_sums(rows, offsets, dtype):
-    """(E, n): each expert's rows of ``rows`` (R, n) summed in float32, rounded to ``dtype``."""
-    return torch.segment_reduce(rows.float(), "sum", offsets=offsets.long(), axis=0, unsafe=True,
-                                initial=0).to(dtype)
-
-
-def _clamped_glu(hb, alpha: float, limit: float):
-    """GPT-OSS's gate on (R, 2I) float32, gate and up interleaved: (up + 1) * g * sigmoid(alpha * g),
-    g = min(gate, limit), up clamped to [-limit, limit]."""
-    g, u = hb[:, 0::2].clamp(max=limit), hb[:, 1::2].clamp(-limit, limit)
-    return (u + 1) * g * torch.sigmoid(alpha * g)
-
-
-def _clamped_glu_backward(dz, hb, alpha: float, limit: float):
-    """d hb (R, 2I) float32, interleaved as hb; a clamp passes the gradient where its input is
-    within its bounds, ends included (as torch.clamp's backward)."""
-    hg, hu = hb[:, 0::2], hb[:, 1::2]
-    g, u = hg.clamp(max=limit), hu.clamp(-limit, limit)
-    s = torch.sigmoid(alpha * g)
-    dz = dz.float()
-    dg = dz * (u + 1) * (s + alpha * g * s * (1 - s)) * (hg <= limit)
-    du = dz * g * s * ((hu >= -limit) & (hu <= limit))
-    return torch.stack([dg, du], dim=2).reshape(hb.shape)
+def _bias(b, dtype):
+    """A bias as the kernels read it: float32 or the rows' dtype, contiguous."""
+    return (b if b.dtype in (torch.float32, dtype) else b.float()).contiguous()
 
 
 def biased_experts_forward(x, top_k_index, top_k_weights, w_gate_up, b_gate_up, w_down, b_down, alpha: float,
@@ -100,10 +70,9 @@ def biased_experts_forward(x, top_k_index, top_k_weights, w_gate_up, b_gate_up, 
     weights = top_k_weights.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     x_perm, _, row_of, offsets, _ = moe_permute(x.contiguous(), experts, w_gate_up.shape[0])
     h = moe_grouped_mm(x_perm, w_gate_up.contiguous(), offsets, b_layout="kn")
-    row_e = _row_experts(offsets, h.shape[0])
-    z = _clamped_glu(h.float() + _with_zero_row(b_gate_up)[row_e], alpha, limit).to(x.dtype)
-    y = moe_grouped_mm(z, w_down.contiguous(), offsets, b_layout="kn")
-    y = (y.float() + _with_zero_row(b_down)[row_e]).to(x.dtype)
+    z = moe_biased_glu(h, _bias(b_gate_up, x.dtype), offsets, alpha, limit)
+    y = moe_group_bias(moe_grouped_mm(z, w_down.contiguous(), offsets, b_layout="kn"), _bias(b_down, x.dtype),
+                       offsets)
     return moe_unpermute(y, row_of, weights), x_perm, row_of, offsets, h, z, y, weights
 
 
@@ -112,11 +81,11 @@ def biased_experts_backward(dout, x_perm, row_of, offsets, h, z, y, weights, w_g
     """(dx (T, H), d weights (T, k) float32, d w_gate_up, d b_gate_up, d w_down, d b_down)."""
     dy, dweights = moe_unpermute_backward(dout.contiguous(), y, row_of, weights)
     dz, dw_down = moe_grouped_mm_backward(dy, z, w_down.contiguous(), offsets, b_layout="kn")
-    row_e = _row_experts(offsets, h.shape[0])
-    dh = _clamped_glu_backward(dz, h.float() + _with_zero_row(b_gate_up)[row_e], alpha, limit).to(h.dtype)
+    dh, db_gate_up = moe_biased_glu_backward(dz, h, _bias(b_gate_up, h.dtype), offsets, alpha, limit)
     dx_perm, dw_gate_up = moe_grouped_mm_backward(dh, x_perm, w_gate_up.contiguous(), offsets, b_layout="kn")
-    return (moe_permute_backward(dx_perm, row_of, top_k), dweights, dw_gate_up,
-            _group_sums(dh, offsets, b_gate_up.dtype), dw_down, _group_sums(dy, offsets, b_down.dtype))
+    db_down = moe_group_sums(dy, offsets, w_down.shape[0])
+    return (moe_permute_backward(dx_perm, row_of, top_k), dweights, dw_gate_up, db_gate_up.to(b_gate_up.dtype),
+            dw_down, db_down.to(b_down.dtype))
 
 
 def biased_experts_fake(x, top_k_index, top_k_weights, w_gate_up, b_gate_up, w_down, b_down, alpha, limit):
