@@ -144,7 +144,7 @@ def test_kernels_match_the_references(case, dtype, bias_dtype, framework):
     want_dh, _ = R.biased_glu_backward(dz, h, bias, off, ALPHA, LIMIT)
     close(dh, want_dh, "dh", atol=tol * 8)
     # (the bias's gradient sums dh as the kernel rounded it)
-    assert to_host(dbias).dtype == np.float32
+    assert "float32" in str(dbias.dtype)
     np.testing.assert_allclose(to_host(dbias), R.group_sums(to_host(dh), off, experts), rtol=1e-5, atol=1e-4)
     for e in np.flatnonzero(np.asarray(counts) == 0):
         assert not to_host(dbias)[e].any()

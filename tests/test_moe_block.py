@@ -182,7 +182,6 @@ def _kernel_fakes(k: int) -> dict:
              "moe_biased_glu_backward": lambda dz, h, b, off, a, lim: tuple(map(tt, R.biased_glu_backward(
                  np_(dz), np_(h), np_(b), np_(off), a, lim))),
              "moe_group_bias": lambda y, b, off: tt(R.group_bias(np_(y), np_(b), np_(off))),
-             "moe_group_sums": lambda x, off, e: tt(R.group_sums(np_(x), np_(off), e)),
              "moe_permute_backward": lambda dxp, row_of, top_k: tt(np_(dxp)[np_(row_of).reshape(-1, top_k)].sum(1)),
              "_gate": gate, "_gate_backward": gate_backward}
 

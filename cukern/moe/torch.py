@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .biased_glu import moe_biased_glu, moe_biased_glu_backward, moe_group_bias, moe_group_sums
+from .biased_glu import moe_biased_glu, moe_biased_glu_backward, moe_group_bias
 from .block import ACTS, MoESaved, _gate, _gate_backward, moe_backward, moe_forward
 from .reference import SCORES
 from .grouped_mm import moe_grouped_mm, moe_grouped_mm_backward
@@ -60,6 +60,16 @@ def _bias(b, dtype):
     return (b if b.dtype in (torch.float32, dtype) else b.float()).contiguous()
 
 
+def _pair_bias_grad(dout, row_of, offsets, weights, experts: int):
+    """d b_down (E, H) float64: each expert's pairs' weights times their tokens' dout, summed
+    from the float32 weights and dout as given (a sum of dy's rounded rows would be a rounding
+    worse than PyTorch's float32 sum; float64 keeps TF32 out of the product)."""
+    t, k = weights.shape
+    pair_e = torch.searchsorted(offsets[1:], row_of, right=True).view(t, k)   # (E: after the last expert)
+    per_token = (torch.nn.functional.one_hot(pair_e, experts + 1)[..., :experts] * weights[..., None].double()).sum(1)
+    return per_token.T @ dout.double()
+
+
 def biased_experts_forward(x, top_k_index, top_k_weights, w_gate_up, b_gate_up, w_down, b_down, alpha: float,
                            limit: float):
     """GPT-OSS's experts: (out (T, H), then what the backward needs: x_perm (T k, H), row_of,
@@ -83,7 +93,7 @@ def biased_experts_backward(dout, x_perm, row_of, offsets, h, z, y, weights, w_g
     dz, dw_down = moe_grouped_mm_backward(dy, z, w_down.contiguous(), offsets, b_layout="kn")
     dh, db_gate_up = moe_biased_glu_backward(dz, h, _bias(b_gate_up, h.dtype), offsets, alpha, limit)
     dx_perm, dw_gate_up = moe_grouped_mm_backward(dh, x_perm, w_gate_up.contiguous(), offsets, b_layout="kn")
-    db_down = moe_group_sums(dy, offsets, w_down.shape[0])
+    db_down = _pair_bias_grad(dout, row_of, offsets, weights, w_down.shape[0])
     return (moe_permute_backward(dx_perm, row_of, top_k), dweights, dw_gate_up, db_gate_up.to(b_gate_up.dtype),
             dw_down, db_down.to(b_down.dtype))
 
