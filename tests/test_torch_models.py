@@ -450,6 +450,10 @@ def test_the_demo_builds_each_hugging_face_model():
         assert kind in hf.describe(cfg, m).lower() or "gpt2" in type(m).__name__.lower()
     with pytest.raises(ValueError, match="model"):
         hf.build(options.Config(model="vit"))   # (no causal-LM head)
+    # (configs that transformers refuses to size so, whatever it raises: refused by name)
+    for kind, raised in (("xlnet", "NotImplementedError"), ("musicgen", "ValueError"), ("emu3", "")):
+        with pytest.raises(ValueError, match=rf"^model: transformers could not configure '{kind}' .*\({raised}"):
+            hf.build(options.Config(layers=1, dim=64, heads=4, seq=32, vocab=97, model=kind))
 
 
 def test_the_demo_takes_any_transformers_causal_lm_type():

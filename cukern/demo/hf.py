@@ -70,12 +70,36 @@ def build(cfg: Config):
 def _any(cfg: Config, kv: int):
     """Any other transformers model type with a causal-LM head: its config class's defaults (the
     released model's vocabulary, experts, ...) with the demo's width, depth, heads and length set
-    on its text config, dropout off; refused, by name, where transformers cannot build it so."""
+    on its text config, dropout off; refused, by name, where transformers cannot configure or
+    build it so."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if cfg.model not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ValueError(f"model: {cfg.model!r} is not a transformers model type with a causal-LM head")
+    at = f"at width {cfg.dim}, {cfg.layers} layers, {cfg.heads} heads"
+    try:
+        c = _sized_config(cfg, kv)
+    except Exception as e:  # noqa: BLE001 - any model type: say which and why
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise ValueError(f"model: transformers could not configure {cfg.model!r} {at} ({type(e).__name__}: "
+                         f"{first})") from e
+    sdpa = getattr(transformers.AutoModelForCausalLM._model_mapping[type(c)], "_supports_sdpa", False)
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(c, **({"attn_implementation": "sdpa"} if sdpa else {}))
+    except Exception as e:  # noqa: BLE001 - any model type: say which and why
+        raise ValueError(f"model: transformers could not build {cfg.model!r} {at} ({type(e).__name__}: {e})") from e
+    built = model.config.get_text_config()
+    if getattr(built, "hidden_size", cfg.dim) != cfg.dim:
+        raise ValueError(f"model: {cfg.model!r} was built at width {built.hidden_size}, not {cfg.dim} "
+                         "(its config does not take the demo's sizes)")
+    return model
+
+
+def _sized_config(cfg: Config, kv: int):
+    """``cfg.model``'s config with the demo's sizes on its text config and dropout off."""
+    import transformers
+
     sizes = dict(hidden_size=cfg.dim, intermediate_size=_mlp_width(cfg.dim, 8 / 3), num_hidden_layers=cfg.layers,
                  num_attention_heads=cfg.heads, num_key_value_heads=kv, head_dim=cfg.dim // cfg.heads,
                  max_position_embeddings=cfg.seq)
@@ -94,17 +118,7 @@ def _any(cfg: Config, kv: int):
             pass
     if isinstance(getattr(text, "pad_token_id", None), int) and text.pad_token_id >= text.vocab_size:
         text.pad_token_id = None   # (the released model's padding token, past a smaller --vocab)
-    sdpa = getattr(transformers.AutoModelForCausalLM._model_mapping[type(c)], "_supports_sdpa", False)
-    try:
-        model = transformers.AutoModelForCausalLM.from_config(c, **({"attn_implementation": "sdpa"} if sdpa else {}))
-    except Exception as e:  # noqa: BLE001 - any model type: say which and why
-        raise ValueError(f"model: transformers could not build {cfg.model!r} at width {cfg.dim}, {cfg.layers} "
-                         f"layers, {cfg.heads} heads ({type(e).__name__}: {e})") from e
-    built = model.config.get_text_config()
-    if getattr(built, "hidden_size", cfg.dim) != cfg.dim:
-        raise ValueError(f"model: {cfg.model!r} was built at width {built.hidden_size}, not {cfg.dim} "
-                         "(its config does not take the demo's sizes)")
-    return model
+    return c
 
 
 def describe(cfg: Config, model) -> str:
