@@ -478,7 +478,6 @@ def test_every_named_familys_loss_is_found_and_trains_as_its_own(family):
     """The causal LM's loss is routed where its logits are the LM head's of the last hidden state
     (Granite's scaled by 1 / logits_scaling, Gemma 2's softcapped): in float32 on the CPU, the
     patched model's loss and every gradient equal the model's own."""
-    import copy
 
     cfg_cls, model_cls, over, _ = FAMILIES[family]
     base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
@@ -489,12 +488,20 @@ def test_every_named_familys_loss_is_found_and_trains_as_its_own(family):
         base["final_logit_softcapping"] = 0.5
     torch.manual_seed(0)
     a = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**base)).train()
+    _loss_routed_trains_as_its_own(a, LM_HEAD + {"granite": ", logits times 0.25",
+                                                 "gemma2": ", softcap 0.5"}.get(family, ""))
+
+
+def _loss_routed_trains_as_its_own(a, want: str):
+    """Model ``a`` and a copy with the loss alone routed (its decision ``want``): no logits, and
+    the loss and every gradient the model's own, in float32 on the CPU."""
+    import copy
+
     b = copy.deepcopy(a)
     ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
     la = a(input_ids=ids, labels=ids).loss
     la.backward()
     with ct.patch(b, parts=["loss"]):
-        want = LM_HEAD + {"granite": ", logits times 0.25", "gemma2": ", softcap 0.5"}.get(family, "")
         assert ct.routing(b)["(model)"] == want
         out = b(input_ids=ids, labels=ids)
         assert out.logits is None
@@ -503,6 +510,15 @@ def test_every_named_familys_loss_is_found_and_trains_as_its_own(family):
     for (n, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         if pa.grad is not None:
             torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_coheres_logit_scale_is_found_and_its_loss_trains_as_its_own():
+    """Cohere's (and Cohere 2's) logits are the LM head's times the module's logit_scale."""
+    torch.manual_seed(0)
+    a = transformers.CohereForCausalLM(transformers.CohereConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=97, max_position_embeddings=64, logit_scale=0.25, pad_token_id=0)).train()
+    _loss_routed_trains_as_its_own(a, LM_HEAD + ", logits times 0.25")
 
 
 def test_logits_that_are_not_the_heads_are_left_alone():

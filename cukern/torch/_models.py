@@ -29,8 +29,8 @@ not reach them. ``patch(model)`` routes, module by module:
   PyTorch's SDPA (the model's eager code for a softcap or sinks), counted;
 * ``loss``: the LM head and the loss of a causal LM (``*ForCausalLM``, GPT-2's LM head) in
   training with labels, where its logits are found to be the LM head of the base model's last
-  hidden state (scaled by Granite's ``logits_scaling``, capped by Gemma 2's
-  ``final_logit_softcapping``): ``linear_cross_entropy`` on that hidden state, without the
+  hidden state (scaled by Granite's ``logits_scaling`` or Cohere's ``logit_scale``, capped by
+  Gemma 2's ``final_logit_softcapping``): ``linear_cross_entropy`` on that hidden state, without the
   (tokens, vocabulary) logits (``outputs.logits`` is None then, as with Liger-Kernel);
 * ``moe``: the experts of an MoE block (transformers' fused experts: Mixtral's, Qwen3-MoE's,
   OLMoE's), found by running them (``_recognize_experts``) to compute each token's weighted sum of

@@ -475,13 +475,20 @@ class LMHead:
 _lm_cache: dict[tuple, tuple[LMHead | None, str | None]] = {}
 
 
+def _number(v) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v and v != 1 else None
+
+
 def _lm_candidates(m: nn.Module) -> list[LMHead]:
+    """The scales and caps the logits may carry: Granite's 1 / logits_scaling, Cohere's
+    logit_scale (the module's or its config's), Gemma 2's final softcap."""
     cfg = getattr(m, "config", None)
-    scaling = getattr(cfg, "logits_scaling", None)
+    scaling = _number(getattr(cfg, "logits_scaling", None))
+    times = _number(getattr(m, "logit_scale", getattr(cfg, "logit_scale", None)))
     cap = getattr(cfg, "final_logit_softcapping", None)
-    scale = 1.0 / float(scaling) if isinstance(scaling, (int, float)) and scaling and scaling != 1 else 1.0
     cap = float(cap) if isinstance(cap, (int, float)) and cap and cap > 0 else None
-    out = [LMHead(scale, cap), LMHead(scale, None), LMHead(1.0, cap), LMHead()]
+    scales = [s for s in (1.0 / scaling if scaling else None, times) if s is not None] + [1.0]
+    out = [LMHead(s, c) for s in scales for c in (cap, None)]
     return list(dict.fromkeys(out))
 
 
