@@ -305,11 +305,14 @@ def _inputs(dims, dtype, seed, *, grad=False) -> dict:
     return t
 
 
-def _hf(q, k, cos, sin):
-    """Hugging Face's apply_rotary_pos_emb (LLaMA), as written there."""
+def _hf(q, k, cos, sin, interleaved: bool = False):
+    """Hugging Face's apply_rotary_pos_emb (LLaMA's; Cohere's with ``interleaved``: pairs (2i,
+    2i + 1)), as written there."""
     import torch
 
     def rotate_half(x):
+        if interleaved:
+            return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
         x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
         return torch.cat((-x2, x1), dim=-1)
 
@@ -431,11 +434,13 @@ def _why_not(T, q, k, cos, sin):
 def _torch_api(T, ops, modules) -> dict:
     """``cukern.torch.apply_rotary_pos_emb``: Hugging Face's function, on the kernels."""
 
-    def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *, interleaved=False):
         """Hugging Face's ``apply_rotary_pos_emb`` (LLaMA, Mistral: half-split) with its
         signature: q (B, Hq, S, D) and k (B, Hk, S, D) with ``unsqueeze_dim=1``, or (B, S, H, D)
-        with ``unsqueeze_dim=2``; cos, sin (B, S, D). Autograd gives q's and k's gradients;
-        for tensors the kernels do not take, Hugging Face's code (``cukern.torch.counts()``)."""
+        with ``unsqueeze_dim=2``; cos, sin (B, S, D). ``interleaved``: pairs (2i, 2i + 1), as
+        Cohere's (``x * cos + rotate(x) * sin`` with rotate(x) = (-x1, x0, -x3, x2, ...) and the
+        tables read element by element). Autograd gives q's and k's gradients; for tensors the
+        kernels do not take, Hugging Face's code (``cukern.torch.counts()``)."""
         if unsqueeze_dim not in (1, 2):
             raise ValueError(f"unsqueeze_dim: expected 1 (B, H, S, D) or 2 (B, S, H, D), got {unsqueeze_dim!r}")
         if unsqueeze_dim == 2:
@@ -444,11 +449,12 @@ def _torch_api(T, ops, modules) -> dict:
         compiling = T.compiling()
         if not compiling:
             T.count("rope", reason)
+        il = bool(interleaved)
         if reason is not None:
-            oq, okk = _hf(q, k, cos, sin)
+            oq, okk = _hf(q, k, cos, sin, il)
         else:   # (inside torch.compile too: the op measured faster than what Inductor makes of HF's code)
             op = ops["rope"]
-            oq, okk = op.compiled(q, k, cos, sin, False) if compiling else op(q, k, cos, sin, False)
+            oq, okk = op.compiled(q, k, cos, sin, il) if compiling else op(q, k, cos, sin, il)
         if unsqueeze_dim == 2:
             oq, okk = oq.transpose(1, 2), okk.transpose(1, 2)
         return oq, okk

@@ -342,7 +342,7 @@ def _rotate_every_two(x):   # GPT-J's interleaved pairs
     return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
 
 
-def test_an_interleaved_rope_is_left_alone_and_partial_tables_go_to_the_models_own():
+def test_a_rotation_cukern_lacks_is_left_alone_and_partial_tables_go_to_the_models_own():
     from cukern.torch import _models
 
     def interleaved(q, k, cos, sin, unsqueeze_dim=1):
@@ -351,9 +351,17 @@ def test_an_interleaved_rope_is_left_alone_and_partial_tables_go_to_the_models_o
 
     import functools
 
+    def backwards(q, k, cos, sin, unsqueeze_dim=1):   # (pairs rotated the other way: no rope cukern has)
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * cos - _rotate_every_two(q) * sin, k * cos - _rotate_every_two(k) * sin
+
     wrap = functools.partial(_models._rope_wrapper, interleaved)
     assert _recognize.recognize_rope("test.interleaved", interleaved, wrap, "cpu", torch.float32) == \
-        ("its rotation is not cukern's (half-split) rope to the dtype's rounding", False, False, False)
+        (None, False, False, False, "paired")
+    wrap = functools.partial(_models._rope_wrapper, backwards)
+    assert _recognize.recognize_rope("test.backwards", backwards, wrap, "cpu", torch.float32) == \
+        ("its rotation is not cukern's rope (half-split or interleaved) to the dtype's rounding", False, False, False,
+         "")
 
     calls = []
 
@@ -385,8 +393,8 @@ def test_partial_rotary_is_found_by_running_it_and_computed_as_the_models_own(dt
     for family in ("gpt_neox", "phi3", "llama"):
         modname = f"transformers.models.{family}.modeling_{family}"
         fn = importlib.import_module(modname).apply_rotary_pos_emb
-        why, rounds, partial, _ = _recognize.recognize_rope(modname, fn,
-                                                            functools.partial(_models._rope_wrapper, fn), "cpu", dtype)
+        why, rounds, partial, _, _ = _recognize.recognize_rope(
+            modname, fn, functools.partial(_models._rope_wrapper, fn), "cpu", dtype)
         assert why is None
         found[family] = partial
         if not partial:
@@ -416,9 +424,9 @@ def test_half_width_tables_are_found_by_running_them_and_computed_as_the_models_
 
     modname = "transformers.models.gpt_oss.modeling_gpt_oss"
     fn = importlib.import_module(modname).apply_rotary_pos_emb
-    why, rounds, partial, half = _recognize.recognize_rope(modname, fn, functools.partial(_models._rope_wrapper, fn),
-                                                           "cpu", dtype)
-    assert (why, partial, half) == (None, False, True)
+    why, rounds, partial, half, interleave = _recognize.recognize_rope(
+        modname, fn, functools.partial(_models._rope_wrapper, fn), "cpu", dtype)
+    assert (why, partial, half, interleave) == (None, False, True, "")
     g = torch.Generator().manual_seed(6)
     q = torch.randn(2, 4, 6, 32, generator=g).to(dtype).requires_grad_(True)
     k = torch.randn(2, 2, 6, 32, generator=g).to(dtype).requires_grad_(True)
@@ -429,6 +437,45 @@ def test_half_width_tables_are_found_by_running_them_and_computed_as_the_models_
     for a, b in zip((*got, *torch.autograd.grad(got, (q, k), dys)), (*want, *torch.autograd.grad(want, (q, k), dys))):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+INTERLEAVED_ROPES = {   # family: (interleave, partial), as found by running its apply_rotary_pos_emb
+    "cohere": ("paired", False), "glm": ("split", True), "glm4": ("split", True), "ernie4_5": ("split", False),
+    "helium": ("split", False),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", sorted(INTERLEAVED_ROPES))
+def test_interleaved_ropes_are_found_by_running_them_and_computed_as_the_models_own(family, dtype):
+    """Ropes that rotate pairs (2i, 2i + 1): Cohere's with tables that repeat each angle in
+    place, GLM's, Ernie 4.5's and Helium's making such tables from Hugging Face's half-split ones
+    (GLM's rotating the dims its tables cover): found so, and the wrapper's result on the tables
+    each model's rotary embedding makes (full width, and for the partial ones a quarter of the
+    head), forward and backward, is the model's own."""
+    import functools
+
+    modname = f"transformers.models.{family}.modeling_{family}"
+    fn = importlib.import_module(modname).apply_rotary_pos_emb
+    why, rounds, partial, half, interleave = _recognize.recognize_rope(
+        modname, fn, functools.partial(_models._rope_wrapper, fn), "cpu", dtype)
+    assert (why, half, (interleave, partial)) == (None, False, INTERLEAVED_ROPES[family])
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 4, 6, 32, generator=g).to(dtype).requires_grad_(True)
+    k = torch.randn(2, 2, 6, 32, generator=g).to(dtype).requires_grad_(True)
+    for n in (16, 4) if partial else (16,):
+        angles = torch.rand(2, 6, n, generator=g) * 6
+        if interleave == "paired":
+            cos, sin = (f(angles).repeat_interleave(2, -1) for f in (torch.cos, torch.sin))
+        else:
+            cos, sin = (torch.cat([f(angles)] * 2, -1) for f in (torch.cos, torch.sin))
+        got = _models._rope_wrapper(fn, rounds, partial, half, interleave)(q, k, cos, sin)
+        want = fn(q, k, cos, sin)
+        dys = [torch.randn(t.shape, generator=g).to(t.dtype) for t in want]
+        for a, b in zip((*got, *torch.autograd.grad(got, (q, k), dys)),
+                        (*want, *torch.autograd.grad(want, (q, k), dys))):
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6 if dtype == torch.float32 else 2e-2)
 
 
 def test_a_rope_that_rounds_to_qs_dtype_is_rounded_so_too():
@@ -542,12 +589,15 @@ def test_logits_that_are_not_the_heads_are_left_alone():
 # ---- whole models: every part at once -------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2",
-                                  "granite", "gpt_neox", "starcoder2"])
+                                  "granite", "gpt_neox", "starcoder2",
+                                  # (families not named by the demo that compute the same things:
+                                  # interleaved ropes, Cohere's logit_scale)
+                                  "cohere", "cohere2", "glm", "glm4", "ernie4_5", "helium"])
 def test_each_demo_family_patched_whole_trains_as_its_own_on_the_cpu(kind):
     """``python -m cukern train-demo --model KIND``'s model, every part patched: in float32 on the
     CPU (where the routed calls run PyTorch's ops) the loss and every gradient equal the model's
     own, so each routing computes what the module did: Gemma's scaled embeddings, softcapped
-    attention and logits included."""
+    attention and logits, GLM's partial interleaved rope and Cohere's scaled logits included."""
     import copy
 
     from cukern.demo import hf, options

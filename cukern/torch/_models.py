@@ -17,10 +17,11 @@ not reach them. ``patch(model)`` routes, module by module:
   GPT-2's ``gelu_new`` (a chain of eight elementwise ops in eager) as PyTorch's one tanh-GELU
   kernel, the same function computed in float32 (as torch.compile computes it);
 * ``rope``: ``apply_rotary_pos_emb`` of each modeling module the model's classes come from, where
-  it computes cukern's (half-split) rope, forward and backward, on a small random input; partial
-  rotary tables (GPT-NeoX's ``rotary_pct``) where it is found to pass the dims past them on, and
-  half-width tables (GPT-OSS's) where it takes those alone; other calls go to the module's own
-  function;
+  it computes cukern's rope, forward and backward, on a small random input: half-split, or
+  interleaved pairs (Cohere's with tables that repeat each angle in place; GLM's, Ernie 4.5's and
+  Helium's made so from half-split tables); partial rotary tables (GPT-NeoX's ``rotary_pct``,
+  GLM's) where it is found to pass the dims past them on, and half-width tables (GPT-OSS's) where
+  it takes those alone; other calls go to the module's own function;
 * ``attention``: the model's attention implementation ("cukern", registered with transformers'
   AttentionInterface, with its mask function; in ``_transformers_attention``): causal masks run
   causal, padding masks and packed documents (position ids that restart) as varlen, a sliding
@@ -390,7 +391,7 @@ def _set_forward(rec: _Record, m: nn.Module, fn) -> None:
     rec.modules.append(m)
 
 
-def _rope_wrapper(own, rounds: bool = False, partial: bool = False, half: bool = False):
+def _rope_wrapper(own, rounds: bool = False, partial: bool = False, half: bool = False, interleave: str = ""):
     """cukern's rope in place of ``own`` (a modeling module's ``apply_rotary_pos_emb``) for its
     callers: its arguments read by its own signature; anything else it takes goes to ``own``.
     ``rounds``: ``own`` rounds its result to q's dtype (OLMo 2's), so the result is rounded so
@@ -398,7 +399,10 @@ def _rope_wrapper(own, rounds: bool = False, partial: bool = False, half: bool =
     than the head (GPT-NeoX's ``rotary_pct``): the kernel rotates those in place of its chain of
     ops, and the rest is passed on as ``own`` passes it; without it such tables go to ``own``.
     ``half``: ``own`` takes tables of half the head's width, one angle a pair of dims (j, j + D/2)
-    (GPT-OSS's): they are repeated to the kernel's full width."""
+    (GPT-OSS's): they are repeated to the kernel's full width. ``interleave``: ``own`` rotates
+    pairs (2i, 2i + 1): "paired", with the tables it is given (Cohere's, whose rotary embedding
+    repeats each angle in place); "split", after making them so from Hugging Face's half-split
+    tables (their first half, each angle repeated in place: GLM's, Ernie 4.5's, Helium's)."""
     ours = _api("apply_rotary_pos_emb")
     sig = inspect.signature(own)
 
@@ -419,11 +423,15 @@ def _rope_wrapper(own, rounds: bool = False, partial: bool = False, half: bool =
             cos, sin, r = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1), d
         elif r != d and not (partial and r < d and r % 2 == 0 and k.shape[-1] == d):
             return own(*args, **kwargs)
-        dim = a.get("unsqueeze_dim", 1)
+        if interleave == "split":
+            if r % 2 or sin.shape[-1] != r:
+                return own(*args, **kwargs)
+            cos, sin = (t[..., : r // 2].repeat_interleave(2, dim=-1) for t in (cos, sin))
+        dim, il = a.get("unsqueeze_dim", 1), bool(interleave)
         if r == d:
-            oq, ok = ours(q, k, cos, sin, unsqueeze_dim=dim)
+            oq, ok = ours(q, k, cos, sin, unsqueeze_dim=dim, interleaved=il)
         else:
-            oq, ok = ours(q[..., :r], k[..., :r], cos, sin, unsqueeze_dim=dim)
+            oq, ok = ours(q[..., :r], k[..., :r], cos, sin, unsqueeze_dim=dim, interleaved=il)
             oq, ok = torch.cat([oq, q[..., r:].to(oq.dtype)], -1), torch.cat([ok, k[..., r:].to(ok.dtype)], -1)
         if rounds:
             oq, ok = oq.to(q.dtype), ok.to(k.dtype)
@@ -443,10 +451,11 @@ def _swap_rope(rec: _Record, modname: str, m: nn.Module) -> None:
     if entry is None:
         p = next(m.parameters(), None)
         device, dtype = (p.device, p.dtype) if p is not None and p.dtype.is_floating_point else ("cpu", torch.float32)
-        why, rounds, partial, half = _recognize.recognize_rope(modname, fn, functools.partial(_rope_wrapper, fn),
-                                                               device, dtype)
-        wrapper = _rope_wrapper(fn, rounds, partial, half)
-        verdict = "rope: cukern's rope" if why is None else f"left alone: {why}"
+        why, rounds, partial, half, interleave = _recognize.recognize_rope(
+            modname, fn, functools.partial(_rope_wrapper, fn), device, dtype)
+        wrapper = _rope_wrapper(fn, rounds, partial, half, interleave)
+        verdict = (f"left alone: {why}" if why is not None
+                   else "rope: cukern's rope" + (", interleaved pairs" if interleave else ""))
         rec.decisions[f"{modname}.apply_rotary_pos_emb"] = verdict
         if why is not None:
             return

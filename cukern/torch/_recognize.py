@@ -413,27 +413,39 @@ def rope_of(fn, ours, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
         grads = torch.autograd.grad(mine, mine_leaves, [d.to(t.dtype) for d, t in zip(dys, mine)])
     tol = 4 * _ulps(q.dtype)
     errs = [_disagreement(a, b) for a, b in zip((*own, *own_grads), (*mine, *grads))]
-    return None if max(errs) <= tol else "its rotation is not cukern's (half-split) rope to the dtype's rounding"
+    return None if max(errs) <= tol else ("its rotation is not cukern's rope (half-split or interleaved) to the "
+                                          "dtype's rounding")
 
 
-def recognize_rope(modname: str, fn, wrap, device, dtype) -> tuple[str | None, bool, bool, bool]:
-    """(None, rounds, partial, half) where modeling module ``modname``'s ``apply_rotary_pos_emb``
-    ``fn`` is cukern's rope, else (why not, False, False, False): run once per module and dtype on
-    random q, k (2, 3, 5, 16) and full-width tables of q's dtype, and, for 16-bit q, float32
-    tables (as autocast makes them). ``rounds``: ``fn`` rounds its result to q's dtype there
-    (OLMo 2's), where PyTorch's promotion gives float32 (LLaMA's); ``partial``: with tables
-    narrower than the head, ``fn`` rotates the first dims and passes the rest (GPT-NeoX's
-    ``rotary_pct``); ``half``: ``fn`` takes tables of half the head's width, one angle a pair
-    (GPT-OSS's), and no full-width ones. ``wrap(rounds, partial, half)`` is the function to check."""
+def recognize_rope(modname: str, fn, wrap, device, dtype) -> tuple[str | None, bool, bool, bool, str]:
+    """(None, rounds, partial, half, interleave) where modeling module ``modname``'s
+    ``apply_rotary_pos_emb`` ``fn`` is cukern's rope, else (why not, False, False, False, ""): run
+    once per module and dtype on random q, k (2, 3, 5, 16) and full-width tables of q's dtype,
+    and, for 16-bit q, float32 tables (as autocast makes them). ``rounds``: ``fn`` rounds its
+    result to q's dtype there (OLMo 2's), where PyTorch's promotion gives float32 (LLaMA's);
+    ``partial``: with tables narrower than the head, ``fn`` rotates the first dims and passes the
+    rest (GPT-NeoX's ``rotary_pct``); ``half``: ``fn`` takes tables of half the head's width, one
+    angle a pair (GPT-OSS's), and no full-width ones; ``interleave``: ``fn`` rotates pairs (2i,
+    2i + 1), "paired" with tables that repeat each angle in place (Cohere's), "split" making such
+    tables from Hugging Face's half-split ones (GLM's). ``wrap(rounds, partial, half, interleave)``
+    is the function to check."""
     key = (modname, str(device), dtype)
     if key not in _rope_cache:
         g = torch.Generator().manual_seed(0)
         q, k = (torch.randn(2, h, 5, 16, generator=g).to(device=device, dtype=dtype) for h in (3, 1))
         angles = torch.rand(2, 5, 8, generator=g) * 6
-        full = tuple(torch.cat([f(angles)] * 2, -1).to(device=device) for f in (torch.cos, torch.sin))
-        halves = tuple(f(angles).to(device=device) for f in (torch.cos, torch.sin))
+
+        def tables(n: int, form: str):   # (cos, sin) of the first n angles, as ``form`` lays them out
+            a = angles[..., :n]
+            if form == "half":
+                return tuple(f(a).to(device=device) for f in (torch.cos, torch.sin))
+            if form == "paired":
+                return tuple(f(a).repeat_interleave(2, dim=-1).to(device=device) for f in (torch.cos, torch.sin))
+            return tuple(torch.cat([f(a)] * 2, -1).to(device=device) for f in (torch.cos, torch.sin))
+
         first_why, found = None, None
-        for half, (cos32, sin32) in ((False, full), (True, halves)):
+        for half, interleave in ((False, ""), (True, ""), (False, "paired"), (False, "split")):
+            cos32, sin32 = tables(8, "half" if half else interleave)
             rounds = False
             if dtype != torch.float32:
                 try:
@@ -441,25 +453,26 @@ def recognize_rope(modname: str, fn, wrap, device, dtype) -> tuple[str | None, b
                 except Exception:  # noqa: BLE001 - told by rope_of below
                     pass
             with uncounted():
-                why = rope_of(fn, wrap(rounds, False, half), q, k, cos32.to(dtype), sin32.to(dtype))
+                ours = wrap(rounds, False, half, interleave)
+                why = rope_of(fn, ours, q, k, cos32.to(dtype), sin32.to(dtype))
                 if why is None and dtype != torch.float32:
-                    why = rope_of(fn, wrap(rounds, False, half), q, k, cos32, sin32)
+                    why = rope_of(fn, ours, q, k, cos32, sin32)
             first_why = first_why or why
             if why is None:
-                found = (rounds, half)
+                found = (rounds, half, interleave)
                 break
         if found is None:
-            _rope_cache[key] = (first_why, False, False, False)
+            _rope_cache[key] = (first_why, False, False, False, "")
         else:
-            rounds, half = found
+            rounds, half, interleave = found
             partial = False
             if not half:   # (a quarter of the head rotated, as GPT-NeoX's default rotary_pct)
-                c4, s4 = (torch.cat([f(angles)[..., :2]] * 2, -1) for f in (torch.cos, torch.sin))
+                c4, s4 = tables(2, interleave)
                 with uncounted():
-                    partial = all(rope_of(fn, wrap(rounds, True, False), q, k, c4.to(device=device, dtype=dt),
-                                          s4.to(device=device, dtype=dt)) is None
+                    partial = all(rope_of(fn, wrap(rounds, True, False, interleave), q, k, c4.to(dtype=dt),
+                                          s4.to(dtype=dt)) is None
                                   for dt in {dtype, torch.float32})
-            _rope_cache[key] = (None, rounds, partial, half)
+            _rope_cache[key] = (None, rounds, partial, half, interleave)
     return _rope_cache[key]
 
 
