@@ -13,6 +13,7 @@ from .. import _arrays, _kernels
 from .._arrays import DeviceArray
 from .._kernels import Instance
 from .._plans import Builder, Plan, PlanCache
+from .grouped_mm import _aligned   # (16-byte vectors: a misaligned operand read from a copy)
 
 SOURCE = "moe_biased_glu.cu"
 THREADS = 256
@@ -64,13 +65,6 @@ def _scalars(alpha, limit) -> tuple[float, float]:
     return float(alpha), float(limit)
 
 
-def _aligned(b: Builder, arrays) -> None:
-    """16-byte vectors: an operand at an address that is not 16-byte aligned is read from a copy."""
-    for i, a in enumerate(arrays):
-        if a.ptr % 16:
-            b.fix(i, DeviceArray.copy)
-
-
 _GLU = PlanCache()
 _GLU_BWD = PlanCache()
 _BIAS = PlanCache()
@@ -102,7 +96,7 @@ def _plan_glu(arrays, alpha: float, limit: float) -> Plan:
     experts = _bias(ba, oa, two_i, ha.dtype)
     device = _arrays.same_device(*arrays)
     b = Builder(arrays)
-    _aligned(b, arrays[:2])
+    _aligned(b, enumerate(arrays[:2]))
     z = b.alloc((rows, two_i // 2), ha.dtype, name="z")
     if rows and two_i:
         kern = _kernels.kernel(_instance("moe_biased_glu", ha.dtype, ba.dtype), device)
@@ -130,7 +124,7 @@ def _plan_glu_backward(arrays, alpha: float, limit: float) -> Plan:
     experts = _bias(ba, oa, two_i, ha.dtype)
     device = _arrays.same_device(*arrays)
     b = Builder(arrays)
-    _aligned(b, arrays[:3])
+    _aligned(b, enumerate(arrays[:3]))
     dh = b.alloc((rows, two_i), ha.dtype, name="dh")
     dbias = b.alloc((experts, two_i), "float32", name="dbias")
     if rows and two_i:
@@ -156,7 +150,7 @@ def _plan_bias(arrays) -> Plan:
     experts = _bias(ba, oa, cols, ya.dtype)
     device = _arrays.same_device(*arrays)
     b = Builder(arrays)
-    _aligned(b, arrays[:2])
+    _aligned(b, enumerate(arrays[:2]))
     out = b.alloc((rows, cols), ya.dtype, name="out")
     if rows and cols:
         kern = _kernels.kernel(_instance("moe_group_bias", ya.dtype, ba.dtype), device)
@@ -182,7 +176,7 @@ def _plan_sums(arrays, experts: int) -> Plan:
         raise ValueError(f"offsets: shape {oa.shape}; expected contiguous ({experts + 1},)")
     device = _arrays.same_device(*arrays)
     b = Builder(arrays)
-    _aligned(b, arrays[:1])
+    _aligned(b, enumerate(arrays[:1]))
     sums = b.alloc((experts, cols), "float32", name="sums")
     _launch_sums(b, b.slot(0), 1, rows, cols, experts, xa.dtype, sums, device)
     return b.plan(device)

@@ -39,13 +39,18 @@ def experts_backward(dout, x_perm, row_of, offsets, h, z, y, weights, w_gate_up,
     return moe_permute_backward(dx_perm, row_of, top_k), dweights, dw_gate_up, dw_down
 
 
-def experts_fake(x, top_k_index, top_k_weights, w_gate_up, w_down, act):
+def _experts_outputs_fake(x, top_k_index, top_k_weights, experts: int, two_i: int):
+    """The shapes of both experts ops' forward outputs: out, x_perm, row_of, offsets, h, z, y,
+    the float32 weights."""
     pairs = top_k_index.shape[0] * top_k_index.shape[1]
-    e, two_i = w_gate_up.shape[0], w_gate_up.shape[1]
     rows = lambda n, dt=x.dtype: x.new_empty((pairs, n), dtype=dt)   # noqa: E731
     return (x.new_empty(x.shape), rows(x.shape[1]), x.new_empty((pairs,), dtype=torch.int32),
-            x.new_empty((e + 1,), dtype=torch.int32), rows(two_i), rows(two_i // 2), rows(x.shape[1]),
+            x.new_empty((experts + 1,), dtype=torch.int32), rows(two_i), rows(two_i // 2), rows(x.shape[1]),
             x.new_empty(tuple(top_k_weights.shape), dtype=torch.float32))
+
+
+def experts_fake(x, top_k_index, top_k_weights, w_gate_up, w_down, act):
+    return _experts_outputs_fake(x, top_k_index, top_k_weights, w_gate_up.shape[0], w_gate_up.shape[1])
 
 
 def experts_backward_fake(dout, x_perm, row_of, offsets, h, z, y, weights, w_gate_up, w_down, act, top_k):
@@ -99,12 +104,7 @@ def biased_experts_backward(dout, x_perm, row_of, offsets, h, z, y, weights, w_g
 
 
 def biased_experts_fake(x, top_k_index, top_k_weights, w_gate_up, b_gate_up, w_down, b_down, alpha, limit):
-    pairs = top_k_index.shape[0] * top_k_index.shape[1]
-    e, two_i = w_gate_up.shape[0], w_gate_up.shape[2]
-    rows = lambda n, dt=x.dtype: x.new_empty((pairs, n), dtype=dt)   # noqa: E731
-    return (x.new_empty(x.shape), rows(x.shape[1]), x.new_empty((pairs,), dtype=torch.int32),
-            x.new_empty((e + 1,), dtype=torch.int32), rows(two_i), rows(two_i // 2), rows(x.shape[1]),
-            x.new_empty(tuple(top_k_weights.shape), dtype=torch.float32))
+    return _experts_outputs_fake(x, top_k_index, top_k_weights, w_gate_up.shape[0], w_gate_up.shape[2])
 
 
 def biased_experts_backward_fake(dout, x_perm, row_of, offsets, h, z, y, weights, w_gate_up, b_gate_up, w_down,

@@ -112,31 +112,21 @@ def _probe_biased(m: nn.Module, spec: BiasedExperts, e: int, i: int, h: int):
     dev = m.gate_up_proj.device
     g = torch.Generator(device="cpu").manual_seed(0)
     t, k = 6, min(2, e)
+    params = [m.gate_up_proj, m.gate_up_proj_bias, m.down_proj, m.down_proj_bias]
     for scale in (1.0, 2.0 * spec.limit):
         idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(dev)
         w = (torch.rand(t, k, generator=g) + 0.1).to(dev)
-        probe = [(torch.randn(t, h, generator=g)).to(dev),
-                 (torch.randn(e, h, 2 * i, generator=g) * scale / h ** 0.5).to(dev),
-                 torch.randn(e, 2 * i, generator=g).to(dev),
-                 (torch.randn(e, i, h, generator=g) / i ** 0.5).to(dev),
-                 torch.randn(e, h, generator=g).to(dev)]
+        x = torch.randn(t, h, generator=g).to(dev)
+        values = [(torch.randn(e, h, 2 * i, generator=g) * scale / h ** 0.5).to(dev),
+                  torch.randn(e, 2 * i, generator=g).to(dev),
+                  (torch.randn(e, i, h, generator=g) / i ** 0.5).to(dev),
+                  torch.randn(e, h, generator=g).to(dev)]
         dy = torch.randn(t, h, generator=g).to(dev)
-        params = [m.gate_up_proj, m.gate_up_proj_bias, m.down_proj, m.down_proj_bias]
-        with _swapped(list(zip(params, probe[1:]))), torch.enable_grad():
-            xl, wl = probe[0].clone().requires_grad_(True), w.clone().requires_grad_(True)
-            try:
-                own = m(xl, idx, wl)
-            except Exception as ex:  # noqa: BLE001 - a module that cannot run so is not such experts
-                return None, f"its forward does not take (x, top_k_index, top_k_weights) ({type(ex).__name__})"
-            if not isinstance(own, torch.Tensor) or own.shape != xl.shape:
-                return None, "its forward does not map (T, H) to (T, H)"
-            own_grads = torch.autograd.grad(own, [xl, wl, *params], dy, allow_unused=True)
-        with torch.enable_grad():
-            leaves = [v.clone().requires_grad_(True) for v in (probe[0], w, *probe[1:])]
-            y = biased_experts_reference(spec.alpha, spec.limit, leaves[0], idx, *leaves[1:])
-            grads = torch.autograd.grad(y, leaves, dy, allow_unused=True)
-        if (_disagreement(own.detach(), y.detach()) > 8 * _ulps(torch.float32)
-                or _grads_disagreement(own_grads, grads) > 16 * _ulps(torch.float32)):
+        own, own_grads, why = _own_run(m, params, values, x, idx, w, dy)
+        if why is not None:
+            return None, why
+        reference = lambda x, w, *p, idx=idx: biased_experts_reference(spec.alpha, spec.limit, x, idx, w, *p)  # noqa: E731
+        if not _agrees(own, own_grads, reference, [x, w, *values], dy):
             return None, (f"computes no biased experts with the clamped gate (alpha {spec.alpha:g}, limit "
                           f"{spec.limit:g}) to float32's rounding")
     return spec, None
@@ -164,22 +154,37 @@ def _probe_experts_at(m: nn.Module, e: int, i: int, h: int, scale: float) -> tup
     pgu = (torch.randn(e, 2 * i, h, generator=g) / h ** 0.5).to(dev)
     pdn = (torch.randn(e, h, i, generator=g) / i ** 0.5).to(dev)
     dy = torch.randn(t, h, generator=g).to(dev)
-    with _swapped([(m.gate_up_proj, pgu), (m.down_proj, pdn)]), torch.enable_grad():
+    own, own_grads, why = _own_run(m, [m.gate_up_proj, m.down_proj], [pgu, pdn], x, idx, w, dy)
+    if why is not None:
+        return None, why
+    for act in GATED_ACTS:
+        reference = lambda x, w, gu, dn, act=act: experts_reference(act, x, idx, w, gu, dn)   # noqa: E731
+        if _agrees(own, own_grads, reference, [x, w, pgu, pdn], dy):
+            return act, None
+    return None, "computes no gated experts (silu, gelu or tanh-gelu) cukern has to float32's rounding"
+
+
+def _own_run(m: nn.Module, params, values, x, idx, w, dy):
+    """``m(x, idx, w)`` with ``params`` holding ``values``: (its output, the gradients of x, w and
+    ``params`` against ``dy``, None), or (None, None, why not)."""
+    with _swapped(list(zip(params, values))), torch.enable_grad():
         xl, wl = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
         try:
             own = m(xl, idx, wl)
         except Exception as ex:  # noqa: BLE001 - a module that cannot run so is not such experts
-            return None, f"its forward does not take (x, top_k_index, top_k_weights) ({type(ex).__name__})"
+            return None, None, f"its forward does not take (x, top_k_index, top_k_weights) ({type(ex).__name__})"
         if not isinstance(own, torch.Tensor) or own.shape != x.shape:
-            return None, "its forward does not map (T, H) to (T, H)"
-        own_grads = torch.autograd.grad(own, [xl, wl, m.gate_up_proj, m.down_proj], dy, allow_unused=True)
-    for act in GATED_ACTS:
-        with torch.enable_grad():
-            leaves = [v.clone().requires_grad_(True) for v in (x, w, pgu, pdn)]
-            y = experts_reference(act, leaves[0], idx, leaves[1], leaves[2], leaves[3])
-            if _disagreement(own.detach(), y.detach()) > 8 * _ulps(torch.float32):
-                continue
-            grads = torch.autograd.grad(y, leaves, dy, allow_unused=True)
-        if _grads_disagreement(own_grads, grads) <= 16 * _ulps(torch.float32):
-            return act, None
-    return None, "computes no gated experts (silu, gelu or tanh-gelu) cukern has to float32's rounding"
+            return None, None, "its forward does not map (T, H) to (T, H)"
+        return own.detach(), torch.autograd.grad(own, [xl, wl, *params], dy, allow_unused=True), None
+
+
+def _agrees(own, own_grads, reference, values, dy) -> bool:
+    """``reference(*values)`` and its gradients (of every value, against ``dy``) are ``own`` and
+    ``own_grads`` to float32's rounding."""
+    with torch.enable_grad():
+        leaves = [v.clone().requires_grad_(True) for v in values]
+        y = reference(*leaves)
+        if _disagreement(own, y.detach()) > 8 * _ulps(torch.float32):
+            return False
+        grads = torch.autograd.grad(y, leaves, dy, allow_unused=True)
+    return _grads_disagreement(own_grads, grads) <= 16 * _ulps(torch.float32)
