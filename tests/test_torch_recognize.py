@@ -938,8 +938,6 @@ def test_gpt_oss_experts_train_on_the_kernels_like_their_own_on_the_gpu():
     """One GPT-OSS layer, the experts alone routed, bf16 autocast, widths the grouped kernels
     take on every path (hidden 128, 2I 256, 300 tokens): the loss and every gradient (the
     biases' and the router's included) agree with the model's own code to bf16's rounding."""
-    import copy
-
     torch.manual_seed(0)
     a = transformers.AutoModelForCausalLM.from_config(transformers.GptOssConfig(
         hidden_size=128, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1,
@@ -952,8 +950,17 @@ def test_gpt_oss_experts_train_on_the_kernels_like_their_own_on_the_gpu():
         ex.gate_up_proj_bias.normal_(0, 0.5)
         ex.down_proj.normal_(0, 0.05)
         ex.down_proj_bias.normal_(0, 0.1)
-    b = copy.deepcopy(a)
     ids = torch.randint(0, 97, (3, 100), generator=torch.Generator().manual_seed(1)).cuda()
+    _experts_alone_routed_train_alike(a, ids, "moe: grouped experts with biases")
+
+
+def _experts_alone_routed_train_alike(a, ids, routed_as: str = "moe: "):
+    """Model ``a`` and a copy of it with its experts alone routed (decided ``routed_as``), one
+    bf16-autocast step each on ``ids``: every experts call on the kernels, the loss and every
+    gradient within bf16's rounding."""
+    import copy
+
+    b = copy.deepcopy(a)
 
     def step(m):
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -964,7 +971,7 @@ def test_gpt_oss_experts_train_on_the_kernels_like_their_own_on_the_gpu():
     la = step(a)
     ct.reset_counts()
     with ct.patch(b, parts=["moe"]):
-        assert ct.routing(b)["model.layers.0.mlp.experts"].startswith("moe: grouped experts with biases")
+        assert ct.routing(b)["model.layers.0.mlp.experts"].startswith(routed_as)
         lb = step(b)
         assert ct.counts(reasons=True)["moe"] == {"cukern": 1, "torch": 0}
     torch.testing.assert_close(lb, la, rtol=5e-3, atol=5e-3)
@@ -979,27 +986,9 @@ def test_moe_experts_train_on_the_kernels_like_their_own_on_the_gpu(kind):
     """One layer, the experts alone routed, bf16 autocast: the router sees the same input in
     both runs (no expert choice can differ), and the loss and every gradient (the router's
     through the weights) agree to bf16's rounding; every experts call ran on the kernels."""
-    import copy
-
     a = _moe_model(kind, layers=1, device="cuda")
-    b = copy.deepcopy(a)
     ids = torch.randint(0, 53, (4, 64), generator=torch.Generator().manual_seed(1)).cuda()
-
-    def step(m):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = m(input_ids=ids, labels=ids).loss
-        loss.backward()
-        return loss.detach().float()
-
-    la = step(a)
-    ct.reset_counts()
-    with ct.patch(b, parts=["moe"]):
-        lb = step(b)
-        assert ct.counts(reasons=True)["moe"] == {"cukern": 1, "torch": 0}
-    torch.testing.assert_close(lb, la, rtol=5e-3, atol=5e-3)
-    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
-        scale = pa.grad.abs().max().item() + 1e-6
-        assert (pb.grad - pa.grad).abs().max().item() <= 0.05 * scale, n
+    _experts_alone_routed_train_alike(a, ids)
 
 
 def test_experts_with_a_clamped_gate_another_activation_or_frozen_weights():
