@@ -285,6 +285,36 @@ def test_the_torch_biased_experts_op_is_gpt_osss_experts_on_the_cpu(monkeypatch,
         assert not a[e - 1].any() and a[:e - 1].abs().sum() > 0, name
 
 
+def test_the_torch_biased_experts_name_a_bad_argument_without_a_gpu():
+    """cukern.torch.moe_experts_biased checks its arguments together before any kernel: each
+    mismatch is a ValueError naming the argument."""
+    if torch is None:
+        pytest.skip("needs torch")
+    import cukern.torch as ct
+
+    t, h, e, i, k = 5, 16, 4, 8, 2
+    bf = torch.bfloat16
+    good = dict(x=torch.ones(t, h, dtype=bf), top_k_index=torch.zeros(t, k, dtype=torch.int64),
+                top_k_weights=torch.ones(t, k), w_gate_up=torch.ones(e, h, 2 * i, dtype=bf),
+                b_gate_up=torch.ones(e, 2 * i), w_down=torch.ones(e, i, h, dtype=bf), b_down=torch.ones(e, h))
+    bad = [("x", torch.ones(1, t, h, dtype=bf), r"^x: expected \(tokens, hidden\)"),
+           ("top_k_index", torch.zeros(t + 1, k, dtype=torch.int64), r"^top_k_index: shape \(6, 2\); expected \(5, "),
+           ("top_k_weights", torch.ones(t, k + 1), r"^top_k_weights: shape \(5, 3\); expected top_k_index's"),
+           ("w_gate_up", torch.ones(e, h + 8, 2 * i, dtype=bf), r"^w_gate_up: shape \(4, 24, 16\); expected"),
+           ("w_gate_up", torch.ones(e, h, 2 * i + 1, dtype=bf), "^w_gate_up: shape"),
+           ("b_gate_up", torch.ones(e, i), r"^b_gate_up: shape \(4, 8\); expected \(4, 16\)"),
+           ("w_down", torch.ones(e, h, i, dtype=bf), r"^w_down: shape \(4, 16, 8\); expected \(4, 8, 16\)"),
+           ("b_down", torch.ones(e + 1, h), r"^b_down: shape \(5, 16\); expected \(4, 16\)"),
+           ("w_down", torch.ones(e, i, h, dtype=torch.float16), "^w_down: dtype torch.float16, expected x's"),
+           ("b_down", torch.ones(e, h, dtype=torch.float16), "^b_down: dtype torch.float16, expected float32")]
+    for name, value, pattern in bad:
+        with pytest.raises(ValueError, match=pattern):
+            ct.moe_experts_biased(**{**good, name: value})
+    for name, value in (("alpha", 0.0), ("limit", float("inf")), ("alpha", True)):
+        with pytest.raises(ValueError, match=f"^{name}: must be a positive finite number"):
+            ct.moe_experts_biased(**good, **{name: value})
+
+
 def test_dlogits_extra_of_another_dtype_or_shape_is_named():
     saved = block.MoESaved(np.zeros((3, 4), np.float16), *([None] * 8), 2, "silu", "softmax", True, 1.0)
     saved.h = np.zeros((6, 8), np.float16)

@@ -149,6 +149,9 @@ def _torch_api(T, ops, modules) -> dict:
             (T, H) in x's dtype (each expert's output, bias included, rounded to it once, then
             the weighted sum in float32).
         """
+        if not T.compiling():
+            _impl().check_biased_experts(x, top_k_index, top_k_weights, w_gate_up, b_gate_up, w_down, b_down, alpha,
+                                         limit)
         args = (x, top_k_index, top_k_weights, w_gate_up, b_gate_up, w_down, b_down, float(alpha), float(limit))
         return biased_op.compiled(*args) if T.compiling() else biased_op(*args)
 

@@ -75,6 +75,34 @@ def _pair_bias_grad(dout, row_of, offsets, weights, experts: int):
     return per_token.T @ dout.double()
 
 
+def check_biased_experts(x, top_k_index, top_k_weights, w_gate_up, b_gate_up, w_down, b_down, alpha, limit):
+    """A ValueError naming the argument where GPT-OSS's experts' arguments do not fit together."""
+    if x.dim() != 2:
+        raise ValueError(f"x: expected (tokens, hidden), got shape {tuple(x.shape)}")
+    t, h = x.shape
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != t:
+        raise ValueError(f"top_k_index: shape {tuple(top_k_index.shape)}; expected ({t}, top_k)")
+    if tuple(top_k_weights.shape) != tuple(top_k_index.shape):
+        raise ValueError(f"top_k_weights: shape {tuple(top_k_weights.shape)}; expected top_k_index's "
+                         f"{tuple(top_k_index.shape)}")
+    if w_gate_up.dim() != 3 or w_gate_up.shape[1] != h or w_gate_up.shape[2] % 2:
+        raise ValueError(f"w_gate_up: shape {tuple(w_gate_up.shape)}; expected (experts, {h}, 2 * intermediate)")
+    e, two_i = w_gate_up.shape[0], w_gate_up.shape[2]
+    for name, a, want in (("b_gate_up", b_gate_up, (e, two_i)), ("w_down", w_down, (e, two_i // 2, h)),
+                          ("b_down", b_down, (e, h))):
+        if tuple(a.shape) != want:
+            raise ValueError(f"{name}: shape {tuple(a.shape)}; expected {want}")
+    for name, a in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if a.dtype != x.dtype:
+            raise ValueError(f"{name}: dtype {a.dtype}, expected x's {x.dtype}")
+    for name, a in (("b_gate_up", b_gate_up), ("b_down", b_down)):
+        if a.dtype not in (torch.float32, x.dtype):
+            raise ValueError(f"{name}: dtype {a.dtype}, expected float32 or x's {x.dtype}")
+    for name, v in (("alpha", alpha), ("limit", limit)):
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")):
+            raise ValueError(f"{name}: must be a positive finite number, got {v!r}")
+
+
 def biased_experts_forward(x, top_k_index, top_k_weights, w_gate_up, b_gate_up, w_down, b_down, alpha: float,
                            limit: float):
     """GPT-OSS's experts: (out (T, H), then what the backward needs: x_perm (T k, H), row_of,
