@@ -695,7 +695,9 @@ def test_a_tanh_gelu_written_out_is_found_by_running_it():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite", "gpt_neox",
-                                  "starcoder2"])
+                                  "starcoder2",
+                                  # (interleaved ropes on the kernels: Cohere's paired tables, GLM-4's split ones)
+                                  "cohere", "glm4", "ernie4_5"])
 def test_each_demo_family_trains_on_the_kernels_like_its_own_on_the_gpu(kind):
     """The demo's model of each family (head dim 64), one bf16-autocast training step patched and
     not: every attention call, norm, embedding and the loss on the kernels, the loss and the
@@ -722,6 +724,8 @@ def test_each_demo_family_trains_on_the_kernels_like_its_own_on_the_gpu(kind):
         counts = ct.counts(reasons=True)
     for part in ("attention", "embedding", "linear_cross_entropy"):
         assert counts[part]["cukern"] > 0 and counts[part]["torch"] == 0, (part, counts)
+    if kind in ("cohere", "glm4", "ernie4_5"):
+        assert counts["rope"]["cukern"] > 0 and counts["rope"]["torch"] == 0, counts
     assert any(counts.get(n, {}).get("cukern", 0) for n in ("rms_norm", "layer_norm")), counts
     # every norm, QK-norms and norms after a sublayer (bf16 inputs, float32 weights) included
     assert all(counts.get(n, {}).get("torch", 0) == 0 for n in ("rms_norm", "layer_norm")), counts
