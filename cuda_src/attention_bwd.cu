@@ -13,8 +13,9 @@
 //     - attention_bwd_dq (deterministic=True): a block per query tile (as the forward) walks
 //       the key tiles, recomputing S and dP — two more matrix products, the same bits on every
 //       run.
-// Layouts as the forward: q, dq, out, dout (B, Sq, H, D); k, v, dk, dv (B, Sk, Hkv, D), each
-// with element strides for batch, sequence and head and unit stride over D; lse and Dsum
+// Layouts as the forward: q, dq (B, Sq, H, D), out, dout (B, Sq, H, DV); k, dk (B, Sk, Hkv, D), v,
+// dv (B, Sk, Hkv, DV) (DV, the value head size: D but for MLA's 192 / 128), each with element
+// strides for batch, sequence and head and unit stride over the head dim; lse and Dsum
 // (B, H, Sq) float32 (lse natural-log, +inf for a query that sees no key). Masks, the softcap
 // and packed documents as the forward (attention_fwd.cu, common/attn_mask.cuh): packed, the
 // kernels see one batch of Sq (Sk) tokens, cu_q / cu_k give a document's, and attention_bwd_dot
@@ -33,7 +34,7 @@
 
 // I: the row and element index type (int where B * Sq * H * D fits, else long long: 64-bit
 // division and modulo a row cost more than the row's loads).
-template <typename I, typename T, int D>
+template <typename I, typename T, int D, int DV>
 __device__ __forceinline__ void attention_bwd_dot_rows(
     const T* __restrict__ dout, const T* __restrict__ out,
     long long d_sb, long long d_ss, long long d_sh, long long o_sb, long long o_ss, long long o_sh,
@@ -41,7 +42,7 @@ __device__ __forceinline__ void attention_bwd_dot_rows(
     float* __restrict__ dq_accum, int B, int Sq, int H)
 {
     using namespace cuk;
-    constexpr int V = D / 8;                               // 16-byte vectors a row
+    constexpr int V = DV / 8;                              // 16-byte vectors a row of dO and O
     constexpr int LANES = (V & 15) == 0 ? 16 : (V & 7) == 0 ? 8 : (V & 3) == 0 ? 4 : (V & 1) == 0 ? 2 : 1;
     constexpr int VPL = V / LANES;                         // vectors a lane
     const I nrows = static_cast<I>(B) * Sq * H;
@@ -92,6 +93,7 @@ __device__ __forceinline__ void attention_bwd_dot_rows(
     }
 }
 
+// Dsum over the value head size DV (dO and O's rows); dQ's partial sums have D columns.
 // L = LANES lanes a row (b, h, i), rows numbered i fastest (so that Dsum, lse and `rows` are
 // read and written in runs), each lane one or more 16-byte vectors of the row's dO and O (a
 // warp reads 32 / L rows' whole vectors at once), the lanes' sums reduced by shuffles. With
@@ -99,7 +101,7 @@ __device__ __forceinline__ void attention_bwd_dot_rows(
 // a separate memset). With `rows` (the Hopper backward) also writes lse * log2(e) and Dsum as
 // tiles of `tile` queries, (B, H, ceil(Sq / tile), 2, tile) float32, zeros past Sq: one TMA copy
 // a query tile.
-template <typename T, int D>
+template <typename T, int D, int DV>
 __global__ void __launch_bounds__(256) attention_bwd_dot(
     const T* __restrict__ dout, const T* __restrict__ out,
     long long d_sb, long long d_ss, long long d_sh, long long o_sb, long long o_ss, long long o_sh,
@@ -108,11 +110,11 @@ __global__ void __launch_bounds__(256) attention_bwd_dot(
 {
     // (every index below B * Sq * H * D, and the grid's threads plus one stride, fits an int:
     // the grid is at most 65535 blocks of 256)
-    if (static_cast<long long>(B) * Sq * H * D < (1LL << 31) - 65536LL * 256 * 2)
-        attention_bwd_dot_rows<int, T, D>(dout, out, d_sb, d_ss, d_sh, o_sb, o_ss, o_sh, dsum, lse, rows, tile,
+    if (static_cast<long long>(B) * Sq * H * (D > DV ? D : DV) < (1LL << 31) - 65536LL * 256 * 2)
+        attention_bwd_dot_rows<int, T, D, DV>(dout, out, d_sb, d_ss, d_sh, o_sb, o_ss, o_sh, dsum, lse, rows, tile,
                                           dq_accum, B, Sq, H);
     else
-        attention_bwd_dot_rows<long long, T, D>(dout, out, d_sb, d_ss, d_sh, o_sb, o_ss, o_sh, dsum, lse, rows,
+        attention_bwd_dot_rows<long long, T, D, DV>(dout, out, d_sb, d_ss, d_sh, o_sb, o_ss, o_sh, dsum, lse, rows,
                                                 tile, dq_accum, B, Sq, H);
 }
 
@@ -123,14 +125,14 @@ namespace attention {
 // base (T tiles first, then the float32 rows), and smem_bytes, the launch's byte count, with
 // 1 KB of slack for the kernel to align its base to 1 KB. The kernel's SMEM template argument
 // must equal smem_bytes (the front computes the same number for the launch).
-template <typename T, int D, int BM, int BN>
+template <typename T, int D, int DV, int BM, int BN>
 struct BwdTiles {
-    static constexpr int ROW = row_elems(D), PROW = row_elems(BN);
+    static constexpr int ROW = row_elems(D), VROW = row_elems(DV), PROW = row_elems(BN);
     static constexpr int k_at = 0;                       // K   [BN][ROW]
-    static constexpr int v_at = k_at + BN * ROW;         // V   [BN][ROW]
-    static constexpr int q_at = v_at + BN * ROW;         // Q   [2][BM][ROW]
-    static constexpr int do_at = q_at + 2 * BM * ROW;    // dO  [2][BM][ROW]
-    static constexpr int p_at = do_at + 2 * BM * ROW;    // P   [BM][PROW]
+    static constexpr int v_at = k_at + BN * ROW;         // V   [BN][VROW]
+    static constexpr int q_at = v_at + BN * VROW;        // Q   [2][BM][ROW]
+    static constexpr int do_at = q_at + 2 * BM * ROW;    // dO  [2][BM][VROW]
+    static constexpr int p_at = do_at + 2 * BM * VROW;   // P   [BM][PROW]
     static constexpr int ds_at = p_at + BM * PROW;       // dS  [BM][PROW]
     static constexpr int elems = ds_at + BM * PROW;
     // float32, from base + elems: lse [2][BM] at lse_at, Dsum [2][BM] at dsum_at
@@ -141,15 +143,15 @@ struct BwdTiles {
 
 // Dynamic shared memory of attention_bwd_dq (BM = 16 * WARPS queries): element offsets from
 // the (16-byte aligned) dynamic shared memory itself, no alignment slack.
-template <typename T, int D, int WARPS, int BN>
+template <typename T, int D, int DV, int WARPS, int BN>
 struct DqTiles {
     static constexpr int BM = 16 * WARPS;
-    static constexpr int ROW = row_elems(D);
+    static constexpr int ROW = row_elems(D), VROW = row_elems(DV);
     static constexpr int q_at = 0;                    // Q   [BM][ROW]
-    static constexpr int do_at = q_at + BM * ROW;     // dO  [BM][ROW]
-    static constexpr int k_at = do_at + BM * ROW;     // K   [2][BN][ROW]
-    static constexpr int v_at = k_at + 2 * BN * ROW;  // V   [2][BN][ROW]
-    static constexpr int elems = v_at + 2 * BN * ROW;
+    static constexpr int do_at = q_at + BM * ROW;     // dO  [BM][VROW]
+    static constexpr int k_at = do_at + BM * VROW;    // K   [2][BN][ROW]
+    static constexpr int v_at = k_at + 2 * BN * ROW;  // V   [2][BN][VROW]
+    static constexpr int elems = v_at + 2 * BN * VROW;
     static constexpr int smem_bytes = elems * static_cast<int>(sizeof(T));
 };
 
@@ -187,9 +189,10 @@ struct BwdQParams {
 //     accumulated in registers across all steps;
 //   dQ_partial = dS K   (BM x D): WM_Q warps over queries x WARPS / WM_Q over D, added
 //     into dq_accum (B, Sq, H, D) float32 with atomics (DQ_ATOMIC; else attention_bwd_dq).
-// SMEM: the dynamic shared memory of the launch, in bytes (= BwdTiles<T, D, BM, BN>::smem_bytes).
-template <typename T, int D, int BM, int BN, int WARPS, int WM_S, int WN_KV, int WM_Q, int MASK, bool SOFTCAP,
-          bool DROPOUT, bool DQ_ATOMIC, int SMEM>
+// DV: the value head size (dO, V, dV; D but for MLA). SMEM: the dynamic shared memory of the
+// launch, in bytes (= BwdTiles<T, D, DV, BM, BN>::smem_bytes).
+template <typename T, int D, int DV, int BM, int BN, int WARPS, int WM_S, int WN_KV, int WM_Q, int MASK,
+          bool SOFTCAP, bool DROPOUT, bool DQ_ATOMIC, int SMEM>
 __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
@@ -207,20 +210,25 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
 {
     using namespace cuk;
     using namespace cuk::attention;
-    using Tiles = BwdTiles<T, D, BM, BN>;
+    using Tiles = BwdTiles<T, D, DV, BM, BN>;
     static_assert(SMEM == Tiles::smem_bytes, "SMEM (the launch's dynamic shared memory) differs from BwdTiles::smem_bytes");
     constexpr int THREADS = WARPS * 32;
-    constexpr int ROW = row_elems(D);   // shared-memory row of Q, dO, K, V (D padded to 64)
+    constexpr int ROW = row_elems(D);   // shared-memory row of Q and K (D padded to 64)
     constexpr int ROW_BYTES = ROW * static_cast<int>(sizeof(T));
+    constexpr int VROW = row_elems(DV);   // ... of dO and V
+    constexpr int VROW_BYTES = VROW * static_cast<int>(sizeof(T));
     constexpr int PROW = row_elems(BN);  // shared-memory row of P and dS
     constexpr int PROW_BYTES = PROW * static_cast<int>(sizeof(T));
-    // Warp tiles: S/dP SQ x SK (MS m-tiles); dK/dV KN x KD (KM m-tiles); dQ QM x QD (QMT m-tiles).
+    // Warp tiles: S/dP SQ x SK (MS m-tiles); dK KN x KD and dV KN x KDV (KM m-tiles); dQ QM x QD
+    // (QMT m-tiles). The products over D and over DV share their loops (one trip count where
+    // D = DV, as the same code); MLA's longer one runs alone at its end.
     constexpr int SQ = BM / WM_S, SK = BN / (WARPS / WM_S), MS = SQ / 16;
-    constexpr int KN = BN / WN_KV, KD = D / (WARPS / WN_KV), KM = KN / 16;
+    constexpr int KN = BN / WN_KV, KD = D / (WARPS / WN_KV), KDV = DV / (WARPS / WN_KV), KM = KN / 16;
+    constexpr int KS = (D > DV ? D : DV) / 16, KDM = KD > KDV ? KD : KDV;
     constexpr int QM = BM / WM_Q, QD = D / (WARPS / WM_Q), QMT = QM / 16;
     constexpr int QDC = QD % 32 == 0 ? 32 : QD;   // dQ columns a pass
     static_assert(WARPS % WM_S == 0 && WARPS % WN_KV == 0 && WARPS % WM_Q == 0, "warp layouts");
-    static_assert(SQ % 16 == 0 && SK % 16 == 0 && KN % 16 == 0 && KD % 16 == 0 && QM % 16 == 0 &&
+    static_assert(SQ % 16 == 0 && SK % 16 == 0 && KN % 16 == 0 && KD % 16 == 0 && KDV % 16 == 0 && QM % 16 == 0 &&
                   QD % 16 == 0 && QD % QDC == 0 && BN % 64 == 0, "warp tiles");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     // Tiles from a 1 KB-aligned base (the launch adds 1 KB): every tile then starts at a
@@ -251,11 +259,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
     // (the mask from the span where used, as the span)
     auto mask = [&]() { return KeyMask<MASK>(win_left, win_right, span[4] - span[3]); };
     const unsigned int offA = a_offset(lane, ROW_BYTES), offB = b_offset(lane, ROW_BYTES);
+    const unsigned int offAV = a_offset(lane, VROW_BYTES), offBV = b_offset(lane, VROW_BYTES);
     const unsigned int offPA = a_offset(lane, PROW_BYTES), offPB = b_offset(lane, PROW_BYTES);
     const unsigned int sKa = smem_addr(sK), sVa = smem_addr(sV), sQa = smem_addr(sQ), sdOa = smem_addr(sdO);
     const unsigned int sPa = smem_addr(sP), sSa = smem_addr(sS);
     const int ws_m = (warp % WM_S) * SQ, ws_n = (warp / WM_S) * SK;      // S/dP tile origin
     const int wk_n = (warp % WN_KV) * KN, wk_d = (warp / WN_KV) * KD;    // dK/dV tile origin
+    const int wk_dv = (warp / WN_KV) * KDV;                              // (dV's columns)
     const int wq_m = (warp % WM_Q) * QM, wq_d = (warp / WM_Q) * QD;      // dQ tile origin
 
     // The query tiles whose rows see a key of this tile (the rows up to q_stop).
@@ -266,15 +276,16 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
 
     load_tile<T, BN, D, ROW, THREADS>(sK, k + span[0] * k_sb + static_cast<long long>(span[2]) * k_ss + hk * k_sh, k_ss,
                                       n0, span[4]);
-    load_tile<T, BN, D, ROW, THREADS>(sV, v + span[0] * v_sb + static_cast<long long>(span[2]) * v_ss + hk * v_sh, v_ss,
-                                      n0, span[4]);
+    load_tile<T, BN, DV, VROW, THREADS>(sV, v + span[0] * v_sb + static_cast<long long>(span[2]) * v_ss + hk * v_sh,
+                                        v_ss, n0, span[4]);
     // Steps walk (head, query tile) pairs, head-major; kept as counters (no divisions).
     auto issue = [&](int h, int m0, int buf) {   // Q, dO, lse and Dsum of a step (zeros past sq)
         const int bq = span[0], q0 = span[1], sq = span[3];
         load_tile<T, BM, D, ROW, THREADS>(sQ + buf * BM * ROW, q + bq * q_sb + static_cast<long long>(q0) * q_ss + h * q_sh,
                                           q_ss, m0, sq);
-        load_tile<T, BM, D, ROW, THREADS>(sdO + buf * BM * ROW,
-                                          dout + bq * d_sb + static_cast<long long>(q0) * d_ss + h * d_sh, d_ss, m0, sq);
+        load_tile<T, BM, DV, VROW, THREADS>(sdO + buf * BM * VROW,
+                                            dout + bq * d_sb + static_cast<long long>(q0) * d_ss + h * d_sh, d_ss, m0,
+                                            sq);
         const long long rowbase = (static_cast<long long>(bq) * H + h) * Sq + q0;
         for (int i = threadIdx.x; i < BM; i += THREADS) {
             const bool ok = m0 + i < sq;
@@ -291,13 +302,16 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
     if constexpr (DROPOUT) draw = DropoutDraw::load(drop_rng, drop_threshold);
     cp_async_commit();
 
-    float dkacc[KM][KD / 8][4], dvacc[KM][KD / 8][4];
+    float dkacc[KM][KD / 8][4], dvacc[KM][KDV / 8][4];
 #pragma unroll
     for (int mt = 0; mt < KM; ++mt)
 #pragma unroll
-        for (int i = 0; i < KD / 8; ++i)
+        for (int e = 0; e < 4; ++e) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) dkacc[mt][i][e] = dvacc[mt][i][e] = 0.f;
+            for (int i = 0; i < KD / 8; ++i) dkacc[mt][i][e] = 0.f;
+#pragma unroll
+            for (int i = 0; i < KDV / 8; ++i) dvacc[mt][i][e] = 0.f;
+        }
 
     for (int step = 0; step < steps; ++step) {
         const int buf = step & 1;
@@ -309,11 +323,11 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
             issue(hn, mn, buf ^ 1);
         }
         cp_async_commit();
-        const unsigned int qb = sQa + buf * BM * ROW_BYTES, db = sdOa + buf * BM * ROW_BYTES;
+        const unsigned int qb = sQa + buf * BM * ROW_BYTES, db = sdOa + buf * BM * VROW_BYTES;
 
-        // S = Q K^T and dP = dO V^T for this warp's SQ queries x SK keys.
-        const unsigned int qw = qb + ws_m * ROW_BYTES + offA, dw = db + ws_m * ROW_BYTES + offA;
-        const unsigned int kw = sKa + ws_n * ROW_BYTES + offB, vw = sVa + ws_n * ROW_BYTES + offB;
+        // S = Q K^T (over D) and dP = dO V^T (over DV) for this warp's SQ queries x SK keys.
+        const unsigned int qw = qb + ws_m * ROW_BYTES + offA, dw = db + ws_m * VROW_BYTES + offAV;
+        const unsigned int kw = sKa + ws_n * ROW_BYTES + offB, vw = sVa + ws_n * VROW_BYTES + offBV;
         float s[MS][SK / 8][4], dp[MS][SK / 8][4];
 #pragma unroll
         for (int mt = 0; mt < MS; ++mt)
@@ -322,24 +336,29 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[mt][j][e] = dp[mt][j][e] = 0.f;
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
+        for (int kk = 0; kk < KS; ++kk) {
+            const bool on_d = kk < D / 16, on_dv = kk < DV / 16;   // (constants once unrolled)
             unsigned int aq[MS][4], ad[MS][4];
 #pragma unroll
             for (int mt = 0; mt < MS; ++mt) {
-                ldmatrix_x4(aq[mt], (qw ^ (kk << 5)) + mt * 16 * ROW_BYTES);
-                ldmatrix_x4(ad[mt], (dw ^ (kk << 5)) + mt * 16 * ROW_BYTES);
+                if (on_d) ldmatrix_x4(aq[mt], (qw ^ (kk << 5)) + mt * 16 * ROW_BYTES);
+                if (on_dv) ldmatrix_x4(ad[mt], (dw ^ (kk << 5)) + mt * 16 * VROW_BYTES);
             }
 #pragma unroll
             for (int nt = 0; nt < SK / 16; ++nt) {
                 unsigned int rk[4], rv[4];
-                ldmatrix_x4(rk, (kw ^ (kk << 5)) + nt * 16 * ROW_BYTES);
-                ldmatrix_x4(rv, (vw ^ (kk << 5)) + nt * 16 * ROW_BYTES);
+                if (on_d) ldmatrix_x4(rk, (kw ^ (kk << 5)) + nt * 16 * ROW_BYTES);
+                if (on_dv) ldmatrix_x4(rv, (vw ^ (kk << 5)) + nt * 16 * VROW_BYTES);
 #pragma unroll
                 for (int mt = 0; mt < MS; ++mt) {
-                    mma_16816<T>(s[mt][2 * nt], aq[mt], rk[0], rk[1]);
-                    mma_16816<T>(s[mt][2 * nt + 1], aq[mt], rk[2], rk[3]);
-                    mma_16816<T>(dp[mt][2 * nt], ad[mt], rv[0], rv[1]);
-                    mma_16816<T>(dp[mt][2 * nt + 1], ad[mt], rv[2], rv[3]);
+                    if (on_d) {
+                        mma_16816<T>(s[mt][2 * nt], aq[mt], rk[0], rk[1]);
+                        mma_16816<T>(s[mt][2 * nt + 1], aq[mt], rk[2], rk[3]);
+                    }
+                    if (on_dv) {
+                        mma_16816<T>(dp[mt][2 * nt], ad[mt], rv[0], rv[1]);
+                        mma_16816<T>(dp[mt][2 * nt + 1], ad[mt], rv[2], rv[3]);
+                    }
                 }
             }
         }
@@ -442,7 +461,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
             }
         };
         // dV += P^T dO and dK += dS^T Q over the BM queries (k); A = P^T, dS^T from their
-        // [query][key] tiles (ldmatrix.trans), B = dO, Q from [query][d] (ldmatrix.trans).
+        // [query][key] tiles (ldmatrix.trans), B = dO, Q from [query][d] (ldmatrix.trans);
+        // dV's KDV columns and dK's KD in one loop.
 #pragma unroll
         for (int kq = 0; kq < BM / 16; ++kq) {
             unsigned int ap[KM][4], as[KM][4];
@@ -452,16 +472,22 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
                 ldmatrix_x4_trans(as[mt], sSa + kq * 16 * PROW_BYTES + (offPB ^ (((wk_n + mt * 16) / 16) << 5)));
             }
 #pragma unroll
-            for (int dt = 0; dt < KD / 16; ++dt) {
+            for (int dt = 0; dt < KDM / 16; ++dt) {
+                const bool on_dv = dt < KDV / 16, on_d = dt < KD / 16;   // (constants once unrolled)
+                const int dvt = on_dv ? dt : 0, dkt = on_d ? dt : 0;     // (indices in bounds where off)
                 unsigned int rd[4], rq[4];
-                ldmatrix_x4_trans(rd, db + kq * 16 * ROW_BYTES + (offA ^ ((wk_d / 16 + dt) << 5)));
-                ldmatrix_x4_trans(rq, qb + kq * 16 * ROW_BYTES + (offA ^ ((wk_d / 16 + dt) << 5)));
+                if (on_dv) ldmatrix_x4_trans(rd, db + kq * 16 * VROW_BYTES + (offAV ^ ((wk_dv / 16 + dt) << 5)));
+                if (on_d) ldmatrix_x4_trans(rq, qb + kq * 16 * ROW_BYTES + (offA ^ ((wk_d / 16 + dt) << 5)));
 #pragma unroll
                 for (int mt = 0; mt < KM; ++mt) {
-                    mma_16816<T>(dvacc[mt][2 * dt], ap[mt], rd[0], rd[1]);
-                    mma_16816<T>(dvacc[mt][2 * dt + 1], ap[mt], rd[2], rd[3]);
-                    mma_16816<T>(dkacc[mt][2 * dt], as[mt], rq[0], rq[1]);
-                    mma_16816<T>(dkacc[mt][2 * dt + 1], as[mt], rq[2], rq[3]);
+                    if (on_dv) {
+                        mma_16816<T>(dvacc[mt][2 * dvt], ap[mt], rd[0], rd[1]);
+                        mma_16816<T>(dvacc[mt][2 * dvt + 1], ap[mt], rd[2], rd[3]);
+                    }
+                    if (on_d) {
+                        mma_16816<T>(dkacc[mt][2 * dkt], as[mt], rq[0], rq[1]);
+                        mma_16816<T>(dkacc[mt][2 * dkt + 1], as[mt], rq[2], rq[3]);
+                    }
                 }
             }
         }
@@ -483,12 +509,15 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
             const int key = n0 + wk_n + mt * 16 + g + r * 8;
             if (key < sk) {
 #pragma unroll
-                for (int i = 0; i < KD / 8; ++i) {
-                    const int col = wk_d + i * 8 + 2 * t;
-                    *reinterpret_cast<unsigned int*>(dkg + key * dk_ss + col) =
-                        pack_pair(dkacc[mt][i][2 * r] * scale, dkacc[mt][i][2 * r + 1] * scale, T{});
-                    *reinterpret_cast<unsigned int*>(dvg + key * dv_ss + col) =
-                        pack_pair(dvacc[mt][i][2 * r], dvacc[mt][i][2 * r + 1], T{});
+                for (int i = 0; i < KDM / 8; ++i) {
+                    if (i < KD / 8)
+                        *reinterpret_cast<unsigned int*>(dkg + key * dk_ss + wk_d + i * 8 + 2 * t) =
+                            pack_pair(dkacc[mt][i < KD / 8 ? i : 0][2 * r] * scale,
+                                      dkacc[mt][i < KD / 8 ? i : 0][2 * r + 1] * scale, T{});
+                    if (i < KDV / 8)
+                        *reinterpret_cast<unsigned int*>(dvg + key * dv_ss + wk_dv + i * 8 + 2 * t) =
+                            pack_pair(dvacc[mt][i < KDV / 8 ? i : 0][2 * r], dvacc[mt][i < KDV / 8 ? i : 0][2 * r + 1],
+                                      T{});
                 }
             }
         }
@@ -496,8 +525,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dkdv(
 }
 
 // dQ. Block (query tile m_block, b * H + h); WARPS warps of 16 queries: BM = 16 * WARPS.
-// SMEM: the dynamic shared memory of the launch, in bytes (= DqTiles<T, D, WARPS, BN>::smem_bytes).
-template <typename T, int D, int WARPS, int BN, int MASK, bool SOFTCAP, bool DROPOUT, int SMEM>
+// DV: the value head size (dO and V). SMEM: the dynamic shared memory of the launch, in bytes
+// (= DqTiles<T, D, DV, WARPS, BN>::smem_bytes).
+template <typename T, int D, int DV, int WARPS, int BN, int MASK, bool SOFTCAP, bool DROPOUT, int SMEM>
 __device__ __forceinline__ void attention_bwd_dq_body(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
@@ -514,14 +544,17 @@ __device__ __forceinline__ void attention_bwd_dq_body(
 {
     using namespace cuk;
     using namespace cuk::attention;
-    using Tiles = DqTiles<T, D, WARPS, BN>;
+    using Tiles = DqTiles<T, D, DV, WARPS, BN>;
     static_assert(SMEM == Tiles::smem_bytes, "SMEM (the launch's dynamic shared memory) differs from DqTiles::smem_bytes");
     constexpr int BM = Tiles::BM;
     constexpr int THREADS = WARPS * 32;
-    constexpr int ROW = row_elems(D);   // shared-memory row (D padded to 64 elements)
+    constexpr int ROW = row_elems(D);   // shared-memory row of Q and K (D padded to 64 elements)
     constexpr int ROW_BYTES = ROW * static_cast<int>(sizeof(T));
+    constexpr int VROW = row_elems(DV);   // ... of dO and V
+    constexpr int VROW_BYTES = VROW * static_cast<int>(sizeof(T));
     constexpr int NT = BN / 8;
     constexpr int DT = D / 8;
+    constexpr int KS = (D > DV ? D : DV) / 16;   // S's and dP's k-steps, in one loop
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* const base = reinterpret_cast<T*>(smem_raw);
     T* sQ = base + Tiles::q_at;
@@ -543,11 +576,12 @@ __device__ __forceinline__ void attention_bwd_dq_body(
         const long long at = span[0] * k_sb + static_cast<long long>(span[2]) * k_ss + hk * k_sh;
         const long long vat = span[0] * v_sb + static_cast<long long>(span[2]) * v_ss + hk * v_sh;
         load_tile<T, BN, D, ROW, THREADS>(sK + buf * BN * ROW, k + at, k_ss, nb * BN, span[4]);
-        load_tile<T, BN, D, ROW, THREADS>(sV + buf * BN * ROW, v + vat, v_ss, nb * BN, span[4]);
+        load_tile<T, BN, DV, VROW, THREADS>(sV + buf * BN * VROW, v + vat, v_ss, nb * BN, span[4]);
     };
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const unsigned int offA = a_offset(lane, ROW_BYTES), offB = b_offset(lane, ROW_BYTES);
+    const unsigned int offAV = a_offset(lane, VROW_BYTES), offBV = b_offset(lane, VROW_BYTES);
     const unsigned int sQa = smem_addr(sQ), sdOa = smem_addr(sdO), sKa = smem_addr(sK), sVa = smem_addr(sV);
 
     // The key tiles nb_first .. n_blocks - 1 hold every key a row of the block sees.
@@ -556,8 +590,8 @@ __device__ __forceinline__ void attention_bwd_dq_body(
     {
         const int bq = span[0], q0 = span[1], sq = span[3];
         load_tile<T, BM, D, ROW, THREADS>(sQ, q + bq * q_sb + static_cast<long long>(q0) * q_ss + h * q_sh, q_ss, m0, sq);
-        load_tile<T, BM, D, ROW, THREADS>(sdO, dout + bq * d_sb + static_cast<long long>(q0) * d_ss + h * d_sh, d_ss, m0,
-                                          sq);
+        load_tile<T, BM, DV, VROW, THREADS>(sdO, dout + bq * d_sb + static_cast<long long>(q0) * d_ss + h * d_sh, d_ss,
+                                            m0, sq);
     }
     if (n_blocks > nb_first) kv_load(0, nb_first);
     cp_async_commit();
@@ -584,28 +618,33 @@ __device__ __forceinline__ void attention_bwd_dq_body(
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
-        const unsigned int kb = sKa + buf * BN * ROW_BYTES, vb = sVa + buf * BN * ROW_BYTES;
+        const unsigned int kb = sKa + buf * BN * ROW_BYTES, vb = sVa + buf * BN * VROW_BYTES;
 
-        // S = Q K^T and dP = dO V^T for this warp's 16 queries.
+        // S = Q K^T (over D) and dP = dO V^T (over DV) for this warp's 16 queries.
         float s[NT][4], dp[NT][4];
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
+        for (int kk = 0; kk < KS; ++kk) {
+            const bool on_d = kk < D / 16, on_dv = kk < DV / 16;   // (constants once unrolled)
             unsigned int aq[4], ad[4];
-            ldmatrix_x4(aq, sQa + warp * 16 * ROW_BYTES + (offA ^ (kk << 5)));
-            ldmatrix_x4(ad, sdOa + warp * 16 * ROW_BYTES + (offA ^ (kk << 5)));
+            if (on_d) ldmatrix_x4(aq, sQa + warp * 16 * ROW_BYTES + (offA ^ (kk << 5)));
+            if (on_dv) ldmatrix_x4(ad, sdOa + warp * 16 * VROW_BYTES + (offAV ^ (kk << 5)));
 #pragma unroll
             for (int nt = 0; nt < BN / 16; ++nt) {
                 unsigned int rk[4], rv[4];
-                ldmatrix_x4(rk, kb + nt * 16 * ROW_BYTES + (offB ^ (kk << 5)));
-                ldmatrix_x4(rv, vb + nt * 16 * ROW_BYTES + (offB ^ (kk << 5)));
-                mma_16816<T>(s[2 * nt], aq, rk[0], rk[1]);
-                mma_16816<T>(s[2 * nt + 1], aq, rk[2], rk[3]);
-                mma_16816<T>(dp[2 * nt], ad, rv[0], rv[1]);
-                mma_16816<T>(dp[2 * nt + 1], ad, rv[2], rv[3]);
+                if (on_d) ldmatrix_x4(rk, kb + nt * 16 * ROW_BYTES + (offB ^ (kk << 5)));
+                if (on_dv) ldmatrix_x4(rv, vb + nt * 16 * VROW_BYTES + (offBV ^ (kk << 5)));
+                if (on_d) {
+                    mma_16816<T>(s[2 * nt], aq, rk[0], rk[1]);
+                    mma_16816<T>(s[2 * nt + 1], aq, rk[2], rk[3]);
+                }
+                if (on_dv) {
+                    mma_16816<T>(dp[2 * nt], ad, rv[0], rv[1]);
+                    mma_16816<T>(dp[2 * nt + 1], ad, rv[2], rv[3]);
+                }
             }
         }
 
@@ -674,12 +713,12 @@ __device__ __forceinline__ void attention_bwd_dq_body(
     }
 }
 
-template <typename T, int D, int WARPS, int BN, int MASK, bool SOFTCAP, bool DROPOUT, int SMEM>
+template <typename T, int D, int DV, int WARPS, int BN, int MASK, bool SOFTCAP, bool DROPOUT, int SMEM>
 __global__ void __launch_bounds__(WARPS * 32, 1) attention_bwd_dq(
     const __grid_constant__ cuk::attention::BwdQParams<T> p)
 {
     const cuk::attention::Problem& r = p.problem;
-    attention_bwd_dq_body<T, D, WARPS, BN, MASK, SOFTCAP, DROPOUT, SMEM>(
+    attention_bwd_dq_body<T, D, DV, WARPS, BN, MASK, SOFTCAP, DROPOUT, SMEM>(
         p.q, p.k, p.v, p.dout, p.lse, p.dsum, p.dq, p.q_sb, p.q_ss, p.q_sh, p.k_sb, p.k_ss, p.k_sh, p.v_sb,
         p.v_ss, p.v_sh, p.d_sb, p.d_ss, p.d_sh, p.dq_sb, p.dq_ss, p.dq_sh, r.H, r.Hkv, r.Sq, r.Sk, r.scale,
         r.scale_log2, r.win_left, r.win_right, r.cap_in, r.cap_out, r.cu_q, r.cu_k, r.max_q, r.max_k, r.fault,

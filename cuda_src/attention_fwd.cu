@@ -16,9 +16,10 @@
 // the weights, after their row sum is taken, are dropped by common/attn_dropout.cuh's draw and
 // the output scaled by 1 / (1 - p) (the lse is the softmax's).
 //
-// Layout: q (B, Sq, H, D), k and v (B, Sk, Hkv, D), out (B, Sq, H, D), each with element
-// strides for batch, sequence and head and a unit stride over D; lse (B, H, Sq) float32.
-// Packed documents (cu_q non-null): q (total Sq, H, D) and k, v (total Sk, Hkv, D) with batch
+// Layout: q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, DV), out (B, Sq, H, DV), each with
+// element strides for batch, sequence and head and a unit stride over the head dim; lse (B, H,
+// Sq) float32. DV, the value head size, is D but for MLA (D 192, DV 128): S runs on D, O on DV.
+// Packed documents (cu_q non-null): q (total Sq, H, D) and k, v (total Sk, Hkv, D / DV) with batch
 // strides unused, blockIdx.y / H the document, its tokens from cu_q / cu_k; lse (H, total Sq).
 #include "common/dtype.cuh"
 #include "common/mma.cuh"
@@ -36,18 +37,18 @@ namespace attention {
 // and smem_bytes, the launch's byte count, which adds 1 KB of slack for the kernel to align
 // its base to 1 KB. The kernel's SMEM template argument must equal smem_bytes: the front
 // computes the same number for the launch (cukern/attention/configs.py), so the two cannot drift.
-template <typename T, int D, int WARPS, int MT, int BN>
+template <typename T, int D, int DV, int WARPS, int MT, int BN>
 struct FwdTiles {
     static constexpr int BM = 16 * MT * WARPS;
-    static constexpr int ROW = row_elems(D);
+    static constexpr int ROW = row_elems(D), VROW = row_elems(DV);
     static constexpr int q_at = 0;                    // Q   [BM][ROW]
     static constexpr int k_at = q_at + BM * ROW;      // K   [2][BN][ROW]
-    static constexpr int v_at = k_at + 2 * BN * ROW;  // V   [2][BN][ROW]
-    static constexpr int elems = v_at + 2 * BN * ROW;
+    static constexpr int v_at = k_at + 2 * BN * ROW;  // V   [2][BN][VROW]
+    static constexpr int elems = v_at + 2 * BN * VROW;
     static constexpr int smem_bytes = elems * static_cast<int>(sizeof(T)) + 1024;
 };
 
-// attention_fwd's parameters: Q, K, V, O (B, S, H, D) with their strides in elements (batch,
+// attention_fwd's parameters: Q, K, V, O (B, S, H, D or DV) with their strides in elements (batch,
 // sequence, head), lse (B, H, Sq) float32 (null: not written), the sinks (H) float32 (null:
 // none), the problem, and dropout's (DROPOUT instances): the seed and offset (2,) int64 in
 // device memory, the threshold of a kept word and 1 / (1 - p).
@@ -70,8 +71,8 @@ struct FwdParams {
 }  // namespace cuk
 
 // SMEM: the dynamic shared memory of the launch, in bytes (= FwdTiles<...>::smem_bytes).
-template <typename T, int D, int WARPS, int MT, int BN, int BNC, bool QREG, int MASK, bool SOFTCAP, bool DROPOUT,
-          int SMEM>
+template <typename T, int D, int DV, int WARPS, int MT, int BN, int BNC, bool QREG, int MASK, bool SOFTCAP,
+          bool DROPOUT, int SMEM>
 __device__ __forceinline__ void attention_fwd_body(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     T* __restrict__ out, float* __restrict__ lse, const float* __restrict__ sinks,
@@ -85,15 +86,17 @@ __device__ __forceinline__ void attention_fwd_body(
 {
     using namespace cuk;
     using namespace cuk::attention;
-    using Tiles = FwdTiles<T, D, WARPS, MT, BN>;
+    using Tiles = FwdTiles<T, D, DV, WARPS, MT, BN>;
     static_assert(SMEM == Tiles::smem_bytes, "SMEM (the launch's dynamic shared memory) differs from FwdTiles::smem_bytes");
     constexpr int BM = Tiles::BM;
     constexpr int THREADS = WARPS * 32;
     constexpr int ROW = row_elems(D);   // shared-memory row (D padded to 64 elements)
     constexpr int ROW_BYTES = ROW * static_cast<int>(sizeof(T));
+    constexpr int VROW = row_elems(DV);   // V's shared-memory row
+    constexpr int VROW_BYTES = VROW * static_cast<int>(sizeof(T));
     constexpr int NT = BNC / 8;     // key n-tiles a compute sub-tile (BNC keys of the BN staged)
-    constexpr int DT = D / 8;       // head-dim n-tiles
-    static_assert(D % 16 == 0 && BNC % 16 == 0 && BN % BNC == 0, "tile shapes");
+    constexpr int DT = DV / 8;      // value head-dim n-tiles (O's)
+    static_assert(D % 16 == 0 && DV % 16 == 0 && BNC % 16 == 0 && BN % BNC == 0, "tile shapes");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     // Tiles from a 1 KB-aligned base (the launch adds 1 KB): each tile starts at a multiple of
     // its row length, so (tile + lane offset) ^ (kk << 5) is k-step kk's swizzled address, and
@@ -136,7 +139,8 @@ __device__ __forceinline__ void attention_fwd_body(
     // ldmatrix addresses. A lane's row within an 8-row group is lane % 8, so its swizzle key
     // is fixed; the chunk index is 2*kk + (a lane bit), so the swizzled byte offset is
     // (base ^ (kk << 5)) plus a row offset: an XOR and an add, no per-kk registers.
-    const unsigned int q_off = a_offset(lane, ROW_BYTES), k_off = b_offset(lane, ROW_BYTES), v_off = q_off;
+    const unsigned int q_off = a_offset(lane, ROW_BYTES), k_off = b_offset(lane, ROW_BYTES);
+    const unsigned int v_off = a_offset(lane, VROW_BYTES);
     const unsigned int sKa = smem_addr(sK), sVa = smem_addr(sV);
     const unsigned int qw = smem_addr(sQ) + warp * 16 * ROW_BYTES + q_off;   // this warp's Q rows
 
@@ -147,7 +151,7 @@ __device__ __forceinline__ void attention_fwd_body(
     load_tile<T, BM, D, ROW, THREADS>(sQ, qg, q_ss, m0, sq);
     if (n_blocks > nb_first) {
         load_tile<T, BN, D, ROW, THREADS>(sK, kg, k_ss, nb_first * BN, sk);
-        load_tile<T, BN, D, ROW, THREADS>(sV, vg, v_ss, nb_first * BN, sk);
+        load_tile<T, BN, DV, VROW, THREADS>(sV, vg, v_ss, nb_first * BN, sk);
     }
     cp_async_commit();
 
@@ -178,7 +182,7 @@ __device__ __forceinline__ void attention_fwd_body(
         const int buf = (nb - nb_first) & 1;
         if (nb + 1 < n_blocks) {
             load_tile<T, BN, D, ROW, THREADS>(sK + (buf ^ 1) * BN * ROW, kg, k_ss, (nb + 1) * BN, sk);
-            load_tile<T, BN, D, ROW, THREADS>(sV + (buf ^ 1) * BN * ROW, vg, v_ss, (nb + 1) * BN, sk);
+            load_tile<T, BN, DV, VROW, THREADS>(sV + (buf ^ 1) * BN * VROW, vg, v_ss, (nb + 1) * BN, sk);
         }
         cp_async_commit();
         cp_async_wait<1>();  // all but the group just issued: Q and this block's K, V
@@ -290,7 +294,7 @@ __device__ __forceinline__ void attention_fwd_body(
 
             // O += P V: P from the S accumulators (C layout = A layout in pairs of n-tiles); each
             // V fragment pair feeds MT m-tiles.
-            const unsigned int vw = sVa + (buf * BN + sub * BNC) * ROW_BYTES + v_off;
+            const unsigned int vw = sVa + (buf * BN + sub * BNC) * VROW_BYTES + v_off;
 #pragma unroll
             for (int kk = 0; kk < BNC / 16; ++kk) {
                 unsigned int a[MT][4];
@@ -302,9 +306,9 @@ __device__ __forceinline__ void attention_fwd_body(
                     a[mt][3] = pack_pair(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3], T{});
                 }
 #pragma unroll
-                for (int dt = 0; dt < D / 16; ++dt) {
+                for (int dt = 0; dt < DV / 16; ++dt) {
                     unsigned int r[4];
-                    ldmatrix_x4_trans(r, (vw ^ (dt << 5)) + kk * 16 * ROW_BYTES);
+                    ldmatrix_x4_trans(r, (vw ^ (dt << 5)) + kk * 16 * VROW_BYTES);
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
                         mma_16816<T>(o[mt][2 * dt], a[mt], r[0], r[1]);
@@ -345,13 +349,13 @@ __device__ __forceinline__ void attention_fwd_body(
     }
 }
 
-template <typename T, int D, int WARPS, int MT, int BN, int BNC, bool QREG, int MASK, bool SOFTCAP, bool DROPOUT,
-          int SMEM>
+template <typename T, int D, int DV, int WARPS, int MT, int BN, int BNC, bool QREG, int MASK, bool SOFTCAP,
+          bool DROPOUT, int SMEM>
 __global__ void __launch_bounds__(WARPS * 32, 1) attention_fwd(
     const __grid_constant__ cuk::attention::FwdParams<T> p)
 {
     const cuk::attention::Problem& r = p.problem;
-    attention_fwd_body<T, D, WARPS, MT, BN, BNC, QREG, MASK, SOFTCAP, DROPOUT, SMEM>(
+    attention_fwd_body<T, D, DV, WARPS, MT, BN, BNC, QREG, MASK, SOFTCAP, DROPOUT, SMEM>(
         p.q, p.k, p.v, p.out, p.lse, p.sinks, p.q_sb, p.q_ss, p.q_sh, p.k_sb, p.k_ss, p.k_sh, p.v_sb, p.v_ss, p.v_sh,
         p.o_sb, p.o_ss, p.o_sh, r.H, r.Hkv, r.Sq, r.Sk, r.scale_log2, r.win_left, r.win_right, r.cap_in,
         r.cap_out, r.cu_q, r.cu_k, r.max_q, r.max_k, r.fault, p.drop_rng, p.drop_threshold, p.drop_rescale);

@@ -278,18 +278,20 @@ def like_strides(shape, strides) -> tuple[int, ...]:
     return tuple(out)
 
 
-def empty_like(like: DeviceArray, dtype: str | None = None) -> DeviceArray:
-    """A new array of ``like``'s shape laid out in ``like``'s stride order (``like_strides``)."""
+def empty_like(like: DeviceArray, dtype: str | None = None, shape=None) -> DeviceArray:
+    """A new array of ``like``'s shape (or ``shape``, of its rank) laid out in ``like``'s stride
+    order (``like_strides``)."""
+    shape = like.shape if shape is None else tuple(shape)
     order = stride_order(like.shape, like.strides)
     if order == tuple(range(like.ndim)):
-        return empty(like, like.shape, dtype)
+        return empty(like, shape, dtype)
     if like.kind == "torch":
         import torch
 
-        obj = torch.empty_strided(like.shape, like_strides(like.shape, like.strides),
+        obj = torch.empty_strided(shape, like_strides(shape, like.strides),
                                   dtype=getattr(torch, dtype or like.dtype), device=like.obj.device)
         return wrap(obj, "output")
-    stored = empty(like, tuple(like.shape[i] for i in order), dtype)
+    stored = empty(like, tuple(shape[i] for i in order), dtype)
     inverse = [0] * like.ndim
     for pos, ax in enumerate(order):
         inverse[ax] = pos

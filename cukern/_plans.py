@@ -46,7 +46,7 @@ class Alloc:
 
     def __call__(self, bufs, first: DeviceArray) -> DeviceArray:
         if self.layout == "like":
-            return _arrays.empty_like(bufs[self.like], self.dtype)
+            return _arrays.empty_like(bufs[self.like], self.dtype, self.shape)
         if self.layout == "channels_last":
             return _arrays.empty_channels_last(first, self.shape, self.dtype)
         return _arrays.empty(first, self.shape, self.dtype)

@@ -437,24 +437,30 @@ def _attention_module():
     return importlib.import_module("cukern.attention")
 
 
+def _value_dim(d: int) -> int:
+    """v's head size beside q and k's d (MLA's 128 beside 192; d elsewhere)."""
+    return importlib.import_module("cukern.attention.configs").CONFIGS.dv(d)
+
+
 def _qkv_dense(A, b, sq, sk, h, hkv, d, dtype, seed, layout):
-    """q (b, sq, h, d), k and v (b, sk, hkv, d) in one of the layouts the kernels read in place
-    (or, misaligned, copy first)."""
+    """q (b, sq, h, d), k (b, sk, hkv, d) and v (b, sk, hkv, dv) in one of the layouts the
+    kernels read in place (or, misaligned, copy first); dv: ``_value_dim(d)``."""
+    dv = _value_dim(d)
     if layout == "bhsd":   # SDPA's (B, H, S, D) read through its transpose
-        return tuple(A.randn((b, hh, s, d), dtype, seed + i).swapaxes(1, 2)
-                     for i, (s, hh) in enumerate(((sq, h), (sk, hkv), (sk, hkv))))
-    if layout == "packed":   # slices of one qkv projection (sq == sk)
+        return tuple(A.randn((b, hh, s, e), dtype, seed + i).swapaxes(1, 2)
+                     for i, (s, hh, e) in enumerate(((sq, h, d), (sk, hkv, d), (sk, hkv, dv))))
+    if layout == "packed":   # slices of one qkv projection (sq == sk, dv == d)
         qkv = A.randn((b, sq, h + 2 * hkv, d), dtype, seed)
         return qkv[:, :, :h], qkv[:, :, h:h + hkv], qkv[:, :, h + hkv:]
     if layout == "broadcast":   # one K/V head expanded over hkv heads (stride 0)
-        kv = [A.expand(A.randn((b, sk, 1, d), dtype, seed + i), (b, sk, hkv, d)) for i in (1, 2)]
+        kv = [A.expand(A.randn((b, sk, 1, e), dtype, seed + i), (b, sk, hkv, e)) for i, e in ((1, d), (2, dv))]
         return (A.randn((b, sq, h, d), dtype, seed), *kv)
     if layout == "misaligned":   # rows not 16-byte aligned: read from a copy
         n = b * sq * h * d
         q = A.randn((n + 1,), dtype, seed)[1:].reshape(b, sq, h, d)
-        return (q, A.randn((b, sk, hkv, d), dtype, seed + 1), A.randn((b, sk, hkv, d), dtype, seed + 2))
+        return (q, A.randn((b, sk, hkv, d), dtype, seed + 1), A.randn((b, sk, hkv, dv), dtype, seed + 2))
     return (A.randn((b, sq, h, d), dtype, seed), A.randn((b, sk, hkv, d), dtype, seed + 1),
-            A.randn((b, sk, hkv, d), dtype, seed + 2))
+            A.randn((b, sk, hkv, dv), dtype, seed + 2))
 
 
 def _dropout_args(A, seed, p) -> dict:
@@ -502,7 +508,7 @@ def _varlen_case(dtype, d, mask, *, det=False, docs_q=VARLEN_DOCS, docs_k=None, 
         more = {"sinks": A.randn((h,), "float32", seed + 4, scale=2.0)} if sinks else {}
         more.update(_dropout_args(A, seed, dropout))
         q = A.randn((cq[-1], h, d), dtype, seed)
-        k, v = (A.randn((ck[-1], hkv, d), dtype, seed + i) for i in (1, 2))
+        k, v = (A.randn((ck[-1], hkv, e), dtype, seed + i) for i, e in ((1, d), (2, _value_dim(d))))
         cu_q, cu_k = A.asarray(cq, "int32"), A.asarray(ck, "int32")
         max_q, max_k = max(docs_q) + slack, max(docs_k) + slack
         out, lse = cukern.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, return_lse=True, **kw, **more)
@@ -563,11 +569,14 @@ def attention_cases() -> list:
         _attention_case("float16", 64, "window", hkv=1, det=True, dropout=0.1),
         _attention_case("bfloat16", 256, "full", sq=67, det=True, dropout=0.3),
         _attention_case("float16", 32, "causal", sq=67, sinks=True, dropout=0.5),
+        # MLA's head sizes (q and k 192, v 128): GQA, sinks, dropout, a window
+        _attention_case("bfloat16", 192, "causal", sq=200, sk=67, sinks=True, layout="bhsd"),
+        _attention_case("float16", 192, "window", hkv=1, det=True, dropout=0.2, layout="broadcast"),
     ]
     j = 0
     for dtype in HALF_DTYPES:
         for d, mask in ((64, "full"), (64, "causal"), (128, "window+softcap"), (128, "causal"),
-                        (256, "causal+softcap"), (96, "window")):
+                        (256, "causal+softcap"), (96, "window"), (192, "causal")):
             if d in dims:
                 out.append(_varlen_case(dtype, d, mask, det=j % 2 == 1, hkv=(2, 1)[j % 2], slack=3 * (j % 3 == 2)))
                 j += 1

@@ -101,9 +101,9 @@ def test_dropout_argument_checks_without_a_gpu(host_arrays_as_device):
         for call in calls:
             with pytest.raises(exc, match=pattern):
                 call(**kw)
-    # (the DROPOUT template argument of each kernel: attention_fwd's 10th, attention_bwd_dkdv's
-    # 11th, attention_bwd_dq's 7th)
-    at = {"attention_fwd<": 9, "attention_bwd_dkdv<": 10, "attention_bwd_dq<": 6}
+    # (the DROPOUT template argument of each kernel: attention_fwd's 11th, attention_bwd_dkdv's
+    # 12th, attention_bwd_dq's 8th)
+    at = {"attention_fwd<": 10, "attention_bwd_dkdv<": 11, "attention_bwd_dq<": 7}
     for call, kernels in ((calls[0], ["attention_fwd<"]), (calls[1], ["attention_bwd_dkdv<"]),
                           (lambda **kw: calls[1](deterministic=True, **kw),
                            ["attention_bwd_dkdv<", "attention_bwd_dq<"])):

@@ -8,9 +8,15 @@
 namespace cuk {
 namespace attention {
 
-// Shared-memory row length (elements) for head dim D: a multiple of 64 elements (8 chunks of
-// 16 bytes) so that the XOR swizzle below stays inside the row; D = 32 and 96 are padded.
-__host__ __device__ constexpr int row_elems(int D) { return D <= 64 ? 64 : (D + 63) / 64 * 64; }
+// Shared-memory row length (elements) for head dim D: a power of two of at least 64 elements
+// (8 chunks of 16 bytes), so that the XOR swizzle below stays inside the row and a row's start
+// has no bit in common with a k-step's swizzle (addresses are (row start + lane) ^ (kk << 5));
+// D = 32, 96 and 192 are padded.
+__host__ __device__ constexpr int row_elems(int D) {
+    int r = 64;
+    while (r < D) r *= 2;
+    return r;
+}
 
 // Element offset of (r, c) in a tile of ROW-element rows whose 16-byte chunks are
 // XOR-permuted by row, so that ldmatrix's 8 row addresses of one column fall in 8 different

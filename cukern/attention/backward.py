@@ -21,7 +21,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     """Gradients of ``attention``: ``(dq, dk, dv)``.
 
     Args:
-        dout: (B, Sq, H, D) gradient of ``out``, q's dtype, any batch/sequence/head strides.
+        dout: (B, Sq, H, Dv) gradient of ``out``, q's dtype, any batch/sequence/head strides
+            (Dv: v's head size).
         q, k, v, causal, softmax_scale, window, softcap, sinks, dropout_p, dropout_rng: as given
             to the forward (dropout_rng holding the same seed and offset: the same weights dropped).
         out, lse: the forward's output and log-sum-exp (``return_lse=True``; with sinks, the
@@ -33,7 +34,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
             either way (a fixed-order sum over query tiles and heads).
 
     Returns:
-        dq (B, Sq, H, D), dk and dv (B, Sk, Hkv, D) — dk and dv summed over the query heads
+        dq (B, Sq, H, D), dk (B, Sk, Hkv, D) and dv (B, Sk, Hkv, Dv) — dk and dv summed over the query heads
         that share each K/V head — of q's dtype, each laid out like its input (q, k, v) when
         that input is dense, else contiguous. With ``sinks``, ``(dq, dk, dv, dsinks)``: dsinks (H,)
         float32, summed over the batch and queries in a fixed order (the same bits every call).
@@ -70,7 +71,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     """Gradients of ``attention_varlen``: ``(dq, dk, dv)`` of the packed documents.
 
     Args:
-        dout: (total_q, H, D) gradient of ``out``.
+        dout: (total_q, H, Dv) gradient of ``out``.
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
             window, softcap, sinks, dropout_p, dropout_rng: as given to the forward.
         out, lse: the forward's output and log-sum-exp (H, total_q) (``return_lse=True``).
@@ -80,7 +81,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     such a call are not valid (a bad document's are not written).
 
     Returns:
-        dq (total_q, H, D), dk and dv (total_k, Hkv, D) of q's dtype; with ``sinks`` also
+        dq (total_q, H, D), dk (total_k, Hkv, D) and dv (total_k, Hkv, Dv) of q's dtype; with ``sinks`` also
         dsinks (H,) float32.
     """
     p = _dropout_p(dropout_p, softcap)
@@ -107,9 +108,9 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
     sinks_at = (8 if varlen else 6) if has_sinks else None
     da, qa, ka, va, oa, la = arrays[:6]
     if varlen is None:
-        _check_qkv(qa, ka, va, configs.bwd_head_dims, " by the backward")
-        _check_like_q(da, qa)
-        _check_like_q(oa, qa)
+        _check_qkv(qa, ka, va, configs.bwd_head_dims, " by the backward", configs.value_dims)
+        _check_like_q(da, qa, (*qa.shape[:-1], va.shape[-1]))
+        _check_like_q(oa, qa, (*qa.shape[:-1], va.shape[-1]))
         _check_lse(la, qa)
         batch, sq, h, d = qa.shape
         sk, hkv = ka.shape[1], ka.shape[2]
@@ -119,9 +120,9 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
         like = _like
     else:
         rows_q, rows_k = _check_varlen(qa, ka, va, arrays[6], arrays[7], *varlen, configs.bwd_head_dims,
-                                       " by the backward")
-        _checks.like(da, qa, qa.shape)
-        _checks.like(oa, qa, qa.shape)
+                                       " by the backward", configs.value_dims)
+        _checks.like(da, qa, (*qa.shape[:-1], va.shape[-1]))
+        _checks.like(oa, qa, (*qa.shape[:-1], va.shape[-1]))
         if la.shape != (qa.shape[1], qa.shape[0]):
             raise ValueError(f"lse: shape {la.shape} does not match (heads, total_q) = {(qa.shape[1], qa.shape[0])}")
         batch, (sq, h, d), (sk, hkv) = 1, qa.shape, ka.shape[:2]
@@ -134,6 +135,7 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
         def like(a, copied):
             return (0, *_like(a, copied))
     scale = _scale(softmax_scale, d)
+    dv_ = va.shape[-1]   # (the value head size)
     device = _arrays.same_device(*arrays)
     b = Builder(arrays)
     ds, qs, ks, vs, os_ = (strides_of(b, i, a) for i, a in enumerate(arrays[:5]))
@@ -165,7 +167,7 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
                **{f"v_{n}": s for n, s in _strides3(vs).items()}, **{f"d_{n}": s for n, s in _strides3(ds).items()}}
     out_strides = {**{f"dk_{n}": s for n, s in _strides3(dks).items()},
                    **{f"dv_{n}": s for n, s in _strides3(dvs).items()}}
-    hopper = (configs.use_sm90_bwd and not dropout_p and d in dict(configs.bwd_sm90)
+    hopper = (configs.use_sm90_bwd and not dropout_p and d in dict(configs.bwd_sm90) and dv_ == d
               and _kernels.compute_capability(device) == (9, 0)
               and all(i in copied or _tma_readable(a) for i, a in enumerate(arrays[:4])))
     # The Hopper kernel loads lse * log2(e) and Dsum by TMA, a query tile's [2][rows] at once.
@@ -176,8 +178,8 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
     rows = None if not hopper else b.alloc(
         (batch, h, -(-sq // tile) + (groups if varlen else 0), 2, tile), "float32")
     threads = configs.dot_threads
-    k = _kernels.kernel(configs.dot(qa.dtype, d), device)
-    b.launch(k, min(-(-(batch * sq * h * _dot_lanes(d)) // threads), 65535), dout=b.slot(0), out=b.slot(4),
+    k = _kernels.kernel(configs.dot(qa.dtype, d, dv_), device)
+    b.launch(k, min(-(-(batch * sq * h * _dot_lanes(dv_)) // threads), 65535), dout=b.slot(0), out=b.slot(4),
              **{f"d_{n}": s for n, s in _strides3(ds).items()}, **{f"o_{n}": s for n, s in _strides3(os_).items()},
              dsum=dsum, lse=b.slot(5), rows=None if varlen else rows, tile=tile, dq_accum=dq_accum, B=batch, Sq=sq,
              H=h)
@@ -211,13 +213,14 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
     else:
         dropping = bool(dropout_p)
         cfg = configs.sm80("bwd", d, dropping)
-        k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, deterministic, bool(mask.softcap), dropping), device)
+        k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, deterministic, bool(mask.softcap), dropping, dv_),
+                            device)
         b.launch(k, (-(-rows_k // cfg.bn), groups * hkv), q=b.slot(1), k=b.slot(2), v=b.slot(3), dout=b.slot(0),
                  lse=b.slot(5), dsum=dsum, dk=dk, dv=dv, dq_accum=dq_accum, **strided, **out_strides, **tail,
                  **masked, **_dropout_args(dropout_p, rng))
     if deterministic:
         qcfg = configs.sm80("dq", d, bool(dropout_p))
-        k = _kernels.kernel(qcfg.instance(qa.dtype, d, mask.kind, bool(mask.softcap), bool(dropout_p)), device)
+        k = _kernels.kernel(qcfg.instance(qa.dtype, d, mask.kind, bool(mask.softcap), bool(dropout_p), dv_), device)
         b.launch(k, (-(-rows_q // (16 * qcfg.warps)), groups * h), q=b.slot(1), k=b.slot(2), v=b.slot(3),
                  dout=b.slot(0), lse=b.slot(5), dsum=dsum, dq=dq, **strided,
                  **{f"dq_{n}": s for n, s in _strides3(dqs).items()}, **tail, **masked,

@@ -20,18 +20,29 @@ def _check_rank(a: DeviceArray) -> None:
         raise ValueError(f"{a.name}: expected (batch, seqlen, heads, head_dim), got shape {a.shape}")
 
 
-def _check_values(va, ka, values: bool) -> None:
-    """v against k: the same shape, or with ``values`` (the references) any head size of its own
-    (MLA's 128 beside q and k's 192)."""
-    if va.shape == ka.shape or (values and va.shape[:-1] == ka.shape[:-1]):
+def _check_values(va, ka, values) -> None:
+    """v against k: the same shape but for the head size, which is k's, or with ``values``
+    True (the references) any of its own, or with ``values`` the kernels' (k's head dim, v's)
+    pairs where they differ (MLA's 128 beside q and k's 192)."""
+    if va.shape[:-1] != ka.shape[:-1]:
+        raise ValueError(f"v: shape {va.shape} does not match k's {ka.shape}")
+    if values is True:
         return
-    if va.shape[:-1] == ka.shape[:-1]:
-        raise ValueError(f"v: head_dim {va.shape[-1]} differs from k's {ka.shape[-1]}: the kernels take one head "
-                         "size for q, k and v (a value head size of its own: the references only, so far)")
-    raise ValueError(f"v: shape {va.shape} does not match k's {ka.shape}")
+    d, dv = ka.shape[-1], va.shape[-1]
+    pairs = dict(values or ())
+    if dv == pairs.get(d, d):
+        return
+    if d in pairs:
+        raise ValueError(f"v: head_dim {dv} beside q and k's {d}: the kernels take head_dim {d} with a value "
+                         f"head size of {pairs[d]}")
+    own = "; ".join(f"q and k {a}, v {b}" for a, b in pairs.items()) or "none"
+    raise ValueError(f"v: head_dim {dv} differs from k's {d}: the kernels take v's head size equal to q and k's, "
+                     f"or these pairs of their own ({own})")
 
 
-def _check_qkv(qa, ka, va, head_dims, which: str, values: bool = False) -> None:
+def _check_qkv(qa, ka, va, head_dims, which: str, values=()) -> None:
+    """q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) of one 16-bit dtype; ``values``
+    as ``_check_values`` takes it."""
     for a in (qa, ka, va):
         _check_rank(a)
     b, sq, h, d = qa.shape
@@ -72,7 +83,7 @@ def _check_lse(la: DeviceArray, qa: DeviceArray) -> None:
 
 
 def _check_varlen(qa, ka, va, cu_q: DeviceArray, cu_k: DeviceArray, max_seqlen_q, max_seqlen_k, head_dims,
-                  which: str, values: bool = False) -> tuple[int, int]:
+                  which: str, values=()) -> tuple[int, int]:
     """Packed documents: q (total_q, H, D), k and v (total_k, Hkv, D), cu_seqlens_q/k (B + 1)
     int32 offsets of each document's first token. The max lengths as ints."""
     for a in (qa, ka, va):
@@ -192,6 +203,8 @@ def _contiguous_strides(shape) -> tuple:
     return tuple(strides)
 
 
-def _like(a: DeviceArray, copied: bool) -> tuple:
-    """Strides of an output laid out like input ``a`` (after its fix-up, if any)."""
-    return _contiguous_strides(a.shape) if copied else _arrays.like_strides(a.shape, a.strides)
+def _like(a: DeviceArray, copied: bool, shape=None) -> tuple:
+    """Strides of an output laid out like input ``a`` (after its fix-up, if any), of ``a``'s
+    shape or of ``shape`` (its rank: out beside q with v's head size)."""
+    shape = a.shape if shape is None else tuple(shape)
+    return _contiguous_strides(shape) if copied else _arrays.like_strides(shape, a.strides)

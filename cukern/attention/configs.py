@@ -21,8 +21,11 @@ LOG2E = 1.4426950408889634
 
 def row_elems(d: int) -> int:
     """Shared-memory row length of the kernels (row_elems in cuda_src/common/attn_tile.cuh):
-    head_dim padded to a multiple of 64 elements."""
-    return 64 if d <= 64 else -(-d // 64) * 64
+    head_dim padded to a power of two of at least 64 elements."""
+    r = 64
+    while r < d:
+        r *= 2
+    return r
 
 
 def _ctype(dtype: str) -> str:
@@ -49,14 +52,16 @@ class FwdConfig:
     def block_rows(self) -> int:
         return 16 * self.mt * self.warps
 
-    def smem(self, d: int, itemsize: int) -> int:
-        """Q, two K and two V tiles, and 1 KB to align the tiles."""
-        return (self.block_rows + 4 * self.bn) * row_elems(d) * itemsize + 1024
+    def smem(self, d: int, itemsize: int, dv: int | None = None) -> int:
+        """Q, two K and two V tiles (V's rows of the value head size ``dv``, d unless given),
+        and 1 KB to align the tiles."""
+        return ((self.block_rows + 2 * self.bn) * row_elems(d) + 2 * self.bn * row_elems(dv or d)) * itemsize + 1024
 
-    def instance(self, dtype: str, d: int, mask: int, softcap: bool = False, dropout: bool = False) -> Instance:
-        """``mask``: Mask.kind (a bool: causal or not)."""
-        smem = self.smem(d, _arrays.DTYPES[dtype][1])
-        return Instance(SOURCE, f"attention_fwd<{_ctype(dtype)}, {d}, {self.warps}, {self.mt}, {self.bn}, "
+    def instance(self, dtype: str, d: int, mask: int, softcap: bool = False, dropout: bool = False,
+                 dv: int | None = None) -> Instance:
+        """``mask``: Mask.kind (a bool: causal or not); ``dv``: the value head size (d unless given)."""
+        smem = self.smem(d, _arrays.DTYPES[dtype][1], dv)
+        return Instance(SOURCE, f"attention_fwd<{_ctype(dtype)}, {d}, {dv or d}, {self.warps}, {self.mt}, {self.bn}, "
                                 f"{self.bnc}, {_b(self.qreg)}, {int(mask)}, {_b(softcap)}, {_b(dropout)}, {smem}>",
                         32 * self.warps, smem)
 
@@ -160,19 +165,20 @@ class BwdConfig:
     wn_kv: int
     wm_q: int
 
-    def smem(self, d: int, itemsize: int) -> int:
-        """K, V, Q and dO (double-buffered), P and dS, lse and Dsum (double-buffered), and
-        1 KB to align the tiles."""
-        return ((2 * self.bn + 4 * self.bm) * row_elems(d) * itemsize + 2 * self.bm * row_elems(self.bn) * itemsize
-                + 4 * self.bm * 4 + 1024)
+    def smem(self, d: int, itemsize: int, dv: int | None = None) -> int:
+        """K, V, Q and dO (double-buffered; V's and dO's rows of the value head size ``dv``, d
+        unless given), P and dS, lse and Dsum (double-buffered), and 1 KB to align the tiles."""
+        return ((self.bn + 2 * self.bm) * (row_elems(d) + row_elems(dv or d)) * itemsize
+                + 2 * self.bm * row_elems(self.bn) * itemsize + 4 * self.bm * 4 + 1024)
 
     def instance(self, dtype: str, d: int, mask: int, deterministic: bool, softcap: bool = False,
-                 dropout: bool = False) -> Instance:
-        """``mask``: Mask.kind (a bool: causal or not)."""
-        smem = self.smem(d, _arrays.DTYPES[dtype][1])
-        return Instance(BWD_SOURCE, f"attention_bwd_dkdv<{_ctype(dtype)}, {d}, {self.bm}, {self.bn}, {self.warps}, "
-                                    f"{self.wm_s}, {self.wn_kv}, {self.wm_q}, {int(mask)}, {_b(softcap)}, "
-                                    f"{_b(dropout)}, {_b(not deterministic)}, {smem}>", 32 * self.warps, smem)
+                 dropout: bool = False, dv: int | None = None) -> Instance:
+        """``mask``: Mask.kind (a bool: causal or not); ``dv``: the value head size (d unless given)."""
+        smem = self.smem(d, _arrays.DTYPES[dtype][1], dv)
+        return Instance(BWD_SOURCE, f"attention_bwd_dkdv<{_ctype(dtype)}, {d}, {dv or d}, {self.bm}, {self.bn}, "
+                                    f"{self.warps}, {self.wm_s}, {self.wn_kv}, {self.wm_q}, {int(mask)}, "
+                                    f"{_b(softcap)}, {_b(dropout)}, {_b(not deterministic)}, {smem}>",
+                        32 * self.warps, smem)
 
 
 @dataclass(frozen=True)
@@ -228,14 +234,16 @@ class DqConfig:
     warps: int
     bn: int
 
-    def smem(self, d: int, itemsize: int) -> int:
-        return (2 * 16 * self.warps + 4 * self.bn) * row_elems(d) * itemsize
+    def smem(self, d: int, itemsize: int, dv: int | None = None) -> int:
+        """Q and dO, two K and two V tiles (dO's and V's rows of the value head size ``dv``)."""
+        return (16 * self.warps + 2 * self.bn) * (row_elems(d) + row_elems(dv or d)) * itemsize
 
-    def instance(self, dtype: str, d: int, mask: int, softcap: bool = False, dropout: bool = False) -> Instance:
-        """``mask``: Mask.kind (a bool: causal or not)."""
-        smem = self.smem(d, _arrays.DTYPES[dtype][1])
-        return Instance(BWD_SOURCE, f"attention_bwd_dq<{_ctype(dtype)}, {d}, {self.warps}, {self.bn}, {int(mask)}, "
-                                    f"{_b(softcap)}, {_b(dropout)}, {smem}>", 32 * self.warps, smem)
+    def instance(self, dtype: str, d: int, mask: int, softcap: bool = False, dropout: bool = False,
+                 dv: int | None = None) -> Instance:
+        """``mask``: Mask.kind (a bool: causal or not); ``dv``: the value head size (d unless given)."""
+        smem = self.smem(d, _arrays.DTYPES[dtype][1], dv)
+        return Instance(BWD_SOURCE, f"attention_bwd_dq<{_ctype(dtype)}, {d}, {dv or d}, {self.warps}, {self.bn}, "
+                                    f"{int(mask)}, {_b(softcap)}, {_b(dropout)}, {smem}>", 32 * self.warps, smem)
 
 
 @dataclass(frozen=True, eq=False)   # (hashed by identity: plans are keyed by it, on every call)
@@ -246,6 +254,10 @@ class Configs:
     bwd: tuple[tuple[int, BwdConfig], ...]
     dq: tuple[tuple[int, DqConfig], ...]
     dot_threads: int = 256
+    # Head dims whose value head size is its own, (q and k's, v's): DeepSeek's MLA (192 for the
+    # scores, 128 for the values); every other head dim takes v's equal to it. These run on the
+    # sm_80 kernels on every GPU.
+    value_dims: tuple[tuple[int, int], ...] = ((192, 128),)
     # The forward on sm_90 (H100, H200) by TMA and wgmma, by head dim: key tiles as measured
     # fastest (tools/tune_attention.py; the figures: docs/notes-attention.md, the Hopper path).
     # d64, every mask: two blocks an SM of 128-key tiles, no producer (128 registers a thread),
@@ -312,6 +324,10 @@ class Configs:
     def get(self, which: str, d: int):
         return dict(getattr(self, which))[d]
 
+    def dv(self, d: int) -> int:
+        """The value head size the kernels take beside head dim ``d``."""
+        return dict(self.value_dims).get(d, d)
+
     def sm80(self, which: str, d: int, dropout: bool = False):
         """The sm_80 kernel's config (``which``: fwd, bwd or dq) for head dim ``d``: with
         dropout, ``<which>_dropout``'s where it has one."""
@@ -331,8 +347,9 @@ class Configs:
         table = tuple((k, config if k == d else c) for k, c in getattr(self, which))
         return dataclasses.replace(self, **{which: table})
 
-    def dot(self, dtype: str, d: int) -> Instance:
-        return Instance(BWD_SOURCE, f"attention_bwd_dot<{_ctype(dtype)}, {d}>", self.dot_threads)
+    def dot(self, dtype: str, d: int, dv: int | None = None) -> Instance:
+        """Dsum over the value head size ``dv`` (d unless given) and dQ's zeroed sums over d."""
+        return Instance(BWD_SOURCE, f"attention_bwd_dot<{_ctype(dtype)}, {d}, {dv or d}>", self.dot_threads)
 
     def convert(self, dtype: str, d: int) -> Instance:
         return Instance(BWD_SOURCE, f"attention_bwd_dq_convert<{_ctype(dtype)}, {d}>", self.dot_threads)
@@ -347,13 +364,14 @@ class Configs:
 SM80_ONLY = os.environ.get("CUKERN_ATTENTION_SM80", "0") not in ("", "0")
 CONFIGS = Configs(
     fwd=((32, FwdConfig(4, 2, 64, 64, True)), (64, FwdConfig(4, 2, 64, 64, True)), (96, FwdConfig(4, 2, 32, 32, False)),
-         (128, FwdConfig(4, 2, 32, 32, False)), (256, FwdConfig(4, 1, 32, 32, False))),
+         (128, FwdConfig(4, 2, 32, 32, False)), (192, FwdConfig(4, 2, 32, 16, False)),
+         (256, FwdConfig(4, 1, 32, 32, False))),
     # Register budget of the backward: the dK and dV accumulators (keys x D) spread over all warps.
     bwd=((32, BwdConfig(128, 128, 8, 4, 8, 4)), (64, BwdConfig(128, 128, 8, 4, 4, 4)),
          (96, BwdConfig(64, 128, 8, 2, 4, 4)), (128, BwdConfig(64, 128, 8, 2, 4, 2)),
-         (256, BwdConfig(64, 64, 8, 4, 2, 2))),
+         (192, BwdConfig(64, 64, 8, 4, 2, 2)), (256, BwdConfig(64, 64, 8, 4, 2, 2))),
     dq=((32, DqConfig(4, 64)), (64, DqConfig(4, 64)), (96, DqConfig(4, 64)), (128, DqConfig(4, 64)),
-        (256, DqConfig(4, 32))),
+        (192, DqConfig(4, 32)), (256, DqConfig(4, 32))),
     use_sm90=not SM80_ONLY, use_sm90_bwd=not SM80_ONLY,
 )
 HEAD_DIMS = CONFIGS.head_dims
@@ -362,7 +380,8 @@ BWD_HEAD_DIMS = CONFIGS.bwd_head_dims
 
 def instances(configs: Configs = CONFIGS) -> list[Instance]:
     """Every kernel instance the fronts can launch, forward and backward (compile check)."""
-    out = [cfg.instance(dt, d, m, cap) for dt in DTYPES for d, cfg in configs.fwd for m in (0, 1, 2)
+    dv = configs.dv
+    out = [cfg.instance(dt, d, m, cap, dv=dv(d)) for dt in DTYPES for d, cfg in configs.fwd for m in (0, 1, 2)
            for cap in (False, True)]
     # (the Hopper forward's: chosen as the front chooses, by sm90_forward)
     out += [configs.sm90_forward(d, m > 0, cap).instance(dt, d, m, cap) for dt in DTYPES for d, _ in configs.fwd_sm90
@@ -382,17 +401,17 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
     out.append(configs.sink())
     for dt in DTYPES:
         for d, cfg in configs.bwd:
-            out.append(configs.dot(dt, d))
+            out.append(configs.dot(dt, d, dv(d)))
             out.append(configs.convert(dt, d))
             for m in (0, 1, 2):
                 for cap in (False, True):
-                    out += [cfg.instance(dt, d, m, det, cap) for det in (False, True)]
-                    out.append(configs.get("dq", d).instance(dt, d, m, cap))
+                    out += [cfg.instance(dt, d, m, det, cap, dv=dv(d)) for det in (False, True)]
+                    out.append(configs.get("dq", d).instance(dt, d, m, cap, dv=dv(d)))
     # dropout's: every mask (the softcap is not taken with dropout)
-    out += [configs.sm80("fwd", d, True).instance(dt, d, m, False, True) for dt in DTYPES for d, _ in configs.fwd
-            for m in (0, 1, 2)]
-    out += [configs.sm80("bwd", d, True).instance(dt, d, m, det, False, True) for dt in DTYPES for d, _ in configs.bwd
-            for m in (0, 1, 2) for det in (False, True)]
-    out += [configs.sm80("dq", d, True).instance(dt, d, m, False, True) for dt in DTYPES for d, _ in configs.bwd
-            for m in (0, 1, 2)]
+    out += [configs.sm80("fwd", d, True).instance(dt, d, m, False, True, dv(d)) for dt in DTYPES
+            for d, _ in configs.fwd for m in (0, 1, 2)]
+    out += [configs.sm80("bwd", d, True).instance(dt, d, m, det, False, True, dv(d)) for dt in DTYPES
+            for d, _ in configs.bwd for m in (0, 1, 2) for det in (False, True)]
+    out += [configs.sm80("dq", d, True).instance(dt, d, m, False, True, dv(d)) for dt in DTYPES
+            for d, _ in configs.bwd for m in (0, 1, 2)]
     return out

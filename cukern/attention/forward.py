@@ -30,7 +30,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, wi
         q: (B, Sq, H, D) float16 or bfloat16 (CuPy array or torch CUDA tensor), unit stride
             over D; any batch, sequence and head strides (SDPA's (B, H, S, D) transposed, a
             slice of a packed qkv tensor) are read in place.
-        k, v: (B, Sk, Hkv, D) of q's dtype; Hkv divides H (GQA / MQA).
+        k: (B, Sk, Hkv, D) of q's dtype; Hkv divides H (GQA / MQA).
+        v: (B, Sk, Hkv, Dv) of q's dtype: Dv = D, or 128 beside D = 192 (DeepSeek's MLA: the
+            scores on 192, the values on 128; these run on the sm_80 kernels on every GPU).
         causal: mask keys after the query, aligned to the bottom right when Sq != Sk
             (query i sees keys j <= i + Sk - Sq); a query that sees no key outputs zeros.
         softmax_scale: positive; defaults to 1 / sqrt(D).
@@ -56,7 +58,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, wi
             same array and draws the same mask.
 
     Returns:
-        ``out`` (B, Sq, H, D) of q's dtype, laid out like q (its stride order) when q is
+        ``out`` (B, Sq, H, Dv) of q's dtype, laid out like q (its stride order) when q is
         dense, else contiguous; with ``return_lse`` ``(out, lse)``.
     """
     return _attention(q, k, v, causal, softmax_scale, return_lse, _cfg.CONFIGS, window, softcap, sinks, dropout_p,
@@ -115,9 +117,9 @@ def _attention(q, k, v, causal, softmax_scale, return_lse, configs: Configs, win
 def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs, window=(-1, -1),
                   softcap=0.0, has_sinks=False, dropout_p=0.0) -> Plan:
     qa, ka, va = arrays[:3]
-    _check_qkv(qa, ka, va, configs.head_dims, "")
+    _check_qkv(qa, ka, va, configs.head_dims, "", configs.value_dims)
     batch, sq, h, d = qa.shape
-    sk, hkv = ka.shape[1], ka.shape[2]
+    sk, hkv, dv = ka.shape[1], ka.shape[2], va.shape[3]
     scale = _scale(softmax_scale, d)
     mask = _attention_mask.mask_of(causal, window, softcap, sq, sk)
     device = _arrays.same_device(*arrays)
@@ -126,13 +128,13 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs, w
     sinks = _check_sinks(arrays, 3 if has_sinks else None, h, b)
     rng = _rng_slot(arrays, dropout_p, b)
     q_copied = any(i == 0 for i, _ in b.fixes)
-    out = b.alloc(qa.shape, qa.dtype, "contiguous" if q_copied else "like", 0, name="out")
+    out = b.alloc((batch, sq, h, dv), qa.dtype, "contiguous" if q_copied else "like", 0, name="out")
     lse = b.alloc((batch, h, sq), "float32", name="lse") if return_lse else None
     if batch * h * sq:
         if sk == 0 and sinks is None:  # no keys: zeros, lse = +inf (with sinks the kernel writes theirs)
             b.fill(0.0, out)
             b.fill(float("inf"), lse)
-        elif (configs.use_sm90 and sk and not dropout_p and d in dict(configs.fwd_sm90)
+        elif (configs.use_sm90 and sk and not dropout_p and d in dict(configs.fwd_sm90) and dv == d
               and _kernels.compute_capability(device) == (9, 0)
               and all(i in {j for j, _ in b.fixes} or _tma_readable(a) for i, a in enumerate(arrays[:3]))):
             # TMA reads the inputs in place where cp.async can (16-byte rows and strides: _read)
@@ -160,7 +162,8 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs, w
                      tile_counter=counter, section_pairs=section_pairs, cap_in=cap_in, cap_out=cap_out,
                      win_left=mask.left, win_right=mask.right, cu_q=None, cu_k=None, max_q=0, max_k=0, fault=None)
         else:
-            _launch_forward_sm80(b, configs, qa, (qs, ks, vs), _like(qa, q_copied), out, lse, sinks, mask, scale,
+            _launch_forward_sm80(b, configs, qa, (qs, ks, vs), _like(qa, q_copied, (batch, sq, h, dv)), out, lse,
+                                 sinks, mask, scale,
                                  grid_rows=sq, batches=batch, sq=sq, sk=sk, hkv=hkv, device=device,
                                  dropout=(dropout_p, rng))
     return b.plan(device)
@@ -174,7 +177,8 @@ def _launch_forward_sm80(b: Builder, configs: Configs, qa: DeviceArray, strides,
     ``dropout`` = (dropout_p, the draw's slot)."""
     d, h = qa.shape[-1], qa.shape[-2]
     cfg = configs.sm80("fwd", d, bool(dropout[0]))
-    k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, bool(mask.softcap), bool(dropout[0])), device)
+    k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, bool(mask.softcap), bool(dropout[0]), configs.dv(d)),
+                        device)
     cap_in, cap_out = _attention_mask.softcap_log2(mask, scale)
     cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
     fault = _arrays.wrap(_faults.record(device), "fault record") if varlen is not None else None
@@ -199,7 +203,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
     Args:
         q: (total_q, H, D) float16 or bfloat16, the documents' queries one after another.
-        k, v: (total_k, Hkv, D) of q's dtype.
+        k: (total_k, Hkv, D) of q's dtype; v: (total_k, Hkv, Dv), Dv as for ``attention``.
         cu_seqlens_q, cu_seqlens_k: (B + 1,) int32 offsets of each document's first token,
             from 0 to total_q (total_k), none decreasing (a document may be empty).
         max_seqlen_q, max_seqlen_k: ints at least the longest document's length (the grid
@@ -216,7 +220,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     index is: the call's outputs are then not valid.
 
     Returns:
-        ``out`` (total_q, H, D) of q's dtype; with ``return_lse`` ``(out, lse)``.
+        ``out`` (total_q, H, Dv) of q's dtype; with ``return_lse`` ``(out, lse)``.
     """
     return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                              return_lse, window, softcap, _cfg.CONFIGS, sinks, dropout_p, dropout_rng)
@@ -251,9 +255,10 @@ def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 def _plan_forward_varlen(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_scale, return_lse, window, softcap,
                          configs: Configs, has_sinks=False, dropout_p=0.0) -> Plan:
     qa, ka, va, cq, ck = arrays[:5]
-    max_q, max_k = _check_varlen(qa, ka, va, cq, ck, max_seqlen_q, max_seqlen_k, configs.head_dims, "")
+    max_q, max_k = _check_varlen(qa, ka, va, cq, ck, max_seqlen_q, max_seqlen_k, configs.head_dims, "",
+                                 configs.value_dims)
     total_q, h, d = qa.shape
-    total_k, hkv = ka.shape[0], ka.shape[1]
+    total_k, hkv, dv = ka.shape[0], ka.shape[1], va.shape[2]
     docs = cq.shape[0] - 1
     scale = _scale(softmax_scale, d)
     # (the window's sides normalized against the longest documents: exact for every shorter one)
@@ -267,11 +272,11 @@ def _plan_forward_varlen(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_sca
     sinks = _check_sinks(arrays, 5 if has_sinks else None, h, b)
     rng = _rng_slot(arrays, dropout_p, b)
     q_copied = any(i == 0 for i, _ in b.fixes)
-    out = b.alloc(qa.shape, qa.dtype, "contiguous" if q_copied else "like", 0, name="out")
+    out = b.alloc((total_q, h, dv), qa.dtype, "contiguous" if q_copied else "like", 0, name="out")
     lse = b.alloc((h, total_q), "float32", name="lse") if return_lse else None
     if total_q * h and max_q:
-        os_ = (0, *_like(qa, q_copied))
-        if (configs.use_sm90 and not dropout_p and d in dict(configs.fwd_sm90_varlen) and total_k
+        os_ = (0, *_like(qa, q_copied, (total_q, h, dv)))
+        if (configs.use_sm90 and not dropout_p and d in dict(configs.fwd_sm90_varlen) and dv == d and total_k
                 and _kernels.compute_capability(device) == (9, 0)
                 and all(i in {j for j, _ in b.fixes} or _tma_readable(a) for i, a in enumerate(arrays[:3]))):
             # attention_fwd_sm90 over (query tiles of the longest document, documents x heads);

@@ -9,23 +9,30 @@ from .. import _arrays
 from .._family import TorchOp
 from .backward import attention_backward, attention_varlen_backward
 from .checks import _dropout_p
-from .configs import HEAD_DIMS
+from .configs import CONFIGS, HEAD_DIMS
 from .forward import attention, attention_varlen
 
 # ---- PyTorch bindings -------------------------------------------------------------------------
 
-def _empty_like(t):
-    """An output laid out as the front lays out one like ``t`` (the same function decides)."""
+def _empty_like(t, shape=None):
+    """An output laid out as the front lays out one like ``t`` (the same function decides), of
+    ``t``'s shape or ``shape``."""
     import torch
 
-    return torch.empty_strided(t.shape, _arrays.like_strides(t.shape, t.stride()), dtype=t.dtype, device=t.device)
+    shape = tuple(t.shape) if shape is None else tuple(shape)
+    return torch.empty_strided(shape, _arrays.like_strides(shape, t.stride()), dtype=t.dtype, device=t.device)
+
+
+def _out_like(q, v):
+    """The output: q's shape with v's head size, laid out like q."""
+    return _empty_like(q, (*q.shape[:-1], v.shape[-1]))
 
 
 def _fake(q, k, v, causal, scale, window_left, window_right, softcap, deterministic):
     import torch
 
     b, sq, h, _ = q.shape
-    return _empty_like(q), q.new_empty((b, h, sq), dtype=torch.float32)
+    return _out_like(q, v), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
 def _bwd_fake(dout, q, k, v, out, lse, *args):
@@ -35,7 +42,7 @@ def _bwd_fake(dout, q, k, v, out, lse, *args):
 def _varlen_fake(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right, softcap, deterministic):
     import torch
 
-    return _empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return _out_like(q, v), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 def _sink_fake(q, k, v, sinks, *args):
@@ -241,8 +248,9 @@ def _torch_api(T, ops, modules) -> dict:
 
     def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                         alibi_slopes=None, deterministic=False, return_attn_probs=False, learnable_sink=None):
-        """flash-attn's ``flash_attn_func``: q (B, Sq, H, D), k and v (B, Sk, Hkv, D), float16 or
-        bfloat16; the out (B, Sq, H, D); with ``return_attn_probs`` (out, lse (B, H, Sq), None).
+        """flash-attn's ``flash_attn_func``: q (B, Sq, H, D), k (B, Sk, Hkv, D) and v (B, Sk, Hkv,
+        Dv), float16 or bfloat16 (Dv = D, or MLA's 128 beside D = 192); the out (B, Sq, H, Dv);
+        with ``return_attn_probs`` (out, lse (B, H, Sq), None).
         ``deterministic``: dq summed in a fixed order (as attention_backward's).
         ``learnable_sink``: (H,) attention sinks, FlashAttention-4's name (``cukern.attention``'s
         ``sinks``), float32 or a dtype cast to it; differentiated. ``dropout_p``: drops attention
@@ -275,8 +283,8 @@ def _torch_api(T, ops, modules) -> dict:
                                softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                                deterministic=False, return_attn_probs=False, block_table=None, learnable_sink=None):
         """flash-attn's ``flash_attn_varlen_func``: documents packed with no padding, q
-        (total_q, H, D), k and v (total_k, Hkv, D), cu_seqlens (B + 1,) int32; the out
-        (total_q, H, D); with ``return_attn_probs`` (out, lse (H, total_q), None).
+        (total_q, H, D), k (total_k, Hkv, D) and v (total_k, Hkv, Dv), cu_seqlens (B + 1,) int32;
+        the out (total_q, H, Dv); with ``return_attn_probs`` (out, lse (H, total_q), None).
         ``learnable_sink``: as for ``flash_attn_func``; no dropout."""
         if dropout_p:
             raise ValueError(f"dropout_p: {dropout_p}: flash_attn_varlen_func takes no dropout yet")
@@ -296,9 +304,10 @@ def _torch_api(T, ops, modules) -> dict:
 
 def _route(T, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """(B, H, S, D) inputs of float16/bfloat16 (after autocast), no mask tensor, a supported
-    head_dim, grouped-query K/V with ``enable_gqa``, ``is_causal`` with equal query and key
-    lengths (PyTorch aligns the causal mask to the top left, cukern to the bottom right: they
-    agree only there); no dropout (``flash_attn_func(dropout_p=)`` takes it on the kernels)."""
+    head_dim (and v's that the kernels take beside it: MLA's 128 beside 192), grouped-query K/V
+    with ``enable_gqa``, ``is_causal`` with equal query and key lengths (PyTorch aligns the
+    causal mask to the top left, cukern to the bottom right: they agree only there); no dropout
+    (``flash_attn_func(dropout_p=)`` takes it on the kernels)."""
     q, k, v = query, key, value
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return "not CUDA tensors"
@@ -310,7 +319,7 @@ def _route(T, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         return "dropout_p outside [0, 1)"
     if dropout_p:   # (the kernels' dropout measured slower than PyTorch's: docs/notes-attention.md)
         return "dropout"
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:-1] != v.shape[:-1]:
         return "shape"
     if q.dtype not in T.HALF_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtype {q.dtype}"
@@ -318,7 +327,7 @@ def _route(T, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         return "devices differ"
     b, h, sq, d = q.shape
     bk, hkv, sk, dk = k.shape
-    if bk != b or dk != d or d not in HEAD_DIMS:
+    if bk != b or dk != d or d not in HEAD_DIMS or v.shape[-1] != CONFIGS.dv(d):
         return "batch or head_dim"
     if hkv != h and not (enable_gqa and hkv > 0 and h % hkv == 0):
         return "heads"

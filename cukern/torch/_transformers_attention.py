@@ -93,10 +93,11 @@ def _sdpa_route():
 
 def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                   sliding_window=None, softcap=None, **kwargs):
-    """transformers' attention interface for "cukern": q (B, H, Sq, D), k and v (B, Hkv, Sk, D)
-    in, (B, Sq, H, D) out. Causal or not, key padding (as varlen), a sliding window, a softcap
-    and GPT-OSS's sinks (``s_aux``) on the kernels; dropout, other masks and decoding on PyTorch's
-    SDPA, or on the model's own eager code where SDPA cannot compute them (a softcap, sinks)."""
+    """transformers' attention interface for "cukern": q and k (B, H / Hkv, S, D), v (B, Hkv, Sk,
+    Dv) in, (B, Sq, H, Dv) out (Dv: D, or MLA's 128 beside 192). Causal or not, key padding (as
+    varlen), a sliding window, a softcap and GPT-OSS's sinks (``s_aux``) on the kernels; dropout,
+    other masks and decoding on PyTorch's SDPA, or on the model's own eager code where SDPA cannot
+    compute them (a softcap, sinks)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
@@ -178,11 +179,11 @@ def _packed(q, k, v, docs, scale, cap, sinks=None):
     """Packed documents (causal within each) as varlen over the (B * S) tokens."""
     cu, longest, window = docs
     b, s, h, d = q.shape
-    hk = k.shape[2]
+    hk, dv = k.shape[2], v.shape[3]
     wl = window - 1 if window is not None and window < longest else -1
-    out, _ = _varlen(q.reshape(b * s, h, d), k.reshape(b * s, hk, d), v.reshape(b * s, hk, d), cu, longest, True,
+    out, _ = _varlen(q.reshape(b * s, h, d), k.reshape(b * s, hk, d), v.reshape(b * s, hk, dv), cu, longest, True,
                      scale, wl, cap, sinks)
-    return out.view(b, s, h, d)
+    return out.view(b, s, h, dv)
 
 
 def _unpadded(q, k, v, pad, causal, scale, cap, sinks=None):
@@ -195,10 +196,10 @@ def _unpadded(q, k, v, pad, causal, scale, cap, sinks=None):
     idx = pad.reshape(-1).nonzero().squeeze(1)
     cu = F.pad(lens.cumsum(0, dtype=torch.int32), (1, 0))
     longest = int(lens.max())
-    hk = k.shape[2]
-    qu, ku, vu = q.reshape(b * s, h, d)[idx], k.reshape(b * s, hk, d)[idx], v.reshape(b * s, hk, d)[idx]
+    hk, dv = k.shape[2], v.shape[3]
+    qu, ku, vu = q.reshape(b * s, h, d)[idx], k.reshape(b * s, hk, d)[idx], v.reshape(b * s, hk, dv)[idx]
     out, _ = _varlen(qu, ku, vu, cu, longest, causal, scale, -1, cap, sinks)
-    return out.new_zeros((b * s, h, d)).index_copy(0, idx, out).view(b, s, h, d)
+    return out.new_zeros((b * s, h, dv)).index_copy(0, idx, out).view(b, s, h, dv)
 
 
 def register() -> None:
