@@ -21,15 +21,17 @@ WORKLOAD = {"full": [(32, 16, 2048, 128, False), (32, 16, 2048, 128, True), (4, 
             "dtype": "bfloat16"}
 
 
-def _inputs(B, H, S, D, dtype, seed, *, grad=False, sdpa=False, hkv=None) -> dict:
-    """q (B, S, H, D), k, v (B, S, hkv, D); with ``sdpa`` the PyTorch-path layout instead:
-    (B, H, S, D) leaves."""
+def _inputs(B, H, S, D, dtype, seed, *, grad=False, sdpa=False, hkv=None, dv=None) -> dict:
+    """q (B, S, H, D), k (B, S, hkv, D), v (B, S, hkv, dv) (dv: D unless given); with ``sdpa``
+    the PyTorch-path layout instead: (B, H, S, D) leaves."""
     gen = generator(seed)
     hkv = H if hkv is None else hkv
-    shapes = {n: ((B, h, S, D) if sdpa else (B, S, h, D)) for n, h in (("q", H), ("k", hkv), ("v", hkv))}
+    dv = D if dv is None else dv
+    shapes = {n: ((B, h, S, e) if sdpa else (B, S, h, e)) for n, h, e in (("q", H, D), ("k", hkv, D), ("v", hkv, dv),
+                                                                         ("do", H, dv))}
     t = {n: randn(shapes[n], dtype, gen) for n in ("q", "k", "v")}
     if grad:
-        t["do"] = t["dy"] = randn(shapes["q"], dtype, gen)
+        t["do"] = t["dy"] = randn(shapes["do"], dtype, gen)
         t["leaves"] = tuple(t[n].detach().requires_grad_(True) for n in ("q", "k", "v"))
     return t
 
@@ -125,7 +127,36 @@ def bench_cases(quick: bool) -> list:
             cases.append(Case(f"{tag} fwd+bwd vs {backend}", "attention", (B, H, S, D), dt,
                               elements_bytes((8 * B, S, H, D), dt), functools.partial(make, grad=True),
                               functools.partial(_fwd_bwd, causal=causal), peer, flops=int(3.5 * flops)))
-    return cases + mask_bench_cases(quick) + sink_bench_cases(quick)
+    return cases + mask_bench_cases(quick) + sink_bench_cases(quick) + mla_bench_cases(quick)
+
+
+# DeepSeek's MLA head sizes in training (q and k 192: 128 of content and 64 of rope; v 128), causal,
+# against cuDNN (through SDPA) and FlashAttention-4 where they take them.
+MLA_WORKLOAD = {"full": (4, 16, 4096, 192, 128), "quick": (1, 16, 2048, 192, 128)}
+
+
+def mla_bench_cases(quick: bool) -> list:
+    """FLOPs 2·B·H·S²·(D + Dv), half causal (S = Q Kᵀ on D, O = P V on Dv); forward+backward at
+    3.5x the forward, as bench_cases."""
+    B, H, S, D, DV = MLA_WORKLOAD["quick" if quick else "full"]
+    dt = WORKLOAD["dtype"]
+    flops = 2 * B * H * S * S * (D + DV) // 2
+    make = functools.partial(_inputs, B, H, S, D, dt, dv=DV)
+    tag = f"attention causal mla d{D}/{DV}"
+    cases = []
+    for backend in ("cudnn", "fa4"):
+        peer = (functools.partial(_fa4, causal=True) if backend == "fa4"
+                else functools.partial(_sdpa, causal=True, backend=backend))
+        cases.append(Case(f"{tag} fwd vs {backend}", "attention", (B, H, S, D), dt,
+                          elements_bytes((B, S, H, 2 * D + 2 * DV), dt), make,
+                          functools.partial(_fwd, causal=True), peer, flops=flops))
+    for backend in ("cudnn", "fa4"):
+        peer = (functools.partial(_fa4, causal=True, backward=True) if backend == "fa4"
+                else functools.partial(_torch_fwd_bwd, causal=True, backend=backend))
+        cases.append(Case(f"{tag} fwd+bwd vs {backend}", "attention", (B, H, S, D), dt,
+                          elements_bytes((B, S, H, 4 * D + 4 * DV), dt), functools.partial(make, grad=True),
+                          functools.partial(_fwd_bwd, causal=True), peer, flops=int(3.5 * flops)))
+    return cases
 
 
 # Attention sinks at GPT-OSS's shape (64 query heads of 64 over 8 KV heads, a learned sink a head),
