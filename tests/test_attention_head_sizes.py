@@ -232,10 +232,19 @@ def test_flash_attn_func_with_mlas_head_sizes_trains_as_pytorchs_sdpa():
     torch.testing.assert_close(out_c, out, rtol=0, atol=0)
     for a, e in zip(torch.autograd.grad(out_c, leaves, do), got):
         torch.testing.assert_close(a, e, rtol=1e-2, atol=1e-2 * float(e.abs().max()))
-    # the SDPA drop-in: (B, H, S, D) with v's 128, GQA
+    # the SDPA drop-in: (B, H, S, D) with v's 128, GQA (min_size=0: this call is below the default's);
+    # on Hopper left to PyTorch's cuDNN kernel, faster there than the sm_80 kernels, with the reason
+    from cukern import _kernels
+
     ct.reset_counts()
-    with ct.patch():
+    with ct.patch(min_size=0):
         o = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                              is_causal=True, enable_gqa=True)
-    assert ct.counts()["scaled_dot_product_attention"] == {"cukern": 1, "torch": 0}, ct.counts()
-    torch.testing.assert_close(o.transpose(1, 2), out, rtol=0, atol=0)
+    counts = ct.counts(reasons=True)["scaled_dot_product_attention"]
+    if _kernels.compute_capability(0) == (9, 0):
+        assert counts == {"cukern": 0, "torch": 1, "torch_reasons": {
+            "MLA's head sizes on Hopper (PyTorch's cuDNN kernel is faster there)": 1}}, counts
+        torch.testing.assert_close(o.transpose(1, 2), out, rtol=2e-2, atol=2e-2)
+    else:
+        assert counts == {"cukern": 1, "torch": 0}, counts
+        torch.testing.assert_close(o.transpose(1, 2), out, rtol=0, atol=0)

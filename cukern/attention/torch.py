@@ -329,6 +329,10 @@ def _route(T, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     bk, hkv, sk, dk = k.shape
     if bk != b or dk != d or d not in HEAD_DIMS or v.shape[-1] != CONFIGS.dv(d):
         return "batch or head_dim"
+    if v.shape[-1] != d and _hopper(q.device):
+        # (MLA's sizes run the sm_80 kernels, measured well behind cuDNN's on Hopper:
+        # docs/notes-attention.md; flash_attn_func still takes them when asked)
+        return "MLA's head sizes on Hopper (PyTorch's cuDNN kernel is faster there)"
     if hkv != h and not (enable_gqa and hkv > 0 and h % hkv == 0):
         return "heads"
     if is_causal and sq != sk:
@@ -341,6 +345,16 @@ def _route(T, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     # (B, H, S, D) read through its transpose; the output comes back in SDPA's layout: no copies.
     return ("attention", (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bool(is_causal), s, -1, -1, 0.0,
                           -1), _transpose12)
+
+
+def _hopper(device) -> bool:
+    """Whether ``device`` (a CUDA torch.device) is an sm_90 GPU (H100, H200)."""
+    from .. import _kernels
+
+    import torch
+
+    return _kernels.compute_capability(device.index if device.index is not None else torch.cuda.current_device()) \
+        == (9, 0)
 
 
 def _transpose12(t):
