@@ -364,7 +364,7 @@ class Configs:
 SM80_ONLY = os.environ.get("CUKERN_ATTENTION_SM80", "0") not in ("", "0")
 CONFIGS = Configs(
     fwd=((32, FwdConfig(4, 2, 64, 64, True)), (64, FwdConfig(4, 2, 64, 64, True)), (96, FwdConfig(4, 2, 32, 32, False)),
-         (128, FwdConfig(4, 2, 32, 32, False)), (192, FwdConfig(4, 2, 32, 16, False)),
+         (128, FwdConfig(4, 2, 32, 32, False)), (192, FwdConfig(8, 1, 64, 64, False)),
          (256, FwdConfig(4, 1, 32, 32, False))),
     # Register budget of the backward: the dK and dV accumulators (keys x D) spread over all warps.
     bwd=((32, BwdConfig(128, 128, 8, 4, 8, 4)), (64, BwdConfig(128, 128, 8, 4, 4, 4)),
