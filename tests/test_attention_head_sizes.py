@@ -9,6 +9,7 @@ import importlib
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import cukern
 from cukern import reference as ref
@@ -23,31 +24,51 @@ attn = importlib.import_module("cukern.attention")
 TOL = {"float16": 4e-3, "bfloat16": 2e-2}
 
 
-@needs_torch
-@pytest.mark.parametrize("causal", [False, True])
-def test_reference_with_a_value_head_size_of_its_own_matches_autograd(causal):
-    """A value head size apart from q's and k's (MLA's 128 beside 192) in the references, dense and
-    packed, against PyTorch's SDPA (which takes them) with autograd."""
-    from cukern import reference as ref
+@st.composite
+def _value_cases(draw):
+    """Shapes with a value head size of their own; every row sees a key (sk >= sq with the
+    bottom-right mask, whose diagonal is in every window here), as SDPA's reference needs."""
+    h, hkv = draw(st.sampled_from([(1, 1), (2, 1), (4, 2), (3, 3)]))
+    sq = draw(st.integers(1, 9))
+    causal = draw(st.booleans())
+    return dict(b=draw(st.integers(1, 2)), sq=sq, sk=draw(st.integers(sq, 12)), h=h, hkv=hkv,
+                d=draw(st.sampled_from([8, 16, 24])), dv=draw(st.sampled_from([4, 8, 16, 40])), causal=causal,
+                window=(-1, -1) if causal else (draw(st.sampled_from([-1, 0, 3])), draw(st.sampled_from([-1, 0, 2]))),
+                scale=draw(st.sampled_from([None, 0.2, 1.5])), seed=draw(st.integers(0, 2**31 - 1)))
 
-    rng = np.random.default_rng(3)
-    q, k = rng.standard_normal((2, 7, 4, 24)), rng.standard_normal((2, 9, 2, 24))
-    v, do = rng.standard_normal((2, 9, 2, 16)), rng.standard_normal((2, 7, 4, 16))
-    out, lse = ref.attention(q, k, v, causal=causal, return_lse=True, softmax_scale=0.2)
-    grads = ref.attention_backward(do, q, k, v, causal=causal, softmax_scale=0.2)
+
+@needs_torch
+@settings(max_examples=40, deadline=None)
+@given(c=_value_cases())
+def test_reference_with_a_value_head_size_of_its_own_matches_autograd(c):
+    """A value head size apart from q's and k's (MLA's 128 beside 192) in the references, dense
+    and packed, against PyTorch's SDPA in float64 (which takes them) with autograd: random
+    shapes, GQA, causal masks and windows, scales."""
+    b, sq, sk, h, hkv, d, dv = (c[n] for n in ("b", "sq", "sk", "h", "hkv", "d", "dv"))
+    rng = np.random.default_rng(c["seed"])
+    q, k = rng.standard_normal((b, sq, h, d)), rng.standard_normal((b, sk, hkv, d))
+    v, do = rng.standard_normal((b, sk, hkv, dv)), rng.standard_normal((b, sq, h, dv))
+    kw = dict(causal=c["causal"], window=c["window"], softmax_scale=c["scale"])
+    out, lse = ref.attention(q, k, v, return_lse=True, **kw)
+    grads = ref.attention_backward(do, q, k, v, **kw)
     qt, kt, vt = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
-    keep = torch.as_tensor(M.visible(M.mask_of(causal, (-1, -1), 0.0, 7, 9), 7, 9))
+    keep = torch.as_tensor(M.visible(M.mask_of(c["causal"], c["window"], 0.0, sq, sk), sq, sk))
+    rep = h // hkv
     o = torch.nn.functional.scaled_dot_product_attention(
-        qt.transpose(1, 2), kt.transpose(1, 2).repeat_interleave(2, 1), vt.transpose(1, 2).repeat_interleave(2, 1),
-        attn_mask=keep, scale=0.2).transpose(1, 2)
-    np.testing.assert_allclose(out, o.detach().numpy(), rtol=1e-11, atol=1e-12)
+        qt.transpose(1, 2), kt.transpose(1, 2).repeat_interleave(rep, 1), vt.transpose(1, 2).repeat_interleave(rep, 1),
+        attn_mask=keep, scale=c["scale"]).transpose(1, 2)
+    assert out.shape == (b, sq, h, dv) and lse.shape == (b, h, sq)
+    np.testing.assert_allclose(out, o.detach().numpy(), rtol=1e-10, atol=1e-12)
     o.backward(torch.tensor(do))
     for name, got, t in zip(("dq", "dk", "dv"), grads, (qt, kt, vt)):
         assert got.shape == t.shape
-        np.testing.assert_allclose(got, t.grad.numpy(), rtol=1e-9, atol=1e-11, err_msg=name)
-    cu = np.array([0, 3, 7], np.int32)
-    packed = ref.attention_varlen(q[0], k[0, :7], v[0, :7], cu, cu, 4, 4, causal=causal, softmax_scale=0.2)
-    assert packed.shape == (7, 4, 16)
+        np.testing.assert_allclose(got, t.grad.numpy(), rtol=1e-8, atol=1e-11, err_msg=name)
+    # packed: the batch's rows one document each, the same results
+    cu = np.arange(0, (b + 1) * sq, sq, dtype=np.int32) if sq == sk else None
+    if cu is not None:
+        packed = ref.attention_varlen(q.reshape(b * sq, h, d), k.reshape(b * sk, hkv, d), v.reshape(b * sk, hkv, dv),
+                                      cu, cu, sq, sk, **kw)
+        np.testing.assert_allclose(packed.reshape(out.shape), out, rtol=1e-12, atol=1e-13)
 
 
 def _launches(info) -> list:
