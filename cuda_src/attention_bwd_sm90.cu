@@ -24,6 +24,20 @@
 // PERSISTENT (no mask, not packed, dQ by atomics, a producer): a grid of one block an SM walks the
 // (group, key block) units in turn (see the unit loop), so a unit's first loads run under the end
 // of the one before; 1.5-2.1% on the unmasked backward (A/B on an H200, docs/notes-attention.md).
+// ORDERED (deterministic=True): dQ's reduce-adds into a query tile take turns in a fixed order
+// of the key blocks (common/sm90_tma.cuh, turn_wait and turn_pass; a counter a tile, `turns`),
+// so the sums have the same bits on every call. The adds are issued by the producer warpgroup's
+// second warp (dq_write_unit): the computing warps stage their dQ rows and arrive (dq_full); that
+// warp waits for the tile's turn, adds all eight warps' rows, frees the staging (dq_empty) once
+// read, and passes the turn on once the adds are complete, before it waits for the next turn
+// (holding a turn while waiting for the next one let blocks whose walks start one tile apart wait
+// on each other in a ring). The release it takes (a gpu-scope fence) stays off the computing
+// warps' path: at the warps' own adds it cost 25-30% of the backward. The order follows the
+// walk, so that a block finds its turn come: with a mask, the highest key block first and the
+// grid launched that way (a key block waits only on blocks launched before it); without one,
+// key block n walks its query tiles from tile n M / N on (M tiles, N key blocks; the unmasked
+// grid launches a group's blocks together and needs them all resident: N <= the SMs, checked by
+// the front), and a tile's turns go in the order the blocks reach it.
 // MASK (common/attn_mask.cuh): 0 none, 1 causal, 2 a window, whose block walks only the query
 // tiles between its keys' window edges. SOFTCAP (t = tanh(s scale / c)): P^T = exp2(c log2(e) t -
 // lse_log2) and dS^T = P^T (dP^T - Dsum) (1 - t^2) (see CAP_LATE for where 1 - t^2 is applied).
@@ -63,7 +77,69 @@ struct BwdSm90Params {
     long long dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh;
     Problem problem;
     int groups;
+    int* turns;   // ORDERED: a counter a `rows` query tile, zeroed (else null)
 };
+
+}  // namespace attention
+}  // namespace cuk
+
+namespace cuk {
+namespace attention {
+
+// ORDERED: key block `kblock`'s turn at query tile m of a head (see the top): without a mask
+// (MASK 0) the blocks in the order they reach the tile, counted from the last block whose walk
+// starts at or before it; with one, from the highest key block that sees it (`hi`: KeyMask's,
+// the last key a query row sees past its own index; the blocks that see a tile are consecutive,
+// up to that one).
+template <int MASK, int BM, int BN>
+__device__ __forceinline__ int dq_turn(int m, int kblock, int nblocks, int per_head, int hi) {
+    // (32-bit: query tiles times key blocks, and rows plus `hi`, stay far below 2^31; the 64-bit
+    // division spilled the writer's 24 registers)
+    int last;
+    if constexpr (MASK == 0) {
+        last = min(nblocks - 1, ((m + 1) * nblocks - 1) / per_head);
+    } else {
+        last = min(nblocks - 1, ((m + 1) * BM + hi - 1) / BN);
+    }
+    const int turn = last - kblock;
+    return MASK == 0 && turn < 0 ? turn + nblocks : turn;
+}
+
+// ORDERED: the adds of one (group, key block)'s dQ tiles into dq_accum, in its walk's order
+// (heads h0 .. h0 + rep - 1, each from tile m_first + rot through its per_head tiles and around),
+// by the producer warpgroup's second warp (lane 0); `g` counts the block's tiles (the dq_full and
+// dq_empty phases). The staging is the computing warps' [8 warps][2 boxes][16 rows x 32 floats]:
+// warp w's rows m0 + 64 qhalf + 16 (w % 4), columns 64 dhalf on (dq_store's part).
+template <int D, int BM, int MASK>
+__device__ __forceinline__ void dq_write_unit(const CUtensorMap* dq_map, const unsigned char* dq_s, int* turns,
+                                              unsigned long long* dq_full, unsigned long long* dq_empty, int b, int H,
+                                              int h0, int rep, int m_first, int per_head, int rot, int kblock,
+                                              int nblocks, int hi, int tiles, int tile0, int q0, int& g) {
+#if CUK_SM90A
+    int m = m_first + rot, h = h0, in_head = 0;
+    for (int it = 0; it < per_head * rep; ++it, ++g) {
+        mbarrier_wait(dq_full, g & 1);
+        const int at = (b * H + h) * tiles + tile0 + m;
+        turn_wait(turns + at, dq_turn<MASK, BM, 128>(m, kblock, nblocks, per_head, hi));
+#pragma unroll
+        for (int w = 0; w < 8; ++w)
+#pragma unroll
+            for (int box = 0; box < 2; ++box)
+                tma_reduce_add_4d(dq_map, dq_s + (2 * w + box) * 2048, (D == 128 ? w / 4 : 0) * 64 + 32 * box, h,
+                                  q0 + m * BM + (BM == 128 ? w / 4 : 0) * 64 + (w % 4) * 16, b);
+        tma_store_commit();
+        tma_store_wait_read<0>();
+        mbarrier_arrive(dq_empty);   // (the staging is free)
+        tma_store_wait<0>();         // (the adds are complete: the turn passes on)
+        turn_pass(turns + at);
+        if (++m == m_first + per_head) m = m_first;
+        if (++in_head == per_head) {   // (m is back at the head's first tile)
+            in_head = 0;
+            ++h;
+        }
+    }
+#endif
+}
 
 }  // namespace attention
 }  // namespace cuk
@@ -71,7 +147,7 @@ struct BwdSm90Params {
 // SMEM: the launch's dynamic shared memory: K, V, the Q and dO rings, two dS^T buffers and the
 // dQ staging boxes (DQ_ATOMIC), the lse_log2 and Dsum ring, 1 KB of alignment slack.
 template <typename T, int D, int BM, int STAGES, int MASK, bool SOFTCAP, bool DQ_ATOMIC, bool PRODUCER, int SMEM,
-          bool VARLEN, bool PERSISTENT>
+          bool VARLEN, bool PERSISTENT, bool ORDERED>
 __device__ __forceinline__ void attention_bwd_sm90_body(
     const CUtensorMap& q_map, const CUtensorMap& k_map,
     const CUtensorMap& v_map, const CUtensorMap& do_map,
@@ -82,7 +158,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
     long long dk_sb, long long dk_ss, long long dk_sh, long long dv_sb, long long dv_ss, long long dv_sh,
     int H, int Hkv, int Sq, int Sk, float scale, float scale_log2, int win_left, int win_right, float cap_in,
     float cap_out, const int* __restrict__ cu_q, const int* __restrict__ cu_k, int max_q, int max_k,
-    long long* __restrict__ fault, int groups)
+    long long* __restrict__ fault, int groups, int* __restrict__ turns)
 {
     constexpr bool CAUSAL = MASK == 1;
     constexpr int BN = 128, DB = D / 64;            // DB: 64-column boxes of a row
@@ -100,6 +176,11 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
     // D = 64: queries) a warpgroup takes half wg over all BN keys (both warpgroups' dS^T); with
     // BM = D = 64 it takes its own 64 keys (both warpgroups add into dq_accum).
     constexpr bool SPLIT_N = BM * D == 2 * 64 * 64;
+    // ORDERED: each warp adds its own rows and columns (SPLIT_N), so the turns are a block's.
+    // (not PERSISTENT: the writer's walk over the units spilled its warp's 24 registers)
+    static_assert(!ORDERED || (DQ_ATOMIC && SPLIT_N && PRODUCER && !PERSISTENT),
+                  "ORDERED: dQ by reduce-add, a warp's part of its own, a producer warpgroup to add it");
+    constexpr bool ROTATE = ORDERED && MASK == 0;   // (the unmasked walk's start, see the top)
     // The softcap's dS^T needs 1 - t^2 (t = tanh(s scale / c)) from P^T's pass. CAP_LATE (d64):
     // P^T and dS^T in one pass once dP^T is in, so dV waits for dP^T. Else s keeps P^T (1 - t^2)
     // and dP^T's wait stays behind the exponentials: at d128 5% faster, at d64 8% slower (causal
@@ -124,6 +205,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
     unsigned char* const dq_s = ds_s + DS_BUFS * DS_BYTES;  // [8 warps][2 boxes][16 rows x 32 floats] (DQ_ATOMIC)
     float* const rows_s = reinterpret_cast<float*>(dq_s + DQ_STAGE);   // [STAGES][lse_log2, Dsum][BM]
     __shared__ unsigned long long bar_kv, bar_q[STAGES], bar_free[STAGES], ds_full[2], ds_free[2], kv_free;
+    __shared__ unsigned long long dq_full, dq_empty;   // (ORDERED: the staged dQ rows, handed to their writer)
     static_assert(!PERSISTENT || (PRODUCER && DQ_ATOMIC && MASK == 0 && !VARLEN),
                   "PERSISTENT: no mask, not packed, dQ by atomics, a producer warpgroup");
 
@@ -135,6 +217,8 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
         }
         mbarrier_init(&bar_kv, 1);
         mbarrier_init(&kv_free, 256);
+        mbarrier_init(&dq_full, 8);
+        mbarrier_init(&dq_empty, 1);
         for (int i = 0; i < 2; ++i) {
             mbarrier_init(&ds_full[i], 256);
             mbarrier_init(&ds_free[i], 256);
@@ -206,14 +290,14 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
         // group's heads), so the longest blocks start first; group-major order left a group's long
         // blocks behind the groups before it (a tail of lone blocks). (Indices straight from blockIdx:
         // a launch index divided out spilled the softcap's instance.)
-        int group = blockIdx.y, kblock = blockIdx.x;
+        int group = blockIdx.y, kblock = ORDERED && VARLEN && MASK != 0 ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
         if constexpr (PERSISTENT) {
             group = u / kblocks_all;
             kblock = u % kblocks_all;
         }
         if constexpr ((CAUSAL || MASK == 2) && !VARLEN) {
             group = blockIdx.z * gridDim.x + blockIdx.x;
-            kblock = blockIdx.y;
+            kblock = ORDERED ? gridDim.y - 1 - blockIdx.y : blockIdx.y;   // (ORDERED: the highest first)
             if (group >= groups) return;   // (the last section's missing groups, before any barrier)
         }
         const int doc = group / Hkv, b = VARLEN ? 0 : doc, hk = group % Hkv;
@@ -237,6 +321,9 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
         const int m_first = MASK == 2 ? km.first_query(n0) / BM : CAUSAL ? max(0, n0 - diag) / BM : 0;
         const int per_head = max(0, ((MASK == 2 ? km.stop_query(n0, BN, sq) : sq) + BM - 1) / BM - m_first);
         const int steps = per_head * rep;
+        // ORDERED: this group's key blocks, and ROTATE's first query tile of a head (see the top)
+        const int nblocks = (sk + BN - 1) / BN;
+        const int rot = ROTATE ? static_cast<int>(static_cast<long long>(kblock) * per_head / nblocks) : 0;
         CUK_STAMP(0);
 
         // `rows`' query tiles a head (VARLEN: document d's tile m at q0 / BM + d + m, see
@@ -244,12 +331,24 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
         const int tiles = VARLEN ? (Sq + BM - 1) / BM + gridDim.y / Hkv : (sq + BM - 1) / BM;
         const int tile0 = VARLEN ? span.q0 / BM + doc : 0;
         auto load_q = [&](int it) {   // (thread 0) Q, dO, lse_log2 and Dsum of step it into buffer it % STAGES
-            const int h = hk * rep + it / per_head, m = m_first + it % per_head;
+            int i = it % per_head + rot;
+            if (ROTATE && i >= per_head) i -= per_head;
+            const int h = hk * rep + it / per_head, m = m_first + i;
             load_tile(it % STAGES, b, h, m * BM, (static_cast<long long>(b) * H + h) * tiles + tile0 + m, span.q0);
         };
         if constexpr (!PERSISTENT) {
             if (threadIdx.x == (PRODUCER ? 256 : 0)) load_kv(b, hk, span.k0 + n0);
-            if (!ring_loads<PRODUCER, STAGES>(steps, bar_free, load_q)) return;   // (the producer is done)
+            if constexpr (ORDERED) {   // (the producer warpgroup's second warp: dQ's writer, see the top)
+                auto write = [&]() {
+                    int g = 0;
+                    attention::dq_write_unit<D, BM, MASK>(&dq_map, dq_s, turns, &dq_full, &dq_empty, b, H, hk * rep, rep,
+                                                          m_first, per_head, rot, kblock, nblocks, km.hi, tiles, tile0,
+                                                          span.q0, g);
+                };
+                if (!ring_loads<PRODUCER, STAGES>(steps, bar_free, load_q, write)) return;
+            } else if (!ring_loads<PRODUCER, STAGES>(steps, bar_free, load_q)) {
+                return;   // (the producer is done)
+            }
         }
 
         float dv_acc[D / 2], dk_acc[D / 2];   // this warpgroup's 64 keys x D (the accumulator layout)
@@ -288,10 +387,16 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
         // reduce-add a box (rows past Sq are skipped by TMA; VARLEN: rows past the document add
         // zeros into the next document's: 0 staged there, since dS = 0 times this document's K is
         // NaN where K holds Inf). The step before's reduce has long read the boxes; lane 0 waits for
-        // that before they are written again.
-        auto dq_store = [&](int h, int m0, const float (&dq)[32]) {
+        // that before they are written again. ORDERED: the rows are staged for the writer (see the
+        // top) once it has read the tile before (dq_empty), and handed over by dq_full; `gt` is the
+        // block's count of the tile (its phases).
+        auto dq_store = [&](int h, int m0, const float (&dq)[32], int gt) {
             unsigned char* const stage = dq_s + (wg * 4 + warp) * 2 * 2048;
-            if (lane == 0) tma_store_wait_read<0>();
+            if constexpr (ORDERED) {
+                if (gt > 0) mbarrier_wait(&dq_empty, (gt - 1) & 1);
+            } else if (lane == 0) {
+                tma_store_wait_read<0>();
+            }
             __syncwarp();
 #pragma unroll
             for (int j = 0; j < 8; ++j)
@@ -321,17 +426,21 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
             fence_proxy_async();
             __syncwarp();
             if (lane == 0) {
+                if constexpr (ORDERED) {
+                    mbarrier_arrive(&dq_full);
+                } else {
 #pragma unroll
-                for (int box = 0; box < 2; ++box)
-                    tma_reduce_add_4d(&dq_map, stage + box * 2048, dhalf * 64 + 32 * box, h,
-                                      span.q0 + m0 + qhalf * 64 + warp * 16, b);
-                tma_store_commit();
+                    for (int box = 0; box < 2; ++box)
+                        tma_reduce_add_4d(&dq_map, stage + box * 2048, dhalf * 64 + 32 * box, h,
+                                          span.q0 + m0 + qhalf * 64 + warp * 16, b);
+                    tma_store_commit();
+                }
             }
         };
-
         // The step's query tile and head, and the step before's (its dQ is stored in this one), kept
         // by counting rather than divided out of the step number a step.
-        int m_tile = m_first, h_step = hk * rep, prev_m0 = 0, prev_h = 0;
+        int m_tile = m_first + rot, h_step = hk * rep, prev_m0 = 0, prev_h = 0;
+        int in_head = 0;   // (ROTATE: the head's tiles done)
         const int G0 = PERSISTENT ? gbase : 0;   // (the ring's and dS^T buffers' count before this unit)
         for (int it = 0; it < steps; ++it) {
             const int G = G0 + it;
@@ -551,7 +660,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
                 }
                 wgmma_hold(dq);
                 CUK_STEP_STAMP(7);
-                dq_store(prev_h, prev_m0, dq);
+                dq_store(prev_h, prev_m0, dq, G - 1);
                 if constexpr (ONE_FENCE) mbarrier_arrive(&ds_full[G & 1]);   // (this step's dS^T, fenced with dQ's staging)
                 mbarrier_arrive(&ds_free[(G - 1) & 1]);
                 if constexpr (DQ_FIRST) wgmma_wait<0>();
@@ -565,7 +674,13 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
             CUK_STEP_STAMP(8);
             prev_m0 = m0;
             prev_h = h_step;
-            if (++m_tile == m_first + per_head) {
+            if constexpr (ROTATE) {
+                if (++m_tile == m_first + per_head) m_tile = m_first;
+                if (++in_head == per_head) {   // (m_tile is back at the head's first, m_first + rot)
+                    in_head = 0;
+                    ++h_step;
+                }
+            } else if (++m_tile == m_first + per_head) {
                 m_tile = m_first;
                 ++h_step;
             }
@@ -577,10 +692,10 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
             dq_issue(GL, dq);
             wgmma_wait<0>();
             wgmma_hold(dq);
-            dq_store(prev_h, prev_m0, dq);
+            dq_store(prev_h, prev_m0, dq, GL);
             if constexpr (PERSISTENT) mbarrier_arrive(&ds_free[GL & 1]);   // (the next unit's steps reuse it)
         }
-        if constexpr (DQ_ATOMIC)   // (the reduces have read this block's shared memory: at its end)
+        if constexpr (DQ_ATOMIC && !ORDERED)   // (the reduces have read this block's shared memory: at its end)
             if (lane == 0 && (!PERSISTENT || u + static_cast<int>(gridDim.x) >= units)) tma_store_wait<0>();
 
         // dV and dK (scaled), this warpgroup's 64 keys of this (batch, kv head), staged in its own
@@ -607,17 +722,17 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
 }
 
 template <typename T, int D, int BM, int STAGES, int MASK, bool SOFTCAP, bool DQ_ATOMIC, bool PRODUCER, int SMEM,
-          bool VARLEN, bool PERSISTENT>
+          bool VARLEN, bool PERSISTENT, bool ORDERED>
 __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
     const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
     const __grid_constant__ CUtensorMap dq_map, const __grid_constant__ cuk::attention::BwdSm90Params<T> p)
 {
     const cuk::attention::Problem& r = p.problem;
-    attention_bwd_sm90_body<T, D, BM, STAGES, MASK, SOFTCAP, DQ_ATOMIC, PRODUCER, SMEM, VARLEN, PERSISTENT>(
+    attention_bwd_sm90_body<T, D, BM, STAGES, MASK, SOFTCAP, DQ_ATOMIC, PRODUCER, SMEM, VARLEN, PERSISTENT, ORDERED>(
         q_map, k_map, v_map, do_map, dq_map, p.rows, p.dk, p.dv, p.dk_sb, p.dk_ss, p.dk_sh, p.dv_sb, p.dv_ss,
         p.dv_sh, r.H, r.Hkv, r.Sq, r.Sk, r.scale, r.scale_log2, r.win_left, r.win_right, r.cap_in, r.cap_out,
-        r.cu_q, r.cu_k, r.max_q, r.max_k, r.fault, p.groups);
+        r.cu_q, r.cu_k, r.max_q, r.max_k, r.fault, p.groups, p.turns);
 }
 
 // VARLEN (attention_bwd_sm90 over packed documents): lse * log2(e) and Dsum of each document's

@@ -572,6 +572,10 @@ def attention_cases() -> list:
         # MLA's head sizes (q and k 192, v 128): GQA, sinks, dropout, a window
         _attention_case("bfloat16", 192, "causal", sq=200, sk=67, sinks=True, layout="bhsd"),
         _attention_case("float16", 192, "window", hkv=1, det=True, dropout=0.2, layout="broadcast"),
+        # the deterministic Hopper backward's dQ adds in turns: unmasked (the rotated walk, query
+        # tiles fewer than key blocks), causal with Sq > Sk (the highest key block first)
+        _attention_case("bfloat16", 128, "full", b=1, sq=300, sk=700, hkv=1, det=True),
+        _attention_case("float16", 64, "causal", b=1, sq=700, sk=400, det=True),
     ]
     j = 0
     for dtype in HALF_DTYPES:

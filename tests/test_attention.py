@@ -294,7 +294,7 @@ def test_the_sm90_backward_takes_tensor_maps_of_the_inputs(host_arrays_as_device
     # (env or not)
     monkeypatch.setattr(attn.configs, "CONFIGS", dataclasses.replace(attn.configs.CONFIGS, use_sm90_bwd=True))
 
-    def launches(d, cc, deterministic=False, kv_heads=2):
+    def launches(d, cc, deterministic=False, kv_heads=2, **kw):
         monkeypatch.setattr(_kernels, "compute_capability", lambda device: cc)
         attn._BWD.clear()   # (plans assume one device: the capability is not in their key)
         q = np.ones((2, 200, 4, d), np.float16)
@@ -303,7 +303,7 @@ def test_the_sm90_backward_takes_tensor_maps_of_the_inputs(host_arrays_as_device
             kv = np.broadcast_to(kv, (2, 300, 4, d))
         lse = np.zeros((2, 4, 200), np.float32)
         with pytest.raises(DryRun) as info:
-            cukern.attention_backward(q, q, kv, kv, q, lse, causal=True, deterministic=deterministic)
+            cukern.attention_backward(q, q, kv, kv, q, lse, causal=True, deterministic=deterministic, **kw)
         launches.plan = info.value.plan
         return [s for s in info.value.plan.steps if isinstance(s, tuple) and s[0] == "launch"]
 
@@ -322,12 +322,24 @@ def test_the_sm90_backward_takes_tensor_maps_of_the_inputs(host_arrays_as_device
     assert box == (1, 16, 1, 32)
     alloc = launches.plan.allocs[acc - 6]   # (after the six inputs)
     assert (alloc.shape, alloc.dtype) == ((2, 200, 4, 128), "float32")
+    # deterministic: dQ's adds in turns (the ordered instance, a turn counter a query tile of
+    # `rows`, zeroed before the launch), the same conversion after it
     steps = launches(64, (9, 0), deterministic=True)
-    assert [s[1].name.split("<")[0] for s in steps] == ["attention_bwd_dot", "attention_bwd_sm90", "attention_bwd_dq"]
+    assert [s[1].name.split("<")[0] for s in steps] == ["attention_bwd_dot", "attention_bwd_sm90",
+                                                        "attention_bwd_dq_convert"]
     cfg = attn.configs.CONFIGS.get("bwd_sm90", 64)
     assert steps[1][1].name.startswith(f"attention_bwd_sm90<cuk::half, 64, {cfg.block_rows}, {cfg.stages}, 1, false, "
-                                       "false, false, ")   # (no producer warpgroup when deterministic)
-    assert steps[1][1].threads == 256
+                                       "true, true, ") and steps[1][1].name.endswith(", true>")
+    assert steps[1][1].threads == cfg.threads(True, True)
+    turns = [launches.plan.allocs[i - 6] for i in range(6, 6 + len(launches.plan.allocs))
+             if launches.plan.allocs[i - 6].dtype == "int32"]
+    assert [t.shape for t in turns] == [(2, 4, -(-200 // cfg.block_rows))]
+    # ... but not where both warpgroups add into the same dQ elements (d64's 64-row tiles, the
+    # softcap's): dQ's own pass, no producer warpgroup
+    steps = launches(64, (9, 0), deterministic=True, softcap=30.0)
+    assert [s[1].name.split("<")[0] for s in steps] == ["attention_bwd_dot", "attention_bwd_sm90", "attention_bwd_dq"]
+    assert steps[1][1].name.startswith("attention_bwd_sm90<cuk::half, 64, 64, 2, 1, true, false, false, ")
+    assert steps[1][1].name.endswith(", false>") and steps[1][1].threads == 256
     assert launches(128, (8, 0))[1][1].name.startswith("attention_bwd_dkdv<")          # A100
     assert launches(256, (9, 0))[1][1].name.startswith("attention_bwd_dkdv<")          # no Hopper config
     assert launches(128, (9, 0), kv_heads=1)[1][1].name.startswith("attention_bwd_dkdv<")   # stride-0 heads

@@ -78,8 +78,13 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 // threads, with the registers the producer gave back (CONSUMER_REGS: 240 for two warpgroups,
 // 160 for three, less where two blocks share the SM), true. Otherwise thread 0 issues the first
 // STAGES - 1 loads (the computing threads refill the ring) and every thread returns true.
-template <bool PRODUCER, int STAGES, int CONSUMERS = 2, int CONSUMER_REGS = CONSUMERS == 2 ? 240 : 160, typename Load>
-__device__ __forceinline__ bool ring_loads(int count, unsigned long long* bar_free, Load load) {
+// `side` (PRODUCER): the work of the producer warpgroup's second warp (its lane 0), if any.
+struct NoSide {
+    __device__ __forceinline__ void operator()() const {}
+};
+template <bool PRODUCER, int STAGES, int CONSUMERS = 2, int CONSUMER_REGS = CONSUMERS == 2 ? 240 : 160, typename Load,
+          typename Side = NoSide>
+__device__ __forceinline__ bool ring_loads(int count, unsigned long long* bar_free, Load load, Side side = Side{}) {
     static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three computing warpgroups");
     if constexpr (PRODUCER) {
         if (threadIdx.x >= CONSUMERS * 128) {
@@ -89,6 +94,8 @@ __device__ __forceinline__ bool ring_loads(int count, unsigned long long* bar_fr
                     if (i >= STAGES) mbarrier_wait(&bar_free[i % STAGES], (i / STAGES - 1) & 1);
                     load(i);
                 }
+            else if (threadIdx.x == CONSUMERS * 128 + 32)
+                side();
             return false;
         }
         setmaxnreg_inc<CONSUMER_REGS>();

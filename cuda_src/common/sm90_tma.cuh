@@ -1,6 +1,6 @@
 // Hopper (sm_90a) TMA as inline PTX: tile loads (cp.async.bulk.tensor) completing on an
-// mbarrier, bulk loads, stores and reductions through tensor maps, the async-proxy fence, and
-// zeroing tile rows for a warpgroup's next product.
+// mbarrier, bulk loads, stores and reductions through tensor maps, the async-proxy fence,
+// reductions in turns, and zeroing tile rows for a warpgroup's next product.
 #pragma once
 #include "sm90_barriers.cuh"
 
@@ -87,6 +87,27 @@ __device__ __forceinline__ void tma_store_wait() {
 __device__ __forceinline__ void fence_proxy_async() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+// Reductions in turns (a deterministic sum by TMA reduce-add): a counter in global memory a
+// destination tile, zeroed before the launch; a writer waits until the count reaches its turn
+// times the writers of a turn, adds, and once its add is complete (cp.async.bulk.wait_group 0)
+// passes the turn on by one. The proxy fences order the async-proxy adds against the counter's
+// generic-proxy release and acquire.
+__device__ __forceinline__ void turn_wait(const int* counter, int target) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    int v;
+    do {
+        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
+    } while (v < target);
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void turn_pass(int* counter) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(counter) : "memory");
 #endif
 }
 

@@ -29,9 +29,12 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
             lse that includes them, as the forward returns it).
         deterministic: False (default, as FlashAttention): dQ is summed over key tiles with
             float32 atomics (5 matrix products a tile pair; the last bits of dq may differ run
-            to run). True: dQ has its own pass (7 products, about 1.3x the backward's time)
-            and every gradient has the same bits on every call. dk and dv are deterministic
-            either way (a fixed-order sum over query tiles and heads).
+            to run). True: every gradient has the same bits on every call. On Hopper (head
+            dims 64 and 128) dQ's adds into each query tile take turns in a fixed order of the
+            key blocks; elsewhere (and for d64 with the softcap, packed d64 documents without a
+            mask, or an unmasked call whose key blocks outnumber the SMs) dQ has its own pass
+            (7 products). dk and dv are deterministic either way (a fixed-order sum over query
+            tiles and heads).
 
     Returns:
         dq (B, Sq, H, D), dk (B, Sk, Hkv, D) and dv (B, Sk, Hkv, Dv) — dk and dv summed over the query heads
@@ -154,9 +157,20 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
         return b.plan(device, first=1)
     dqs, dks, dvs = like(qa, 1 in copied), like(ka, 2 in copied), like(va, 3 in copied)
     dsum = b.alloc((batch, h, sq), "float32")
-    # deterministic=False: dQ's float32 partial sums (B, Sq, H, D), zeroed by the Dsum kernel,
-    # then added to by atomics (or TMA reduce-add).
-    dq_accum = None if deterministic else b.alloc((batch, sq, h, d), "float32")
+    hopper = (configs.use_sm90_bwd and not dropout_p and d in dict(configs.bwd_sm90) and dv_ == d
+              and _kernels.compute_capability(device) == (9, 0)
+              and all(i in copied or _tma_readable(a) for i, a in enumerate(arrays[:4])))
+    which = "bwd_sm90_softcap" if mask.softcap else "bwd_sm90"
+    cfg_sm90 = configs.get(which, d) if hopper else None
+    kblocks = -(-rows_k // cfg_sm90.block_keys) if hopper else 0
+    pairs = groups * hkv
+    # deterministic on Hopper: dQ's adds in turns where the config allows (resident: the blocks
+    # of the grid at once, one an SM)
+    ordered = bool(deterministic and hopper and cfg_sm90.orders(d, mask.kind, kblocks, _kernels.sm_count(device),
+                                                              varlen is not None))
+    # dQ's float32 partial sums (B, Sq, H, D), zeroed by the Dsum kernel, then added to by
+    # atomics (or TMA reduce-add); deterministic, unless in turns: none (attention_bwd_dq).
+    dq_accum = b.alloc((batch, sq, h, d), "float32") if ordered or not deterministic else None
     tail = dict(H=h, Hkv=hkv, Sq=sq, Sk=sk, scale=scale, scale_log2=scale * LOG2E)
     cap_in, cap_out = _attention_mask.softcap_log2(mask, scale)
     masked = dict(win_left=mask.left, win_right=mask.right, cap_in=cap_in, cap_out=cap_out,
@@ -167,16 +181,15 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
                **{f"v_{n}": s for n, s in _strides3(vs).items()}, **{f"d_{n}": s for n, s in _strides3(ds).items()}}
     out_strides = {**{f"dk_{n}": s for n, s in _strides3(dks).items()},
                    **{f"dv_{n}": s for n, s in _strides3(dvs).items()}}
-    hopper = (configs.use_sm90_bwd and not dropout_p and d in dict(configs.bwd_sm90) and dv_ == d
-              and _kernels.compute_capability(device) == (9, 0)
-              and all(i in copied or _tma_readable(a) for i, a in enumerate(arrays[:4])))
     # The Hopper kernel loads lse * log2(e) and Dsum by TMA, a query tile's [2][rows] at once.
-    which = "bwd_sm90_softcap" if mask.softcap else "bwd_sm90"
-    cfg_sm90 = configs.get(which, d) if hopper else None
     tile = cfg_sm90.block_rows if hopper else 0
     # (packed documents: each document's tiles apart, document d's from q0 / tile + d)
-    rows = None if not hopper else b.alloc(
-        (batch, h, -(-sq // tile) + (groups if varlen else 0), 2, tile), "float32")
+    tiles = -(-sq // tile) + (groups if varlen else 0) if hopper else 0
+    rows = None if not hopper else b.alloc((batch, h, tiles, 2, tile), "float32")
+    # (ordered: a turn counter a query tile of `rows`, from zero)
+    turns = b.alloc((batch, h, tiles), "int32") if ordered else None
+    if turns is not None:
+        b.fill(0, turns)
     threads = configs.dot_threads
     k = _kernels.kernel(configs.dot(qa.dtype, d, dv_), device)
     b.launch(k, min(-(-(batch * sq * h * _dot_lanes(dv_)) // threads), 65535), dout=b.slot(0), out=b.slot(4),
@@ -191,13 +204,12 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
                  dsum=dsum, rows=rows, cu_q=b.slot(6), H=h, total_q=sq)
     if hopper:
         # dK, dV (and dQ's float32 partial sums, by TMA reduce-add) by TMA and wgmma; dQ's
-        # conversion or pass as below. (deterministic: no dQ here, the dq_map is unused)
+        # conversion or pass as below. (deterministic and not ordered: no dQ here, the dq_map is unused)
         cfg = cfg_sm90
-        k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, deterministic, bool(mask.softcap), varlen is not None),
-                            device)
+        k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, deterministic, bool(mask.softcap), varlen is not None,
+                                         ordered), device)
         qbox, kbox = (1, cfg.block_rows, 1, 64), (1, cfg.block_keys, 1, 64)
-        dq_map = bytes(128) if deterministic else MapSlot(dq_accum.index, (1, 16, 1, 32))
-        kblocks, pairs = -(-rows_k // cfg.block_keys), groups * hkv
+        dq_map = bytes(128) if dq_accum is None else MapSlot(dq_accum.index, (1, 16, 1, 32))
         if cfg.persistent_for(mask.kind, deterministic, varlen is not None):   # (one block an SM walks the units)
             grid = (min(kblocks * pairs, configs.bwd_sm90_blocks or _kernels.sm_count(device)), 1)
         elif varlen is None and mask.kind in (1, 2):   # (causal or a window: see the kernel)
@@ -209,7 +221,7 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
                  v_map=MapSlot(3, kbox), do_map=MapSlot(0, qbox), dq_map=dq_map, rows=rows, dk=dk, dv=dv,
                  **out_strides, **tail, win_left=mask.left, win_right=mask.right, cap_in=cap_in, cap_out=cap_out,
                  **{n: masked[n] for n in ("cu_q", "cu_k", "max_q", "max_k", "fault")},
-                 groups=pairs)
+                 groups=pairs, turns=turns)
     else:
         dropping = bool(dropout_p)
         cfg = configs.sm80("bwd", d, dropping)
@@ -218,7 +230,7 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
         b.launch(k, (-(-rows_k // cfg.bn), groups * hkv), q=b.slot(1), k=b.slot(2), v=b.slot(3), dout=b.slot(0),
                  lse=b.slot(5), dsum=dsum, dk=dk, dv=dv, dq_accum=dq_accum, **strided, **out_strides, **tail,
                  **masked, **_dropout_args(dropout_p, rng))
-    if deterministic:
+    if dq_accum is None:
         qcfg = configs.sm80("dq", d, bool(dropout_p))
         k = _kernels.kernel(qcfg.instance(qa.dtype, d, mask.kind, bool(mask.softcap), bool(dropout_p), dv_), device)
         b.launch(k, (-(-rows_q // (16 * qcfg.warps)), groups * h), q=b.slot(1), k=b.slot(2), v=b.slot(3),

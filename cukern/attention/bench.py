@@ -127,7 +127,38 @@ def bench_cases(quick: bool) -> list:
             cases.append(Case(f"{tag} fwd+bwd vs {backend}", "attention", (B, H, S, D), dt,
                               elements_bytes((8 * B, S, H, D), dt), functools.partial(make, grad=True),
                               functools.partial(_fwd_bwd, causal=causal), peer, flops=int(3.5 * flops)))
-    return cases + mask_bench_cases(quick) + sink_bench_cases(quick) + mla_bench_cases(quick)
+    return (cases + deterministic_bench_cases(quick) + mask_bench_cases(quick) + sink_bench_cases(quick)
+            + mla_bench_cases(quick))
+
+
+def _with_forward(make, causal, seed):
+    """``make``'s inputs with the forward's out and lse (the backward's inputs)."""
+    t = make(seed, grad=True)
+    t["out"], t["lse"] = attention(t["q"], t["k"], t["v"], causal=causal, return_lse=True)
+    return t
+
+
+def _bwd(t, causal, deterministic):
+    return attention_backward(t["do"], t["q"], t["k"], t["v"], t["out"], t["lse"], causal=causal,
+                              deterministic=deterministic)
+
+
+def deterministic_bench_cases(quick: bool) -> list:
+    """The backward alone, deterministic=True against the default (dQ summed in any order), at
+    bench_cases' shapes: 2.5x the forward's FLOPs."""
+    dt = WORKLOAD["dtype"]
+    cases = []
+    for B, H, S, D, causal, *kv in WORKLOAD["quick" if quick else "full"]:
+        hkv = kv[0] if kv else H
+        flops = 4 * B * H * S * S * D // (2 if causal else 1)
+        long = " long" if S > 2048 else ""
+        tag = f"attention{' causal' if causal else ''}{long}{' gqa' if hkv != H else ''} d{D}"
+        make = functools.partial(_with_forward, functools.partial(_inputs, B, H, S, D, dt, hkv=hkv), causal)
+        cases.append(Case(f"{tag} bwd deterministic vs default", "attention", (B, H, S, D), dt,
+                          elements_bytes((8 * B, S, H, D), dt), make,
+                          functools.partial(_bwd, causal=causal, deterministic=True),
+                          functools.partial(_bwd, causal=causal, deterministic=False), flops=int(2.5 * flops)))
+    return cases
 
 
 # DeepSeek's MLA head sizes in training (q and k 192: 128 of content and 64 of rope; v 128), causal,

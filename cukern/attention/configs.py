@@ -189,38 +189,60 @@ class Sm90BwdConfig:
     atomics only (deterministic=False; the deterministic instance would spill). Replaces
     attention_bwd_dkdv. ``persistent``: without a mask (dense, dQ by atomics, with a producer),
     one block an SM walks the (batch, kv head, key block) units, a unit's first loads issued as
-    the one before ends."""
+    the one before ends.
+
+    ``ordered`` (the instance methods): deterministic=True with dQ still added by reduce-add, the
+    adds into a query tile taking turns in a fixed order of the key blocks (the kernel's top
+    says which); where :meth:`orders` is False the deterministic instance leaves dQ to
+    attention_bwd_dq."""
     block_rows: int = 64
     stages: int = 2
     producer: bool = False
     persistent: bool = False
     block_keys = 128
 
+    def orders(self, d: int, mask: int, kblocks: int, resident: int, varlen: bool = False) -> bool:
+        """Whether deterministic=True can keep dQ's reduce-adds, in turns: with a producer
+        warpgroup (one of its warps adds), where each warp stages its own part of a tile (64 x 128
+        or 128 x 64 tiles), and, without a mask, where a
+        (batch, kv head) group's ``kblocks`` key blocks are ``resident`` together (its blocks
+        wait on each other's turns). Not for packed documents without a mask at 128-row tiles:
+        that instance spilled 20 B (NVRTC 13.0 and 12.9)."""
+        if varlen and int(mask) == 0 and self.block_rows == 128:
+            return False
+        return self.producer and self.block_rows * d == 2 * 64 * 64 and (int(mask) != 0 or kblocks <= resident)
+
     def persistent_for(self, mask: int, deterministic: bool, varlen: bool) -> bool:
-        """Whether the instance for these arguments walks units (see the class)."""
-        return self.persistent and self.threads(deterministic) == 384 and int(mask) == 0 and not varlen
+        """Whether the instance for these arguments walks units (see the class; not deterministic:
+        the ordered instance's dQ writer spilled its 24 registers walking the units)."""
+        return self.persistent and not deterministic and self.producer and int(mask) == 0 and not varlen
 
-    def threads(self, deterministic: bool) -> int:
-        return 384 if self.producer and not deterministic else 256
+    def threads(self, deterministic: bool, ordered: bool = False) -> int:
+        return 384 if self.producer and (ordered or not deterministic) else 256
 
-    def smem(self, d: int, deterministic: bool) -> int:
-        """K, V, the Q and dO rings (128-byte rows, 64 head-dim columns a box); unless
-        deterministic, two dS^T buffers of 128 keys x 64 queries and dQ's staging boxes (16 rows
-        x 32 floats, two a warp); a ring of lse_log2 and Dsum rows; and 1 KB to align them."""
-        ds = 0 if deterministic else 2 * self.block_rows // 64 * self.block_keys * 128
-        dq = 0 if deterministic else 8 * 2 * 16 * 128
+    def smem(self, d: int, deterministic: bool, ordered: bool = False) -> int:
+        """K, V, the Q and dO rings (128-byte rows, 64 head-dim columns a box); where dQ is added
+        here (not deterministic, or ordered), two dS^T buffers of 128 keys x 64 queries and dQ's
+        staging boxes (16 rows x 32 floats, two a warp); a ring of lse_log2 and Dsum rows; and
+        1 KB to align them."""
+        atomic = ordered or not deterministic
+        ds = 2 * self.block_rows // 64 * self.block_keys * 128 if atomic else 0
+        dq = 8 * 2 * 16 * 128 if atomic else 0
         rows = self.stages * 2 * self.block_rows * 4
         return (2 * self.block_keys + 2 * self.stages * self.block_rows) * d * 2 + ds + dq + rows + 1024
 
     def instance(self, dtype: str, d: int, mask: int, deterministic: bool, softcap: bool = False,
-                 varlen: bool = False) -> Instance:
-        """``mask``: Mask.kind (a bool: causal or not); ``varlen``: packed documents."""
-        smem = self.smem(d, deterministic)
-        producer = self.threads(deterministic) == 384
+                 varlen: bool = False, ordered: bool = False) -> Instance:
+        """``mask``: Mask.kind (a bool: causal or not); ``varlen``: packed documents;
+        ``ordered``: deterministic by dQ's adds in turns (see the class)."""
+        ordered = bool(ordered and deterministic)
+        smem = self.smem(d, deterministic, ordered)
+        threads = self.threads(deterministic, ordered)
         return Instance(SM90_BWD_SOURCE, f"attention_bwd_sm90<{_ctype(dtype)}, {d}, {self.block_rows}, {self.stages}, "
-                        f"{int(mask)}, {_b(softcap)}, {_b(not deterministic)}, {_b(producer)}, {smem}, "
-                        f"{_b(varlen)}, {_b(self.persistent_for(mask, deterministic, varlen))}>",
-                        self.threads(deterministic), smem, "sm_90a")
+                        f"{int(mask)}, {_b(softcap)}, {_b(ordered or not deterministic)}, {_b(threads == 384)}, "
+                        f"{smem}, {_b(varlen)}, {_b(self.persistent_for(mask, deterministic, varlen))}, "
+                        f"{_b(ordered)}>",
+                        threads, smem, "sm_90a")
 
     def rows_instance(self) -> Instance:
         """attention_bwd_rows_varlen: lse and Dsum as this config's query tiles of packed documents."""
@@ -388,14 +410,13 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
             for m in (0, 1, 2) for cap in (False, True)]
     out += [cfg.instance(dt, d, m, cap, varlen=True) for dt in DTYPES for d, cfg in configs.fwd_sm90_varlen
             for m in (0, 1, 2) for cap in (False, True)]
-    out += [cfg.instance(dt, d, m, det) for dt in DTYPES for d, cfg in configs.bwd_sm90 for m in (0, 1, 2)
-            for det in (False, True)]
-    out += [cfg.instance(dt, d, m, det, True) for dt in DTYPES for d, cfg in configs.bwd_sm90_softcap
-            for m in (0, 1, 2) for det in (False, True)]
-    out += [cfg.instance(dt, d, m, det, varlen=True) for dt in DTYPES for d, cfg in configs.bwd_sm90
-            for m in (0, 1, 2) for det in (False, True)]
-    out += [cfg.instance(dt, d, m, det, True, varlen=True) for dt in DTYPES for d, cfg in configs.bwd_sm90_softcap
-            for m in (0, 1, 2) for det in (False, True)]
+    # (deterministic: dQ's adds in turns where the config orders them, and attention_bwd_dq's
+    # instance beside it, which the front takes where a group's key blocks outnumber the SMs)
+    modes = ((False, False), (True, False), (True, True))
+    for softcap, table in ((False, configs.bwd_sm90), (True, configs.bwd_sm90_softcap)):
+        for varlen in (False, True):
+            out += [cfg.instance(dt, d, m, det, softcap, varlen, ordered) for dt in DTYPES for d, cfg in table
+                    for m in (0, 1, 2) for det, ordered in modes if not ordered or cfg.orders(d, m, 1, 1, varlen)]
     out += list({cfg.rows_instance().name: cfg.rows_instance()
                  for _, cfg in configs.bwd_sm90 + configs.bwd_sm90_softcap}.values())
     out.append(configs.sink())
