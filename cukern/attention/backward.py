@@ -162,6 +162,10 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
               and all(i in copied or _tma_readable(a) for i, a in enumerate(arrays[:4])))
     which = "bwd_sm90_softcap" if mask.softcap else "bwd_sm90"
     cfg_sm90 = configs.get(which, d) if hopper else None
+    # head dim 256 on Hopper: its own kernel (dense, dQ by atomics)
+    wide = (configs.use_sm90_bwd_d256 and d == 256 and dv_ == d and not dropout_p and not deterministic
+            and varlen is None and _kernels.compute_capability(device) == (9, 0)
+            and all(i in copied or _tma_readable(a) for i, a in enumerate(arrays[:4])))
     kblocks = -(-rows_k // cfg_sm90.block_keys) if hopper else 0
     pairs = groups * hkv
     # deterministic on Hopper: dQ's adds in turns where the config allows (resident: the blocks
@@ -182,10 +186,10 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
     out_strides = {**{f"dk_{n}": s for n, s in _strides3(dks).items()},
                    **{f"dv_{n}": s for n, s in _strides3(dvs).items()}}
     # The Hopper kernel loads lse * log2(e) and Dsum by TMA, a query tile's [2][rows] at once.
-    tile = cfg_sm90.block_rows if hopper else 0
+    tile = cfg_sm90.block_rows if hopper else configs.bwd_sm90_d256.block_rows if wide else 0
     # (packed documents: each document's tiles apart, document d's from q0 / tile + d)
-    tiles = -(-sq // tile) + (groups if varlen else 0) if hopper else 0
-    rows = None if not hopper else b.alloc((batch, h, tiles, 2, tile), "float32")
+    tiles = -(-sq // tile) + (groups if varlen else 0) if hopper or wide else 0
+    rows = None if not (hopper or wide) else b.alloc((batch, h, tiles, 2, tile), "float32")
     # (ordered: a turn counter a query tile of `rows`, from zero)
     turns = b.alloc((batch, h, tiles), "int32") if ordered else None
     if turns is not None:
@@ -222,6 +226,14 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
                  **out_strides, **tail, win_left=mask.left, win_right=mask.right, cap_in=cap_in, cap_out=cap_out,
                  **{n: masked[n] for n in ("cu_q", "cu_k", "max_q", "max_k", "fault")},
                  groups=pairs, turns=turns)
+    elif wide:
+        cfg = configs.bwd_sm90_d256
+        box = (1, 64, 1, 64)
+        b.launch(_kernels.kernel(cfg.instance(qa.dtype, mask.kind, bool(mask.softcap)), device),
+                 (-(-rows_k // cfg.block_keys), groups * hkv), q_map=MapSlot(1, box), k_map=MapSlot(2, box),
+                 v_map=MapSlot(3, box), do_map=MapSlot(0, box), rows=rows, dq_accum=dq_accum, dk=dk, dv=dv,
+                 **out_strides, **tail, win_left=mask.left, win_right=mask.right, cap_in=cap_in, cap_out=cap_out,
+                 **{n: masked[n] for n in ("cu_q", "cu_k", "max_q", "max_k", "fault")})
     else:
         dropping = bool(dropout_p)
         cfg = configs.sm80("bwd", d, dropping)
