@@ -32,7 +32,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
             to run). True: every gradient has the same bits on every call. On Hopper (head
             dims 64 and 128) dQ's adds into each query tile take turns in a fixed order of the
             key blocks; elsewhere (and for d64 with the softcap, packed d64 documents without a
-            mask, or an unmasked call whose key blocks outnumber the SMs) dQ has its own pass
+            mask, or an unmasked call whose key blocks outnumber half the SMs) dQ has its own pass
             (7 products). dk and dv are deterministic either way (a fixed-order sum over query
             tiles and heads).
 
@@ -168,9 +168,10 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
             and all(i in copied or _tma_readable(a) for i, a in enumerate(arrays[:4])))
     kblocks = -(-rows_k // cfg_sm90.block_keys) if hopper else 0
     pairs = groups * hkv
-    # deterministic on Hopper: dQ's adds in turns where the config allows (resident: the blocks
-    # of the grid at once, one an SM)
-    ordered = bool(deterministic and hopper and cfg_sm90.orders(d, mask.kind, kblocks, _kernels.sm_count(device),
+    # deterministic on Hopper: dQ's adds in turns where the config allows (resident: one block
+    # an SM, counted as half the SMs: kernels running beside this one, NCCL's under DDP, hold
+    # some, and an unmasked group's blocks wait on each other until all are resident)
+    ordered = bool(deterministic and hopper and cfg_sm90.orders(d, mask.kind, kblocks, _kernels.sm_count(device) // 2,
                                                               varlen is not None))
     # dQ's float32 partial sums (B, Sq, H, D), zeroed by the Dsum kernel, then added to by
     # atomics (or TMA reduce-add); deterministic, unless in turns: none (attention_bwd_dq).
