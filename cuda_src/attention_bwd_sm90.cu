@@ -36,8 +36,9 @@
 // walk, so that a block finds its turn come: with a mask, the highest key block first and the
 // grid launched that way (a key block waits only on blocks launched before it); without one,
 // key block n walks its query tiles from tile n M / N on (M tiles, N key blocks; the unmasked
-// grid launches a group's blocks together and needs them all resident: N <= the SMs, checked by
-// the front), and a tile's turns go in the order the blocks reach it.
+// grid launches a group's blocks together and needs them all resident: N <= half the SMs,
+// checked by the front), and a tile's turns go in the order the blocks reach it. (A turn waited
+// for in vain spins without end: the front's residency check is what rules that out.)
 // MASK (common/attn_mask.cuh): 0 none, 1 causal, 2 a window, whose block walks only the query
 // tiles between its keys' window edges. SOFTCAP (t = tanh(s scale / c)): P^T = exp2(c log2(e) t -
 // lse_log2) and dS^T = P^T (dP^T - Dsum) (1 - t^2) (see CAP_LATE for where 1 - t^2 is applied).

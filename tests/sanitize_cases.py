@@ -576,6 +576,7 @@ def attention_cases() -> list:
         # tiles fewer than key blocks), causal with Sq > Sk (the highest key block first)
         _attention_case("bfloat16", 128, "full", b=1, sq=300, sk=700, hkv=1, det=True),
         _attention_case("float16", 64, "causal", b=1, sq=700, sk=400, det=True),
+        _attention_case("bfloat16", 128, "window", b=1, sq=400, sk=500, det=True),
     ]
     j = 0
     for dtype in HALF_DTYPES:

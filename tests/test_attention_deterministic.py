@@ -64,8 +64,8 @@ def test_every_ordered_instance_is_compiled_by_the_check():
 # ---- the GPU -------------------------------------------------------------------------------------
 
 CASES = [
-    # (b, sq, sk, h, hkv, d, causal, window, softcap): unmasked (persistent), M != N, GQA;
-    # causal with Sq > Sk and Sq < Sk; a window; the softcap (a plain grid); d64 softcap (no turns)
+    # (b, sq, sk, h, hkv, d, causal, window, softcap): unmasked, M != N, GQA; causal with Sq > Sk
+    # and Sq < Sk; a window, and one open to the right; the softcap; d64 softcap (no turns)
     dict(b=2, sq=1024, sk=1024, h=4, hkv=2, d=128),
     dict(b=1, sq=700, sk=1500, h=2, hkv=1, d=64),
     dict(b=1, sq=1500, sk=600, h=4, hkv=4, d=128),
@@ -73,6 +73,7 @@ CASES = [
     dict(b=1, sq=1300, sk=900, h=2, hkv=2, d=64, causal=True),
     dict(b=1, sq=600, sk=1300, h=2, hkv=1, d=128, causal=True),
     dict(b=1, sq=1024, sk=1024, h=2, hkv=2, d=128, window=(300, 40)),
+    dict(b=1, sq=800, sk=1000, h=2, hkv=1, d=64, window=(200, -1)),
     dict(b=1, sq=900, sk=1100, h=2, hkv=1, d=128, softcap=20.0),
     dict(b=1, sq=900, sk=1100, h=2, hkv=1, d=64, softcap=20.0, causal=True),
 ]
@@ -143,8 +144,8 @@ def test_the_deterministic_backward_repeats_its_bits_and_matches_the_reference(c
 
 
 @gpu
-@pytest.mark.parametrize("causal", [False, True])
-def test_packed_documents_take_turns_in_their_own_tiles(causal):
+@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (False, (150, 30))])
+def test_packed_documents_take_turns_in_their_own_tiles(causal, window):
     """Packed documents of several key blocks each (and one shorter than a tile): each
     document's tiles have their own turns; bits repeated, values the reference's."""
     import cupy
@@ -153,27 +154,28 @@ def test_packed_documents_take_turns_in_their_own_tiles(causal):
     from arrays import assert_close, random_host, to_host
 
     _hopper_or_skip()
-    rng = np.random.default_rng(7 + causal)
+    rng = np.random.default_rng(7 + causal + window[0])
     lq, lk = [700, 90, 1100], [900, 90, 600]
     cu_q, cu_k = np.cumsum([0, *lq]).astype(np.int32), np.cumsum([0, *lk]).astype(np.int32)
     q = random_host(rng, (sum(lq), 4, 128), "bfloat16", scale=2.0)
     k, v = (random_host(rng, (sum(lk), 2, 128), "bfloat16", scale=s) for s in (2.0, 1.0))
     do = random_host(rng, q.shape, "bfloat16")
     dev = [cupy.asarray(a) for a in (q, k, v, do, cu_q, cu_k)]
-    out, lse = cukern.attention_varlen(*dev[:3], dev[4], dev[5], max(lq), max(lk), causal=causal, return_lse=True)
+    kw = dict(causal=causal, window=window)
+    out, lse = cukern.attention_varlen(*dev[:3], dev[4], dev[5], max(lq), max(lk), return_lse=True, **kw)
     with pytest.MonkeyPatch.context() as mp:
         names = _recording(mp)
         runs = [[to_host(g) for g in cukern.attention_varlen_backward(
-            dev[3], *dev[:3], out, lse, dev[4], dev[5], max(lq), max(lk), causal=causal, deterministic=True)]
+            dev[3], *dev[:3], out, lse, dev[4], dev[5], max(lq), max(lk), deterministic=True, **kw)]
             for _ in range(3)]
     assert [n for n in names if n.startswith("attention_bwd_sm90<")][0].endswith(", true>")
     assert _bits(runs[1]) == _bits(runs[0]) == _bits(runs[2])
-    expect = ref.attention_varlen_backward(do, q, k, v, None, None, cu_q, cu_k, max(lq), max(lk), causal=causal)
+    expect = ref.attention_varlen_backward(do, q, k, v, None, None, cu_q, cu_k, max(lq), max(lk), **kw)
     for i, (name, e) in enumerate(zip(("dq", "dk", "dv"), expect)):
         got = runs[0][i]
         for (q0, q1), (k0, k1) in zip(zip(cu_q[:-1], cu_q[1:]), zip(cu_k[:-1], cu_k[1:])):
             a, z = (q0, q1) if name == "dq" else (k0, k1)
-            sc = gradient_scales(do[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal, None)
+            sc = gradient_scales(do[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal, None, window)
             assert_close(got[a:z], e[a:z], "bfloat16", f"{name} of document {q0}:{q1}", tol=4e-2,
                          scale=sc[("dq", "dk", "dv").index(name)])
 
