@@ -15,8 +15,12 @@
 //   softcap's (1 - t^2) too), stores both as T by stmatrix in the 128-byte swizzle and arrives
 //   (ps_full);
 //   both then take their half: dV += P^T dO, dK += dS^T Q (A = P^T or dS^T read K-major, B = dO or
-//   Q read MN-major, as TMA stored them), dQ_half = dS K (A = dS^T read transposed), added into
-//   dq_accum by red.global.add.v2.f32.
+//   Q read MN-major, as TMA stored them), dQ_half = dS K (A = dS^T read transposed).
+// dQ is staged in the step's own Q and dO buffers once the products that read them are done (64
+// query rows x 256 columns float32: warpgroup w's half in the boxes of columns 128 w on) and added
+// into dq_accum by TMA reduce-add, 16 rows x 32 floats a box; the buffers are released to the
+// producer once the adds have read them, checked at the next step (red.global.add a pair of floats at a
+// time measured 1.26x the sm_80 kernel's forward+backward only: 32 reductions a thread a step).
 // A third warpgroup loads: K and V once, then Q, dO, lse_log2 and Dsum a query tile into a ring of
 // two buffers ("landed" and "released" mbarriers), and gives its registers to the other two.
 // Steps walk (head of the group, query tile) pairs, head-major; MASK (common/attn_mask.cuh): 0
@@ -33,12 +37,11 @@ namespace cuk {
 namespace attention {
 
 // attention_bwd_sm90_d256's parameters besides the tensor maps: rows (B, H, ceil(Sq / 64), 2, 64)
-// float32 (lse * log2(e) and Dsum a query tile), dq_accum (B, Sq, H, 256) float32, dK and dV
+// float32 (lse * log2(e) and Dsum a query tile), dK and dV
 // (B, Sk, Hkv, 256) with their strides in elements (batch, sequence, head), the problem.
 template <typename T>
 struct BwdD256Params {
     const float* rows;
-    float* dq_accum;
     T* dk;
     T* dv;
     long long dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh;
@@ -53,6 +56,7 @@ template <typename T, int MASK, bool SOFTCAP, int SMEM>
 __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_d256(
     const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
     const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
+    const __grid_constant__ CUtensorMap dq_map,   // dq_accum (B, Sq, H, 256) float32, boxes 16 x 32
     const __grid_constant__ cuk::attention::BwdD256Params<T> p)
 {
     constexpr int D = 256, DB = 4, BN = 64, BM = 64, STAGES = 2;
@@ -139,6 +143,13 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_d256(
         const unsigned char* const dob = do_s + buf * TILE;
         const float* const lrow = rows_s + buf * 2 * BM;
         const float* const drow = lrow + BM;
+        // The step before's buffers to the producer, once its dQ adds have read them (lane 0's
+        // bulk group): the next load into them has this step to land
+        if (it > 0) {
+            if (lane == 0) tma_store_wait_read<0>();
+            __syncwarp();
+            mbarrier_arrive(&bar_free[(it - 1) % STAGES]);
+        }
         mbarrier_wait(&bar_q[buf], (it / STAGES) & 1);
 
         // S^T = K Q^T (warpgroup 0) or dP^T = V dO^T (warpgroup 1): 64 keys x 64 queries
@@ -254,15 +265,28 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_d256(
             wgmma_hold(dk_acc);
         }
         mbarrier_arrive(&ps_free);          // (P^T and dS^T read)
-        mbarrier_arrive(&bar_free[buf]);    // (Q and dO read)
-        // dQ: rows m0 + 16 warp + g (+8), columns 128 wg + 8 j + 2 t (+1), queries past sq skipped
+        // dQ: rows m0 + 16 warp + g (+8), columns 128 wg + 8 j + 2 t (+1), staged by the warp as four
+        // boxes of 16 rows x 32 floats (128-byte swizzle: chunk c of row r at c ^ (r % 8)), then one
+        // TMA reduce-add a box (rows past sq are skipped by TMA). The staging is this warpgroup's
+        // own boxes of the step's Q and dO (columns 128 wg on: only its products read them, and
+        // those are done; the other warpgroup's S^T or dP^T read all four before ps_full): warps 0
+        // and 1 in Q's, 2 and 3 in dO's, 8 KB each.
+        {
+            unsigned char* const stage = (warp < 2 ? q_s : do_s) + buf * TILE + 2 * wg * BOX + (warp % 2) * 4 * 2048;
 #pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-            const int q = m0 + warp * 16 + g + 8 * rr;
-            if (q < sq) {
-                float* const dst = p.dq_accum + ((static_cast<long long>(b) * sq + q) * H + h_step) * D + 128 * wg + 2 * t;
+            for (int j = 0; j < 16; ++j)
 #pragma unroll
-                for (int j = 0; j < 16; ++j) attention::red_add2(dst + 8 * j, dq[4 * j + 2 * rr], dq[4 * j + 2 * rr + 1]);
+                for (int rr = 0; rr < 2; ++rr)
+                    *reinterpret_cast<float2*>(stage + (j / 4) * 2048 + (g + 8 * rr) * 128 +
+                                               (((2 * (j % 4) + t / 2) ^ g) << 4) + 8 * (t & 1)) =
+                        make_float2(dq[4 * j + 2 * rr], dq[4 * j + 2 * rr + 1]);
+            fence_proxy_async();
+            __syncwarp();
+            if (lane == 0) {
+#pragma unroll
+                for (int box = 0; box < 4; ++box)
+                    tma_reduce_add_4d(&dq_map, stage + box * 2048, 128 * wg + 32 * box, h_step, m0 + warp * 16, b);
+                tma_store_commit();
             }
         }
         if (++m_tile == m_first + per_head) {
@@ -271,6 +295,11 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_d256(
         }
     }
 
+    if (steps > 0) {   // (the last step's buffers: read before the block ends)
+        if (lane == 0) tma_store_wait_read<0>();
+        __syncwarp();
+        mbarrier_arrive(&bar_free[(steps - 1) % STAGES]);
+    }
     // dV and dK (scaled): this warpgroup's 64 keys x 128 columns, staged in its own two boxes of V
     // and K (every product has read them: the last step's dQ reads K's, the barrier below) and
     // written by whole rows

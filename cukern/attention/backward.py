@@ -232,7 +232,8 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
         box = (1, 64, 1, 64)
         b.launch(_kernels.kernel(cfg.instance(qa.dtype, mask.kind, bool(mask.softcap)), device),
                  (-(-rows_k // cfg.block_keys), pairs), q_map=MapSlot(1, box), k_map=MapSlot(2, box),
-                 v_map=MapSlot(3, box), do_map=MapSlot(0, box), rows=rows, dq_accum=dq_accum, dk=dk, dv=dv,
+                 v_map=MapSlot(3, box), do_map=MapSlot(0, box), dq_map=MapSlot(dq_accum.index, (1, 16, 1, 32)),
+                 rows=rows, dk=dk, dv=dv,
                  **out_strides, **tail, win_left=mask.left, win_right=mask.right, cap_in=cap_in, cap_out=cap_out,
                  **{n: masked[n] for n in ("cu_q", "cu_k", "max_q", "max_k", "fault")})
     else:
