@@ -255,7 +255,7 @@ class Sm90BwdConfig:
 class Sm90BwdD256Config:
     """attention_bwd_sm90_d256 (TMA + wgmma, sm_90a): head dim 256, 64 keys a block, two
     computing warpgroups splitting dK and dV by head-dim halves, query tiles of 64 rows in a ring
-    of two, and a producer warpgroup (384 threads). dQ by red.global.add (not deterministic)."""
+    of two, and a producer warpgroup (384 threads). dQ by TMA reduce-add (not deterministic)."""
     block_rows = 64
     block_keys = 64
 
