@@ -55,6 +55,7 @@
 #include "common/attn_tile.cuh"
 #include "common/attn_mask.cuh"
 #include "common/attn_params.cuh"
+#include "common/attn_turns.cuh"
 // (CUK_TRACE: warpgroup wg's stamps of the block and of its middle step, slots 10 wg + i: i = 0
 // entry, then in step steps / 2: 1 start, 2 Q and dO landed, 3 S^T done, 4 dV issued, 5 dS^T
 // stored, 6 dV done, 7 dK and dQ done, 8 step end; 9 dK written)
@@ -86,25 +87,6 @@ struct BwdSm90Params {
 
 namespace cuk {
 namespace attention {
-
-// ORDERED: key block `kblock`'s turn at query tile m of a head (see the top): without a mask
-// (MASK 0) the blocks in the order they reach the tile, counted from the last block whose walk
-// starts at or before it; with one, from the highest key block that sees it (`hi`: KeyMask's,
-// the last key a query row sees past its own index; the blocks that see a tile are consecutive,
-// up to that one).
-template <int MASK, int BM, int BN>
-__device__ __forceinline__ int dq_turn(int m, int kblock, int nblocks, int per_head, int hi) {
-    // (32-bit: query tiles times key blocks, and rows plus `hi`, stay far below 2^31; the 64-bit
-    // division spilled the writer's 24 registers)
-    int last;
-    if constexpr (MASK == 0) {
-        last = min(nblocks - 1, ((m + 1) * nblocks - 1) / per_head);
-    } else {
-        last = min(nblocks - 1, ((m + 1) * BM + hi - 1) / BN);
-    }
-    const int turn = last - kblock;
-    return MASK == 0 && turn < 0 ? turn + nblocks : turn;
-}
 
 // ORDERED: the adds of one (group, key block)'s dQ tiles into dq_accum, in its walk's order
 // (heads h0 .. h0 + rep - 1, each from tile m_first + rot through its per_head tiles and around),

@@ -1,5 +1,5 @@
 // Fused attention backward on Hopper (sm_90a) for head dim 256 (docs/notes-attention.md): TMA
-// tile loads, wgmma, dQ added into dq_accum (float32) by red.global.add. The rest of the backward
+// tile loads, wgmma, dQ added into dq_accum (float32) by TMA reduce-add. The rest of the backward
 // is attention_bwd.cu's: attention_bwd_dot (Dsum, and lse_log2 and Dsum in `rows`, tiles of
 // [2][64] floats loaded here by bulk copy with Q and dO; dq_accum zeroed) and
 // attention_bwd_dq_convert.
@@ -17,33 +17,44 @@
 //   both then take their half: dV += P^T dO, dK += dS^T Q (A = P^T or dS^T read K-major, B = dO or
 //   Q read MN-major, as TMA stored them), dQ_half = dS K (A = dS^T read transposed).
 // dQ is staged in the step's own Q and dO buffers once the products that read them are done (64
-// query rows x 256 columns float32: warpgroup w's half in the boxes of columns 128 w on) and added
-// into dq_accum by TMA reduce-add, 16 rows x 32 floats a box; the buffers are released to the
-// producer once the adds have read them, checked at the next step (red.global.add a pair of floats at a
-// time measured 1.26x the sm_80 kernel's forward+backward only: 32 reductions a thread a step).
+// query rows x 256 columns float32: warpgroup w's half in the boxes of columns 128 w on); the
+// computing warps arrive (dq_full, one a buffer) and the producer warpgroup's second warp adds the
+// tile into dq_accum by TMA reduce-add, 16 rows x 32 floats a box, and releases the buffers to the
+// producer once the adds have read them. (Added by each warp's lane 0, the adds' issue and the
+// wait for their reads stalled the computing warps; red.global.add a pair of floats at a time, 32
+// reductions a thread a step, was slower still: docs/notes-attention.md.)
 // A third warpgroup loads: K and V once, then Q, dO, lse_log2 and Dsum a query tile into a ring of
 // two buffers ("landed" and "released" mbarriers), and gives its registers to the other two.
 // Steps walk (head of the group, query tile) pairs, head-major; MASK (common/attn_mask.cuh): 0
 // none, 1 causal, 2 a window, whose block walks only the query tiles its keys' window reaches.
 // dK is scaled at the end; dq_accum is scaled by attention_bwd_dq_convert.
+// ORDERED (deterministic=True): dQ's adds into a query tile take turns in a fixed order of the key
+// blocks, as attention_bwd_sm90's ORDERED instances do (common/attn_turns.cuh): the writer waits
+// for the tile's turn before its adds and passes the turn on once they are complete. With a mask
+// the highest key block goes first (the grid's key blocks launched that way); without one key
+// block n starts its walk of a head at tile n M / N (all N of a group resident: checked by the
+// front).
 #include "common/dtype.cuh"
 #include "common/reduce.cuh"
 #include "common/hopper.cuh"
 #include "common/attn_tile.cuh"
 #include "common/attn_mask.cuh"
 #include "common/attn_params.cuh"
+#include "common/attn_turns.cuh"
 
 namespace cuk {
 namespace attention {
 
 // attention_bwd_sm90_d256's parameters besides the tensor maps: rows (B, H, ceil(Sq / 64), 2, 64)
 // float32 (lse * log2(e) and Dsum a query tile), dK and dV
-// (B, Sk, Hkv, 256) with their strides in elements (batch, sequence, head), the problem.
+// (B, Sk, Hkv, 256) with their strides in elements (batch, sequence, head), the problem;
+// ORDERED: a turn counter a `rows` query tile, zeroed (else null).
 template <typename T>
 struct BwdD256Params {
     const float* rows;
     T* dk;
     T* dv;
+    int* turns;
     long long dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh;
     Problem problem;
 };
@@ -52,7 +63,7 @@ struct BwdD256Params {
 }  // namespace cuk
 
 // SMEM: K, V, the Q and dO rings, P^T, dS^T, dP^T's exchange, lse_log2 and Dsum, 1 KB of slack.
-template <typename T, int MASK, bool SOFTCAP, int SMEM>
+template <typename T, int MASK, bool SOFTCAP, bool ORDERED, int SMEM>
 __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_d256(
     const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
     const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
@@ -65,6 +76,7 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_d256(
     constexpr int PS_BYTES = 64 * 128;               // P^T or dS^T: 64 key rows x 64 queries
     constexpr int DP_BYTES = 128 * 32 * 4;           // dP^T: warpgroup 1's 32 floats a thread
     constexpr int ROWS_BYTES = STAGES * 2 * BM * 4;
+    constexpr bool ROTATE = ORDERED && MASK == 0;   // (the unmasked walk's start, see the top)
     static_assert(SMEM == 2 * TILE + 2 * STAGES * TILE + 2 * PS_BYTES + DP_BYTES + ROWS_BYTES + 1024,
                   "SMEM: K, V, the Q and dO rings, P^T, dS^T, dP^T, lse and Dsum, alignment slack");
 #if CUK_SM90A
@@ -81,12 +93,14 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_d256(
     float4* const dp_x = reinterpret_cast<float4*>(dst_s + PS_BYTES);   // [8][128 threads] float4
     float* const rows_s = reinterpret_cast<float*>(dst_s + PS_BYTES + DP_BYTES);   // [STAGES][lse, Dsum][64]
     __shared__ unsigned long long bar_kv, bar_q[STAGES], bar_free[STAGES], dp_full, dp_free, ps_full, ps_free;
+    __shared__ unsigned long long dq_full[STAGES];   // (a buffer's staged dQ rows, to their writer)
 
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int i = 0; i < STAGES; ++i) {
             mbarrier_init(&bar_q[i], 1);
-            mbarrier_init(&bar_free[i], 256);
+            mbarrier_init(&bar_free[i], 1);   // (by dQ's writer)
+            mbarrier_init(&dq_full[i], 8);
         }
         mbarrier_init(&bar_kv, 1);
         mbarrier_init(&dp_full, 128);
@@ -97,7 +111,7 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_d256(
     }
     __syncthreads();
 
-    const int kblock = blockIdx.x, group = blockIdx.y;
+    const int kblock = ORDERED && MASK != 0 ? gridDim.x - 1 - blockIdx.x : blockIdx.x, group = blockIdx.y;
     const int b = group / Hkv, hk = group % Hkv, rep = H / Hkv;
     const int n0 = kblock * BN, diag = sk - sq;
     const attention::KeyMask<MASK> km(r.win_left, r.win_right, diag);
@@ -105,9 +119,14 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_d256(
     const int per_head = max(0, (km.stop_query(n0, BN, sq) + BM - 1) / BM - m_first);
     const int steps = per_head * rep;
     const int tiles = (sq + BM - 1) / BM;
+    // ORDERED: this group's key blocks, and ROTATE's first query tile of a head (see the top)
+    const int nblocks = (sk + BN - 1) / BN;
+    const int rot = ROTATE ? static_cast<int>(static_cast<long long>(kblock) * per_head / nblocks) : 0;
 
     auto load_q = [&](int it) {   // (the producer) Q, dO, lse_log2 and Dsum of step it
-        const int buf = it % STAGES, h = hk * rep + it / per_head, m = m_first + it % per_head;
+        int i = it % per_head + rot;
+        if (ROTATE && i >= per_head) i -= per_head;
+        const int buf = it % STAGES, h = hk * rep + it / per_head, m = m_first + i;
         mbarrier_arrive_expect_tx(&bar_q[buf], 2 * TILE + 2 * BM * 4);
         bulk_load(rows_s + buf * 2 * BM, p.rows + ((static_cast<long long>(b) * H + h) * tiles + m) * 2 * BM, 2 * BM * 4,
                   &bar_q[buf]);
@@ -125,7 +144,41 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_d256(
             tma_load_4d(v_s + db * BOX, &v_map, db * 64, hk, n0, b, &bar_kv);
         }
     }
-    if (!ring_loads<true, STAGES>(steps, bar_free, load_q)) return;   // (the producer is done)
+    // dQ's stage: warpgroup wg's warp w's four boxes in buffer buf (see the dQ adds below)
+    auto dq_stage = [&](int buf, int wg, int w) {
+        return (w < 2 ? q_s : do_s) + buf * TILE + 2 * wg * BOX + (w % 2) * 4 * 2048;
+    };
+    {   // (the producer warpgroup's second warp: dQ's writer, see the top)
+        auto write = [&]() {
+            int m = m_first + rot, h = hk * rep, in_head = 0;
+            for (int it = 0; it < steps; ++it) {
+                const int buf = it % STAGES;
+                mbarrier_wait(&dq_full[buf], (it / STAGES) & 1);
+                const int at = (b * H + h) * tiles + m;
+                if constexpr (ORDERED)
+                    turn_wait(p.turns + at, attention::dq_turn<MASK, BM, BN>(m, kblock, nblocks, per_head, km.hi));
+#pragma unroll
+                for (int w = 0; w < 8; ++w)
+#pragma unroll
+                    for (int box = 0; box < 4; ++box)
+                        tma_reduce_add_4d(&dq_map, dq_stage(buf, w / 4, w % 4) + box * 2048, 128 * (w / 4) + 32 * box,
+                                          h, m * BM + (w % 4) * 16, b);
+                tma_store_commit();
+                tma_store_wait_read<0>();
+                mbarrier_arrive(&bar_free[buf]);   // (the adds have read the buffers)
+                if constexpr (ORDERED) {
+                    tma_store_wait<0>();   // (the adds are complete: the turn passes on)
+                    turn_pass(p.turns + at);
+                }
+                if (++m == m_first + per_head) m = m_first;
+                if (++in_head == per_head) {   // (m is back at the head's first tile)
+                    in_head = 0;
+                    ++h;
+                }
+            }
+        };
+        if (!ring_loads<true, STAGES>(steps, bar_free, load_q, write)) return;   // (the producer is done)
+    }
 
     const int wg = warpgroup_index(), warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4, tid = threadIdx.x % 128;
@@ -136,20 +189,13 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_d256(
     mbarrier_wait(&bar_kv, 0);
     const unsigned long long kv_desc = wgmma_desc_sw128(wg == 0 ? k_s : v_s);   // (S^T from K, dP^T from V)
 
-    int m_tile = m_first, h_step = hk * rep;
+    int m_tile = m_first + rot;
     for (int it = 0; it < steps; ++it) {
         const int buf = it % STAGES, m0 = m_tile * BM;
         const unsigned char* const qb = q_s + buf * TILE;
         const unsigned char* const dob = do_s + buf * TILE;
         const float* const lrow = rows_s + buf * 2 * BM;
         const float* const drow = lrow + BM;
-        // The step before's buffers to the producer, once its dQ adds have read them (lane 0's
-        // bulk group): the next load into them has this step to land
-        if (it > 0) {
-            if (lane == 0) tma_store_wait_read<0>();
-            __syncwarp();
-            mbarrier_arrive(&bar_free[(it - 1) % STAGES]);
-        }
         mbarrier_wait(&bar_q[buf], (it / STAGES) & 1);
 
         // S^T = K Q^T (warpgroup 0) or dP^T = V dO^T (warpgroup 1): 64 keys x 64 queries
@@ -266,13 +312,13 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_d256(
         }
         mbarrier_arrive(&ps_free);          // (P^T and dS^T read)
         // dQ: rows m0 + 16 warp + g (+8), columns 128 wg + 8 j + 2 t (+1), staged by the warp as four
-        // boxes of 16 rows x 32 floats (128-byte swizzle: chunk c of row r at c ^ (r % 8)), then one
-        // TMA reduce-add a box (rows past sq are skipped by TMA). The staging is this warpgroup's
+        // boxes of 16 rows x 32 floats (128-byte swizzle: chunk c of row r at c ^ (r % 8)) for the
+        // writer's TMA reduce-adds, one a box (rows past sq are skipped by TMA). The staging is this warpgroup's
         // own boxes of the step's Q and dO (columns 128 wg on: only its products read them, and
         // those are done; the other warpgroup's S^T or dP^T read all four before ps_full): warps 0
         // and 1 in Q's, 2 and 3 in dO's, 8 KB each.
         {
-            unsigned char* const stage = (warp < 2 ? q_s : do_s) + buf * TILE + 2 * wg * BOX + (warp % 2) * 4 * 2048;
+            unsigned char* const stage = dq_stage(buf, wg, warp);
 #pragma unroll
             for (int j = 0; j < 16; ++j)
 #pragma unroll
@@ -282,24 +328,11 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_d256(
                         make_float2(dq[4 * j + 2 * rr], dq[4 * j + 2 * rr + 1]);
             fence_proxy_async();
             __syncwarp();
-            if (lane == 0) {
-#pragma unroll
-                for (int box = 0; box < 4; ++box)
-                    tma_reduce_add_4d(&dq_map, stage + box * 2048, 128 * wg + 32 * box, h_step, m0 + warp * 16, b);
-                tma_store_commit();
-            }
+            if (lane == 0) mbarrier_arrive(&dq_full[buf]);
         }
-        if (++m_tile == m_first + per_head) {
-            m_tile = m_first;
-            ++h_step;
-        }
+        if (++m_tile == m_first + per_head) m_tile = m_first;
     }
 
-    if (steps > 0) {   // (the last step's buffers: read before the block ends)
-        if (lane == 0) tma_store_wait_read<0>();
-        __syncwarp();
-        mbarrier_arrive(&bar_free[(steps - 1) % STAGES]);
-    }
     // dV and dK (scaled): this warpgroup's 64 keys x 128 columns, staged in its own two boxes of V
     // and K (every product has read them: the last step's dQ reads K's, the barrier below) and
     // written by whole rows

@@ -577,6 +577,9 @@ def attention_cases() -> list:
         _attention_case("bfloat16", 128, "full", b=1, sq=300, sk=700, hkv=1, det=True),
         _attention_case("float16", 64, "causal", b=1, sq=700, sk=400, det=True),
         _attention_case("bfloat16", 128, "window", b=1, sq=400, sk=500, det=True),
+        # ... and head dim 256's kernel: unmasked with GQA (rotated walks), a window
+        _attention_case("bfloat16", 256, "full", b=1, sq=300, sk=200, hkv=1, det=True),
+        _attention_case("float16", 256, "window", b=1, sq=200, sk=300, det=True),
     ]
     j = 0
     for dtype in HALF_DTYPES:

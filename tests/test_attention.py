@@ -341,7 +341,9 @@ def test_the_sm90_backward_takes_tensor_maps_of_the_inputs(host_arrays_as_device
     assert steps[1][1].name.startswith("attention_bwd_sm90<cuk::half, 64, 64, 2, 1, true, false, false, ")
     assert steps[1][1].name.endswith(", false>") and steps[1][1].threads == 256
     assert launches(128, (8, 0))[1][1].name.startswith("attention_bwd_dkdv<")          # A100
-    assert launches(256, (9, 0))[1][1].name.startswith("attention_bwd_dkdv<")          # no Hopper config
+    assert launches(256, (9, 0))[1][1].name.startswith("attention_bwd_sm90_d256<")     # a kernel of its own
+    assert launches(256, (9, 0), deterministic=True)[1][1].name.startswith("attention_bwd_sm90_d256<cuk::half, 1, "
+                                                                           "false, true, ")   # (dQ in turns)
     assert launches(128, (9, 0), kv_heads=1)[1][1].name.startswith("attention_bwd_dkdv<")   # stride-0 heads
     monkeypatch.setattr(attn.configs, "CONFIGS", dataclasses.replace(attn.configs.CONFIGS, use_sm90_bwd=False))
     assert launches(128, (9, 0))[1][1].name.startswith("attention_bwd_dkdv<")          # switched off

@@ -162,17 +162,20 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
               and all(i in copied or _tma_readable(a) for i, a in enumerate(arrays[:4])))
     which = "bwd_sm90_softcap" if mask.softcap else "bwd_sm90"
     cfg_sm90 = configs.get(which, d) if hopper else None
-    # head dim 256 on Hopper: its own kernel (dense, dQ by atomics)
-    wide = (configs.use_sm90_bwd_d256 and d == 256 and dv_ == d and not dropout_p and not deterministic
+    # head dim 256 on Hopper: its own kernel (dense; dQ by TMA reduce-adds, deterministic in turns)
+    wide = (configs.use_sm90_bwd_d256 and d == 256 and dv_ == d and not dropout_p
             and varlen is None and _kernels.compute_capability(device) == (9, 0)
             and all(i in copied or _tma_readable(a) for i, a in enumerate(arrays[:4])))
-    kblocks = -(-rows_k // cfg_sm90.block_keys) if hopper else 0
+    kblocks = (-(-rows_k // cfg_sm90.block_keys) if hopper else
+               -(-rows_k // configs.bwd_sm90_d256.block_keys) if wide else 0)
     pairs = groups * hkv
     # deterministic on Hopper: dQ's adds in turns where the config allows (resident: one block
     # an SM, counted as half the SMs: kernels running beside this one, NCCL's under DDP, hold
     # some, and an unmasked group's blocks wait on each other until all are resident)
-    ordered = bool(deterministic and hopper and cfg_sm90.orders(d, mask.kind, kblocks, _kernels.sm_count(device) // 2,
-                                                              varlen is not None))
+    resident = _kernels.sm_count(device) // 2 if deterministic and (hopper or wide) else 0
+    ordered = bool(deterministic and hopper and cfg_sm90.orders(d, mask.kind, kblocks, resident, varlen is not None))
+    if wide and deterministic:   # (d256 in turns, else the sm_80 kernels' dQ pass)
+        wide = ordered = configs.bwd_sm90_d256.orders(mask.kind, kblocks, resident)
     # dQ's float32 partial sums (B, Sq, H, D), zeroed by the Dsum kernel, then added to by
     # atomics (or TMA reduce-add); deterministic, unless in turns: none (attention_bwd_dq).
     dq_accum = b.alloc((batch, sq, h, d), "float32") if ordered or not deterministic else None
@@ -230,10 +233,10 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
     elif wide:
         cfg = configs.bwd_sm90_d256
         box = (1, 64, 1, 64)
-        b.launch(_kernels.kernel(cfg.instance(qa.dtype, mask.kind, bool(mask.softcap)), device),
-                 (-(-rows_k // cfg.block_keys), pairs), q_map=MapSlot(1, box), k_map=MapSlot(2, box),
+        b.launch(_kernels.kernel(cfg.instance(qa.dtype, mask.kind, bool(mask.softcap), ordered), device),
+                 (kblocks, pairs), q_map=MapSlot(1, box), k_map=MapSlot(2, box),
                  v_map=MapSlot(3, box), do_map=MapSlot(0, box), dq_map=MapSlot(dq_accum.index, (1, 16, 1, 32)),
-                 rows=rows, dk=dk, dv=dv,
+                 rows=rows, dk=dk, dv=dv, turns=turns,
                  **out_strides, **tail, win_left=mask.left, win_right=mask.right, cap_in=cap_in, cap_out=cap_out,
                  **{n: masked[n] for n in ("cu_q", "cu_k", "max_q", "max_k", "fault")})
     else:

@@ -255,9 +255,16 @@ class Sm90BwdConfig:
 class Sm90BwdD256Config:
     """attention_bwd_sm90_d256 (TMA + wgmma, sm_90a): head dim 256, 64 keys a block, two
     computing warpgroups splitting dK and dV by head-dim halves, query tiles of 64 rows in a ring
-    of two, and a producer warpgroup (384 threads). dQ by TMA reduce-add (not deterministic)."""
+    of two, and a producer warpgroup (384 threads), whose second warp adds dQ by TMA
+    reduce-add; deterministic=True takes the ORDERED instances (the adds in turns)."""
     block_rows = 64
     block_keys = 64
+
+    def orders(self, mask: int, kblocks: int, resident: int) -> bool:
+        """Whether deterministic=True can add dQ in turns here: with a mask always (a key block
+        waits only on blocks launched before it), without one where a (batch, kv head) group's
+        ``kblocks`` key blocks are ``resident`` together (they wait on each other's turns)."""
+        return int(mask) != 0 or kblocks <= resident
 
     def smem(self) -> int:
         """K and V (64 x 256), the Q and dO rings (2 x 64 x 256 each), P^T and dS^T (64 x 64),
@@ -265,10 +272,10 @@ class Sm90BwdD256Config:
         tile = 64 * 256 * 2
         return 2 * tile + 4 * tile + 2 * 64 * 128 + 128 * 32 * 4 + 2 * 2 * 64 * 4 + 1024
 
-    def instance(self, dtype: str, mask: int, softcap: bool = False) -> Instance:
+    def instance(self, dtype: str, mask: int, softcap: bool = False, ordered: bool = False) -> Instance:
         smem = self.smem()
         return Instance(SM90_BWD_D256_SOURCE, f"attention_bwd_sm90_d256<{_ctype(dtype)}, {int(mask)}, {_b(softcap)}, "
-                        f"{smem}>", 384, smem, "sm_90a")
+                        f"{_b(ordered)}, {smem}>", 384, smem, "sm_90a")
 
 
 @dataclass(frozen=True)
@@ -343,9 +350,9 @@ class Configs:
                                                                (128, Sm90BwdConfig(64, producer=True)))
     # (packed documents take the same configs: their span is kept in uniform registers)
     use_sm90_bwd: bool = True
-    # Head dim 256's Hopper backward (dense, not deterministic, no dropout); off until measured.
+    # Head dim 256's Hopper backward (dense, not deterministic, no dropout).
     bwd_sm90_d256: Sm90BwdD256Config = Sm90BwdD256Config()
-    use_sm90_bwd_d256: bool = False
+    use_sm90_bwd_d256: bool = True
     # Dropout runs on the sm_80 kernels on every GPU, with these configs where the default's
     # spill with the draw's registers (d32 and d64: half-width key sub-tiles; d64's backward as
     # d96's; d128's and d256's backward with 32-query steps: d128's default spilled 4 B under
@@ -419,7 +426,7 @@ CONFIGS = Configs(
     dq=((32, DqConfig(4, 64)), (64, DqConfig(4, 64)), (96, DqConfig(4, 64)), (128, DqConfig(4, 64)),
         (192, DqConfig(4, 32)), (256, DqConfig(4, 32))),
     use_sm90=not SM80_ONLY, use_sm90_bwd=not SM80_ONLY,
-    use_sm90_bwd_d256=not SM80_ONLY and os.environ.get("CUKERN_ATTENTION_BWD_D256") == "1",
+    use_sm90_bwd_d256=not SM80_ONLY and os.environ.get("CUKERN_ATTENTION_BWD_D256", "1") not in ("", "0"),
 )
 HEAD_DIMS = CONFIGS.head_dims
 BWD_HEAD_DIMS = CONFIGS.bwd_head_dims
@@ -442,7 +449,8 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
         for varlen in (False, True):
             out += [cfg.instance(dt, d, m, det, softcap, varlen, ordered) for dt in DTYPES for d, cfg in table
                     for m in (0, 1, 2) for det, ordered in modes if not ordered or cfg.orders(d, m, 1, 1, varlen)]
-    out += [configs.bwd_sm90_d256.instance(dt, m, cap) for dt in DTYPES for m in (0, 1, 2) for cap in (False, True)]
+    out += [configs.bwd_sm90_d256.instance(dt, m, cap, o) for dt in DTYPES for m in (0, 1, 2) for cap in (False, True)
+            for o in (False, True)]
     out += list({cfg.rows_instance().name: cfg.rows_instance()
                  for _, cfg in configs.bwd_sm90 + configs.bwd_sm90_softcap}.values())
     out.append(configs.sink())
