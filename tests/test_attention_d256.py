@@ -99,26 +99,37 @@ CASES = [
 ]
 
 
-@gpu
-@pytest.mark.parametrize("c", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_the_d256_backward_matches_the_reference(c, dtype):
+def _gpu_inputs(c, dtype, seed):
+    """Case ``c`` filled in, its random inputs on the host and on the device (torch for float16,
+    CuPy for bfloat16), the mask's arguments, the framework, and the forward's out and lse; skips
+    off Hopper."""
     import cukern
-    from arrays import assert_close, poison_allocator, random_host, to_device
+    from arrays import random_host, to_device
     from cukern import _kernels
 
     if _kernels.compute_capability(0) != (9, 0):
         pytest.skip("the d256 Hopper kernel needs an sm_90 GPU")
     c = dict(dict(causal=False, window=(-1, -1), softcap=0.0), **c)
-    rng = np.random.default_rng(c["sq"] * 7 + c["sk"])
+    rng = np.random.default_rng(seed)
     q = random_host(rng, (c["b"], c["sq"], c["h"], 256), dtype, scale=2.0)
     k = random_host(rng, (c["b"], c["sk"], c["hkv"], 256), dtype, scale=2.0)
     v = random_host(rng, (c["b"], c["sk"], c["hkv"], 256), dtype)
     do = random_host(rng, q.shape, dtype)
     kw = dict(causal=c["causal"], window=c["window"], softcap=c["softcap"])
     fw = "torch" if dtype == "float16" else "cupy"
-    qd, kd, vd, dod = (to_device(a, fw) for a in (q, k, v, do))
-    out, lse = cukern.attention(qd, kd, vd, return_lse=True, **kw)
+    dev = tuple(to_device(a, fw) for a in (q, k, v, do))
+    out, lse = cukern.attention(*dev[:3], return_lse=True, **kw)
+    return c, (q, k, v, do), dev, kw, fw, out, lse
+
+
+@gpu
+@pytest.mark.parametrize("c", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_d256_backward_matches_the_reference(c, dtype):
+    import cukern
+    from arrays import assert_close, poison_allocator
+
+    c, (q, k, v, do), (qd, kd, vd, dod), kw, fw, out, lse = _gpu_inputs(c, dtype, c["sq"] * 7 + c["sk"])
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(attn.configs, "CONFIGS", _configs(True))
         poison_allocator(fw, [q.nbytes, k.nbytes, k.nbytes])
@@ -147,21 +158,10 @@ def test_the_d256_deterministic_backward_repeats_its_bits_and_matches_the_refere
     """deterministic=True: the ordered instance (dQ's adds in turns), the same bits on every
     call, the reference's values, and the default's dq but for the order of its sums."""
     import cukern
-    from arrays import assert_close, random_host, to_device, to_host
+    from arrays import assert_close, to_host
     from cukern import _kernels
 
-    if _kernels.compute_capability(0) != (9, 0):
-        pytest.skip("the d256 Hopper kernel needs an sm_90 GPU")
-    c = dict(dict(causal=False, window=(-1, -1), softcap=0.0), **c)
-    rng = np.random.default_rng(c["sq"] * 5 + c["sk"] + c["h"])
-    q = random_host(rng, (c["b"], c["sq"], c["h"], 256), dtype, scale=2.0)
-    k = random_host(rng, (c["b"], c["sk"], c["hkv"], 256), dtype, scale=2.0)
-    v = random_host(rng, (c["b"], c["sk"], c["hkv"], 256), dtype)
-    do = random_host(rng, q.shape, dtype)
-    kw = dict(causal=c["causal"], window=c["window"], softcap=c["softcap"])
-    fw = "torch" if dtype == "float16" else "cupy"
-    qd, kd, vd, dod = (to_device(a, fw) for a in (q, k, v, do))
-    out, lse = cukern.attention(qd, kd, vd, return_lse=True, **kw)
+    c, (q, k, v, do), (qd, kd, vd, dod), kw, fw, out, lse = _gpu_inputs(c, dtype, c["sq"] * 5 + c["sk"] + c["h"])
     seen = []
     real = _kernels.kernel
     with pytest.MonkeyPatch.context() as mp:
