@@ -2,7 +2,8 @@
 --backward, attention_bwd_sm90) built with CUK_TRACE (cuda_src/common/trace.cuh), run once, and
 its per-block clock stamps read back.
 
-    python3 tools/trace_attention.py [B H S D] [--causal] [--backward]   (default 32 16 2048 128)
+    python3 tools/trace_attention.py [B H S D] [--causal] [--backward [--deterministic]]
+                                      (default 32 16 2048 128)
 
 Prints, per computing warpgroup, the median microseconds of each phase of a block (entry to Q
 landed; the first S = Q K^T; its softmax; a key tile of the loop, the last P V included; the
@@ -11,7 +12,8 @@ the whole block, and the gap between one block's end and the next block's start 
 The phases inside the loop need the config's OVERLAP form (the shipped d128 and d64-full ones).
 --backward prints, per computing warpgroup, the median microseconds of each phase of a block's
 middle step (Q and dO landed; S^T; its softmax and the dV issue; dP^T, dS^T and its stores; the
-wait for dV; dK and the step before's dQ; dQ's store), the step, and the block over its steps.
+wait for dV; dK and the step before's dQ; dQ's store), the step, and the block over its steps;
+--deterministic traces the ORDERED instance (dQ's adds in turns) with deterministic=True.
 """
 import ctypes
 import dataclasses
@@ -27,6 +29,7 @@ def main():
     from cukern import _driver, _kernels, _sources
 
     backward = "--backward" in sys.argv
+    deterministic = backward and "--deterministic" in sys.argv
     traced = "attention_bwd_sm90.cu" if backward else "attention_fwd_sm90.cu"
     load = _sources.load_source
     _sources.load_source = lambda name: ("#define CUK_TRACE 1\n" + load(name)) if name == traced else load(name)
@@ -40,8 +43,9 @@ def main():
     if backward:
         cfg = attn.configs.CONFIGS.get("bwd_sm90", D)
         out, lse = attn.attention(q, k, v, causal=causal, return_lse=True)
-        run = lambda: attn.attention_backward(do, q, k, v, out, lse, causal=causal)   # noqa: E731
-        inst = cfg.instance("bfloat16", D, causal, False)
+        run = lambda: attn.attention_backward(do, q, k, v, out, lse, causal=causal,   # noqa: E731
+                                              deterministic=deterministic)
+        inst = cfg.instance("bfloat16", D, causal, deterministic, ordered=deterministic)
     else:
         # (a persistent config is traced in its one-block-a-work-tile form: the record is a block's)
         cfg = dataclasses.replace(attn.configs.CONFIGS.sm90_forward(D, causal), persistent=False)
@@ -58,7 +62,7 @@ def main():
     run()
     torch.cuda.synchronize()
     print(f"{torch.cuda.get_device_name()}: B{B} H{H} S{S} d{D}{' causal' if causal else ''}"
-          f"{' backward' if backward else ''}, {cfg}")
+          f"{' backward' if backward else ''}{' deterministic' if deterministic else ''}, {cfg}")
     if backward:
         _report_backward(cupy.asnumpy(trace), B, H, S, cfg, causal)
     else:
