@@ -381,13 +381,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
                 tma_store_wait_read<0>();
             }
             __syncwarp();
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-#pragma unroll
-                for (int r = 0; r < 2; ++r)
-                    *reinterpret_cast<float2*>(stage + (j / 4) * 2048 + (g + 8 * r) * 128 +
-                                               (((2 * (j % 4) + t / 2) ^ g) << 4) + 8 * (t & 1)) =
-                        make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
+            stage_rows_sw128(stage, dq, g, t);
             if constexpr (VARLEN) {
                 // (the rows past the document zeroed once staged, dq's registers dead by then: a
                 // test in the stores above spilled d128's producer instance)

@@ -319,13 +319,7 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_d256(
         // and 1 in Q's, 2 and 3 in dO's, 8 KB each.
         {
             unsigned char* const stage = dq_stage(buf, wg, warp);
-#pragma unroll
-            for (int j = 0; j < 16; ++j)
-#pragma unroll
-                for (int rr = 0; rr < 2; ++rr)
-                    *reinterpret_cast<float2*>(stage + (j / 4) * 2048 + (g + 8 * rr) * 128 +
-                                               (((2 * (j % 4) + t / 2) ^ g) << 4) + 8 * (t & 1)) =
-                        make_float2(dq[4 * j + 2 * rr], dq[4 * j + 2 * rr + 1]);
+            stage_rows_sw128(stage, dq, g, t);
             fence_proxy_async();
             __syncwarp();
             if (lane == 0) mbarrier_arrive(&dq_full[buf]);

@@ -111,6 +111,21 @@ __device__ __forceinline__ void turn_pass(int* counter) {
 #endif
 }
 
+// A warp's 16 rows of float32 accumulators in the wgmma layout (rows g and g + 8, columns
+// 8 j + 2 t (+1), j < N / 4) staged as N / 16 boxes of 16 rows x 32 floats, 2048 bytes apart, in
+// the 128-byte swizzle (chunk c of row r at c ^ (r % 8): conflict-free stores), as a TMA store or
+// reduce-add of such boxes reads them.
+template <int N>
+__device__ __forceinline__ void stage_rows_sw128(unsigned char* stage, const float (&acc)[N], int g, int t) {
+#pragma unroll
+    for (int j = 0; j < N / 4; ++j)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+            *reinterpret_cast<float2*>(stage + (j / 4) * 2048 + (g + 8 * r) * 128 +
+                                       (((2 * (j % 4) + t / 2) ^ g) << 4) + 8 * (t & 1)) =
+                make_float2(acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
+}
+
 // Rows first .. rows - 1 of two tiles `a` and `b`, each of `boxes` boxes of `rows` 128-byte rows
 // (box_bytes apart), set to zero by the 128 threads of a warpgroup and made visible to its own
 // next wgmma (fenced for the async proxy, then its barrier `bar`). A whole row of a
