@@ -26,7 +26,8 @@ class Case:
     and ``torch_fn`` take that dict and return the output tensor or a tuple of outputs in the
     same order (compared once, outside the timing). ``nbytes`` is the floor of bytes that must
     move; ``flops`` is set for FLOP-bound cases, which are then reported in TFLOP/s against the
-    matrix rate instead of GB/s against the copy bandwidth.
+    matrix rate instead of GB/s against the copy bandwidth. ``compares`` False: the two draw
+    different random numbers (dropout), so their outputs are not compared.
     """
     name: str
     family: str
@@ -37,6 +38,7 @@ class Case:
     cukern_fn: Callable[[dict], Any]
     torch_fn: Callable[[dict], Any]
     flops: int | None = None
+    compares: bool = True
 
     shape_label = property(lambda self: _shape_label(self.shape))
 

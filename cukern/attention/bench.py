@@ -128,7 +128,66 @@ def bench_cases(quick: bool) -> list:
                               elements_bytes((8 * B, S, H, D), dt), functools.partial(make, grad=True),
                               functools.partial(_fwd_bwd, causal=causal), peer, flops=int(3.5 * flops)))
     return (cases + deterministic_bench_cases(quick) + mask_bench_cases(quick) + sink_bench_cases(quick)
-            + mla_bench_cases(quick))
+            + mla_bench_cases(quick) + dropout_bench_cases(quick))
+
+
+# ---- dropout (GPT-2's configs train with 0.1): against SDPA with the same dropout ----------------
+
+DROPOUT = {"full": [(16, 16, 2048, 64, True), (8, 16, 2048, 128, True), (8, 16, 2048, 128, False)],
+           "quick": [(4, 16, 2048, 64, True), (2, 16, 2048, 128, True), (2, 16, 2048, 128, False)],
+           "p": 0.1}
+
+
+def _dropout_inputs(B, H, S, D, dtype, seed, *, grad=False) -> dict:
+    """``_inputs`` and the draw's (seed, offset), (2,) int64 on the device."""
+    import torch
+
+    t = _inputs(B, H, S, D, dtype, seed, grad=grad)
+    t["rng"] = torch.tensor([seed, 0], dtype=torch.int64, device=t["q"].device)
+    return t
+
+
+def _dropout_fwd(t, causal):
+    return attention(t["q"], t["k"], t["v"], causal=causal, dropout_p=DROPOUT["p"], dropout_rng=t["rng"])
+
+
+def _dropout_fwd_bwd(t, causal):
+    kw = dict(causal=causal, dropout_p=DROPOUT["p"], dropout_rng=t["rng"])
+    out, lse = attention(t["q"], t["k"], t["v"], return_lse=True, **kw)
+    return (out, *attention_backward(t["do"], t["q"], t["k"], t["v"], out, lse, **kw))
+
+
+def _sdpa_dropout(t, causal, backward=False):
+    """PyTorch's SDPA with the same dropout (its own backend choice: FlashAttention-2's kernels)."""
+    import torch
+    import torch.nn.functional as F
+
+    q, k, v = t["leaves"] if backward else (t[n] for n in ("q", "k", "v"))
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+                                         dropout_p=DROPOUT["p"]).transpose(1, 2)
+    if not backward:
+        return out
+    return (out.detach(), *torch.autograd.grad(out, t["leaves"], t["do"]))
+
+
+def dropout_bench_cases(quick: bool) -> list:
+    """Attention with dropout 0.1, forward and forward+backward, against PyTorch's SDPA with the
+    same dropout (FLOPs as ``bench_cases`` counts them; the draw is not counted; the two draw
+    different masks, so the outputs are not compared)."""
+    dt, cases = WORKLOAD["dtype"], []
+    for B, H, S, D, causal in DROPOUT["quick" if quick else "full"]:
+        flops = 4 * B * H * S * S * D // (2 if causal else 1)
+        tag = f"attention dropout{' causal' if causal else ''} d{D}"
+        make = functools.partial(_dropout_inputs, B, H, S, D, dt)
+        cases.append(Case(f"{tag} fwd vs sdpa", "attention", (B, H, S, D), dt, elements_bytes((4 * B, S, H, D), dt),
+                          make, functools.partial(_dropout_fwd, causal=causal),
+                          functools.partial(_sdpa_dropout, causal=causal), flops=flops, compares=False))
+        cases.append(Case(f"{tag} fwd+bwd vs sdpa", "attention", (B, H, S, D), dt,
+                          elements_bytes((8 * B, S, H, D), dt), functools.partial(make, grad=True),
+                          functools.partial(_dropout_fwd_bwd, causal=causal),
+                          functools.partial(_sdpa_dropout, causal=causal, backward=True), flops=int(3.5 * flops),
+                          compares=False))
+    return cases
 
 
 def _with_forward(make, causal, seed):
