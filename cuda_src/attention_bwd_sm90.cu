@@ -49,6 +49,15 @@
 // tests are combined by & and |, not && and ||: ptxas's layout of the short-circuit form cost
 // 2-4% at d128 and 11-19% with a window (A/B on an H200, docs/notes-attention.md). Packed causal
 // documents keep the short-circuit form (5% faster there); with a window they take | (9% faster).
+// DROPOUT (dense, no softcap): common/attn_dropout.cuh's draw, the weights the forward dropped:
+// dV += (P^T Z) dO (Z the keep bits; dV scaled by drop_rescale at the end) and dS^T = P^T (Z
+// dP^T drop_rescale - Dsum), FlashAttention-2's algebra (Dsum from the dropped output). A
+// thread holds keys key0 and key0 + 8 of query columns 8 j + 2 t + c: one Philox call (query,
+// key0's 32) serves both keys of a column and the same of its quad partner g ^ 1 (the other
+// half of each word), so each of the two draws the calls of its own column parity and hands
+// the partner's bits over by one shuffle a 32 bits: a quarter of a call a score (handing the
+// other warp's half over through shared memory as well measured slower, docs/notes-attention.md).
+// The draws are issued beside S^T's and dP^T's products, which do not wait for them.
 #include "common/dtype.cuh"
 #include "common/reduce.cuh"
 #include "common/hopper.cuh"
@@ -56,6 +65,7 @@
 #include "common/attn_mask.cuh"
 #include "common/attn_params.cuh"
 #include "common/attn_turns.cuh"
+#include "common/attn_dropout.cuh"
 // (CUK_TRACE: warpgroup wg's stamps of the block and of its middle step, slots 10 wg + i: i = 0
 // entry, then in step steps / 2: 1 start, 2 Q and dO landed, 3 S^T done, 4 dV issued, 5 dS^T
 // stored, 6 dV done, 7 dK and dQ done, 8 step end; 9 dK written)
@@ -70,7 +80,9 @@ namespace attention {
 // attention_bwd_sm90's parameters besides the tensor maps: rows (B, H, ceil(Sq / BM), 2, BM)
 // float32, lse * log2(e) and Dsum a query tile (VARLEN: (1, H, ceil(Sq / BM) + documents, 2,
 // BM), see the end), dK and dV (B, Sk, Hkv, D) with their strides in elements (batch, sequence,
-// head), the problem, and the (batch, key head) groups of the persistent walk.
+// head), the problem, the (batch, key head) groups of the persistent walk, and dropout's
+// (DROPOUT instances): the seed and offset (2,) int64, the drop threshold (p 2^16) and
+// 1 / (1 - p).
 template <typename T>
 struct BwdSm90Params {
     const float* rows;
@@ -80,6 +92,9 @@ struct BwdSm90Params {
     Problem problem;
     int groups;
     int* turns;   // ORDERED: a counter a `rows` query tile, zeroed (else null)
+    const long long* drop_rng;
+    unsigned int drop_threshold;
+    float drop_rescale;
 };
 
 }  // namespace attention
@@ -130,7 +145,7 @@ __device__ __forceinline__ void dq_write_unit(const CUtensorMap* dq_map, const u
 // SMEM: the launch's dynamic shared memory: K, V, the Q and dO rings, two dS^T buffers and the
 // dQ staging boxes (DQ_ATOMIC), the lse_log2 and Dsum ring, 1 KB of alignment slack.
 template <typename T, int D, int BM, int STAGES, int MASK, bool SOFTCAP, bool DQ_ATOMIC, bool PRODUCER, int SMEM,
-          bool VARLEN, bool PERSISTENT, bool ORDERED>
+          bool VARLEN, bool PERSISTENT, bool ORDERED, bool DROPOUT>
 __device__ __forceinline__ void attention_bwd_sm90_body(
     const CUtensorMap& q_map, const CUtensorMap& k_map,
     const CUtensorMap& v_map, const CUtensorMap& do_map,
@@ -141,7 +156,8 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
     long long dk_sb, long long dk_ss, long long dk_sh, long long dv_sb, long long dv_ss, long long dv_sh,
     int H, int Hkv, int Sq, int Sk, float scale, float scale_log2, int win_left, int win_right, float cap_in,
     float cap_out, const int* __restrict__ cu_q, const int* __restrict__ cu_k, int max_q, int max_k,
-    long long* __restrict__ fault, int groups, int* __restrict__ turns)
+    long long* __restrict__ fault, int groups, int* __restrict__ turns, const long long* __restrict__ drop_rng,
+    unsigned int drop_threshold, float drop_rescale)
 {
     constexpr bool CAUSAL = MASK == 1;
     constexpr int BN = 128, DB = D / 64;            // DB: 64-column boxes of a row
@@ -177,6 +193,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
     // fence for both stores: 1-4% at d128, 2-3% with the softcap, 0-2% with a window (A/B on an
     // H200); where dK runs first (d128 causal) the later publication cost 5-7% (on an H100).
     constexpr bool ONE_FENCE = DQ_FIRST;
+    static_assert(!DROPOUT || (!SOFTCAP && !VARLEN), "DROPOUT: dense, no softcap");
 #if CUK_SM90A
     using namespace cuk;
     extern __shared__ unsigned char smem_raw[];
@@ -189,10 +206,16 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
     float* const rows_s = reinterpret_cast<float*>(dq_s + DQ_STAGE);   // [STAGES][lse_log2, Dsum][BM]
     __shared__ unsigned long long bar_kv, bar_q[STAGES], bar_free[STAGES], ds_full[2], ds_free[2], kv_free;
     __shared__ unsigned long long dq_full, dq_empty;   // (ORDERED: the staged dQ rows, handed to their writer)
+    __shared__ unsigned int drop_sh[DROPOUT ? 3 : 1];   // (DROPOUT: the seed's halves and the offset)
     static_assert(!PERSISTENT || (PRODUCER && DQ_ATOMIC && MASK == 0 && !VARLEN),
                   "PERSISTENT: no mask, not packed, dQ by atomics, a producer warpgroup");
 
     if (threadIdx.x == 0) {
+        if constexpr (DROPOUT) {
+            const attention::DropoutDraw d = attention::DropoutDraw::load(drop_rng, drop_threshold);
+            drop_sh[0] = static_cast<unsigned int>(d.seed), drop_sh[1] = static_cast<unsigned int>(d.seed >> 32);
+            drop_sh[2] = d.offset;
+        }
 #pragma unroll
         for (int i = 0; i < STAGES; ++i) {
             mbarrier_init(&bar_q[i], 1);
@@ -457,6 +480,33 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
                                  wgmma_desc_advance(do_desc, (ks / 4) * Q_BOX + (ks % 4) * 32), ks > 0);
             wgmma_commit();
 
+            // DROPOUT: the keep bits of this thread's scores, score 4 j + e at bit (4 j + e) % 32 of
+            // keep[j / 8] (see the top)
+            unsigned int keep[DROPOUT ? BM / 32 : 1];
+            if constexpr (DROPOUT) {
+                const unsigned int par = g & 1, mine = 16 * par, theirs = 16 - mine;
+                const unsigned int call = dropout_call(static_cast<unsigned int>(key0));
+                const bool upper = (key0 >> 4) & 1;   // (words z and w: keys 16.. of the 32)
+                const unsigned int bh = b * H + h_step, lo = drop_sh[0], hi = drop_sh[1], off = drop_sh[2];
+#pragma unroll
+                for (int w = 0; w < BM / 32; ++w) {
+                    unsigned int own = 0, give = 0;
+#pragma unroll
+                    for (int jj = 0; jj < 8; ++jj) {
+                        const unsigned int q = m0 + 8 * (8 * w + jj) + 2 * t + par;
+                        const Philox4 r = philox4x32_10(Philox4{call, q, bh, off}, lo, hi);
+                        const unsigned int wa = upper ? r.z : r.x, wb = upper ? r.w : r.y;
+                        const int bit = 4 * jj + par;
+                        own |= (((wa >> mine) & 0xFFFFu) >= drop_threshold ? 1u : 0u) << bit;
+                        own |= (((wb >> mine) & 0xFFFFu) >= drop_threshold ? 1u : 0u) << (bit + 2);
+                        give |= (((wa >> theirs) & 0xFFFFu) >= drop_threshold ? 1u : 0u) << bit;
+                        give |= (((wb >> theirs) & 0xFFFFu) >= drop_threshold ? 1u : 0u) << (bit + 2);
+                    }
+                    keep[w] = own | __shfl_xor_sync(0xffffffffu, give, 4);
+                }
+            }
+            auto kept = [&](int i) { return DROPOUT && ((keep[i / 32] >> (i % 32)) & 1u); };
+
             wgmma_wait<1>();
             wgmma_hold(s);
             CUK_STEP_STAMP(3);
@@ -574,8 +624,19 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
                             if (8 * j + (e & 1) >= q_end[e >> 1]) s[4 * j + e] = 0.f;
                 }
             }
-            // dV += P^T dO: P^T's A fragments from the accumulators (the softcap's packed above)
-            if constexpr (!SOFTCAP || CAP_LATE) accumulators_to_a<T>(s, pa);
+            // dV += P^T dO: P^T's A fragments from the accumulators (the softcap's packed above;
+            // DROPOUT: the kept weights, unscaled)
+            if constexpr (DROPOUT) {
+#pragma unroll
+                for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int e0 = 8 * kk + 2 * i;
+                        pa[kk][i] = pack2(kept(e0) ? s[e0] : 0.f, kept(e0 + 1) ? s[e0 + 1] : 0.f, T{});
+                    }
+            } else if constexpr (!SOFTCAP || CAP_LATE) {
+                accumulators_to_a<T>(s, pa);
+            }
             wgmma_rs_mn<T, D>(dv_acc, pa, dob, Q_BOX);
             CUK_STEP_STAMP(4);
 
@@ -586,10 +647,16 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
                 for (int j = 0; j < BM / 8; ++j) {
                     const float2 d = *reinterpret_cast<const float2*>(drow + 8 * j + 2 * t);
 #pragma unroll
-                    for (int e = 0; e < 4; ++e)   // (VARLEN: exactly 0 where P is, whatever dP^T holds there: rows
+                    for (int e = 0; e < 4; ++e) {   // (VARLEN: exactly 0 where P is, whatever dP^T holds there: rows
                         // past the document, whose dQ is added into the next one's rows, must add zeros)
-                        dp[4 * j + e] = VARLEN && s[4 * j + e] == 0.f ? 0.f
-                                                                      : s[4 * j + e] * (dp[4 * j + e] - (e & 1 ? d.y : d.x));
+                        if constexpr (DROPOUT) {
+                            const float z = kept(4 * j + e) ? dp[4 * j + e] * drop_rescale : 0.f;
+                            dp[4 * j + e] = s[4 * j + e] * (z - (e & 1 ? d.y : d.x));
+                        } else {
+                            dp[4 * j + e] = VARLEN && s[4 * j + e] == 0.f ? 0.f
+                                                                          : s[4 * j + e] * (dp[4 * j + e] - (e & 1 ? d.y : d.x));
+                        }
+                    }
                 }
             }
             unsigned int dsa[BM / 16][4];
@@ -680,7 +747,8 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
         // their dims: 16-byte rows and strides). Only this warpgroup reads its rows of V; K's rows
         // are read by both warpgroups' dQ products (SPLIT_N), so dK waits for both to be done.
         const int wg_key0 = n0 + wg * 64;
-        store_tile_staged<T, D, KV_BOX>(dv_acc, 1.f, 1.f, v_s + wg * 64 * 128,
+        const float dv_scale = DROPOUT ? drop_rescale : 1.f;   // (DROPOUT: the kept weights' 1 / (1 - p))
+        store_tile_staged<T, D, KV_BOX>(dv_acc, dv_scale, dv_scale, v_s + wg * 64 * 128,
                                         dv + b * dv_sb + static_cast<long long>(span.k0 + wg_key0) * dv_ss + hk * dv_sh, dv_ss,
                                         sk - wg_key0, 8 + wg);
         named_barrier_sync(10, 256);
@@ -699,17 +767,17 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
 }
 
 template <typename T, int D, int BM, int STAGES, int MASK, bool SOFTCAP, bool DQ_ATOMIC, bool PRODUCER, int SMEM,
-          bool VARLEN, bool PERSISTENT, bool ORDERED>
+          bool VARLEN, bool PERSISTENT, bool ORDERED, bool DROPOUT>
 __global__ void __launch_bounds__(PRODUCER ? 384 : 256, 1) attention_bwd_sm90(
     const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
     const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
     const __grid_constant__ CUtensorMap dq_map, const __grid_constant__ cuk::attention::BwdSm90Params<T> p)
 {
     const cuk::attention::Problem& r = p.problem;
-    attention_bwd_sm90_body<T, D, BM, STAGES, MASK, SOFTCAP, DQ_ATOMIC, PRODUCER, SMEM, VARLEN, PERSISTENT, ORDERED>(
+    attention_bwd_sm90_body<T, D, BM, STAGES, MASK, SOFTCAP, DQ_ATOMIC, PRODUCER, SMEM, VARLEN, PERSISTENT, ORDERED, DROPOUT>(
         q_map, k_map, v_map, do_map, dq_map, p.rows, p.dk, p.dv, p.dk_sb, p.dk_ss, p.dk_sh, p.dv_sb, p.dv_ss,
         p.dv_sh, r.H, r.Hkv, r.Sq, r.Sk, r.scale, r.scale_log2, r.win_left, r.win_right, r.cap_in, r.cap_out,
-        r.cu_q, r.cu_k, r.max_q, r.max_k, r.fault, p.groups, p.turns);
+        r.cu_q, r.cu_k, r.max_q, r.max_k, r.fault, p.groups, p.turns, p.drop_rng, p.drop_threshold, p.drop_rescale);
 }
 
 // VARLEN (attention_bwd_sm90 over packed documents): lse * log2(e) and Dsum of each document's

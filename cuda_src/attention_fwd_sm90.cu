@@ -22,6 +22,7 @@
 #include "common/attn_mask.cuh"
 #include "common/attn_params.cuh"
 #include "common/attn_sink.cuh"
+#include "common/attn_dropout.cuh"
 #include "common/trace.cuh"
 
 namespace cuk {
@@ -29,8 +30,9 @@ namespace attention {
 
 // attention_fwd_sm90's parameters besides the tensor maps: O (B, Sq, H, D) with its strides in
 // elements (batch, sequence, head), lse (B, H, Sq) float32 (null: not written), the sinks (H)
-// float32 (null: none; common/attn_sink.cuh), the count of work tiles and the causal persistent walk's counter (zero at launch) and section size, and the
-// problem.
+// float32 (null: none; common/attn_sink.cuh), the count of work tiles and the causal persistent walk's counter (zero at launch) and section size, the
+// problem, and dropout's (DROPOUT instances; common/attn_dropout.cuh): the seed and offset (2,)
+// int64, the drop threshold (p 2^16) and 1 / (1 - p).
 template <typename T>
 struct FwdSm90Params {
     T* out;
@@ -41,6 +43,9 @@ struct FwdSm90Params {
     int* tile_counter;
     int section_pairs;
     Problem problem;
+    const long long* drop_rng;
+    unsigned int drop_threshold;
+    float drop_rescale;
 };
 
 }  // namespace attention
@@ -51,6 +56,9 @@ struct FwdSm90Params {
 
 // SMEM: the launch's dynamic shared memory: Q, STAGES K and V tiles, 1 KB of alignment slack.
 // MASK: 0 none, 1 causal, 2 a window (win_left, win_right; its key tiles only, from kb0).
+// DROPOUT: the weights, after their row sum is taken, are dropped by common/attn_dropout.cuh's
+// draw (the accumulator layout is mma.sync's, so a Philox call serves a thread's 8 keys of a row
+// in 32, as in attention_fwd) and O is scaled by drop_rescale at the end.
 // Scheduling options (docs/notes-attention.md has what each measured):
 //   PRODUCER  a third warpgroup, one thread of which issues every TMA load (K/V refills wait
 //             for releases there, not in warpgroup 0's path); 384 threads, the producer down to
@@ -72,14 +80,15 @@ struct FwdSm90Params {
 //             written by a TMA store (o_map; unused otherwise), the buffer released once it is
 //             read, after the next work tile's first S is issued. Where a K tile is shorter than
 //             the block's rows, O has a buffer of its own instead (OWN_O).
-template <typename T, int D, int BN, int STAGES, int CONSUMERS, int MASK, bool SOFTCAP, bool PRODUCER, bool PINGPONG, bool OVERLAP, bool PERSISTENT, int BLOCKS, int SMEM, bool VARLEN>
+template <typename T, int D, int BN, int STAGES, int CONSUMERS, int MASK, bool SOFTCAP, bool PRODUCER, bool PINGPONG, bool OVERLAP, bool PERSISTENT, int BLOCKS, int SMEM, bool VARLEN, bool DROPOUT>
 __device__ __forceinline__ void attention_fwd_sm90_body(
     const CUtensorMap& q_map, const CUtensorMap& k_map,
     const CUtensorMap& v_map, const CUtensorMap& o_map, T* __restrict__ out,
     float* __restrict__ lse, const float* __restrict__ sinks,
     long long o_sb, long long o_ss, long long o_sh, int H, int Hkv, int Sq, int Sk, float scale_log2, int tiles,
     int* __restrict__ tile_counter, int section_pairs, float cap_in, float cap_out, int win_left, int win_right,
-    const int* __restrict__ cu_q, const int* __restrict__ cu_k, int max_q, int max_k, long long* __restrict__ fault)
+    const int* __restrict__ cu_q, const int* __restrict__ cu_k, int max_q, int max_k, long long* __restrict__ fault,
+    const long long* __restrict__ drop_rng, unsigned int drop_threshold, float drop_rescale)
 {
     constexpr int BM = 64 * CONSUMERS, DB = D / 64;         // query rows a block; 64-column boxes
     constexpr int THREADS = CONSUMERS * 128;                // the computing threads
@@ -95,6 +104,7 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
     static_assert(!PERSISTENT || (PRODUCER && OVERLAP), "PERSISTENT: a producer and the overlap");
     static_assert(BLOCKS == 1 || (BLOCKS == 2 && CONSUMERS == 2 && !PERSISTENT), "BLOCKS");
     static_assert(!VARLEN || !PERSISTENT, "VARLEN: one work tile a block");
+    static_assert(!DROPOUT || (!SOFTCAP && BN <= 128), "DROPOUT: no softcap; a row's keep bits in one word");
     // The consumers' registers (setmaxnreg): what the producer's give-back allows. Two blocks an SM
     // with a producer launch at 80 a thread; the producer's 24 let the consumers have 104.
     constexpr int CONSUMER_REGS = BLOCKS == 2 ? 104 : CONSUMERS == 3 ? 160 : PERSISTENT ? 224 : 240;
@@ -132,6 +142,9 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
     __shared__ unsigned long long bar_q, bar_q_free, bar_kv[STAGES], bar_free[STAGES];
     __shared__ unsigned int ov_sink[OVERLAP ? THREADS : 1];
     __shared__ int tile_of[2];   // DYNAMIC: the producer's work tile k at k % 2
+    // (DROPOUT: the seed's halves and the offset, read at each draw rather than held in registers
+    // across the key loop, as attention_fwd does)
+    __shared__ unsigned int drop_sh[DROPOUT ? 3 : 1];
 
     const int wg = warpgroup_index(), warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
@@ -192,6 +205,11 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
     if (VARLEN && m0 >= sq) return;   // (past the document's queries: the whole block, before any barrier)
 
     if (threadIdx.x == 0) {
+        if constexpr (DROPOUT) {
+            const attention::DropoutDraw d = attention::DropoutDraw::load(drop_rng, drop_threshold);
+            drop_sh[0] = static_cast<unsigned int>(d.seed), drop_sh[1] = static_cast<unsigned int>(d.seed >> 32);
+            drop_sh[2] = d.offset;
+        }
 #pragma unroll
         for (int i = 0; i < STAGES; ++i) {
             mbarrier_init(&bar_kv[i], 1);
@@ -347,10 +365,19 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
     // Online softmax in the log2 domain (attention_fwd's) over rows g (e = 0, 1) and g + 8
     // (e = 2, 3): S becomes P in place, or with `a` P goes there instead, rounded to T as P V's
     // A fragments (accumulators_to_a's order) as each pair of exponentials is taken. alpha, O's
-    // rescale factor, is applied by the caller.
-    auto softmax = [&](float (&s)[BN / 2], float (&alpha)[2], unsigned int (*a)[4]) {
+    // rescale factor, is applied by the caller. DROPOUT: key tile nb's weights dropped once summed
+    // (drawn at the tokens' places: packed documents at theirs in the pack, batch 0).
+    auto softmax = [&](int nb, float (&s)[BN / 2], float (&alpha)[2], unsigned int (*a)[4]) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
+            unsigned int keep = 0;   // (DROPOUT: keys n0 + 8 j + 2 t + c at bit 2 j + c)
+            if constexpr (DROPOUT) {
+                const attention::DropoutDraw draw{drop_sh[0] | static_cast<unsigned long long>(drop_sh[1]) << 32,
+                                                  drop_sh[2], drop_threshold};
+                // (dense: the tile's first key a multiple of 32, the draws' places known when compiled)
+                keep = VARLEN ? draw.keep_pairs<BN / 8>(b * H + h, span.q0 + row0 + 8 * r, span.k0 + (kb0 + nb) * BN + 2 * t)
+                              : draw.keep_pairs_aligned<BN / 8>(b * H + h, row0 + 8 * r, (kb0 + nb) * BN, t);
+            }
             float mx = neg_inf();
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
@@ -362,9 +389,13 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
             float sum = 0.f;
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j) {
-                const float p0 = fast_exp2(fmaf(s[4 * j + 2 * r], SOFTCAP ? cap_out : scale_log2, -m_use));
-                const float p1 = fast_exp2(fmaf(s[4 * j + 2 * r + 1], SOFTCAP ? cap_out : scale_log2, -m_use));
+                float p0 = fast_exp2(fmaf(s[4 * j + 2 * r], SOFTCAP ? cap_out : scale_log2, -m_use));
+                float p1 = fast_exp2(fmaf(s[4 * j + 2 * r + 1], SOFTCAP ? cap_out : scale_log2, -m_use));
                 sum += p0 + p1;
+                if constexpr (DROPOUT) {
+                    if (!((keep >> (2 * j)) & 1u)) p0 = 0.f;
+                    if (!((keep >> (2 * j + 1)) & 1u)) p1 = 0.f;
+                }
                 if (a) {
                     a[j / 2][2 * (j % 2) + r] = pack2(p0, p1, T{});
                 } else {
@@ -427,7 +458,7 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
             wgmma_hold(s);
             mask(nb, s);
             unsigned int a[BN / 16][4];
-            softmax(s, alpha, PACK_IN_SOFTMAX ? a : nullptr);
+            softmax(nb, s, alpha, PACK_IN_SOFTMAX ? a : nullptr);
             rescale(alpha);
             if constexpr (!PACK_IN_SOFTMAX) accumulators_to_a<T>(s, a);
             if constexpr (ZERO_V_LATE) zero_v_past_doc(nb);
@@ -459,9 +490,9 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
             CUK_STAMP(2);
             mask(0, s);
             if constexpr (P_AHEAD) {
-                softmax(s, alpha, a);
+                softmax(0, s, alpha, a);
             } else {
-                softmax(s, alpha, nullptr);
+                softmax(0, s, alpha, nullptr);
                 accumulators_to_a<T>(s, a);
             }
         }
@@ -488,7 +519,7 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
             wgmma_hold(s);
             if (PERSISTENT && nb == n_blocks - 1) mbarrier_arrive(&bar_q_free);
             mask(nb, s);
-            softmax(s, alpha, P_AHEAD ? a_next : nullptr);
+            softmax(nb, s, alpha, P_AHEAD ? a_next : nullptr);
             // (the exponentials, and P_AHEAD's P, before the wait)
             keep_before_wait(ov_sink, (P_AHEAD ? fold_bits(a_next) : 0u) ^ __float_as_uint(row_sum[0] + row_sum[1]));
             wgmma_wait<0>();
@@ -520,6 +551,7 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
         butterfly<1, 2>(Sum{}, sum);
         float row_lse;
         cuk::attention::finish_row(row_max[r], sum, sink_log2, inv[r], row_lse);
+        if constexpr (DROPOUT) inv[r] *= drop_rescale;   // (the kept weights scaled; the lse stays the softmax's)
         const int row = row0 + r * 8;
         if (lse && t == 0 && row < sq)
             lse[(static_cast<long long>(b) * H + h) * Sq + span.q0 + row] = row_lse;
@@ -587,15 +619,15 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
 #endif
 }
 
-template <typename T, int D, int BN, int STAGES, int CONSUMERS, int MASK, bool SOFTCAP, bool PRODUCER, bool PINGPONG, bool OVERLAP, bool PERSISTENT, int BLOCKS, int SMEM, bool VARLEN>
+template <typename T, int D, int BN, int STAGES, int CONSUMERS, int MASK, bool SOFTCAP, bool PRODUCER, bool PINGPONG, bool OVERLAP, bool PERSISTENT, int BLOCKS, int SMEM, bool VARLEN, bool DROPOUT>
 __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) attention_fwd_sm90(
     const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
     const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap o_map,
     const __grid_constant__ cuk::attention::FwdSm90Params<T> p)
 {
     const cuk::attention::Problem& r = p.problem;
-    attention_fwd_sm90_body<T, D, BN, STAGES, CONSUMERS, MASK, SOFTCAP, PRODUCER, PINGPONG, OVERLAP, PERSISTENT, BLOCKS, SMEM, VARLEN>(
+    attention_fwd_sm90_body<T, D, BN, STAGES, CONSUMERS, MASK, SOFTCAP, PRODUCER, PINGPONG, OVERLAP, PERSISTENT, BLOCKS, SMEM, VARLEN, DROPOUT>(
         q_map, k_map, v_map, o_map, p.out, p.lse, p.sinks, p.o_sb, p.o_ss, p.o_sh, r.H, r.Hkv, r.Sq, r.Sk, r.scale_log2,
         p.tiles, p.tile_counter, p.section_pairs, r.cap_in, r.cap_out, r.win_left, r.win_right, r.cu_q, r.cu_k,
-        r.max_q, r.max_k, r.fault);
+        r.max_q, r.max_k, r.fault, p.drop_rng, p.drop_threshold, p.drop_rescale);
 }

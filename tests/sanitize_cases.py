@@ -564,7 +564,12 @@ def attention_cases() -> list:
         _attention_case("float16", 256, "causal", sq=200, sk=67, det=True),     # Sq > Sk: rows that see no key
         _attention_case("bfloat16", 128, "causal", sq=200, sk=67, sinks=True),  # sinks; rows with the sink alone
         _attention_case("float16", 64, "window+softcap", hkv=1, det=True, sinks=True),
-        # dropout (the sm_80 kernels on every GPU): rows that see no key, a window, both dQ paths
+        # dropout (on sm_90 the Hopper kernels, forward d64-d256 and backward d64 and d128; the
+        # sm_80 ones elsewhere and in the sm80 variant): rows that see no key, a window, both dQ
+        # paths, dQ in turns
+        _attention_case("bfloat16", 64, "full", sq=200, dropout=0.1),
+        _attention_case("float16", 128, "causal", det=True, dropout=0.25),
+        _attention_case("bfloat16", 256, "causal", sq=130, dropout=0.1),
         _attention_case("bfloat16", 128, "causal", sq=200, sk=67, dropout=0.2),
         _attention_case("float16", 64, "window", hkv=1, det=True, dropout=0.1),
         _attention_case("bfloat16", 256, "full", sq=67, det=True, dropout=0.3),

@@ -218,11 +218,11 @@ def test_the_sm90_forward_config_by_head_dim_and_mask():
     with pytest.raises(ValueError, match="warpgroups=3 takes head dims up to 128, not 256"):
         attn.Sm90FwdConfig(64, warpgroups=3).instance("bfloat16", 256, False)
     persistent = attn.Sm90FwdConfig(128, 3, producer=True, overlap=True, persistent=True)
-    assert ", true, 1, 230400, false>" in persistent.instance("bfloat16", 128, False).name
+    assert ", true, 1, 230400, false, false>" in persistent.instance("bfloat16", 128, False).name
     causal_name = dataclasses.replace(persistent, pingpong=True).instance("bfloat16", 128, True).name
-    assert ", 2, 1, false, true, true, true, true, 1, 230400, false>" in causal_name
+    assert ", 2, 1, false, true, true, true, true, 1, 230400, false, false>" in causal_name
     capped = dataclasses.replace(persistent, pingpong=True).instance("bfloat16", 128, True, softcap=True)
-    assert ", 2, 1, true, true, true, true, true, 1, 230400, false>" in capped.name
+    assert ", 2, 1, true, true, true, true, true, 1, 230400, false, false>" in capped.name
     for cfg, causal in ((dataclasses.replace(persistent, producer=False), True),
                         (dataclasses.replace(persistent, overlap=False), False)):
         with pytest.raises(ValueError, match="persistent takes a producer and the overlap"):
@@ -237,9 +237,9 @@ def test_the_sm90_forward_config_by_head_dim_and_mask():
     # 128 registers; with a producer, 64-key tiles at most)
     two = cfgs.sm90_forward(64, True)
     assert two.blocks_per_sm == 2 and not two.producer and two.bn == 128 and two.threads == 256
-    assert "<cuk::bf16, 64, 128, 2, 2, 1, false, false, true, false, false, 2, 82944, false>" in \
+    assert "<cuk::bf16, 64, 128, 2, 2, 1, false, false, true, false, false, 2, 82944, false, false>" in \
         two.instance("bfloat16", 64, True).name
-    assert ", true, true, false, false, 2, 66560, false>" in \
+    assert ", true, true, false, false, 2, 66560, false, false>" in \
         dataclasses.replace(two, bn=64, stages=3, producer=True).instance("bfloat16", 64, True).name
     with pytest.raises(ValueError, match="blocks_per_sm=2 with a producer takes key tiles of at most 64 keys, "
                                          "not bn=128"):
@@ -329,7 +329,7 @@ def test_the_sm90_backward_takes_tensor_maps_of_the_inputs(host_arrays_as_device
                                                         "attention_bwd_dq_convert"]
     cfg = attn.configs.CONFIGS.get("bwd_sm90", 64)
     assert steps[1][1].name.startswith(f"attention_bwd_sm90<cuk::half, 64, {cfg.block_rows}, {cfg.stages}, 1, false, "
-                                       "true, true, ") and steps[1][1].name.endswith(", true>")
+                                       "true, true, ") and steps[1][1].name.endswith(", true, false>")
     assert steps[1][1].threads == cfg.threads(True, True)
     turns = [launches.plan.allocs[i - 6] for i in range(6, 6 + len(launches.plan.allocs))
              if launches.plan.allocs[i - 6].dtype == "int32"]
@@ -339,7 +339,7 @@ def test_the_sm90_backward_takes_tensor_maps_of_the_inputs(host_arrays_as_device
     steps = launches(64, (9, 0), deterministic=True, softcap=30.0)
     assert [s[1].name.split("<")[0] for s in steps] == ["attention_bwd_dot", "attention_bwd_sm90", "attention_bwd_dq"]
     assert steps[1][1].name.startswith("attention_bwd_sm90<cuk::half, 64, 64, 2, 1, true, false, false, ")
-    assert steps[1][1].name.endswith(", false>") and steps[1][1].threads == 256
+    assert steps[1][1].name.endswith(", false, false>") and steps[1][1].threads == 256
     assert launches(128, (8, 0))[1][1].name.startswith("attention_bwd_dkdv<")          # A100
     assert launches(256, (9, 0))[1][1].name.startswith("attention_bwd_sm90_d256<")     # a kernel of its own
     assert launches(256, (9, 0), deterministic=True)[1][1].name.startswith("attention_bwd_sm90_d256<cuk::half, 1, "

@@ -41,12 +41,13 @@ def test_the_ordered_instance_adds_dq_with_a_producer():
     det = cfg.instance("bfloat16", 128, 0, True)
     ordered = cfg.instance("bfloat16", 128, 0, True, ordered=True)
     fast = cfg.instance("bfloat16", 128, 0, False)
-    assert det.name.endswith(", false>") and ordered.name.endswith(", true>") and fast.name.endswith(", false>")
+    assert det.name.endswith(", false, false>") and fast.name.endswith(", false, false>")
+    assert ordered.name.endswith(", true, false>")   # (ordered, no dropout)
     assert ordered.threads == fast.threads == 384 and det.threads == 256
     assert ordered.smem == fast.smem > det.smem
-    # (the default's template arguments but the last two: not persistent, ordered)
-    assert ordered.template_args[:-2] == fast.template_args[:-2]
-    assert fast.template_args[-2:] == ("true", "false") and ordered.template_args[-2:] == ("false", "true")
+    # (the default's template arguments but the two before the last: not persistent, ordered)
+    assert ordered.template_args[:-3] == fast.template_args[:-3]
+    assert fast.template_args[-3:-1] == ("true", "false") and ordered.template_args[-3:-1] == ("false", "true")
     assert not attn.Sm90BwdConfig(64).orders(128, 1, 10, 132)   # (no producer warpgroup to add)
     # ordered only with deterministic
     assert cfg.instance("bfloat16", 128, 0, False, ordered=True) == fast
@@ -54,7 +55,7 @@ def test_the_ordered_instance_adds_dq_with_a_producer():
 
 def test_every_ordered_instance_is_compiled_by_the_check():
     names = [i.name for i in attn.configs.instances() if i.name.startswith("attention_bwd_sm90<")]
-    ordered = [n for n in names if n.endswith(", true>")]
+    ordered = [n for n in names if n.endswith(", true, false>")]   # (without dropout)
     # (bf16 and fp16) x (64, 128) x 3 masks x dense/packed, but d64's packed unmasked one, and
     # the softcap's d128 alone
     assert len(ordered) == 2 * (2 * 3 * 2 - 1 + 3 * 2)
@@ -128,7 +129,7 @@ def test_the_deterministic_backward_repeats_its_bits_and_matches_the_reference(c
     main = [n for n in names if n.startswith("attention_bwd_sm90<")]
     assert len(main) == 1
     in_turns = c["d"] * (64 if c["d"] == 128 else 128) == 2 * 64 * 64 and not (c["d"] == 64 and c["softcap"])
-    assert main[0].endswith(", true>") is in_turns, main[0]
+    assert main[0].endswith(", true, false>") is in_turns, main[0]
     assert any(n.startswith("attention_bwd_dq<") for n in names) is not in_turns
     assert all(_bits(r) == _bits(runs[0]) for r in runs[1:]), "deterministic=True must give the same bits every call"
     grads = runs[0]
@@ -168,7 +169,7 @@ def test_packed_documents_take_turns_in_their_own_tiles(causal, window):
         runs = [[to_host(g) for g in cukern.attention_varlen_backward(
             dev[3], *dev[:3], out, lse, dev[4], dev[5], max(lq), max(lk), deterministic=True, **kw)]
             for _ in range(3)]
-    assert [n for n in names if n.startswith("attention_bwd_sm90<")][0].endswith(", true>")
+    assert [n for n in names if n.startswith("attention_bwd_sm90<")][0].endswith(", true, false>")
     assert _bits(runs[1]) == _bits(runs[0]) == _bits(runs[2])
     expect = ref.attention_varlen_backward(do, q, k, v, None, None, cu_q, cu_k, max(lq), max(lk), **kw)
     for i, (name, e) in enumerate(zip(("dq", "dk", "dv"), expect)):

@@ -18,6 +18,7 @@ from attention_grads import gradient_scales
 
 gpu = pytest.mark.gpu
 needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
+attn = importlib.import_module("cukern.attention")
 R = importlib.import_module("cukern.attention.reference")
 M = importlib.import_module("cukern._attention_mask")
 
@@ -120,6 +121,81 @@ def test_dropout_argument_checks_without_a_gpu(host_arrays_as_device):
         calls[0](dropout_p=0.0)
 
 
+def test_hopper_takes_dropout_on_its_own_kernels(host_arrays_as_device, monkeypatch):
+    """On sm_90 the Hopper forward (d64, d128, d256) and backward (d64, d128: dense, its dropout
+    configs) take dropout, handed the draw's array; d256's backward and ``use_sm90_dropout=False``
+    keep the sm_80 kernels' dropout instances (packed documents too, which this dry run cannot
+    plan without a device)."""
+    import dataclasses
+
+    from cukern import _kernels
+
+    from conftest import DryRun
+
+    monkeypatch.setattr(_kernels, "compute_capability", lambda device: (9, 0))
+    rng = np.array([5, 7], np.int64)
+
+    def launches(call, configs=None, **kw):
+        attn._FWD.clear(), attn._BWD.clear(), attn._FWD_VARLEN.clear(), attn._BWD_VARLEN.clear()
+        if configs is not None:
+            monkeypatch.setattr(attn.configs, "CONFIGS", configs)
+        with pytest.raises(DryRun) as e:
+            call(**kw)
+        return [st for st in e.value.plan.steps if isinstance(st, tuple) and st[0] == "launch"]
+
+    def args(name):   # (the template arguments of an instance name)
+        return name[name.index("<") + 1:-1].split(", ")
+
+    shipped = attn.configs.CONFIGS
+    for d in (64, 128, 256):
+        q = np.ones((2, 300, 4, d), np.float16)
+        kv = np.ones((2, 300, 2, d), np.float16)
+        lse = np.zeros((2, 4, 300), np.float32)
+        for causal in (False, True):
+            (fwd,) = launches(lambda **kw: cukern.attention(q, kv, kv, causal=causal, **kw), shipped,
+                              dropout_p=0.25, dropout_rng=rng)
+            cfg = shipped.sm90_forward(d, causal, dropout=True)
+            assert fwd[1].name == cfg.instance("float16", d, int(causal), dropout=True).name
+            assert args(fwd[1].name)[-1] == "true" and fwd[4]["drop_rng"] is not None
+            assert fwd[4]["drop_threshold"] == int(0.25 * 2**16) and fwd[4]["drop_rescale"] == pytest.approx(4 / 3)
+            (plain,) = launches(lambda **kw: cukern.attention(q, kv, kv, causal=causal, **kw))
+            assert args(plain[1].name)[-1] == "false" and plain[4]["drop_threshold"] == 0
+            for det in (False, True):
+                steps = launches(lambda **kw: cukern.attention_backward(q, q, kv, kv, q, lse, causal=causal,
+                                                                        deterministic=det, **kw),
+                                 dropout_p=0.25, dropout_rng=rng)
+                names = [st[1].name.split("<")[0] for st in steps]
+                if d == 256:   # (d256's Hopper backward takes no dropout)
+                    assert "attention_bwd_dkdv" in names and "attention_bwd_sm90_d256" not in names
+                    continue
+                (k,) = [st for st in steps if st[1].name.startswith("attention_bwd_sm90<")]
+                cfg = shipped.sm90_backward(d, dropout=True)
+                assert args(k[1].name)[1:3] == [str(d), str(cfg.block_rows)] and args(k[1].name)[-1] == "true"
+                assert k[4]["drop_threshold"] == int(0.25 * 2**16) and k[4]["drop_rescale"] == pytest.approx(4 / 3)
+                ordered = args(k[1].name)[-2] == "true"
+                assert ordered == (det and cfg.orders(d, int(causal), 3, 66))
+                if det and not ordered:   # (dQ's own pass, with the draw)
+                    (dq,) = [st for st in steps if st[1].name.startswith("attention_bwd_dq<")]
+                    assert args(dq[1].name)[7] == "true" and dq[4]["drop_threshold"] == int(0.25 * 2**16)
+    # the switch off: the sm_80 kernels' dropout
+    off = dataclasses.replace(shipped, use_sm90_dropout=False)
+    q = np.ones((2, 300, 4, 128), np.float16)
+    lse = np.zeros((2, 4, 300), np.float32)
+    (fwd,) = launches(lambda **kw: cukern.attention(q, q, q, **kw), off, dropout_p=0.1, dropout_rng=rng)
+    assert fwd[1].name.startswith("attention_fwd<")
+    steps = launches(lambda **kw: cukern.attention_backward(q, q, q, q, q, lse, **kw), off, dropout_p=0.1,
+                     dropout_rng=rng)
+    assert "attention_bwd_dkdv" in [st[1].name.split("<")[0] for st in steps]
+    # ... and the instances are in the compile check
+    names = {i.name for i in attn.configs.instances(shipped)}
+    assert {shipped.sm90_forward(d, m > 0, dropout=True).instance(dt, d, m, dropout=True).name
+            for dt in ("float16", "bfloat16") for d in (64, 128, 256) for m in (0, 1, 2)} <= names
+    assert {shipped.sm90_backward(d, dropout=True).instance(dt, d, m, det, dropout=True).name
+            for dt in ("float16", "bfloat16") for d in (64, 128) for m in (0, 1, 2) for det in (False, True)} <= names
+    monkeypatch.setattr(attn.configs, "CONFIGS", shipped)
+    attn._FWD.clear(), attn._BWD.clear(), attn._FWD_VARLEN.clear(), attn._BWD_VARLEN.clear()
+
+
 # ---- on the GPU -------------------------------------------------------------------------------------
 
 TOL = {"float16": 4e-3, "bfloat16": 2e-2}
@@ -132,6 +208,11 @@ CASES = [  # (b, sq, sk, h, hkv, d, causal, window, p)
     (1, 77, 90, 4, 2, 32, False, (-1, -1), 0.1),
     (1, 100, 64, 2, 1, 96, True, (-1, -1), 0.1),
     (1, 64, 96, 2, 2, 256, False, (-1, -1), 0.4),
+    # (the Hopper kernels' walks: several query tiles and key blocks, GQA, every mask)
+    (2, 384, 384, 4, 2, 64, False, (-1, -1), 0.15),
+    (1, 320, 320, 8, 2, 128, True, (-1, -1), 0.1),
+    (1, 300, 400, 4, 1, 128, False, (100, 0), 0.25),
+    (1, 260, 260, 2, 2, 256, True, (-1, -1), 0.2),
 ]
 
 
@@ -245,7 +326,7 @@ def test_torch_dropout_is_seeded_by_pytorchs_generator_and_trains_as_the_eager_f
     torch.manual_seed(3)
     assert torch.equal(ct.flash_attn_func(q, k, v, dropout_p=0.2, causal=True), out)
     assert not torch.equal(ct.flash_attn_func(q, k, v, dropout_p=0.2, causal=True), out)
-    # the SDPA drop-in leaves dropout to PyTorch (the kernels' is slower there), counted
+    # the SDPA drop-in leaves dropout to PyTorch (the kernels' forward and backward is slower there), counted
     import torch.nn.functional as F
 
     ct.reset_counts()

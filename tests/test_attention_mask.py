@@ -547,7 +547,7 @@ def test_the_varlen_forward_plan(host_arrays_as_device, monkeypatch):
         _, inst, grid, _, args, slots = _launch(info)
         cfg = attn.configs.CONFIGS.get("fwd_sm90_varlen", 128)
         assert inst.name == cfg.instance("float16", 128, kind, "softcap" in kw, varlen=True).name
-        assert inst.name.endswith(", true>") and grid == (1, 8)
+        assert inst.name.endswith(", true, false>") and grid == (1, 8)
         assert (args["Sq"], args["Sk"], args["max_q"], args["max_k"], args["tiles"]) == (30, 40, 20, 25, 8)
         assert args["o_sb"] == 0 and args["o_ss"] == 4 * 128 and args["fault"] != 0
         maps = {list(args)[i]: (m.index, m.box) for i, m, _ in slots if isinstance(m, _kernels.MapSlot)}

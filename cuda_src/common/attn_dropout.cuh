@@ -54,6 +54,28 @@ struct DropoutDraw {
         }
         return bits;
     }
+
+    // keep_pairs where the first key is a multiple of 32 (dense tiles of 64 or 128 keys): the
+    // calls fall at every fourth pair and pair j takes word j % 4, both known when compiled, so
+    // nothing is tested between draws (the general form's tests were a third of its work a key
+    // in the Hopper forward). base = key0 + 2 t.
+    template <int NJ>
+    __device__ __forceinline__ unsigned int keep_pairs_aligned(unsigned int bh, unsigned int row, unsigned int key0,
+                                                               unsigned int t) const
+    {
+        static_assert(NJ % 4 == 0, "whole calls: 32 keys each");
+        const unsigned int lo = static_cast<unsigned int>(seed), hi = static_cast<unsigned int>(seed >> 32);
+        unsigned int bits = 0;
+#pragma unroll
+        for (int c = 0; c < NJ / 4; ++c) {
+            const Philox4 r = philox4x32_10(Philox4{((key0 >> 5) + c) * 4 + t, row, bh, offset}, lo, hi);
+            const unsigned int w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+            for (int m = 0; m < 4; ++m)
+                bits |= (((w[m] & 0xFFFFu) >= threshold ? 1u : 0u) | ((w[m] >> 16) >= threshold ? 2u : 0u)) << (8 * c + 2 * m);
+        }
+        return bits;
+    }
 };
 
 }  // namespace attention

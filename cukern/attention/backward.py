@@ -157,11 +157,13 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
         return b.plan(device, first=1)
     dqs, dks, dvs = like(qa, 1 in copied), like(ka, 2 in copied), like(va, 3 in copied)
     dsum = b.alloc((batch, h, sq), "float32")
-    hopper = (configs.use_sm90_bwd and not dropout_p and d in dict(configs.bwd_sm90) and dv_ == d
+    # (dropout on Hopper: dense, without the softcap, where use_sm90_dropout)
+    hopper = (configs.use_sm90_bwd and d in dict(configs.bwd_sm90) and dv_ == d
+              and (not dropout_p or (configs.use_sm90_dropout and varlen is None
+                                     and d in dict(configs.bwd_sm90_dropout)))
               and _kernels.compute_capability(device) == (9, 0)
               and all(i in copied or _tma_readable(a) for i, a in enumerate(arrays[:4])))
-    which = "bwd_sm90_softcap" if mask.softcap else "bwd_sm90"
-    cfg_sm90 = configs.get(which, d) if hopper else None
+    cfg_sm90 = configs.sm90_backward(d, bool(mask.softcap), bool(dropout_p)) if hopper else None
     # head dim 256 on Hopper: its own kernel (dense; dQ by TMA reduce-adds, deterministic in turns)
     wide = (configs.use_sm90_bwd_d256 and d == 256 and dv_ == d and not dropout_p
             and varlen is None and _kernels.compute_capability(device) == (9, 0)
@@ -215,7 +217,7 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
         # conversion or pass as below. (deterministic and not ordered: no dQ here, the dq_map is unused)
         cfg = cfg_sm90
         k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, deterministic, bool(mask.softcap), varlen is not None,
-                                         ordered), device)
+                                         ordered, bool(dropout_p)), device)
         qbox, kbox = (1, cfg.block_rows, 1, 64), (1, cfg.block_keys, 1, 64)
         dq_map = bytes(128) if dq_accum is None else MapSlot(dq_accum.index, (1, 16, 1, 32))
         if cfg.persistent_for(mask.kind, deterministic, varlen is not None):   # (one block an SM walks the units)
@@ -229,7 +231,7 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
                  v_map=MapSlot(3, kbox), do_map=MapSlot(0, qbox), dq_map=dq_map, rows=rows, dk=dk, dv=dv,
                  **out_strides, **tail, win_left=mask.left, win_right=mask.right, cap_in=cap_in, cap_out=cap_out,
                  **{n: masked[n] for n in ("cu_q", "cu_k", "max_q", "max_k", "fault")},
-                 groups=pairs, turns=turns)
+                 groups=pairs, turns=turns, **_dropout_args(dropout_p, rng))
     elif wide:
         cfg = configs.bwd_sm90_d256
         box = (1, 64, 1, 64)

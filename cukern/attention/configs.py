@@ -120,8 +120,12 @@ class Sm90FwdConfig:
         store sink (a word a computing thread), two work tile numbers and 8 bytes of padding."""
         return 8 * (2 + 2 * self.stages) + 4 * (128 * self.warpgroups if self.overlap else 1) + 16
 
-    def instance(self, dtype: str, d: int, mask: int, softcap: bool = False, varlen: bool = False) -> Instance:
-        """``mask``: Mask.kind (a bool: causal or not); ``varlen``: packed documents (not persistent)."""
+    def instance(self, dtype: str, d: int, mask: int, softcap: bool = False, varlen: bool = False,
+                 dropout: bool = False) -> Instance:
+        """``mask``: Mask.kind (a bool: causal or not); ``varlen``: packed documents (not persistent);
+        ``dropout``: the weights dropped by the draw (not with the softcap; key tiles of at most 128)."""
+        if dropout and (softcap or self.bn > 128):
+            raise ValueError(f"dropout: not with the softcap, and with key tiles of at most 128 (bn={self.bn})")
         if varlen and self.persistent:
             raise ValueError("varlen: packed documents take a config that is not persistent")
         if self.warpgroups == 3 and d > 128:
@@ -150,7 +154,8 @@ class Sm90FwdConfig:
                              f"a block on sm_90 may have {SM90_MAX_SMEM}")
         return Instance(SM90_SOURCE, f"attention_fwd_sm90<{_ctype(dtype)}, {d}, {self.bn}, {self.stages}, "
                         f"{self.warpgroups}, {int(mask)}, {_b(softcap)}, {_b(self.producer)}, {_b(self.pingpong)}, "
-                        f"{_b(self.overlap)}, {_b(self.persistent)}, {self.blocks_per_sm}, {smem}, {_b(varlen)}>",
+                        f"{_b(self.overlap)}, {_b(self.persistent)}, {self.blocks_per_sm}, {smem}, {_b(varlen)}, "
+                        f"{_b(dropout)}>",
                         self.threads, smem, "sm_90a")
 
 
@@ -233,16 +238,19 @@ class Sm90BwdConfig:
         return (2 * self.block_keys + 2 * self.stages * self.block_rows) * d * 2 + ds + dq + rows + 1024
 
     def instance(self, dtype: str, d: int, mask: int, deterministic: bool, softcap: bool = False,
-                 varlen: bool = False, ordered: bool = False) -> Instance:
+                 varlen: bool = False, ordered: bool = False, dropout: bool = False) -> Instance:
         """``mask``: Mask.kind (a bool: causal or not); ``varlen``: packed documents;
-        ``ordered``: deterministic by dQ's adds in turns (see the class)."""
+        ``ordered``: deterministic by dQ's adds in turns (see the class); ``dropout``: the
+        forward's dropped weights (dense, not with the softcap)."""
+        if dropout and (softcap or varlen):
+            raise ValueError("dropout: the Hopper backward takes it dense and without the softcap")
         ordered = bool(ordered and deterministic)
         smem = self.smem(d, deterministic, ordered)
         threads = self.threads(deterministic, ordered)
         return Instance(SM90_BWD_SOURCE, f"attention_bwd_sm90<{_ctype(dtype)}, {d}, {self.block_rows}, {self.stages}, "
                         f"{int(mask)}, {_b(softcap)}, {_b(ordered or not deterministic)}, {_b(threads == 384)}, "
                         f"{smem}, {_b(varlen)}, {_b(self.persistent_for(mask, deterministic, varlen))}, "
-                        f"{_b(ordered)}>",
+                        f"{_b(ordered)}, {_b(dropout)}>",
                         threads, smem, "sm_90a")
 
     def rows_instance(self) -> Instance:
@@ -329,6 +337,12 @@ class Configs:
     fwd_sm90_varlen: tuple[tuple[int, Sm90FwdConfig], ...] = (
         (64, Sm90FwdConfig(128, 2, pingpong=True, blocks_per_sm=2)),
         (128, Sm90FwdConfig(128, 3, producer=True, pingpong=True, overlap=True)))
+    # ... and with dropout, as measured fastest among those that do not spill with the draw
+    # (d64: 64-key tiles, two blocks an SM; d128: the turns without the overlap, whose instance
+    # spilled with a window; docs/notes-attention.md)
+    fwd_sm90_dropout: tuple[tuple[int, Sm90FwdConfig], ...] = (
+        (64, Sm90FwdConfig(64, 2, pingpong=True, blocks_per_sm=2)),
+        (128, Sm90FwdConfig(128, 3, producer=True, pingpong=True)))
     use_sm90: bool = True
     # The persistent Hopper forward's grid (Sm90FwdConfig.persistent): blocks, 0 for one an SM
     # (tests set a few, so that every block walks many work tiles)
@@ -349,14 +363,21 @@ class Configs:
     bwd_sm90_softcap: tuple[tuple[int, Sm90BwdConfig], ...] = ((64, Sm90BwdConfig(64, producer=True)),
                                                                (128, Sm90BwdConfig(64, producer=True)))
     # (packed documents take the same configs: their span is kept in uniform registers)
+    # ... with dropout (dense, no softcap): 64-row query tiles (d64's 128 spilled 168-336 B with
+    # the draw; d128's persistent instance 4 B)
+    bwd_sm90_dropout: tuple[tuple[int, Sm90BwdConfig], ...] = ((64, Sm90BwdConfig(64, producer=True, persistent=True)),
+                                                               (128, Sm90BwdConfig(64, producer=True)))
     use_sm90_bwd: bool = True
+    # Dropout on the Hopper kernels (forward: d64-d256, dense; backward: d64 and d128, dense, no
+    # softcap); False: the sm_80 kernels, as packed documents and d256's backward take it
+    use_sm90_dropout: bool = True
     # Head dim 256's Hopper backward (dense, not deterministic, no dropout).
     bwd_sm90_d256: Sm90BwdD256Config = Sm90BwdD256Config()
     use_sm90_bwd_d256: bool = True
-    # Dropout runs on the sm_80 kernels on every GPU, with these configs where the default's
-    # spill with the draw's registers (d32 and d64: half-width key sub-tiles; d64's backward as
-    # d96's; d128's and d256's backward with 32-query steps: d128's default spilled 4 B under
-    # NVRTC 12.9 with a window).
+    # Dropout's sm_80 kernels (every GPU but Hopper, and there what its kernels do not take), with
+    # these configs where the default's spill with the draw's registers (d32 and d64: half-width
+    # key sub-tiles; d64's backward as d96's; d128's and d256's backward with 32-query steps:
+    # d128's default spilled 4 B under NVRTC 12.9 with a window).
     fwd_dropout: tuple[tuple[int, FwdConfig], ...] = ((32, FwdConfig(4, 2, 64, 32, True)),
                                                       (64, FwdConfig(4, 2, 64, 32, True)))
     bwd_dropout: tuple[tuple[int, BwdConfig], ...] = ((64, BwdConfig(64, 128, 8, 2, 4, 4)),
@@ -386,11 +407,17 @@ class Configs:
         dropout, ``<which>_dropout``'s where it has one."""
         return (dropout and dict(getattr(self, f"{which}_dropout", ())).get(d)) or self.get(which, d)
 
-    def sm90_forward(self, d: int, causal: bool, softcap: bool = False) -> Sm90FwdConfig:
-        """The Hopper forward's config for head dim ``d``: ``fwd_sm90_softcap``'s with the softcap,
-        else ``fwd_sm90_full``'s when not causal, where they have one; else ``fwd_sm90``'s."""
-        return ((softcap and dict(self.fwd_sm90_softcap).get(d)) or (not causal and dict(self.fwd_sm90_full).get(d))
-                or self.get("fwd_sm90", d))
+    def sm90_forward(self, d: int, causal: bool, softcap: bool = False, dropout: bool = False) -> Sm90FwdConfig:
+        """The Hopper forward's config for head dim ``d``: ``fwd_sm90_dropout``'s with dropout,
+        ``fwd_sm90_softcap``'s with the softcap, else ``fwd_sm90_full``'s when not causal, where
+        they have one; else ``fwd_sm90``'s."""
+        return ((dropout and dict(self.fwd_sm90_dropout).get(d)) or (softcap and dict(self.fwd_sm90_softcap).get(d))
+                or (not causal and dict(self.fwd_sm90_full).get(d)) or self.get("fwd_sm90", d))
+
+    def sm90_backward(self, d: int, softcap: bool = False, dropout: bool = False) -> Sm90BwdConfig:
+        """The Hopper backward's config for head dim ``d`` (``bwd_sm90_dropout``'s with dropout,
+        ``bwd_sm90_softcap``'s with the softcap, else ``bwd_sm90``'s)."""
+        return self.get("bwd_sm90_dropout" if dropout else "bwd_sm90_softcap" if softcap else "bwd_sm90", d)
 
     def replace(self, which: str, d: int, config) -> "Configs":
         """A new Configs with ``config`` for head dim ``d`` in table ``which`` (the tuning
@@ -451,6 +478,12 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
                     for m in (0, 1, 2) for det, ordered in modes if not ordered or cfg.orders(d, m, 1, 1, varlen)]
     out += [configs.bwd_sm90_d256.instance(dt, m, cap, o) for dt in DTYPES for m in (0, 1, 2) for cap in (False, True)
             for o in (False, True)]
+    # (dropout on Hopper: dense, no softcap)
+    out += [configs.sm90_forward(d, m > 0, dropout=True).instance(dt, d, m, dropout=True) for dt in DTYPES
+            for d, _ in configs.fwd_sm90 for m in (0, 1, 2)]
+    out += [cfg.instance(dt, d, m, det, ordered=ordered, dropout=True) for dt in DTYPES
+            for d, cfg in configs.bwd_sm90_dropout for m in (0, 1, 2) for det, ordered in modes
+            if not ordered or cfg.orders(d, m, 1, 1)]
     out += list({cfg.rows_instance().name: cfg.rows_instance()
                  for _, cfg in configs.bwd_sm90 + configs.bwd_sm90_softcap}.values())
     out.append(configs.sink())

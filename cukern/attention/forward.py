@@ -47,8 +47,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, wi
             row's softmax denominator and has no value: each row's weights sum to less than 1.
             The lse then includes it (a query that sees no key gets zeros and lse = its sink).
         dropout_p: drops each attention weight with this probability and scales the kept ones
-            by 1 / (1 - dropout_p) (the lse stays the softmax's). Runs on the sm_80 kernels on
-            every GPU; not with ``softcap``.
+            by 1 / (1 - dropout_p) (the lse stays the softmax's). On Hopper the Hopper kernels
+            take it (dense; the backward at head dims 64 and 128), elsewhere the sm_80 ones;
+            not with ``softcap``.
         dropout_rng: with dropout_p > 0, (2,) int64 on q's device: the seed and the Philox
             offset of the draw (read on the device at the launch, so a CUDA graph replays with
             the values there). Weight (b, h, i, j) is dropped when the 16-bit half j % 2 of
@@ -134,14 +135,16 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs, w
         if sk == 0 and sinks is None:  # no keys: zeros, lse = +inf (with sinks the kernel writes theirs)
             b.fill(0.0, out)
             b.fill(float("inf"), lse)
-        elif (configs.use_sm90 and sk and not dropout_p and d in dict(configs.fwd_sm90) and dv == d
+        elif (configs.use_sm90 and sk and (not dropout_p or configs.use_sm90_dropout) and d in dict(configs.fwd_sm90)
+              and dv == d
               and _kernels.compute_capability(device) == (9, 0)
               and all(i in {j for j, _ in b.fixes} or _tma_readable(a) for i, a in enumerate(arrays[:3]))):
             # TMA reads the inputs in place where cp.async can (16-byte rows and strides: _read)
             # (a window takes the causal config; its work tiles are handed out as the unmasked ones)
             causal = mask.causal
-            cfg = configs.sm90_forward(d, mask.kind > 0, bool(mask.softcap))
-            k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, bool(mask.softcap)), device)
+            cfg = configs.sm90_forward(d, mask.kind > 0, bool(mask.softcap), bool(dropout_p))
+            k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, bool(mask.softcap), dropout=bool(dropout_p)),
+                                device)
             cap_in, cap_out = _attention_mask.softcap_log2(mask, scale)
             os_ = _like(qa, q_copied)
             m_tiles = -(-sq // cfg.block_rows)
@@ -160,7 +163,8 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs, w
                      **{f"o_{n}": s for n, s in _strides3(os_).items()},
                      H=h, Hkv=hkv, Sq=sq, Sk=sk, scale=scale, scale_log2=scale * LOG2E, tiles=m_tiles * batch * h,
                      tile_counter=counter, section_pairs=section_pairs, cap_in=cap_in, cap_out=cap_out,
-                     win_left=mask.left, win_right=mask.right, cu_q=None, cu_k=None, max_q=0, max_k=0, fault=None)
+                     win_left=mask.left, win_right=mask.right, cu_q=None, cu_k=None, max_q=0, max_k=0, fault=None,
+                     **_dropout_args(dropout_p, rng))
         else:
             _launch_forward_sm80(b, configs, qa, (qs, ks, vs), _like(qa, q_copied, (batch, sq, h, dv)), out, lse,
                                  sinks, mask, scale,
@@ -292,7 +296,7 @@ def _plan_forward_varlen(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_sca
                      tiles=m_tiles * docs * h,
                      tile_counter=None, section_pairs=1, cap_in=cap_in, cap_out=cap_out, win_left=mask.left,
                      win_right=mask.right, cu_q=b.slot(3), cu_k=b.slot(4), max_q=max_q, max_k=max_k,
-                     fault=_arrays.wrap(_faults.record(device), "fault record"))
+                     fault=_arrays.wrap(_faults.record(device), "fault record"), **_dropout_args(0.0, None))
         else:
             _launch_forward_sm80(b, configs, qa, (qs, ks, vs), os_, out, lse, sinks, mask, scale, grid_rows=max_q,
                                  batches=docs, sq=total_q, sk=total_k, hkv=hkv, device=device,
