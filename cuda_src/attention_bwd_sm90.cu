@@ -213,8 +213,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
     if (threadIdx.x == 0) {
         if constexpr (DROPOUT) {
             const attention::DropoutDraw d = attention::DropoutDraw::load(drop_rng, drop_threshold);
-            drop_sh[0] = static_cast<unsigned int>(d.seed), drop_sh[1] = static_cast<unsigned int>(d.seed >> 32);
-            drop_sh[2] = d.offset;
+            d.stash(drop_sh);
         }
 #pragma unroll
         for (int i = 0; i < STAGES; ++i) {
@@ -487,7 +486,9 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
                 const unsigned int par = g & 1, mine = 16 * par, theirs = 16 - mine;
                 const unsigned int call = dropout_call(static_cast<unsigned int>(key0));
                 const bool upper = (key0 >> 4) & 1;   // (words z and w: keys 16.. of the 32)
-                const unsigned int bh = b * H + h_step, lo = drop_sh[0], hi = drop_sh[1], off = drop_sh[2];
+                const attention::DropoutDraw dd = attention::DropoutDraw::stashed(drop_sh, drop_threshold);
+                const unsigned int bh = b * H + h_step, off = dd.offset;
+                const unsigned int lo = static_cast<unsigned int>(dd.seed), hi = static_cast<unsigned int>(dd.seed >> 32);
 #pragma unroll
                 for (int w = 0; w < BM / 32; ++w) {
                     unsigned int own = 0, give = 0;

@@ -173,8 +173,8 @@ __device__ __forceinline__ void attention_fwd_body(
     if constexpr (DROPOUT) {
         if (threadIdx.x == 0) {
             const DropoutDraw d = DropoutDraw::load(drop_rng, drop_threshold);
-            drop_sh[0] = static_cast<unsigned int>(d.seed), drop_sh[1] = static_cast<unsigned int>(d.seed >> 32);
-            drop_sh[2] = d.offset, drop_sh[3] = drop_bh, drop_sh[4] = drop_q0, drop_sh[5] = drop_k0;
+            d.stash(drop_sh);
+            drop_sh[3] = drop_bh, drop_sh[4] = drop_q0, drop_sh[5] = drop_k0;
         }
     }
 
@@ -274,8 +274,7 @@ __device__ __forceinline__ void attention_fwd_body(
                     }
                     row_sum[mt][r] = row_sum[mt][r] * alpha + sum;   // this thread's columns; the quad adds up at the end
                     if constexpr (DROPOUT) {   // (after the sum: the softmax's denominator has every weight)
-                        const DropoutDraw draw{drop_sh[0] | static_cast<unsigned long long>(drop_sh[1]) << 32,
-                                               drop_sh[2], drop_threshold};
+                        const DropoutDraw draw = DropoutDraw::stashed(drop_sh, drop_threshold);
                         const unsigned int row = drop_sh[4] + m0 + tile_row(mt) + g + r * 8;
                         const unsigned int keep = draw.keep_pairs<NT>(drop_sh[3], row, drop_sh[5] + n0 + 2 * t);
 #pragma unroll

@@ -207,8 +207,7 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
     if (threadIdx.x == 0) {
         if constexpr (DROPOUT) {
             const attention::DropoutDraw d = attention::DropoutDraw::load(drop_rng, drop_threshold);
-            drop_sh[0] = static_cast<unsigned int>(d.seed), drop_sh[1] = static_cast<unsigned int>(d.seed >> 32);
-            drop_sh[2] = d.offset;
+            d.stash(drop_sh);
         }
 #pragma unroll
         for (int i = 0; i < STAGES; ++i) {
@@ -372,8 +371,7 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
         for (int r = 0; r < 2; ++r) {
             unsigned int keep = 0;   // (DROPOUT: keys n0 + 8 j + 2 t + c at bit 2 j + c)
             if constexpr (DROPOUT) {
-                const attention::DropoutDraw draw{drop_sh[0] | static_cast<unsigned long long>(drop_sh[1]) << 32,
-                                                  drop_sh[2], drop_threshold};
+                const attention::DropoutDraw draw = attention::DropoutDraw::stashed(drop_sh, drop_threshold);
                 // (dense: the tile's first key a multiple of 32, the draws' places known when compiled)
                 keep = VARLEN ? draw.keep_pairs<BN / 8>(b * H + h, span.q0 + row0 + 8 * r, span.k0 + (kb0 + nb) * BN + 2 * t)
                               : draw.keep_pairs_aligned<BN / 8>(b * H + h, row0 + 8 * r, (kb0 + nb) * BN, t);

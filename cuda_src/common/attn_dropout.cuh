@@ -19,6 +19,19 @@ struct DropoutDraw {
         return DropoutDraw{static_cast<unsigned long long>(rng[0]), static_cast<unsigned int>(rng[1]), threshold};
     }
 
+    // The seed's halves and the offset as three words of shared memory, written once a block and
+    // read at each draw (held in registers across the kernels' loops they spilled), and back.
+    __device__ __forceinline__ void stash(unsigned int* words) const
+    {
+        words[0] = static_cast<unsigned int>(seed), words[1] = static_cast<unsigned int>(seed >> 32);
+        words[2] = offset;
+    }
+
+    __device__ __forceinline__ static DropoutDraw stashed(const unsigned int* words, unsigned int threshold)
+    {
+        return DropoutDraw{words[0] | static_cast<unsigned long long>(words[1]) << 32, words[2], threshold};
+    }
+
     // The keep bits of keys base + 8 j and base + 8 j + 1, j < NJ, of query `row` in (batch, head)
     // pair bh: bits 2 j and 2 j + 1 (a thread's keys of a row in mma.sync's layout, base = the
     // first key + 2 t). A Philox call serves the pairs of 32 keys: it is drawn again only where
