@@ -76,7 +76,8 @@ def test_each_element_is_drawn_at_its_own_place():
 
 def test_dropout_argument_checks_without_a_gpu(host_arrays_as_device):
     """dropout_p in [0, 1), the draw's array (2,) int64, not with the softcap; a valid call runs
-    the sm_80 kernels' dropout instances (on every GPU) and hands them the draw's array."""
+    the sm_80 kernels' dropout instances (on this dry run's sm_80 device; Hopper: the next test)
+    and hands them the draw's array."""
     from conftest import DryRun
 
     q = np.ones((2, 8, 4, 64), np.float16)
