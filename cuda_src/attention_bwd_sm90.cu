@@ -51,12 +51,10 @@
 // documents keep the short-circuit form (5% faster there); with a window they take | (9% faster).
 // DROPOUT (dense, no softcap): common/attn_dropout.cuh's draw, the weights the forward dropped:
 // dV += (P^T Z) dO (Z the keep bits; dV scaled by drop_rescale at the end) and dS^T = P^T (Z
-// dP^T drop_rescale - Dsum), FlashAttention-2's algebra (Dsum from the dropped output). A
-// thread holds keys key0 and key0 + 8 of query columns 8 j + 2 t + c: one Philox call (query,
-// key0's 32) serves both keys of a column and the same of its quad partner g ^ 1 (the other
-// half of each word), so each of the two draws the calls of its own column parity and hands
-// the partner's bits over by one shuffle a 32 bits: a quarter of a call a score (handing the
-// other warp's half over through shared memory as well measured slower, docs/notes-attention.md).
+// dP^T drop_rescale - Dsum), FlashAttention-2's algebra (Dsum from the dropped output). The
+// keep bits of the transposed scores (DropoutDraw::keep_transposed): a quarter of a Philox call
+// a score (handing the other warp's halves over through shared memory as well measured slower,
+// docs/notes-attention.md).
 // The draws are issued beside S^T's and dP^T's products, which do not wait for them.
 #include "common/dtype.cuh"
 #include "common/reduce.cuh"
@@ -483,28 +481,8 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
             // keep[j / 8] (see the top)
             unsigned int keep[DROPOUT ? BM / 32 : 1];
             if constexpr (DROPOUT) {
-                const unsigned int par = g & 1, mine = 16 * par, theirs = 16 - mine;
-                const unsigned int call = dropout_call(static_cast<unsigned int>(key0));
-                const bool upper = (key0 >> 4) & 1;   // (words z and w: keys 16.. of the 32)
-                const attention::DropoutDraw dd = attention::DropoutDraw::stashed(drop_sh, drop_threshold);
-                const unsigned int bh = b * H + h_step, off = dd.offset;
-                const unsigned int lo = static_cast<unsigned int>(dd.seed), hi = static_cast<unsigned int>(dd.seed >> 32);
-#pragma unroll
-                for (int w = 0; w < BM / 32; ++w) {
-                    unsigned int own = 0, give = 0;
-#pragma unroll
-                    for (int jj = 0; jj < 8; ++jj) {
-                        const unsigned int q = m0 + 8 * (8 * w + jj) + 2 * t + par;
-                        const Philox4 r = philox4x32_10(Philox4{call, q, bh, off}, lo, hi);
-                        const unsigned int wa = upper ? r.z : r.x, wb = upper ? r.w : r.y;
-                        const int bit = 4 * jj + par;
-                        own |= (((wa >> mine) & 0xFFFFu) >= drop_threshold ? 1u : 0u) << bit;
-                        own |= (((wb >> mine) & 0xFFFFu) >= drop_threshold ? 1u : 0u) << (bit + 2);
-                        give |= (((wa >> theirs) & 0xFFFFu) >= drop_threshold ? 1u : 0u) << bit;
-                        give |= (((wb >> theirs) & 0xFFFFu) >= drop_threshold ? 1u : 0u) << (bit + 2);
-                    }
-                    keep[w] = own | __shfl_xor_sync(0xffffffffu, give, 4);
-                }
+                attention::DropoutDraw::stashed(drop_sh, drop_threshold)
+                    .keep_transposed(keep, b * H + h_step, m0, key0, g, t);
             }
             auto kept = [&](int i) { return DROPOUT && ((keep[i / 32] >> (i % 32)) & 1u); };
 
