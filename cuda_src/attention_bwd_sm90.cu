@@ -51,11 +51,13 @@
 // documents keep the short-circuit form (5% faster there); with a window they take | (9% faster).
 // DROPOUT (dense, no softcap): common/attn_dropout.cuh's draw, the weights the forward dropped:
 // dV += (P^T Z) dO (Z the keep bits; dV scaled by drop_rescale at the end) and dS^T = P^T (Z
-// dP^T drop_rescale - Dsum), FlashAttention-2's algebra (Dsum from the dropped output). The
-// keep bits of the transposed scores (DropoutDraw::keep_transposed): a quarter of a Philox call
-// a score (handing the other warp's halves over through shared memory as well measured slower,
-// docs/notes-attention.md).
-// The draws are issued beside S^T's and dP^T's products, which do not wait for them.
+// dP^T drop_rescale - Dsum), FlashAttention-2's algebra (Dsum from the dropped output). K's and
+// V's rows are put in DropoutKeyOrder once loaded (common/attn_dropout.cuh: a warp's rows then
+// hold every key of the Philox calls it draws, so the keep bits of the transposed scores,
+// DropoutDraw::keep_rows, take an eighth of a call a score, as the forward's; in key order a
+// warp held half of each call's keys, a quarter of a call a score), and dK and dV are written
+// back in key order. The draws are issued beside S^T's and dP^T's products, which do not wait
+// for them.
 #include "common/dtype.cuh"
 #include "common/reduce.cuh"
 #include "common/hopper.cuh"
@@ -192,6 +194,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
     // H200); where dK runs first (d128 causal) the later publication cost 5-7% (on an H100).
     constexpr bool ONE_FENCE = DQ_FIRST;
     static_assert(!DROPOUT || (!SOFTCAP && !VARLEN), "DROPOUT: dense, no softcap");
+    constexpr int ROW8 = DROPOUT ? 16 : 8;   // (the key of a thread's row g + 8, past its row g's)
 #if CUK_SM90A
     using namespace cuk;
     extern __shared__ unsigned char smem_raw[];
@@ -308,7 +311,9 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
         const int wg = warpgroup_index(), warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
         const int g = lane / 4, t = lane % 4;
         const int n0 = kblock * BN;
-        const int key0 = n0 + wg * 64 + warp * 16 + g;   // this thread's keys: key0 and key0 + 8
+        // this thread's keys: key0 and key0 + ROW8 (its rows g and g + 8; DROPOUT: DropoutKeyOrder)
+        const int key0 = DROPOUT ? n0 + wg * 64 + attention::DropoutKeyOrder<>{}(warp * 16 + g)
+                                 : n0 + wg * 64 + warp * 16 + g;
         // VARLEN (packed documents): the block's document is blockIdx.y / Hkv, its queries rows q0 ..
         // q0 + sq - 1 and its keys rows k0 .. k0 + sk - 1 of the one batch, its mask aligned to its
         // own end; a document with bad offsets is recorded as a fault and computes nothing.
@@ -365,6 +370,8 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
                 zero_tile_rows(k_s, v_s, DB, KV_BOX, max(sk - n0, 0), BN, 12 + wg);
             }
         }
+        if constexpr (DROPOUT)   // (this warpgroup's 64 rows of K and V into DropoutKeyOrder, see the top)
+            permute_tile_rows<DB>(k_s + wg * 64 * 128, v_s + wg * 64 * 128, KV_BOX, attention::DropoutKeyOrder<>{}, 8 + wg);
         // This warpgroup's 64 key rows of K and V (k16 steps and 64-column boxes advance from here)
         const unsigned long long k_desc = wgmma_desc_sw128(k_s + wg * 64 * 128), v_desc = wgmma_desc_sw128(v_s + wg * 64 * 128);
 
@@ -477,14 +484,14 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
                                  wgmma_desc_advance(do_desc, (ks / 4) * Q_BOX + (ks % 4) * 32), ks > 0);
             wgmma_commit();
 
-            // DROPOUT: the keep bits of this thread's scores, score 4 j + e at bit (4 j + e) % 32 of
-            // keep[j / 8] (see the top)
-            unsigned int keep[DROPOUT ? BM / 32 : 1];
+            // DROPOUT: the keep bits of this thread's scores, score 4 j + e of keep[j / 8] (see the top)
+            unsigned int keep[DROPOUT ? BM / 64 : 1];
             if constexpr (DROPOUT) {
-                attention::DropoutDraw::stashed(drop_sh, drop_threshold)
-                    .keep_transposed(keep, b * H + h_step, m0, key0, g, t);
+                attention::DropoutDraw::stashed(drop_sh, drop_threshold).keep_rows(keep, b * H + h_step, m0, key0, g, t);
             }
-            auto kept = [&](int i) { return DROPOUT && ((keep[i / 32] >> (i % 32)) & 1u); };
+            auto kept = [&](int i) {
+                return DROPOUT && ((keep[i / 32] >> attention::DropoutDraw::keep_rows_bit(i % 32)) & 1u);
+            };
 
             wgmma_wait<1>();
             wgmma_hold(s);
@@ -506,7 +513,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
                     for (int e = 0; e < 4; ++e) {
                         const float th = attention::tanh_approx(s[4 * j + e] * cap_in);
                         float p = fast_exp2(fmaf(th, cap_out, -(e & 1 ? l.y : l.x)));
-                        const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
+                        const int key = key0 + (e >> 1) * ROW8, q = m0 + 8 * j + 2 * t + (e & 1);
                         if (edge & ((q >= sq) | km.hidden_bits(q, key, sk))) p = 0.f;
                         s[4 * j + e] = p;
                         // (VARLEN: exactly 0 where P is, as in the pass without the softcap)
@@ -529,11 +536,11 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
                         const float th = attention::tanh_approx(s[4 * j + e] * cap_in);
                         p[e] = fast_exp2(fmaf(th, cap_out, -(e & 1 ? l.y : l.x)));
                         if constexpr (MASK == 2) {
-                            const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
+                            const int key = key0 + (e >> 1) * ROW8, q = m0 + 8 * j + 2 * t + (e & 1);
                             if (edge & ((q >= sq) | km.hidden_bits(q, key, sk))) p[e] = 0.f;
                         } else {
                             // (with && and || ptxas branched a score here at causal d128 and spilled)
-                            const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
+                            const int key = key0 + (e >> 1) * ROW8, q = m0 + 8 * j + 2 * t + (e & 1);
                             if (edge & ((q >= sq) | (key >= sk) | (CAUSAL & (key > q + diag)))) p[e] = 0.f;
                         }
                         u[e] = 1.f - th * th;
@@ -551,7 +558,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -(e & 1 ? l.y : l.x)));
-                        const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
+                        const int key = key0 + (e >> 1) * ROW8, q = m0 + 8 * j + 2 * t + (e & 1);
                         if (edge & ((q >= sq) | km.hidden_bits(q, key, sk))) p = 0.f;
                         s[4 * j + e] = p;
                     }
@@ -569,11 +576,11 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
                         float p = fast_exp2(fmaf(s[4 * j + e], scale_log2, -(e & 1 ? l.y : l.x)));
                         if constexpr (VARLEN) {
                             if (edge) {
-                                const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
+                                const int key = key0 + (e >> 1) * ROW8, q = m0 + 8 * j + 2 * t + (e & 1);
                                 if (q >= sq || key >= sk || (CAUSAL && key > q + diag)) p = 0.f;
                             }
                         } else {
-                            const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
+                            const int key = key0 + (e >> 1) * ROW8, q = m0 + 8 * j + 2 * t + (e & 1);
                             if (edge & ((q >= sq) | (key >= sk) | (CAUSAL & (key > q + diag)))) p = 0.f;
                         }
                         s[4 * j + e] = p;
@@ -590,12 +597,12 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
                     for (int e = 0; e < 4; ++e) s[4 * j + e] = fast_exp2(fmaf(s[4 * j + e], scale_log2, -(e & 1 ? l.y : l.x)));
                 }
                 if (m0 + BM > sq || n0 + BN > sk) {
-                    // Score (key row key0 + 8 r, query m0 + 2 t + c, c = 8 j + (e & 1)) is outside
+                    // Score (key row key0 + ROW8 r, query m0 + 2 t + c, c = 8 j + (e & 1)) is outside
                     // when the query is past sq or the key past sk: as one bound a row on the
                     // constant c, c >= q_end[r]
                     int q_end[2];
 #pragma unroll
-                    for (int r = 0; r < 2; ++r) q_end[r] = key0 + 8 * r >= sk ? -1 : sq - m0 - 2 * t;
+                    for (int r = 0; r < 2; ++r) q_end[r] = key0 + ROW8 * r >= sk ? -1 : sq - m0 - 2 * t;
 #pragma unroll
                     for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
@@ -723,17 +730,18 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
 
         // dV and dK (scaled), this warpgroup's 64 keys of this (batch, kv head), staged in its own
         // rows of V and K and written by whole rows (dk and dv are allocated dense in some order of
-        // their dims: 16-byte rows and strides). Only this warpgroup reads its rows of V; K's rows
+        // their dims: 16-byte rows and strides; DROPOUT: a row to its key's). Only this warpgroup reads its rows of V; K's rows
         // are read by both warpgroups' dQ products (SPLIT_N), so dK waits for both to be done.
         const int wg_key0 = n0 + wg * 64;
         const float dv_scale = DROPOUT ? drop_rescale : 1.f;   // (DROPOUT: the kept weights' 1 / (1 - p))
-        store_tile_staged<T, D, KV_BOX>(dv_acc, dv_scale, dv_scale, v_s + wg * 64 * 128,
-                                        dv + b * dv_sb + static_cast<long long>(span.k0 + wg_key0) * dv_ss + hk * dv_sh, dv_ss,
-                                        sk - wg_key0, 8 + wg);
+        using RowOf = attention::DropoutKeyOrder<DROPOUT>;
+        store_tile_staged<T, D, KV_BOX, RowOf>(dv_acc, dv_scale, dv_scale, v_s + wg * 64 * 128,
+                                               dv + b * dv_sb + static_cast<long long>(span.k0 + wg_key0) * dv_ss + hk * dv_sh,
+                                               dv_ss, sk - wg_key0, 8 + wg);
         named_barrier_sync(10, 256);
-        store_tile_staged<T, D, KV_BOX>(dk_acc, scale, scale, k_s + wg * 64 * 128,
-                                        dk + b * dk_sb + static_cast<long long>(span.k0 + wg_key0) * dk_ss + hk * dk_sh, dk_ss,
-                                        sk - wg_key0, 8 + wg);
+        store_tile_staged<T, D, KV_BOX, RowOf>(dk_acc, scale, scale, k_s + wg * 64 * 128,
+                                               dk + b * dk_sb + static_cast<long long>(span.k0 + wg_key0) * dk_ss + hk * dk_sh,
+                                               dk_ss, sk - wg_key0, 8 + wg);
         CUK_STAMP(9);
         if constexpr (PERSISTENT) {
             mbarrier_arrive(&kv_free);   // (this thread has read its rows of K's and V's buffers)

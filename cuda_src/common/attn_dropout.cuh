@@ -102,36 +102,61 @@ struct DropoutDraw {
         return bits;
     }
 
-    // The keep bits of the Hopper backward's transposed scores (S^T: key rows): a thread of
-    // quad row g, column t holds keys key0 and key0 + 8 (key0 = 16 k + g) of queries
-    // m0 + 8 j + 2 t + c, score 4 j + 2 r + c at bit (4 j + 2 r + c) % 32 of keep[j / 8]. One call
-    // (query, key0's 32) serves both keys of a column and those of the quad partner g ^ 1 (the
-    // other half of each word): each of the two draws the calls of its own column parity c = g & 1
-    // and hands the partner's bits over by one shuffle a word. A warp-wide call.
+    // The keep bits of the Hopper backward's transposed scores (S^T: key rows), its K and V rows
+    // in DropoutKeyOrder (below): a thread of quad row g, column t holds keys key0 (its row g's)
+    // and key0 + 16 (row g + 8's) of queries m0 + 8 j + 2 t + c, score e = 2 row + c of column
+    // group j. The four threads of a column whose keys share their calls (rows g, g ^ 1, g ^ 4,
+    // g ^ 5: lanes 4 and 16 apart) hold the eight keys of each: each draws one of the four calls
+    // of a pair of column groups (its `me`: j's parity, c), an eighth of a call a score, keeps
+    // the bits for each of the four as one byte (two a call: the word and half of each of its
+    // keys) and a 4 x 4 transpose of the bytes, two shuffles, hands them out. Score i = 4 j + e
+    // (j < BM / 8) at bit keep_rows_bit(i % 32) of keep[i / 32]. A warp-wide call.
     template <int KW>
-    __device__ __forceinline__ void keep_transposed(unsigned int (&keep)[KW], unsigned int bh, int m0, int key0, int g,
-                                                    int t) const
+    __device__ __forceinline__ void keep_rows(unsigned int (&keep)[KW], unsigned int bh, int m0, int key0, int g,
+                                              int t) const
     {
         const unsigned int lo = static_cast<unsigned int>(seed), hi = static_cast<unsigned int>(seed >> 32);
-        const unsigned int par = g & 1, mine = 16 * par, theirs = 16 - mine;
+        const int me = 2 * (g >> 2) + (g & 1);
         const unsigned int call = dropout_call(static_cast<unsigned int>(key0));
-        const bool upper = (key0 >> 4) & 1;   // (words z and w: keys 16.. of the 32)
+        const unsigned int pick1 = me & 1 ? 0x3715u : 0x6240u, pick2 = me & 2 ? 0x3276u : 0x5410u;
 #pragma unroll
         for (int w = 0; w < KW; ++w) {
-            unsigned int own = 0, give = 0;
+            unsigned int bytes = 0;   // (byte `to`: the bits for thread `to` of the four)
 #pragma unroll
-            for (int jj = 0; jj < 8; ++jj) {
-                const unsigned int q = m0 + 8 * (8 * w + jj) + 2 * t + par;
+            for (int jj = 0; jj < 4; ++jj) {
+                const unsigned int q = m0 + 8 * (8 * w + 2 * jj + (me >> 1)) + 2 * t + (me & 1);
                 const Philox4 r = philox4x32_10(Philox4{call, q, bh, offset}, lo, hi);
-                const unsigned int wa = upper ? r.z : r.x, wb = upper ? r.w : r.y;
-                const int bit = 4 * jj + par;
-                own |= kept_half(wa, mine) << bit;
-                own |= kept_half(wb, mine) << (bit + 2);
-                give |= kept_half(wa, theirs) << bit;
-                give |= kept_half(wb, theirs) << (bit + 2);
+                const unsigned int word[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+                for (int to = 0; to < 4; ++to) {
+                    bytes |= kept_half(word[to >> 1], 16 * (to & 1)) << (8 * to + 2 * jj);
+                    bytes |= kept_half(word[(to >> 1) + 2], 16 * (to & 1)) << (8 * to + 2 * jj + 1);
+                }
             }
-            keep[w] = own | __shfl_xor_sync(0xffffffffu, give, 4);
+            // (byte b of thread me <-> byte me of thread b: the index bits swapped one at a time)
+            bytes = __byte_perm(bytes, __shfl_xor_sync(0xffffffffu, bytes, 4), pick1);
+            keep[w] = __byte_perm(bytes, __shfl_xor_sync(0xffffffffu, bytes, 16), pick2);
         }
+    }
+
+    // keep_rows' bit of score i = 4 j + e (j < 8) of a word: byte 2 (j % 2) + e % 2 (the thread
+    // that drew it), bit 2 (j / 2) + e / 2 of it
+    __host__ __device__ static constexpr int keep_rows_bit(int i)
+    {
+        return 8 * (2 * ((i >> 2) & 1) + (i & 1)) + 2 * ((i >> 3) & 3) + ((i >> 1) & 1);
+    }
+};
+
+// The Hopper backward's order of K's and V's rows under dropout: row s = 32 a + 16 h + 4 m + r
+// of a tile holds key 32 a + 8 m + 4 h + r, so that a warp's 16 rows (h: its index's parity)
+// hold all eight keys of every Philox call it needs (keys 8 m + 2 t' + c of a 32, t' = 2 h + r /
+// 2), and each thread's two rows hold keys 16 apart of one call (DropoutDraw::keep_rows). A
+// permutation within each 32 rows; the row's key (ON = false: the row's own, key order).
+template <bool ON = true>
+struct DropoutKeyOrder {
+    __host__ __device__ constexpr int operator()(int s) const
+    {
+        return ON ? (s & ~31) | ((s & 12) << 1) | ((s >> 2) & 4) | (s & 3) : s;
     }
 };
 

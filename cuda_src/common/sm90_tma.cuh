@@ -146,4 +146,31 @@ __device__ __forceinline__ void zero_tile_rows(unsigned char* a, unsigned char* 
     fence_proxy_async();
     named_barrier_sync(bar, 128);
 }
+
+// Rows s < 64 of a warpgroup's part of two tiles `a` and `b` (`BOXES` boxes of 128-byte,
+// 128-byte-swizzled rows, box_bytes apart) replaced by rows from(s) of the same part, a
+// permutation, by its 128 threads: a box's rows read, the barrier `bar`, written; fenced for the
+// async proxy and published by `bar` for the wgmma reads that follow.
+template <int BOXES, typename From>
+__device__ __forceinline__ void permute_tile_rows(unsigned char* a, unsigned char* b, int box_bytes, From from, int bar) {
+    const int tid = threadIdx.x % 128, c = tid % 8;
+#pragma unroll
+    for (int part = 0; part < 2 * BOXES; ++part) {
+        unsigned char* const base = (part & 1 ? b : a) + (part / 2) * box_bytes;
+        uint4 v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int s = tid / 8 + 16 * i, src = from(s);
+            v[i] = *reinterpret_cast<const uint4*>(base + src * 128 + ((c ^ (src & 7)) << 4));
+        }
+        named_barrier_sync(bar, 128);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int s = tid / 8 + 16 * i;
+            *reinterpret_cast<uint4*>(base + s * 128 + ((c ^ (s & 7)) << 4)) = v[i];
+        }
+    }
+    fence_proxy_async();
+    named_barrier_sync(bar, 128);
+}
 }  // namespace cuk

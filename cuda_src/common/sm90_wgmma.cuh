@@ -60,9 +60,14 @@ __device__ __forceinline__ void stage_tile(const float (&acc)[D / 2], float s0, 
     if (for_tma) fence_proxy_async();
     named_barrier_sync(bar, 128);
 }
-template <typename T, int D, int BOX>
+// RowOf: the row of `g` that accumulator row r (0 .. 63) goes to (as laid out, by default).
+struct SameRow {
+    __host__ __device__ constexpr int operator()(int r) const { return r; }
+};
+template <typename T, int D, int BOX, typename RowOf = SameRow>
 __device__ __forceinline__ void store_tile_staged(const float (&acc)[D / 2], float s0, float s1, unsigned char* stage,
-                                                  T* g, long long stride, int nrows, int bar, int ncols = D) {
+                                                  T* g, long long stride, int nrows, int bar, int ncols = D,
+                                                  RowOf row_of = RowOf{}) {
     stage_tile<T, D, BOX>(acc, s0, s1, stage, bar);
     const int tid = threadIdx.x % 128;
     constexpr int CPR = D / 8, RSTEP = 128 / CPR;   // 16-byte chunks a row; rows a pass
@@ -71,7 +76,8 @@ __device__ __forceinline__ void store_tile_staged(const float (&acc)[D / 2], flo
     for (int i = 0; i < 64 / RSTEP; ++i) {
         const int row = i * RSTEP + tid / CPR;
         const uint4 v = *reinterpret_cast<const uint4*>(stage + (c / 8) * BOX + row * 128 + (((c % 8) ^ (row & 7)) << 4));
-        if (row < nrows && 8 * c < ncols) *reinterpret_cast<uint4*>(g + static_cast<long long>(row) * stride + 8 * c) = v;
+        const int to = row_of(row);
+        if (to < nrows && 8 * c < ncols) *reinterpret_cast<uint4*>(g + static_cast<long long>(to) * stride + 8 * c) = v;
     }
 }
 
