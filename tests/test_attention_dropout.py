@@ -294,45 +294,149 @@ def test_packed_dropout_matches_the_reference(deterministic):
         assert_close(got, e, dtype, name, tol=2 * TOL[dtype], scale=float(np.sqrt(np.mean(e * e))))
 
 
+def _torch_qkv(b=2, s=200, h=8, hkv=2, d=64):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, s, h, d, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_(True)
+    k, v = (torch.randn(b, s, hkv, d, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_(True)
+            for _ in range(2))
+    do = torch.randn(b, s, h, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    return q, k, v, do
+
+
+def _assert_dropped_as_drawn(out, q, k, v, rng, p, grads=None, do=None):
+    """out (and the gradients, where given) are PyTorch's autograd of the weights that the draw
+    ``rng`` drops (causal)."""
+    from test_attention import _dropout_bshd
+
+    leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+    expect = _dropout_bshd(*leaves, rng.cpu(), True, q.shape[-1] ** -0.5, p)
+    torch.testing.assert_close(out.float(), expect, rtol=2e-2, atol=2e-2)
+    if grads is not None:
+        for got, want in zip(grads, torch.autograd.grad(expect, leaves, do.float())):
+            torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
+
+
 @gpu
 @needs_torch
 def test_torch_dropout_is_seeded_by_pytorchs_generator_and_trains_as_the_eager_form():
     """``cukern.torch.flash_attn_func(dropout_p=)``: the draw comes from the CUDA generator
     (``torch.manual_seed`` repeats a call, the next call draws apart), and the out and gradients
     equal PyTorch's autograd of the weights dropped by that draw; a second backward gives the
-    same gradients. The SDPA drop-in leaves dropout to PyTorch."""
+    same dK and dV bits (dQ's float32 sums, added in whatever order the blocks finish, to a
+    rounding; all three with ``deterministic=True``). On Hopper the SDPA drop-in takes dropout
+    on the kernels (the same draw, so the same out), elsewhere it leaves it to PyTorch, counted."""
     import cukern.torch as ct
-    from test_attention import _dropout_bshd
+    from cukern.attention.torch import dropout_draw, dropout_route_reason
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(2, 200, 8, 64, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_(True)
-    k, v = (torch.randn(2, 200, 2, 64, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_(True)
-            for _ in range(2))
-    do = torch.randn(2, 200, 8, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    q, k, v, do = _torch_qkv()
     torch.manual_seed(3)
-    gen = torch.cuda.default_generators[q.device.index]
-    seed, offset = gen.initial_seed(), gen.get_offset()
     out = ct.flash_attn_func(q, k, v, dropout_p=0.2, causal=True)
-    assert gen.get_offset() > offset   # (the generator moved on)
+    torch.manual_seed(3)
+    rng = dropout_draw(q.device)   # (the draw the call made)
     grads = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
     again = torch.autograd.grad(out, (q, k, v), do)
-    for a, b in zip(grads, again):
+    assert torch.equal(grads[1], again[1]) and torch.equal(grads[2], again[2])
+    torch.testing.assert_close(grads[0], again[0], rtol=1e-2, atol=1e-3)
+    _assert_dropped_as_drawn(out, q, k, v, rng, 0.2, grads, do)
+    torch.manual_seed(3)
+    fixed = ct.flash_attn_func(q, k, v, dropout_p=0.2, causal=True, deterministic=True)
+    assert torch.equal(fixed, out)
+    grads = torch.autograd.grad(fixed, (q, k, v), do, retain_graph=True)
+    for a, b in zip(grads, torch.autograd.grad(fixed, (q, k, v), do)):
         assert torch.equal(a, b)
-    rng = torch.tensor([seed - 2**64 if seed >= 2**63 else seed, offset])
-    leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
-    expect = _dropout_bshd(*leaves, rng, True, 64 ** -0.5, 0.2)
-    torch.testing.assert_close(out.float(), expect, rtol=2e-2, atol=2e-2)
-    for got, want in zip(grads, torch.autograd.grad(expect, leaves, do.float())):
-        torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
     torch.manual_seed(3)
     assert torch.equal(ct.flash_attn_func(q, k, v, dropout_p=0.2, causal=True), out)
     assert not torch.equal(ct.flash_attn_func(q, k, v, dropout_p=0.2, causal=True), out)
-    # the SDPA drop-in leaves dropout to PyTorch (the kernels' forward and backward is slower there), counted
     import torch.nn.functional as F
 
     ct.reset_counts()
     with ct.patch(min_size=0):
-        F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), dropout_p=0.2, is_causal=True,
-                                       enable_gqa=True)
-    assert ct.counts(reasons=True)["scaled_dot_product_attention"] == {"cukern": 0, "torch": 1,
-                                                                       "torch_reasons": {"dropout": 1}}
+        torch.manual_seed(3)
+        o = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), dropout_p=0.2, is_causal=True,
+                                           enable_gqa=True)
+    counts = ct.counts(reasons=True)["scaled_dot_product_attention"]
+    why = dropout_route_reason(q.device, 64, 64)
+    if why is None:
+        assert counts["cukern"] == 1 and counts["torch"] == 0, counts
+        assert torch.equal(o.transpose(1, 2), out)
+    else:
+        assert counts == {"cukern": 0, "torch": 1, "torch_reasons": {why: 1}}
+
+
+@gpu
+@needs_torch
+def test_torch_dropout_draws_anew_in_each_cuda_graph_replay():
+    """Captured in a CUDA graph, ``flash_attn_func(dropout_p=)`` draws on the device at each
+    replay (as PyTorch's dropout does): replays drop different weights, each the weights its
+    draw names; ``torch.manual_seed`` before a replay repeats it."""
+    import cukern.torch as ct
+    from cukern.attention import torch as at
+
+    q, k, v, _ = _torch_qkv(1, 160, 4, 4, 64)
+    drawn = []
+    real = at.dropout_draw
+
+    def recorded(device):   # (the draw's tensor: the graph refills it at each replay)
+        drawn.append(real(device))
+        return drawn[-1]
+
+    at.dropout_draw = recorded
+    try:
+        with torch.no_grad():
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):   # (the kernels compiled and loaded before the capture)
+                ct.flash_attn_func(q, k, v, dropout_p=0.3, causal=True)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = ct.flash_attn_func(q, k, v, dropout_p=0.3, causal=True)
+    finally:
+        at.dropout_draw = real
+    rng = drawn[-1]
+    seen = []
+    for seed in (5, None, 5):
+        if seed is not None:
+            torch.manual_seed(seed)
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_dropped_as_drawn(out, q, k, v, rng, 0.3)
+        seen.append((rng.clone(), out.clone()))
+    assert not torch.equal(seen[0][0], seen[1][0]) and not torch.equal(seen[0][1], seen[1][1])
+    assert torch.equal(seen[0][0], seen[2][0]) and torch.equal(seen[0][1], seen[2][1])
+
+
+@gpu
+@needs_torch
+def test_torch_dropout_draws_anew_in_each_compiled_call():
+    """Under torch.compile the draw is part of the graph: each call drops different weights,
+    ``torch.manual_seed`` repeats a call, and the gradients flow."""
+    import cukern.torch as ct
+
+    q, k, v, do = _torch_qkv(1, 160, 4, 4, 64)
+    f = torch.compile(lambda q, k, v: ct.flash_attn_func(q, k, v, dropout_p=0.3, causal=True), fullgraph=True)
+    torch.manual_seed(5)
+    a = f(q, k, v)
+    torch.manual_seed(5)
+    b = f(q, k, v)
+    c = f(q, k, v)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    plain = ct.flash_attn_func(q, k, v, causal=True)
+    assert (a.float() - plain.float()).abs().max() > 0.05
+    grads = torch.autograd.grad(a, (q, k, v), do)
+    assert all(bool(torch.isfinite(t).all()) and t.abs().max() > 0 for t in grads)
+
+
+@needs_torch
+def test_the_drop_ins_take_dropout_where_hoppers_kernels_draw_it(monkeypatch):
+    """The SDPA drop-in and ``patch(model)`` take dropout where it measured faster than
+    PyTorch's: on Hopper at head dims 64 and 128 (q's and v's alike); elsewhere a reason."""
+    from cukern.attention import torch as at
+
+    monkeypatch.setattr(at, "_hopper", lambda device: True)
+    dev = torch.device("cuda", 0)
+    assert at.dropout_route_reason(dev, 64, 64) is None and at.dropout_route_reason(dev, 128, 128) is None
+    assert at.dropout_route_reason(dev, 256, 256) == "dropout at head_dim 256"
+    assert at.dropout_route_reason(dev, 192, 128) == "dropout at head_dim 192"
+    monkeypatch.setattr(at, "_hopper", lambda device: False)
+    assert at.dropout_route_reason(dev, 64, 64) == "dropout off Hopper"

@@ -178,30 +178,25 @@ TORCH_OPS += (
 
 
 def dropout_draw(device):
-    """(2,) int64 on ``device``: the seed and Philox offset of one dropout call, taken from
-    PyTorch's CUDA generator of that device, whose offset it advances (so ``torch.manual_seed``
-    repeats a run and two calls draw apart), as PyTorch's own dropout kernels take theirs."""
+    """(2,) int64 on ``device``: the seed and Philox offset of one dropout call, two random
+    words drawn on the device from PyTorch's CUDA generator (``torch.randint``): so
+    ``torch.manual_seed`` repeats a run, two calls draw apart, and a captured CUDA graph or a
+    compiled graph draws anew each time it runs, as PyTorch's own dropout does. Nothing is read
+    on the host."""
     import torch
 
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    gen = torch.cuda.default_generators[index]
-    seed, offset = gen.initial_seed(), gen.get_offset()
-    gen.set_offset(offset + 4)
-    return torch.tensor([seed - (1 << 64) if seed >= 1 << 63 else seed, offset], dtype=torch.int64, device=device)
+    return torch.randint(-(1 << 63), (1 << 63) - 1, (2,), dtype=torch.int64, device=device)
 
 
-def dropout_unavailable(T, dropout_p) -> str | None:
-    """Why a call with dropout cannot take the kernels here, or None: the draw reads and advances
-    the generator on the host, which a CUDA graph's capture and a torch.compile trace do not
-    replay."""
-    import torch
-
-    if not dropout_p:
-        return None
-    if T.compiling():
-        return "dropout under torch.compile"
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return "dropout under CUDA-graph capture"
+def dropout_route_reason(device, d: int, dv: int) -> str | None:
+    """Why the drop-ins leave a call with dropout to PyTorch on ``device`` (a CUDA
+    torch.device), or None: they take it where the Hopper kernels draw it (head dims 64 and
+    128, q's and v's the same), measured faster than PyTorch's SDPA with dropout there; the
+    sm_80 kernels that take it elsewhere measured slower (docs/notes-attention.md)."""
+    if not (CONFIGS.use_sm90_dropout and CONFIGS.use_sm90_bwd and _hopper(device)):
+        return "dropout off Hopper"
+    if dv != d or d not in dict(CONFIGS.bwd_sm90_dropout):
+        return f"dropout at head_dim {d}"
     return None
 
 
@@ -231,9 +226,7 @@ def _torch_api(T, ops, modules) -> dict:
 
         return learnable_sink.to(torch.float32)
 
-    def _unsupported(dropout_p, alibi_slopes, block_table=None, why_not=None):
-        if dropout_p and why_not:
-            raise ValueError(f"dropout_p: {dropout_p}: {why_not} is not taken (the draw is made on the host)")
+    def _unsupported(alibi_slopes, block_table=None):
         if alibi_slopes is not None:
             raise ValueError("alibi_slopes: cukern's attention has no ALiBi bias")
         if block_table is not None:
@@ -255,9 +248,9 @@ def _torch_api(T, ops, modules) -> dict:
         ``learnable_sink``: (H,) attention sinks, FlashAttention-4's name (``cukern.attention``'s
         ``sinks``), float32 or a dtype cast to it; differentiated. ``dropout_p``: drops attention
         weights by a Philox draw seeded from PyTorch's CUDA generator (``torch.manual_seed``
-        repeats it; not with sinks, the softcap or ``return_attn_probs``, nor under torch.compile
-        or CUDA-graph capture)."""
-        _unsupported(dropout_p, alibi_slopes, why_not=dropout_unavailable(T, dropout_p))
+        repeats it; a CUDA graph's replay or a compiled graph draws anew each run; not with sinks,
+        the softcap or ``return_attn_probs``)."""
+        _unsupported(alibi_slopes)
         s, wl, wr, cap = _flags(q, softmax_scale, window_size, softcap)
         flags = (bool(causal), s, wl, wr, cap, int(bool(deterministic)))
         if dropout_p:
@@ -288,7 +281,7 @@ def _torch_api(T, ops, modules) -> dict:
         ``learnable_sink``: as for ``flash_attn_func``; no dropout."""
         if dropout_p:
             raise ValueError(f"dropout_p: {dropout_p}: flash_attn_varlen_func takes no dropout yet")
-        _unsupported(dropout_p, alibi_slopes, block_table)
+        _unsupported(alibi_slopes, block_table)
         s, wl, wr, cap = _flags(q, softmax_scale, window_size, softcap)
         flags = (bool(causal), s, wl, wr, cap, int(bool(deterministic)))
         lengths = (int(max_seqlen_q), int(max_seqlen_k))
@@ -306,8 +299,8 @@ def _route(T, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     """(B, H, S, D) inputs of float16/bfloat16 (after autocast), no mask tensor, a supported
     head_dim (and v's that the kernels take beside it: MLA's 128 beside 192), grouped-query K/V
     with ``enable_gqa``, ``is_causal`` with equal query and key lengths (PyTorch aligns the
-    causal mask to the top left, cukern to the bottom right: they agree only there); no dropout
-    (``flash_attn_func(dropout_p=)`` takes it on the kernels)."""
+    causal mask to the top left, cukern to the bottom right: they agree only there); dropout
+    where ``dropout_route_reason`` finds none (drawn by ``dropout_draw``)."""
     q, k, v = query, key, value
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return "not CUDA tensors"
@@ -317,8 +310,6 @@ def _route(T, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         return "attn_mask"
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         return "dropout_p outside [0, 1)"
-    if dropout_p:   # (the kernels' dropout measured slower than PyTorch's: docs/notes-attention.md)
-        return "dropout"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:-1] != v.shape[:-1]:
         return "shape"
     if q.dtype not in T.HALF_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -341,8 +332,13 @@ def _route(T, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         return "size"
     if T.small("scaled_dot_product_attention", b * h * sq * sk * d):
         return T.SMALL
+    if dropout_p and (why := dropout_route_reason(q.device, d, v.shape[-1])):
+        return why
     s = 1.0 / math.sqrt(d) if scale is None else float(scale)
     # (B, H, S, D) read through its transpose; the output comes back in SDPA's layout: no copies.
+    if dropout_p:
+        return ("attention_dropout", (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_draw(q.device),
+                                      bool(is_causal), s, -1, -1, 0.0, float(dropout_p), -1), _transpose12)
     return ("attention", (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bool(is_causal), s, -1, -1, 0.0,
                           -1), _transpose12)
 

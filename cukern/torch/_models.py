@@ -25,9 +25,10 @@ not reach them. ``patch(model)`` routes, module by module:
 * ``attention``: the model's attention implementation ("cukern", registered with transformers'
   AttentionInterface, with its mask function; in ``_transformers_attention``): causal masks run
   causal, padding masks and packed documents (position ids that restart) as varlen, a sliding
-  window (a windowed layer's mask read for it) as a window, GPT-OSS's sinks with the sinks;
-  other masks, dropout (the kernels' measured slower than PyTorch's) and cached decoding go to
-  PyTorch's SDPA (the model's eager code for a softcap or sinks), counted;
+  window (a windowed layer's mask read for it) as a window, GPT-OSS's sinks with the sinks,
+  dropout where the SDPA drop-in takes it (Hopper, head dims 64 and 128, without padding or
+  documents); other masks, other dropout and cached decoding go to PyTorch's SDPA (the model's
+  eager code for a softcap or sinks), counted;
 * ``loss``: the LM head and the loss of a causal LM (``*ForCausalLM``, GPT-2's LM head) in
   training with labels, where its logits are found to be the LM head of the base model's last
   hidden state (scaled by Granite's ``logits_scaling`` or Cohere's ``logit_scale``, capped by

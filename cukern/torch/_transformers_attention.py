@@ -95,8 +95,9 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
                   sliding_window=None, softcap=None, **kwargs):
     """transformers' attention interface for "cukern": q and k (B, H / Hkv, S, D), v (B, Hkv, Sk,
     Dv) in, (B, Sq, H, Dv) out (Dv: D, or MLA's 128 beside 192). Causal or not, key padding (as
-    varlen), a sliding window, a softcap and GPT-OSS's sinks (``s_aux``) on the kernels; dropout,
-    other masks and decoding on PyTorch's SDPA, or on the model's own eager code where SDPA cannot
+    varlen), a sliding window, a softcap, GPT-OSS's sinks (``s_aux``) and dropout (where the SDPA
+    drop-in takes it, without padding, documents, a softcap or sinks) on the kernels; other masks
+    and decoding on PyTorch's SDPA, or on the model's own eager code where SDPA cannot
     compute them (a softcap, sinks)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -113,8 +114,8 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
         reason = "a mask that is neither causal, key padding nor packed documents"
     elif docs is not None and not causal:
         reason = "packed documents without a causal mask"
-    elif dropout:
-        reason = "dropout"
+    elif dropout and (pad is not None or docs is not None or softcap or sinks is not None):
+        reason = "dropout with key padding, packed documents, a softcap or sinks"
     elif kwargs.get("output_attentions") or kwargs.get("position_bias") is not None:
         reason = "attention weights or a position bias"
     elif sq != sk:
@@ -124,7 +125,8 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     elif sinks is not None and (not torch.is_tensor(sinks) or sinks.shape != (query.shape[1],)):
         reason = "sinks that are not one logit a query head"
     if reason is None:
-        r = _sdpa_route()(_tools, query, key, value, is_causal=causal, scale=scaling, enable_gqa=True)
+        r = _sdpa_route()(_tools, query, key, value, dropout_p=dropout, is_causal=causal, scale=scaling,
+                          enable_gqa=True)
         if isinstance(r, str):
             reason = r
     if reason != "compiling":
@@ -155,8 +157,11 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
             attention_mask = _dense_mask(pad, sq, causal, window)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, softcap=softcap, **kwargs)
-    _, (q, k, v, c, s, *_), _ = r   # (B, S, H, D) views, the mask flags and scale as the route read them
+    name, args, _ = r   # (B, S, H, D) views, the mask flags and scale as the route read them
     wl = window - 1 if window is not None else -1
+    if name == "attention_dropout":   # (the route's draw, args[3])
+        return OPS[name](*args[:6], wl, -1, 0.0, *args[9:]), None
+    q, k, v, c, s = args[:5]
     cap = float(softcap or 0.0)
     sk32 = None if sinks is None else sinks.float()
     if docs is not None:
