@@ -249,7 +249,8 @@ def cmd_train_demo(args) -> int:
     patches = {"both": [False, True], "on": [True], "off": [False]}[args.patch]
     what = (f"GPT {cfg.layers} layers, dim {cfg.dim}, {cfg.heads} heads, vocab {cfg.vocab}, seq {cfg.seq}, "
             f"{cfg.norm} norm" if cfg.model == "gpt" else
-            f"Hugging Face {cfg.model} ({cfg.layers} layers, dim {cfg.dim}, {cfg.heads} heads, seq {cfg.seq})")
+            f"Hugging Face {cfg.model} ({cfg.layers} layers, dim {cfg.dim}, {cfg.heads} heads, seq {cfg.seq}"
+            f"{f', attention dropout {cfg.attn_dropout}' if cfg.attn_dropout else ''})")
     say(f"train-demo: {what}; batch {args.batch} x accum {args.accum} x {world} rank(s)"
         f"{' (FSDP2)' if args.fsdp and world > 1 else ''}, {args.steps} steps, bf16 autocast, AdamW"
         f"{', deterministic algorithms' if args.deterministic else ''}", flush=True)

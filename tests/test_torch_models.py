@@ -5,6 +5,7 @@ routing, the restoring, the state_dict and the masks; on the GPU, patched agains
 from __future__ import annotations
 
 import copy
+import dataclasses
 import types
 
 import pytest
@@ -467,6 +468,32 @@ def test_the_demo_builds_each_hugging_face_model():
     for kind, raised in (("xlnet", "NotImplementedError"), ("musicgen", "ValueError"), ("emu3", "")):
         with pytest.raises(ValueError, match=rf"^model: transformers could not configure '{kind}' .*\({raised}"):
             hf.build(options.Config(layers=1, dim=64, heads=4, seq=32, vocab=97, model=kind))
+
+
+def test_the_demo_keeps_the_attention_dropout_it_is_given():
+    """--attn-dropout P: the attention weights' dropout of a transformers model under its own
+    name in the config (GPT-2's attn_pdrop, LLaMA's and OPT's attention_dropout); every other
+    dropout stays off; refused by name out of [0, 1) and for the demo's own GPT."""
+    import argparse
+
+    from cukern.demo import hf, options
+
+    p = argparse.ArgumentParser()
+    options.add_model_args(p)
+    for kind, name in (("gpt2", "attn_pdrop"), ("llama", "attention_dropout"), ("opt", "attention_dropout")):
+        cfg = options.config(p.parse_args(["--model", kind, "--attn-dropout", "0.1", "--layers", "1", "--dim", "128",
+                                           "--heads", "4", "--seq", "64", "--vocab", "256"]))
+        m = hf.build(cfg)
+        assert getattr(m.config, name) == 0.1, kind
+        assert getattr(m.config, "resid_pdrop", 0.0) == 0.0 and getattr(m.config, "dropout", 0.0) == 0.0
+        assert hf.build(dataclasses.replace(cfg, attn_dropout=0.0)).config.to_dict()[name] == 0.0
+    for bad in ("1.5", "-0.1", "x"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--model", "gpt2", "--attn-dropout", bad])
+    with pytest.raises(ValueError, match="^attn_dropout: must be in"):
+        options.config(argparse.Namespace(**{**vars(p.parse_args(["--model", "gpt2"])), "attn_dropout": 1.0}))
+    with pytest.raises(ValueError, match="^attn_dropout: only with a transformers --model"):
+        options.config(p.parse_args(["--attn-dropout", "0.1"]))
 
 
 def test_the_demo_takes_any_transformers_causal_lm_type():

@@ -64,7 +64,24 @@ def build(cfg: Config):
     else:
         return _any(cfg, kv)
     c._attn_implementation = "eager" if cfg.model == "gemma2" else "sdpa"   # (Gemma 2 has no SDPA path)
+    _attention_dropout(c, cfg.attn_dropout)
     return cls(c)
+
+
+# transformers' names for the attention weights' dropout probability in a config
+_ATTENTION_DROPOUT = ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob")
+
+
+def _attention_dropout(c, p: float) -> None:
+    """``p`` as the attention-weight dropout of config ``c``'s text config, under whichever of
+    its names the config has; a config with none of them is refused for p > 0."""
+    text = c.get_text_config()
+    names = [n for n in _ATTENTION_DROPOUT if hasattr(text, n)]
+    if p and not names:
+        raise ValueError(f"attn_dropout: {type(text).__name__} has no attention dropout setting "
+                         f"({', '.join(_ATTENTION_DROPOUT)})")
+    for n in names:
+        setattr(text, n, p)
 
 
 def _any(cfg: Config, kv: int):
@@ -80,6 +97,7 @@ def _any(cfg: Config, kv: int):
     at = f"at width {cfg.dim}, {cfg.layers} layers, {cfg.heads} heads"
     try:
         c = _sized_config(cfg, kv)
+        _attention_dropout(c, cfg.attn_dropout)
     except Exception as e:  # noqa: BLE001 - any model type: say which and why
         first = str(e).splitlines()[0] if str(e) else ""
         raise ValueError(f"model: transformers could not configure {cfg.model!r} {at} ({type(e).__name__}: "

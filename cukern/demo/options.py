@@ -16,6 +16,7 @@ class Config:
     seq: int = 2048
     norm: str = "layer"   # "layer" or "rms"
     model: str = "gpt"    # "gpt" (this demo's own) or a Hugging Face model family (MODELS)
+    attn_dropout: float = 0.0   # attention-weight dropout of a Hugging Face model (others off)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -35,10 +36,24 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seq", type=int, default=d.seq, help="sequence length")
     g.add_argument("--norm", choices=("layer", "rms"), default=d.norm, help="LayerNorm or RMSNorm")
     g.add_argument("--batch", type=int, default=8, help="sequences a micro-batch (a rank)")
+    g.add_argument("--attn-dropout", type=probability, default=0.0, metavar="P",
+                   help="attention-weight dropout of a --model built from a config (GPT-2's own default trains "
+                        "with 0.1); every other dropout stays off, as in pretraining today")
 
 
 MODELS = ("gpt", "gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite",
           "gpt_neox", "starcoder2")
+
+
+def probability(text: str) -> float:
+    """--attn-dropout: a number in [0, 1)."""
+    try:
+        p = float(text)
+    except ValueError:
+        p = -1.0
+    if not 0.0 <= p < 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a probability in [0, 1)")
+    return p
 
 
 def model_type(name: str) -> str:
@@ -60,4 +75,10 @@ def model_type(name: str) -> str:
 def config(a) -> Config:
     model = getattr(a, "model", "gpt")
     vocab = a.vocab if a.vocab is not None else (Config.vocab if model == "gpt" else 0)
-    return Config(layers=a.layers, dim=a.dim, heads=a.heads, vocab=vocab, seq=a.seq, norm=a.norm, model=model)
+    p = float(getattr(a, "attn_dropout", 0.0))
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"attn_dropout: must be in [0, 1), got {p}")
+    if p and model == "gpt":
+        raise ValueError("attn_dropout: only with a transformers --model (the demo GPT trains without dropout)")
+    return Config(layers=a.layers, dim=a.dim, heads=a.heads, vocab=vocab, seq=a.seq, norm=a.norm, model=model,
+                  attn_dropout=p)
