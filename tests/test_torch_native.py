@@ -136,28 +136,33 @@ CASES = {
                                  _leaf((1, 2, 200, 64), _half(dt), 2)),
                                 lambda q, k, v: ct.scaled_dot_product_attention(q, k, v, enable_gqa=True)),
     # (packed documents, one empty and one of a token, GQA: the offsets are a tensor argument
-    # read on the device, the longest document an int of the signature)
+    # read on the device, the longest document an int of the signature. flash_attn_func's calls
+    # ask for the deterministic backward: its deterministic=False is not the global mode's, and
+    # dq's float32 atomic sums then vary in their last bits from run to run)
     "attention_varlen": lambda dt: ((_leaf((258, 4, 64), _half(dt), 0), _leaf((258, 2, 64), _half(dt), 1),
                                      _leaf((258, 2, 64), _half(dt), 2), _offsets([37, 130, 1, 0, 90]),
                                      _offsets([37, 130, 1, 0, 90]), 130, 130),
                                     lambda q, k, v, cq, ck, mq, mk: ct.flash_attn_varlen_func(q, k, v, cq, ck, mq, mk,
-                                                                                              causal=True)),
+                                                                                              causal=True,
+                                                                                              deterministic=True)),
     # (attention sinks: a float32 (H,) input with its own gradient, dense with a window and packed)
     "attention_sink": lambda dt: ((_leaf((2, 150, 4, 128), _half(dt), 0), _leaf((2, 150, 2, 128), _half(dt), 1),
                                    _leaf((2, 150, 2, 128), _half(dt), 2), _leaf((4,), torch.float32, 3)),
                                   lambda q, k, v, s: ct.flash_attn_func(q, k, v, causal=True, window_size=(64, 0),
-                                                                        learnable_sink=s)),
+                                                                        learnable_sink=s, deterministic=True)),
     "attention_varlen_sink": lambda dt: ((_leaf((258, 4, 64), _half(dt), 0), _leaf((258, 2, 64), _half(dt), 1),
                                           _leaf((258, 2, 64), _half(dt), 2), _offsets([37, 130, 1, 0, 90]),
                                           _offsets([37, 130, 1, 0, 90]), 130, 130, _leaf((4,), torch.float32, 3)),
                                          lambda q, k, v, cq, ck, mq, mk, s: ct.flash_attn_varlen_func(
-                                             q, k, v, cq, ck, mq, mk, causal=True, learnable_sink=s)),
+                                             q, k, v, cq, ck, mq, mk, causal=True, learnable_sink=s,
+                                             deterministic=True)),
     # (dropout: its draw a (2,) int64 input made each call from the generator, reseeded so that
     # every call drops the same weights)
     "attention_dropout": lambda dt: ((_leaf((2, 150, 4, 64), _half(dt), 0), _leaf((2, 150, 2, 64), _half(dt), 1),
                                       _leaf((2, 150, 2, 64), _half(dt), 2)),
                                      lambda q, k, v: (torch.cuda.manual_seed(5),
-                                                      ct.flash_attn_func(q, k, v, dropout_p=0.2, causal=True))[1]),
+                                                      ct.flash_attn_func(q, k, v, dropout_p=0.2, causal=True,
+                                                                         deterministic=True))[1]),
 }
 
 
