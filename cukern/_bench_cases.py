@@ -69,6 +69,8 @@ class TorchCase:
     flops: int | None = None
     fa4: Callable[[dict], Any] | None = None
     quack: Callable[[dict], Any] | None = None
+    # False: the implementations draw different random masks (dropout), outputs not compared
+    compares: bool = True
 
     shape_label = property(lambda self: _shape_label(self.shape))
 

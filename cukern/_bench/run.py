@@ -137,18 +137,21 @@ def _step(case: TorchCase, forward: Callable, leaves: str = "leaves") -> Callabl
     return run
 
 
-def first_calls(impls: dict[str, Callable], inputs) -> tuple[dict, dict]:
+def first_calls(impls: dict[str, Callable], inputs, compare: bool = True) -> tuple[dict, dict]:
     """Each implementation's first call on ``inputs``: (relative error against "eager"'s output
-    by name, the error of each peer library that raised). A peer that raises (another library's
-    first call: its autotuning, a dtype or layout it refuses) is removed from ``impls``, costing
-    its column rather than the row; cukern's and PyTorch's own raise."""
+    by name, none where not ``compare``; the error of each peer library that raised). A peer
+    that raises (another library's first call: its autotuning, a dtype or layout it refuses) is
+    removed from ``impls``, costing its column rather than the row; cukern's and PyTorch's own
+    raise."""
     expect = impls["eager"](inputs)
     errors, peer_errors = {}, {}
     for name, fn in list(impls.items()):
         if name == "eager":
             continue
         try:
-            errors[name] = relative_error(fn(inputs), expect)
+            out = fn(inputs)
+            if compare:
+                errors[name] = relative_error(out, expect)
         except Exception as e:   # noqa: BLE001 - another library's failure costs its column, not the row
             if name not in PEERS:
                 raise
@@ -209,7 +212,7 @@ def run_torch_case(case: TorchCase, *, warmup: int = 10, reps: int = 100, copy_g
     nsets = input_set_count(case.nbytes, l2 if l2 is not None else l2_bytes())
     sets = [case.make(seed) for seed in range(nsets)]
     impls = torch_impls(case)
-    errors, peer_errors = first_calls(impls, sets[0])
+    errors, peer_errors = first_calls(impls, sets[0], case.compares)
     ct.reset_counts()
     impls["cukern.torch"](sets[0])
     counts = ct.counts(reasons=True)

@@ -443,10 +443,10 @@ def _as_dense_fwd_bwd(t, batch):
     return tuple(x.reshape(-1, *x.shape[2:]) for x in (out, *grads))
 
 
-def _sdpa_forward_on(F, t, causal):
+def _sdpa_forward_on(F, t, causal, dropout_p=0.0):
     """The PyTorch user's call: F.scaled_dot_product_attention on (B, H, S, D) leaves."""
     q, k, v = t["leaves"]
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout_p)
 
 
 def _sdpa_array(t, causal):
@@ -456,6 +456,16 @@ def _sdpa_array(t, causal):
     out, lse = attention(q, k, v, causal=causal, return_lse=True)
     dq, dk, dv = attention_backward(do, q, k, v, out, lse, causal=causal)
     return tuple(a.transpose(1, 2) for a in (out, dq, dk, dv))
+
+
+def _sdpa_array_dropout(t, causal):
+    """``_sdpa_array`` with dropout, the draw a (2,) int64 array made as the drop-in makes it."""
+    from .torch import dropout_draw
+
+    q, k, v, do = (t[n].transpose(1, 2) for n in ("q", "k", "v", "dy"))
+    kw = dict(causal=causal, dropout_p=DROPOUT["p"], dropout_rng=dropout_draw(q.device))
+    out, lse = attention(q, k, v, return_lse=True, **kw)
+    return tuple(a.transpose(1, 2) for a in (out, *attention_backward(do, q, k, v, out, lse, **kw)))
 
 
 def _flash_forward_on(F, t, window=None):
@@ -504,9 +514,10 @@ def _with_leaves(make, seed):
 
 def torch_bench_cases(quick: bool) -> list:
     """The SDPA drop-in (B, H, S, D) forward + backward against PyTorch's own choice of kernel
-    (cuDNN on Hopper), torch.compile, and the array API on the same tensors; flash-attn's
-    functions on packed documents and a sliding window (MASK_WORKLOAD's) against PyTorch's
-    FlashAttention-2 kernel."""
+    (cuDNN on Hopper), torch.compile, and the array API on the same tensors, and with dropout
+    (DROPOUT's d128 causal case; each draws its own mask, so the outputs are not compared);
+    flash-attn's functions on packed documents and a sliding window (MASK_WORKLOAD's) against
+    PyTorch's FlashAttention-2 kernel."""
     B, H, S, D, causal = WORKLOAD["quick" if quick else "full"][1]
     dt = WORKLOAD["dtype"]
     flops = int(3.5 * 4 * B * H * S * S * D // 2)
@@ -516,6 +527,14 @@ def torch_bench_cases(quick: bool) -> list:
                               functools.partial(_sdpa_forward_on, causal=causal),
                               functools.partial(_sdpa_array, causal=causal), flops=flops,
                               fa4=functools.partial(_fa4_forward, causal=causal, sdpa=True))]
+    B, H, S, D, causal = DROPOUT["quick" if quick else "full"][1]
+    p = DROPOUT["p"]
+    cases.append(TorchCase(f"sdpa causal d{D} dropout {p} fwd+bwd", "attention", (B, H, S, D), dt,
+                           elements_bytes((8 * B, S, H, D), dt),
+                           functools.partial(_inputs, B, H, S, D, dt, grad=True, sdpa=True),
+                           functools.partial(_sdpa_forward_on, causal=causal, dropout_p=p),
+                           functools.partial(_sdpa_array_dropout, causal=causal),
+                           flops=int(3.5 * 4 * B * H * S * S * D // 2), compares=False))
     w = MASK_WORKLOAD["quick" if quick else "full"]
     lengths = _doc_lengths(w["docs"], w["tokens"])
     H, D = w["heads"], w["d"]
