@@ -950,8 +950,13 @@ def torch_stand_ins() -> dict:
                                                                 q.new_zeros(q.shape[0], q.shape[2], q.shape[1])),
                 lambda do, q, k, v, rng, o, lse, c, s, wl, wr, cap, p, det: tuple(recompute(
                     lambda q, k, v: _dropout_bshd(q, k, v, rng, c, s, p), (q, k, v), do)))
+    packed_dropping = (
+        lambda q, k, v, cq, ck, rng, mq, mk, c, s, wl, wr, cap, p, det: (
+            _dropout_bshd(q[None], k[None], v[None], rng, c, s, p)[0], q.new_zeros(q.shape[1], q.shape[0])),
+        lambda do, q, k, v, o, lse, cq, ck, rng, mq, mk, c, s, wl, wr, cap, p, det: tuple(recompute(
+            lambda q, k, v: _dropout_bshd(q[None], k[None], v[None], rng, c, s, p)[0], (q, k, v), do)))
     return {"attention": dense, "attention_lse": dense, "attention_sink": sink, "attention_sink_lse": sink,
-            "attention_dropout": dropping,
+            "attention_dropout": dropping, "attention_varlen_dropout": packed_dropping,
             "attention_varlen_sink": (
                 lambda q, k, v, cq, ck, sk, mq, mk, c, s, wl, wr, cap, det: (
                     _sink_bshd(q[None], k[None], v[None], sk, c, s)[0], q.new_zeros(q.shape[1], q.shape[0])),
@@ -981,7 +986,10 @@ def torch_wiring_calls(which: str, g) -> list:
             ("attention_varlen_sink", (qp, kp, vp, cu, cu, sk, 6, 6, True, 0.3, -1, -1, 0.0, -1),
              lambda: _sink_bshd(qp[None], kp[None], vp[None], sk, True, 0.3)[0], (qp, kp, vp, sk)),
             ("attention_dropout", (q, k, v, rng, True, 0.3, -1, -1, 0.0, 0.25, -1),
-             lambda: _dropout_bshd(q, k, v, rng, True, 0.3, 0.25), (q, k, v))]
+             lambda: _dropout_bshd(q, k, v, rng, True, 0.3, 0.25), (q, k, v)),
+            # (one document of every token: drawn at the pack's places, as one batch row)
+            ("attention_varlen_dropout", (qp, kp, vp, cu, cu, rng, 6, 6, True, 0.3, -1, -1, 0.0, 0.25, -1),
+             lambda: _dropout_bshd(qp[None], kp[None], vp[None], rng, True, 0.3, 0.25)[0], (qp, kp, vp))]
 
 
 def opcheck_samples() -> list:
@@ -1009,7 +1017,10 @@ def opcheck_samples() -> list:
             (torch.ops.cukern.attention_dropout.default, (leaf((2, 40, 4, 64), bf, 0), leaf((2, 40, 2, 64), bf, 1),
                                                           leaf((2, 40, 2, 64), bf, 2),
                                                           torch.tensor([7, 3], dtype=torch.int64, device="cuda"),
-                                                          True, 0.125, 16, -1, 0.0, 0.1, -1))]
+                                                          True, 0.125, 16, -1, 0.0, 0.1, -1)),
+            (torch.ops.cukern.attention_varlen_dropout.default, (
+                leaf((40, 4, 64), bf, 0), leaf((40, 2, 64), bf, 1), leaf((40, 2, 64), bf, 2), cu, cu,
+                torch.tensor([-7, 3], dtype=torch.int64, device="cuda"), 23, 23, True, 0.125, -1, -1, 0.0, 0.2, 1))]
 
 
 def torch_kernel_cases() -> dict:

@@ -13,7 +13,7 @@ import pytest
 
 import cukern
 from cukern import reference as ref
-from arrays import assert_close, poison_allocator, random_host, to_device, to_host, torch
+from arrays import assert_close, ints_to_device, poison_allocator, random_host, to_device, to_host, torch
 from attention_grads import gradient_scales
 
 gpu = pytest.mark.gpu
@@ -361,6 +361,41 @@ def test_torch_dropout_is_seeded_by_pytorchs_generator_and_trains_as_the_eager_f
         assert torch.equal(o.transpose(1, 2), out)
     else:
         assert counts == {"cukern": 0, "torch": 1, "torch_reasons": {why: 1}}
+
+
+@gpu
+@needs_torch
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_torch_packed_dropout_matches_the_reference(deterministic):
+    """``flash_attn_varlen_func(dropout_p=)``: packed documents (one empty, one of a token, odd
+    starts), the draw from PyTorch's generator, out and gradients against the NumPy reference
+    of the weights that draw drops (each token at its place in the pack)."""
+    import cukern.torch as ct
+    from cukern.attention.torch import dropout_draw
+
+    rng = np.random.default_rng(5)
+    lengths = [71, 0, 130, 1, 45]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    total, h, hkv, d, dtype = int(cu[-1]), 4, 2, 64, "bfloat16"
+    q = random_host(rng, (total, h, d), dtype)
+    k, v = random_host(rng, (total, hkv, d), dtype), random_host(rng, (total, hkv, d), dtype)
+    do = random_host(rng, q.shape, dtype)
+    qt, kt, vt = (to_device(a, "torch").requires_grad_(True) for a in (q, k, v))
+    dot, cut = to_device(do, "torch"), ints_to_device(cu, "torch")
+    torch.manual_seed(9)
+    out = ct.flash_attn_varlen_func(qt, kt, vt, cut, cut, 130, 130, dropout_p=0.25, causal=True,
+                                    deterministic=deterministic)
+    torch.manual_seed(9)
+    drawn = dropout_draw(qt.device).cpu()
+    draw = (int(drawn[0]) % 2**64, int(drawn[1]) % 2**32)
+    kw = dict(causal=True, dropout_p=0.25, dropout_rng=draw)
+    assert_close(out.detach(), ref.attention_varlen(q, k, v, cu, cu, 130, 130, **kw), dtype, "out")
+    grads = torch.autograd.grad(out, (qt, kt, vt), dot)
+    expect = ref.attention_varlen_backward(do, q, k, v, None, None, cu, cu, 130, 130, **kw)
+    for name, got, e in zip(("dq", "dk", "dv"), grads, expect):
+        assert_close(got, e, dtype, name, tol=2 * TOL[dtype], scale=float(np.sqrt(np.mean(e * e))))
+    assert not torch.equal(ct.flash_attn_varlen_func(qt, kt, vt, cut, cut, 130, 130, dropout_p=0.25, causal=True),
+                           out)
 
 
 @gpu

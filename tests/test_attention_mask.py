@@ -802,8 +802,12 @@ def test_flash_attn_functions_have_flash_attns_signatures():
     q = torch.zeros(1, 4, 2, 8)
     cu = torch.tensor([0, 4], dtype=torch.int32)
     sink = torch.zeros(2)
-    for call, pattern in ((lambda: ct.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4, dropout_p=0.1),
-                           "dropout_p: 0.1: flash_attn_varlen_func takes no dropout yet"),
+    for call, pattern in ((lambda: ct.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4, dropout_p=0.1,
+                                                             return_attn_probs=True),
+                           "dropout_p: 0.1 with learnable_sink or return_attn_probs: not taken"),
+                          (lambda: ct.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4, dropout_p=0.1,
+                                                             softcap=5.0),
+                           "dropout_p: 0.1 with softcap 5.0"),
                           (lambda: ct.flash_attn_func(q, q, q, dropout_p=0.1, learnable_sink=sink),
                            "dropout_p: 0.1 with learnable_sink or return_attn_probs: not taken"),
                           (lambda: ct.flash_attn_func(q, q, q, dropout_p=1.5), "dropout_p: must be a number in"),

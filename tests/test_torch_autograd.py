@@ -102,8 +102,9 @@ def _attention_sink(q, k, v, sinks, causal, scale, wl, wr, cap, det):
     return (_sink_like(q, k, v, sinks, causal, scale, wl, wr, cap),)
 
 
-def _attention_dropout(q, k, v, rng, causal, scale, wl, wr, cap, p, det):
-    """The weights dropped by the mask the kernels draw (the NumPy reference's), the kept scaled."""
+def _attention_dropout(q, k, v, rng, causal, scale, wl, wr, cap, p, det, keep=None):
+    """The weights dropped by the mask the kernels draw (the NumPy reference's), the kept scaled
+    (``keep``: that mask, where the caller cut it from a larger one)."""
     from cukern.attention.reference import dropout_keep_mask
 
     b, sq, h, d = q.shape
@@ -113,10 +114,30 @@ def _attention_dropout(q, k, v, rng, causal, scale, wl, wr, cap, p, det):
     kt, vt = (a.repeat_interleave(h // hkv, dim=1) for a in (kt, vt))
     s = (qt @ kt.transpose(-1, -2) * scale).masked_fill(~torch.as_tensor(M.visible(mask, sq, sk), device=q.device),
                                                         float("-inf"))
-    keep = torch.as_tensor(dropout_keep_mask(p, int(rng[0]) % 2**64, int(rng[1]) % 2**32, b, h, sq, sk),
-                           device=q.device)
+    if keep is None:
+        keep = dropout_keep_mask(p, int(rng[0]) % 2**64, int(rng[1]) % 2**32, b, h, sq, sk)
+    keep = torch.as_tensor(keep, device=q.device)
     w = torch.where(keep, torch.softmax(s, dim=-1) / (1 - p), torch.zeros((), device=q.device, dtype=s.dtype))
     return ((w @ vt).transpose(1, 2),)
+
+
+def _attention_varlen_dropout(q, k, v, cu_q, cu_k, rng, max_q, max_k, causal, scale, wl, wr, cap, p, det):
+    """Each document as ``_attention_dropout``, its weights drawn at its tokens' places in the
+    pack (batch 0)."""
+    from cukern.attention.reference import dropout_keep_mask
+
+    keep = dropout_keep_mask(p, int(rng[0]) % 2**64, int(rng[1]) % 2**32, 1, q.shape[1], q.shape[0], k.shape[0])
+    out = []
+    for d in range(cu_q.shape[0] - 1):
+        q0, q1, k0, k1 = int(cu_q[d]), int(cu_q[d + 1]), int(cu_k[d]), int(cu_k[d + 1])
+        if q1 == q0:
+            continue
+        if k1 == k0:
+            out.append(q[q0:q1] * 0)
+            continue
+        out.append(_attention_dropout(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], rng, causal, scale, wl, wr, cap,
+                                      p, det, keep[:, :, q0:q1, k0:k1])[0][0])
+    return (torch.cat(out) if out else q * 0,)
 
 
 def _attention_varlen_sink(q, k, v, cu_q, cu_k, sinks, max_q, max_k, causal, scale, wl, wr, cap, det):
@@ -205,6 +226,7 @@ TORCH_OWN = {
     "attention_sink_lse": _attention_sink,
     "attention_varlen_sink": _attention_varlen_sink,
     "attention_dropout": _attention_dropout,
+    "attention_varlen_dropout": _attention_varlen_dropout,
     "cross_entropy": _cross_entropy,
     "linear_cross_entropy": _linear_cross_entropy,
     "glu": _glu,

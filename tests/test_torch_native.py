@@ -163,6 +163,14 @@ CASES = {
                                      lambda q, k, v: (torch.cuda.manual_seed(5),
                                                       ct.flash_attn_func(q, k, v, dropout_p=0.2, causal=True,
                                                                          deterministic=True))[1]),
+    "attention_varlen_dropout": lambda dt: ((_leaf((258, 4, 64), _half(dt), 0), _leaf((258, 2, 64), _half(dt), 1),
+                                             _leaf((258, 2, 64), _half(dt), 2), _offsets([37, 130, 1, 0, 90]),
+                                             _offsets([37, 130, 1, 0, 90]), 130, 130),
+                                            lambda q, k, v, cq, ck, mq, mk: (torch.cuda.manual_seed(5),
+                                                                              ct.flash_attn_varlen_func(
+                                                                                  q, k, v, cq, ck, mq, mk,
+                                                                                  dropout_p=0.2, causal=True,
+                                                                                  deterministic=True))[1]),
 }
 
 

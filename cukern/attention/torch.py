@@ -155,6 +155,10 @@ def _dropout_bwd_fake(dout, q, k, v, rng, out, lse, *args):
     return _bwd_fake(dout, q, k, v, out, lse)
 
 
+def _varlen_dropout_fake(q, k, v, cu_q, cu_k, rng, max_q, max_k, causal, scale, wl, wr, cap, p, det):
+    return _varlen_fake(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, cap, det)
+
+
 TORCH_OPS += (
     TorchOp("attention_dropout", "(Tensor q, Tensor k, Tensor v, Tensor rng, bool causal, float scale, "
                                  f"{_MASK_SCHEMA}, float dropout_p, int deterministic) -> (Tensor, Tensor)",
@@ -174,6 +178,27 @@ TORCH_OPS += (
             backward_fake=_dropout_bwd_fake,
             backward_args=lambda saved, state, grads, T: (grads[0], *saved, *state[:-1], _det(state, T)),
             grads_to=(0, 1, 2), native=True),
+    # (packed documents: the draw after the offsets; each token drawn at its place in the pack)
+    TorchOp("attention_varlen_dropout", "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+                                        "Tensor rng, int max_seqlen_q, int max_seqlen_k, bool causal, float scale, "
+                                        f"{_MASK_SCHEMA}, float dropout_p, int deterministic) -> (Tensor, Tensor)",
+            forward=lambda q, k, v, cq, ck, rng, mq, mk, c, s, wl, wr, cap, p, _: attention_varlen(
+                q, k, v, cq, ck, mq, mk, causal=c, softmax_scale=s, return_lse=True, window=(wl, wr), softcap=cap,
+                dropout_p=p, dropout_rng=rng),
+            fake=_varlen_dropout_fake,
+            # (saved: q, k, v, out, lse, the offsets and the draw; state: the lengths, the mask, p)
+            save=lambda inputs, outputs: ((*inputs[:3], *outputs, *inputs[3:6]), inputs[6:]),
+            backward_schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, "
+                            "Tensor cu_seqlens_k, Tensor rng, int max_seqlen_q, int max_seqlen_k, bool causal, "
+                            f"float scale, {_MASK_SCHEMA}, float dropout_p, bool deterministic) "
+                            "-> (Tensor, Tensor, Tensor)",
+            backward=lambda do, q, k, v, o, lse, cq, ck, rng, mq, mk, c, s, wl, wr, cap, p, det:
+                attention_varlen_backward(do, q, k, v, o, lse, cq, ck, mq, mk, causal=c, softmax_scale=s,
+                                          deterministic=det, window=(wl, wr), softcap=cap, dropout_p=p,
+                                          dropout_rng=rng),
+            backward_fake=_bwd_fake,
+            backward_args=lambda saved, state, grads, T: (grads[0], *saved, *state[:-1], _det(state, T)),
+            grads_to=(0, 1, 2), visible=2, native=True),
 )
 
 
@@ -211,7 +236,7 @@ def _torch_api(T, ops, modules) -> dict:
     layouts, the lse it returns with ``return_attn_probs``), so that a flash-attn user switches
     by changing one import. Autograd and torch.compile through the custom ops."""
     dense, with_lse, packed = ops["attention"], ops["attention_lse"], ops["attention_varlen"]
-    dropping = ops["attention_dropout"]
+    dropping, packed_dropping = ops["attention_dropout"], ops["attention_varlen_dropout"]
     sink, sink_with_lse, packed_sink = ops["attention_sink"], ops["attention_sink_lse"], ops["attention_varlen_sink"]
 
     def _call(op, *args):
@@ -278,13 +303,21 @@ def _torch_api(T, ops, modules) -> dict:
         """flash-attn's ``flash_attn_varlen_func``: documents packed with no padding, q
         (total_q, H, D), k (total_k, Hkv, D) and v (total_k, Hkv, Dv), cu_seqlens (B + 1,) int32;
         the out (total_q, H, Dv); with ``return_attn_probs`` (out, lse (H, total_q), None).
-        ``learnable_sink``: as for ``flash_attn_func``; no dropout."""
-        if dropout_p:
-            raise ValueError(f"dropout_p: {dropout_p}: flash_attn_varlen_func takes no dropout yet")
+        ``learnable_sink``, ``dropout_p``: as for ``flash_attn_func`` (each token's weights drawn
+        at its place in the pack)."""
         _unsupported(alibi_slopes, block_table)
         s, wl, wr, cap = _flags(q, softmax_scale, window_size, softcap)
         flags = (bool(causal), s, wl, wr, cap, int(bool(deterministic)))
         lengths = (int(max_seqlen_q), int(max_seqlen_k))
+        if dropout_p:
+            _dropout_p(dropout_p, softcap)
+            if learnable_sink is not None or return_attn_probs:
+                raise ValueError(f"dropout_p: {dropout_p} with learnable_sink or return_attn_probs: not taken")
+            if not getattr(q, "is_cuda", False):
+                _arrays.as_device_array(q, "q")   # (raises: the draw needs a CUDA device)
+            out, _ = _call(packed_dropping, q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_draw(q.device), *lengths,
+                           *flags[:5], float(dropout_p), flags[5])
+            return out
         if learnable_sink is not None:
             out, lse = _call(packed_sink, q, k, v, cu_seqlens_q, cu_seqlens_k, _sinks(learnable_sink), *lengths,
                              *flags)
