@@ -10,6 +10,7 @@ import importlib
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import cukern
 from cukern import reference as ref
@@ -111,13 +112,14 @@ def test_dropout_argument_checks_without_a_gpu(host_arrays_as_device):
                            ["attention_bwd_dkdv<", "attention_bwd_dq<"])):
         with pytest.raises(DryRun) as e:
             call(dropout_p=0.25, dropout_rng=rng)
-        launches = [st for st in e.value.plan.steps if isinstance(st, tuple) and st[0] == "launch"]
+        launches = [step for step in e.value.plan.steps if isinstance(step, tuple) and step[0] == "launch"]
         for name in kernels:
-            ours = [st for st in launches if st[1].name.startswith(name)]
-            assert ours, (name, [st[1].name for st in launches])
-            for st in ours:
-                assert st[1].name[len(name):-1].split(", ")[at[name]] == "true", st[1].name
-                assert st[4]["drop_threshold"] == int(0.25 * 2**16) and st[4]["drop_rescale"] == pytest.approx(4 / 3)
+            ours = [step for step in launches if step[1].name.startswith(name)]
+            assert ours, (name, [step[1].name for step in launches])
+            for step in ours:
+                assert step[1].name[len(name):-1].split(", ")[at[name]] == "true", step[1].name
+                assert step[4]["drop_threshold"] == int(0.25 * 2**16)
+                assert step[4]["drop_rescale"] == pytest.approx(4 / 3)
     with pytest.raises(DryRun):   # (dropout_p = 0: no draw needed, none taken)
         calls[0](dropout_p=0.0)
 
@@ -265,6 +267,42 @@ def test_dropout_forward_and_backward_match_the_reference(case, dtype, framework
         again = cukern.attention_backward(dod, qd, kd, vd, out, lse, deterministic=True, dropout_rng=rd, **kw)
         for g0, g1 in zip(grads, again):
             np.testing.assert_array_equal(to_host(g0), to_host(g1))
+
+
+@gpu
+@settings(max_examples=40)
+@given(c=st.fixed_dictionaries(dict(
+    b=st.sampled_from([1, 2]), sq=st.sampled_from([1, 31, 64, 129, 200, 260]),
+    sk=st.sampled_from([1, 17, 64, 100, 129, 257, 300]), heads=st.sampled_from([(1, 1), (4, 2), (4, 1), (3, 3)]),
+    d=st.sampled_from([32, 64, 64, 96, 128, 128, 256]), dtype=st.sampled_from(["float16", "bfloat16"]),
+    mask=st.sampled_from(["none", "causal", "causal", "window"]), p=st.sampled_from([0.05, 0.2, 0.5, 0.9]),
+    framework=st.sampled_from(["cupy", "torch"]), deterministic=st.booleans(),
+    seed=st.integers(0, 2**63 - 1), offset=st.integers(0, 2**32 - 1))))
+def test_dropout_matches_the_reference_over_shapes(c):
+    """Forward and backward with dropout at any length (key blocks cut short, rows that see no
+    key), head dims, GQA, every mask and both backwards against the NumPy reference drawing the
+    same mask: the Hopper kernels' key orders and draws (the backward's rows in Philox order) at
+    every edge."""
+    h, hkv = c["heads"]
+    dt, fw = c["dtype"], c["framework"]
+    rng = np.random.default_rng(c["offset"])
+    q = random_host(rng, (c["b"], c["sq"], h, c["d"]), dt)
+    k, v = random_host(rng, (c["b"], c["sk"], hkv, c["d"]), dt), random_host(rng, (c["b"], c["sk"], hkv, c["d"]), dt)
+    do = random_host(rng, q.shape, dt)
+    window = (37, 5) if c["mask"] == "window" else (-1, -1)
+    kw = dict(causal=c["mask"] == "causal", window=window, dropout_p=c["p"])
+    qd, kd, vd, dod = (to_device(a, fw) for a in (q, k, v, do))
+    rd = _rng(fw, c["seed"], c["offset"])
+    out, lse = cukern.attention(qd, kd, vd, return_lse=True, dropout_rng=rd, **kw)
+    e_out, e_lse = ref.attention(q, k, v, return_lse=True, dropout_rng=(c["seed"], c["offset"]), **kw)
+    assert_close(out, e_out, dt, "out", tol=TOL[dt])
+    _assert_lse(lse, e_lse)
+    grads = cukern.attention_backward(dod, qd, kd, vd, out, lse, deterministic=c["deterministic"], dropout_rng=rd,
+                                      **kw)
+    expect = ref.attention_backward(do, q, k, v, dropout_rng=(c["seed"], c["offset"]), **kw)
+    scales = gradient_scales(do, q, k, v, kw["causal"], None, window)
+    for name, got, e, sc in zip(("dq", "dk", "dv"), grads, expect, scales):
+        assert_close(got, e, dt, name, tol=2 * TOL[dt], scale=sc / (1 - c["p"]))
 
 
 @gpu
