@@ -305,17 +305,22 @@ def test_dropout_matches_the_reference_over_shapes(c):
         assert_close(got, e, dt, name, tol=2 * TOL[dt], scale=sc / (1 - c["p"]))
 
 
+def _packed(seed, lengths, d, h=4, hkv=2, dtype="bfloat16"):
+    """Packed documents of these lengths: the offsets (int32) and random q, k, v and do."""
+    rng = np.random.default_rng(seed)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    total = int(cu[-1])
+    q = random_host(rng, (total, h, d), dtype)
+    k, v = random_host(rng, (total, hkv, d), dtype), random_host(rng, (total, hkv, d), dtype)
+    return cu, q, k, v, random_host(rng, q.shape, dtype)
+
+
 @gpu
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_packed_dropout_matches_the_reference(deterministic):
     """Documents that start at odd tokens: a thread's key pair then straddles two Philox calls."""
-    rng = np.random.default_rng(12)
-    lengths = [71, 0, 200, 33, 127]
-    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    total, h, hkv, d, dtype = int(cu[-1]), 4, 2, 128, "bfloat16"
-    q = random_host(rng, (total, h, d), dtype)
-    k, v = random_host(rng, (total, hkv, d), dtype), random_host(rng, (total, hkv, d), dtype)
-    do = random_host(rng, q.shape, dtype)
+    dtype = "bfloat16"
+    cu, q, k, v, do = _packed(12, [71, 0, 200, 33, 127], 128)
     kw = dict(causal=True, dropout_p=0.2)
     qd, kd, vd, dod, cud = (to_device(a, "cupy") for a in (q, k, v, do, cu))
     rd = _rng("cupy", 99, 3)
@@ -411,13 +416,8 @@ def test_torch_packed_dropout_matches_the_reference(deterministic):
     import cukern.torch as ct
     from cukern.attention.torch import dropout_draw
 
-    rng = np.random.default_rng(5)
-    lengths = [71, 0, 130, 1, 45]
-    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    total, h, hkv, d, dtype = int(cu[-1]), 4, 2, 64, "bfloat16"
-    q = random_host(rng, (total, h, d), dtype)
-    k, v = random_host(rng, (total, hkv, d), dtype), random_host(rng, (total, hkv, d), dtype)
-    do = random_host(rng, q.shape, dtype)
+    dtype = "bfloat16"
+    cu, q, k, v, do = _packed(5, [71, 0, 130, 1, 45], 64)
     qt, kt, vt = (to_device(a, "torch").requires_grad_(True) for a in (q, k, v))
     dot, cut = to_device(do, "torch"), ints_to_device(cu, "torch")
     torch.manual_seed(9)

@@ -127,17 +127,9 @@ def _attention_varlen_dropout(q, k, v, cu_q, cu_k, rng, max_q, max_k, causal, sc
     from cukern.attention.reference import dropout_keep_mask
 
     keep = dropout_keep_mask(p, int(rng[0]) % 2**64, int(rng[1]) % 2**32, 1, q.shape[1], q.shape[0], k.shape[0])
-    out = []
-    for d in range(cu_q.shape[0] - 1):
-        q0, q1, k0, k1 = int(cu_q[d]), int(cu_q[d + 1]), int(cu_k[d]), int(cu_k[d + 1])
-        if q1 == q0:
-            continue
-        if k1 == k0:
-            out.append(q[q0:q1] * 0)
-            continue
-        out.append(_attention_dropout(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], rng, causal, scale, wl, wr, cap,
-                                      p, det, keep[:, :, q0:q1, k0:k1])[0][0])
-    return (torch.cat(out) if out else q * 0,)
+    return _documents(q, cu_q, cu_k, lambda q0, q1, k0, k1: _attention_dropout(
+        q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], rng, causal, scale, wl, wr, cap, p, det,
+        keep[:, :, q0:q1, k0:k1])[0][0])
 
 
 def _attention_varlen_sink(q, k, v, cu_q, cu_k, sinks, max_q, max_k, causal, scale, wl, wr, cap, det):
@@ -148,17 +140,21 @@ def _attention_varlen_sink(q, k, v, cu_q, cu_k, sinks, max_q, max_k, causal, sca
     return (torch.cat(out) if out else q * 0,)
 
 
-def _attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, cap, det):
+def _documents(q, cu_q, cu_k, one):
+    """``one(q0, q1, k0, k1)``, a document's (q1 - q0, H, Dv) output, over the packed documents,
+    in order (zeros for a document without keys)."""
     out = []
     for d in range(cu_q.shape[0] - 1):
         q0, q1, k0, k1 = int(cu_q[d]), int(cu_q[d + 1]), int(cu_k[d]), int(cu_k[d + 1])
         if q1 == q0:
             continue
-        if k1 == k0:
-            out.append(q[q0:q1] * 0)
-            continue
-        out.append(_sdpa_like(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal, scale, wl, wr, cap)[0])
+        out.append(q[q0:q1] * 0 if k1 == k0 else one(q0, q1, k0, k1))
     return (torch.cat(out) if out else q * 0,)
+
+
+def _attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, cap, det):
+    return _documents(q, cu_q, cu_k, lambda q0, q1, k0, k1: _sdpa_like(
+        q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal, scale, wl, wr, cap)[0])
 
 
 def _loss(z, t, ignore, smoothing, z_loss, cap, reduction):

@@ -257,6 +257,15 @@ def _torch_api(T, ops, modules) -> dict:
         if block_table is not None:
             raise ValueError("block_table: cukern's attention has no paged KV cache")
 
+    def _draw(q, dropout_p, softcap, learnable_sink, return_attn_probs):
+        """A call with dropout checked, then its draw ((2,) int64 on q's device)."""
+        _dropout_p(dropout_p, softcap)
+        if learnable_sink is not None or return_attn_probs:
+            raise ValueError(f"dropout_p: {dropout_p} with learnable_sink or return_attn_probs: not taken")
+        if not getattr(q, "is_cuda", False):
+            _arrays.as_device_array(q, "q")   # (raises: the draw needs a CUDA device)
+        return dropout_draw(q.device)
+
     def _flags(q, softmax_scale, window_size, softcap):
         if not hasattr(q, "shape"):   # (the default scale reads q before the op checks it)
             _arrays.as_device_array(q, "q")
@@ -279,12 +288,8 @@ def _torch_api(T, ops, modules) -> dict:
         s, wl, wr, cap = _flags(q, softmax_scale, window_size, softcap)
         flags = (bool(causal), s, wl, wr, cap, int(bool(deterministic)))
         if dropout_p:
-            _dropout_p(dropout_p, softcap)
-            if learnable_sink is not None or return_attn_probs:
-                raise ValueError(f"dropout_p: {dropout_p} with learnable_sink or return_attn_probs: not taken")
-            if not getattr(q, "is_cuda", False):
-                _arrays.as_device_array(q, "q")   # (raises: the draw needs a CUDA device)
-            return _call(dropping, q, k, v, dropout_draw(q.device), *flags[:5], float(dropout_p), flags[5])
+            rng = _draw(q, dropout_p, softcap, learnable_sink, return_attn_probs)
+            return _call(dropping, q, k, v, rng, *flags[:5], float(dropout_p), flags[5])
         if learnable_sink is not None:
             args = (q, k, v, _sinks(learnable_sink), *flags)
             if not return_attn_probs:
@@ -310,13 +315,9 @@ def _torch_api(T, ops, modules) -> dict:
         flags = (bool(causal), s, wl, wr, cap, int(bool(deterministic)))
         lengths = (int(max_seqlen_q), int(max_seqlen_k))
         if dropout_p:
-            _dropout_p(dropout_p, softcap)
-            if learnable_sink is not None or return_attn_probs:
-                raise ValueError(f"dropout_p: {dropout_p} with learnable_sink or return_attn_probs: not taken")
-            if not getattr(q, "is_cuda", False):
-                _arrays.as_device_array(q, "q")   # (raises: the draw needs a CUDA device)
-            out, _ = _call(packed_dropping, q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_draw(q.device), *lengths,
-                           *flags[:5], float(dropout_p), flags[5])
+            rng = _draw(q, dropout_p, softcap, learnable_sink, return_attn_probs)
+            out, _ = _call(packed_dropping, q, k, v, cu_seqlens_q, cu_seqlens_k, rng, *lengths, *flags[:5],
+                           float(dropout_p), flags[5])
             return out
         if learnable_sink is not None:
             out, lse = _call(packed_sink, q, k, v, cu_seqlens_q, cu_seqlens_k, _sinks(learnable_sink), *lengths,
