@@ -218,7 +218,7 @@ def dropout_route_reason(device, d: int, dv: int) -> str | None:
     torch.device), or None: they take it where the Hopper kernels draw it (head dims 64 and
     128, q's and v's the same), measured faster than PyTorch's SDPA with dropout there; the
     sm_80 kernels that take it elsewhere measured slower (docs/notes-attention.md)."""
-    if not (CONFIGS.use_sm90_dropout and CONFIGS.use_sm90_bwd and _hopper(device)):
+    if not (CONFIGS.use_sm90_dropout and CONFIGS.use_sm90 and CONFIGS.use_sm90_bwd and _hopper(device)):
         return "dropout off Hopper"
     if dv != d or d not in dict(CONFIGS.bwd_sm90_dropout):
         return f"dropout at head_dim {d}"
