@@ -2,7 +2,8 @@
 // tile loads and wgmma, with the scheduling options listed at the kernel.
 //
 // A block of CONSUMERS (2 or 3) warpgroups computes BM = 64 CONSUMERS query rows (64 a
-// warpgroup) of one (batch, head) against all keys. Thread 0 (with PRODUCER, a thread of a
+// warpgroup) of one (batch, head) against all keys. Q and K have head dim D, V and O the value
+// head size DV (D but for DeepSeek's MLA: 192 and 128). Thread 0 (with PRODUCER, a thread of a
 // third warpgroup) brings Q once and each key/value tile of BN keys by TMA (128-byte swizzle, 64
 // head-dim columns a box) into a ring of STAGES buffers, with "landed" and "released" mbarriers
 // a buffer (no block barrier in the loop: the warpgroups drift apart). Each
@@ -80,7 +81,7 @@ struct FwdSm90Params {
 //             written by a TMA store (o_map; unused otherwise), the buffer released once it is
 //             read, after the next work tile's first S is issued. Where a K tile is shorter than
 //             the block's rows, O has a buffer of its own instead (OWN_O).
-template <typename T, int D, int BN, int STAGES, int CONSUMERS, int MASK, bool SOFTCAP, bool PRODUCER, bool PINGPONG, bool OVERLAP, bool PERSISTENT, int BLOCKS, int SMEM, bool VARLEN, bool DROPOUT>
+template <typename T, int D, int DV, int BN, int STAGES, int CONSUMERS, int MASK, bool SOFTCAP, bool PRODUCER, bool PINGPONG, bool OVERLAP, bool PERSISTENT, int BLOCKS, int SMEM, bool VARLEN, bool DROPOUT>
 __device__ __forceinline__ void attention_fwd_sm90_body(
     const CUtensorMap& q_map, const CUtensorMap& k_map,
     const CUtensorMap& v_map, const CUtensorMap& o_map, T* __restrict__ out,
@@ -90,15 +91,16 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
     const int* __restrict__ cu_q, const int* __restrict__ cu_k, int max_q, int max_k, long long* __restrict__ fault,
     const long long* __restrict__ drop_rng, unsigned int drop_threshold, float drop_rescale)
 {
-    constexpr int BM = 64 * CONSUMERS, DB = D / 64;         // query rows a block; 64-column boxes
+    // query rows a block; 64-column boxes of Q and K (D), of V and O (DV: the value head size)
+    constexpr int BM = 64 * CONSUMERS, DB = D / 64, DBV = DV / 64;
     constexpr int THREADS = CONSUMERS * 128;                // the computing threads
     constexpr int Q_BOX = BM * 128, KV_BOX = BN * 128;      // bytes of one box (rows x 128 bytes)
-    constexpr int Q_BYTES = DB * Q_BOX, KV_BYTES = DB * KV_BOX;
+    constexpr int Q_BYTES = DB * Q_BOX, K_BYTES = DB * KV_BOX, V_BYTES = DBV * KV_BOX;
     // (persistent, with key tiles shorter than the block's rows: O staged in a buffer of its own)
     constexpr bool OWN_O = PERSISTENT && BN < BM;
-    static_assert(SMEM == (OWN_O ? 2 : 1) * Q_BYTES + 2 * STAGES * KV_BYTES + 1024,
+    static_assert(SMEM == Q_BYTES + (OWN_O ? DBV * Q_BOX : 0) + STAGES * (K_BYTES + V_BYTES) + 1024,
                   "SMEM: Q, the K and V ring, O's own buffer, alignment slack");
-    static_assert(D % 64 == 0 && D <= 256 && BN % 16 == 0 && BN <= 256, "tile shapes");
+    static_assert(D % 64 == 0 && D <= 256 && DV % 64 == 0 && DV <= D && BN % 16 == 0 && BN <= 256, "tile shapes");
     static_assert(STAGES >= 2 && STAGES <= 4, "STAGES");
     static_assert((CONSUMERS == 2 || CONSUMERS == 3) && (!PINGPONG || CONSUMERS == 2), "CONSUMERS");
     static_assert(!PERSISTENT || (PRODUCER && OVERLAP), "PERSISTENT: a producer and the overlap");
@@ -136,8 +138,8 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
     extern __shared__ unsigned char smem_raw[];
     unsigned char* const q_s = align_1024(smem_raw);
     unsigned char* const k_s = q_s + Q_BYTES;               // [STAGES][DB][BN rows x 128 bytes]
-    unsigned char* const v_s = k_s + STAGES * KV_BYTES;     // [STAGES][DB][BN rows x 128 bytes]
-    unsigned char* const o_s = v_s + STAGES * KV_BYTES;     // OWN_O: [DB][BM rows x 128 bytes]
+    unsigned char* const v_s = k_s + STAGES * K_BYTES;      // [STAGES][DBV][BN rows x 128 bytes]
+    unsigned char* const o_s = v_s + STAGES * V_BYTES;      // OWN_O: [DBV][BM rows x 128 bytes]
     // bar_kv: a buffer's tile has landed (TMA's bytes); bar_free: every consumer thread is done with it
     __shared__ unsigned long long bar_q, bar_q_free, bar_kv[STAGES], bar_free[STAGES];
     __shared__ unsigned int ov_sink[OVERLAP ? THREADS : 1];
@@ -222,13 +224,14 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
     // (the loading thread) key tile nb of the current work tile into ring slot i % STAGES
     auto load_kv_at = [&](int i, int nb) {
         const int buf = i % STAGES;
-        mbarrier_arrive_expect_tx(&bar_kv[buf], 2 * KV_BYTES);
+        mbarrier_arrive_expect_tx(&bar_kv[buf], K_BYTES + V_BYTES);
 #pragma unroll
         for (int db = 0; db < DB; ++db) {
-            tma_load_4d(k_s + buf * KV_BYTES + db * KV_BOX, &k_map, db * 64, hk, span.k0 + (kb0 + nb) * BN, b,
+            tma_load_4d(k_s + buf * K_BYTES + db * KV_BOX, &k_map, db * 64, hk, span.k0 + (kb0 + nb) * BN, b,
                         &bar_kv[buf]);
-            tma_load_4d(v_s + buf * KV_BYTES + db * KV_BOX, &v_map, db * 64, hk, span.k0 + (kb0 + nb) * BN, b,
-                        &bar_kv[buf]);
+            if (db < DBV)
+                tma_load_4d(v_s + buf * V_BYTES + db * KV_BOX, &v_map, db * 64, hk, span.k0 + (kb0 + nb) * BN, b,
+                            &bar_kv[buf]);
         }
     };
     auto load_kv = [&](int nb) { load_kv_at(nb, nb); };
@@ -281,9 +284,9 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
     }
     if (PERSISTENT) enter(tile);
     const int row0 = m0 + wg * 64 + warp * 16 + g;    // this thread's rows: row0 and row0 + 8
-    float o[D / 2];
+    float o[DV / 2];
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    for (int i = 0; i < DV / 2; ++i) o[i] = 0.f;
     float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};
     CUK_STAMP(1);
     // PINGPONG: warpgroup w waits at barrier 1 + w for the other's arrival; warpgroup 1's first
@@ -299,7 +302,7 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
         const int buf = (it0 + nb) % STAGES;
         mbarrier_wait(&bar_kv[buf], ((it0 + nb) / STAGES) & 1);
         if (PINGPONG) named_barrier_sync(1 + wg, 256);
-        const unsigned long long k_desc = wgmma_desc_sw128(k_s + buf * KV_BYTES);
+        const unsigned long long k_desc = wgmma_desc_sw128(k_s + buf * K_BYTES);
         wgmma_zero_and_fence(s);
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
@@ -316,8 +319,8 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
         if constexpr (VARLEN) {
             const int valid = sk - (kb0 + nb) * BN;
             if (valid < BN) {
-                unsigned char* const v_tile = v_s + ((it0 + nb) % STAGES) * KV_BYTES;
-                zero_tile_rows(v_tile, v_tile, DB, KV_BOX, max(valid, 0), BN, 12 + wg);   // (V alone: a = b)
+                unsigned char* const v_tile = v_s + ((it0 + nb) % STAGES) * V_BYTES;
+                zero_tile_rows(v_tile, v_tile, DBV, KV_BOX, max(valid, 0), BN, 12 + wg);   // (V alone: a = b)
             }
         }
     };
@@ -406,13 +409,13 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
     };
     auto rescale = [&](const float (&alpha)[2]) {
 #pragma unroll
-        for (int j = 0; j < D / 8; ++j)
+        for (int j = 0; j < DV / 8; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) o[4 * j + e] *= alpha[e >> 1];
     };
     // O += P V: P's A fragments from the S accumulators, V read MN-major as stored.
     auto issue_pv = [&](int nb, unsigned int (&a)[BN / 16][4]) {
-        wgmma_rs_mn<T, D>(o, a, v_s + ((it0 + nb) % STAGES) * KV_BYTES, KV_BOX);
+        wgmma_rs_mn<T, DV>(o, a, v_s + ((it0 + nb) % STAGES) * V_BYTES, KV_BOX);
     };
     // Refill the buffer of tile nb (REFILLER, without PRODUCER) once every thread released it.
     auto refill = [&](int nb) {
@@ -563,10 +566,10 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
         if (o_storer) tma_store_wait_read<0>();
         named_barrier_sync(8 + wg, 128);
         unsigned char* const stage = o_s + wg * 64 * 128;
-        stage_tile<T, D, Q_BOX>(o, inv[0], inv[1], stage, 8 + wg, true);
+        stage_tile<T, DV, Q_BOX>(o, inv[0], inv[1], stage, 8 + wg, true);
         if (o_storer) {
 #pragma unroll
-            for (int db = 0; db < DB; ++db) tma_store_4d(&o_map, stage + db * Q_BOX, db * 64, h, wg_row0, b);
+            for (int db = 0; db < DBV; ++db) tma_store_4d(&o_map, stage + db * Q_BOX, db * 64, h, wg_row0, b);
             tma_store_commit();
         }
         it0 += n_blocks;
@@ -579,10 +582,10 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
         }
         staged = -1;
         unsigned char* const stage = q_s + wg * 64 * 128;
-        stage_tile<T, D, Q_BOX>(o, 0.f, 0.f, stage, 8 + wg, true);
+        stage_tile<T, DV, Q_BOX>(o, 0.f, 0.f, stage, 8 + wg, true);
         if (o_storer) {
 #pragma unroll
-            for (int db = 0; db < DB; ++db) tma_store_4d(&o_map, stage + db * Q_BOX, db * 64, h, wg_row0, b);
+            for (int db = 0; db < DBV; ++db) tma_store_4d(&o_map, stage + db * Q_BOX, db * 64, h, wg_row0, b);
             tma_store_commit();
             tma_store_wait_read<0>();
         }
@@ -593,19 +596,19 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
         // skipped). One thread of the warpgroup waits for the store's reads before it releases
         // the buffer (at the next work tile's first S); the others release it now.
         staged = (it0 + n_blocks - 1) % STAGES;
-        unsigned char* const stage = k_s + staged * KV_BYTES + wg * 64 * 128;
+        unsigned char* const stage = k_s + staged * K_BYTES + wg * 64 * 128;
         mbarrier_wait(&bar_q_free, k & 1);
-        stage_tile<T, D, KV_BOX>(o, inv[0], inv[1], stage, 8 + wg, true);
+        stage_tile<T, DV, KV_BOX>(o, inv[0], inv[1], stage, 8 + wg, true);
         if (o_storer) {
 #pragma unroll
-            for (int db = 0; db < DB; ++db) tma_store_4d(&o_map, stage + db * KV_BOX, db * 64, h, wg_row0, b);
+            for (int db = 0; db < DBV; ++db) tma_store_4d(&o_map, stage + db * KV_BOX, db * 64, h, wg_row0, b);
             tma_store_commit();
         } else {
             mbarrier_arrive(&bar_free[staged]);
         }
         it0 += n_blocks;
     } else {
-        store_tile_staged<T, D, Q_BOX>(o, inv[0], inv[1], q_s + wg * 64 * 128,
+        store_tile_staged<T, DV, Q_BOX>(o, inv[0], inv[1], q_s + wg * 64 * 128,
                                        out + b * o_sb + h * o_sh + static_cast<long long>(span.q0 + wg_row0) * o_ss, o_ss,
                                        sq - wg_row0, 8 + wg);
     }
@@ -617,14 +620,14 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
 #endif
 }
 
-template <typename T, int D, int BN, int STAGES, int CONSUMERS, int MASK, bool SOFTCAP, bool PRODUCER, bool PINGPONG, bool OVERLAP, bool PERSISTENT, int BLOCKS, int SMEM, bool VARLEN, bool DROPOUT>
+template <typename T, int D, int DV, int BN, int STAGES, int CONSUMERS, int MASK, bool SOFTCAP, bool PRODUCER, bool PINGPONG, bool OVERLAP, bool PERSISTENT, int BLOCKS, int SMEM, bool VARLEN, bool DROPOUT>
 __global__ void __launch_bounds__(CONSUMERS * 128 + PRODUCER * 128, BLOCKS) attention_fwd_sm90(
     const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
     const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap o_map,
     const __grid_constant__ cuk::attention::FwdSm90Params<T> p)
 {
     const cuk::attention::Problem& r = p.problem;
-    attention_fwd_sm90_body<T, D, BN, STAGES, CONSUMERS, MASK, SOFTCAP, PRODUCER, PINGPONG, OVERLAP, PERSISTENT, BLOCKS, SMEM, VARLEN, DROPOUT>(
+    attention_fwd_sm90_body<T, D, DV, BN, STAGES, CONSUMERS, MASK, SOFTCAP, PRODUCER, PINGPONG, OVERLAP, PERSISTENT, BLOCKS, SMEM, VARLEN, DROPOUT>(
         q_map, k_map, v_map, o_map, p.out, p.lse, p.sinks, p.o_sb, p.o_ss, p.o_sh, r.H, r.Hkv, r.Sq, r.Sk, r.scale_log2,
         p.tiles, p.tile_counter, p.section_pairs, r.cap_in, r.cap_out, r.win_left, r.win_right, r.cu_q, r.cu_k,
         r.max_q, r.max_k, r.fault, p.drop_rng, p.drop_threshold, p.drop_rescale);

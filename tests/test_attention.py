@@ -183,7 +183,7 @@ def test_the_sm90_forward_takes_tensor_maps_of_the_inputs(host_arrays_as_device,
     (step,) = launches(128, (9, 0))
     _, inst, grid, _, _, slots = step
     # (causal d128: persistent, 2 x 4 x 2 work tiles for fewer SMs than that; O written by TMA too)
-    assert inst.name.startswith("attention_fwd_sm90<cuk::half, 128, 128, 3, 2, 1, false, true, true, true, true, ")
+    assert inst.name.startswith("attention_fwd_sm90<cuk::half, 128, 128, 128, 3, 2, 1, false, true, true, true, true, ")
     assert inst.arch == "sm_90a" and inst.threads == 384 and grid == (min(16, _kernels.sm_count(0)), 1)
     maps = [(m.index, m.box) for _, m, _ in slots if isinstance(m, _kernels.MapSlot)]
     assert maps == [(0, (1, 128, 1, 64)), (1, (1, 128, 1, 64)), (2, (1, 128, 1, 64)), (3, (1, 64, 1, 64))]
@@ -210,13 +210,19 @@ def test_the_sm90_forward_config_by_head_dim_and_mask():
     cfgs = attn.configs.CONFIGS
     for d, full in cfgs.fwd_sm90_full:
         assert cfgs.sm90_forward(d, False) == full and cfgs.sm90_forward(d, True) == cfgs.get("fwd_sm90", d)
-        assert full.instance("float16", d, False).name in {i.name for i in attn.instances()}
+        assert full.instance("float16", d, False, dv=cfgs.dv(d)).name in {i.name for i in attn.instances()}
     assert cfgs.sm90_forward(64, False) == cfgs.get("fwd_sm90", 64)
     assert not cfgs.sm90_forward(128, False).pingpong and cfgs.sm90_forward(128, True).pingpong
     assert cfgs.sm90_forward(128, False).persistent and cfgs.sm90_forward(128, True).persistent
     assert cfgs.sm90_forward(256, False) == cfgs.get("fwd_sm90", 256)
-    with pytest.raises(ValueError, match="warpgroups=3 takes head dims up to 128, not 256"):
+    with pytest.raises(ValueError, match="warpgroups=3 takes value head sizes up to 128, not 256"):
         attn.Sm90FwdConfig(64, warpgroups=3).instance("bfloat16", 256, False)
+    # (MLA: Q and K tiles of 192 columns, V's and O's of 128; three warpgroups fit v's 128)
+    mla = cfgs.sm90_forward(192, True)
+    assert mla.smem(192, 128) == ((128 + 2 * 128) * 192 + 2 * 128 * 128) * 2 + 1024
+    assert mla.instance("bfloat16", 192, True, dv=128).name.startswith("attention_fwd_sm90<cuk::bf16, 192, 128, 128, 2, ")
+    attn.Sm90FwdConfig(64, 2, producer=True, overlap=True, persistent=True, warpgroups=3).instance(
+        "bfloat16", 192, False, dv=128)
     persistent = attn.Sm90FwdConfig(128, 3, producer=True, overlap=True, persistent=True)
     assert ", true, 1, 230400, false, false>" in persistent.instance("bfloat16", 128, False).name
     causal_name = dataclasses.replace(persistent, pingpong=True).instance("bfloat16", 128, True).name
@@ -237,7 +243,7 @@ def test_the_sm90_forward_config_by_head_dim_and_mask():
     # 128 registers; with a producer, 64-key tiles at most)
     two = cfgs.sm90_forward(64, True)
     assert two.blocks_per_sm == 2 and not two.producer and two.bn == 128 and two.threads == 256
-    assert "<cuk::bf16, 64, 128, 2, 2, 1, false, false, true, false, false, 2, 82944, false, false>" in \
+    assert "<cuk::bf16, 64, 64, 128, 2, 2, 1, false, false, true, false, false, 2, 82944, false, false>" in \
         two.instance("bfloat16", 64, True).name
     assert ", true, true, false, false, 2, 66560, false, false>" in \
         dataclasses.replace(two, bn=64, stages=3, producer=True).instance("bfloat16", 64, True).name

@@ -1,8 +1,9 @@
 """A value head size apart from q's and k's (DeepSeek's MLA: 192 for q and k, 128 for v): the
-references against PyTorch's autograd; the kernels' plans (the sm_80 kernels on every GPU) and
-their refusals of other pairs by name on the CPU; on the GPU the kernels against the references
-(dense, packed, GQA, masks, sinks, dropout, both dQ paths) and ``cukern.torch`` against PyTorch's
-SDPA, a second backward, torch.compile and the SDPA drop-in included."""
+references against PyTorch's autograd; the kernels' plans (the forward on Hopper by its own
+kernel, the backward on the sm_80 kernels on every GPU) and their refusals of other pairs by name
+on the CPU; on the GPU the kernels against the references (dense, packed, GQA, masks, sinks,
+dropout, both dQ paths) and ``cukern.torch`` against PyTorch's SDPA, a second backward,
+torch.compile and the SDPA drop-in included."""
 from __future__ import annotations
 
 import importlib
@@ -76,22 +77,26 @@ def _launches(info) -> list:
 
 
 @pytest.mark.parametrize("cc", [(8, 0), (9, 0)])
-def test_mlas_head_sizes_plan_the_sm80_kernels_on_every_gpu(host_arrays_as_device, monkeypatch, cc):
+def test_mlas_head_sizes_plan_their_kernels(host_arrays_as_device, monkeypatch, cc):
     """q and k 192, v 128: the forward's, the correction's and the backward's kernels take both
-    sizes (on Hopper too: the Hopper kernels take one head size), the outputs have v's."""
+    sizes (the forward on Hopper by the Hopper kernel, dense and packed; the backward on the
+    sm_80 kernels on every GPU), the outputs have v's."""
     from cukern import _faults, _kernels
 
     from conftest import DryRun
 
     monkeypatch.setattr(_kernels, "compute_capability", lambda device: cc)
     monkeypatch.setattr(_faults, "record", lambda device: np.zeros(3, np.int64))
+    attn = importlib.import_module("cukern.attention")
+    attn._FWD.clear(), attn._FWD_VARLEN.clear()   # (plans are kept by call signature, not by device)
     q = np.ones((2, 40, 4, 192), np.float16)
     k, v = np.ones((2, 50, 2, 192), np.float16), np.ones((2, 50, 2, 128), np.float16)
     o, lse = np.ones((2, 40, 4, 128), np.float16), np.zeros((2, 4, 40), np.float32)
     with pytest.raises(DryRun) as info:
         cukern.attention(q, k, v, causal=True, return_lse=True)
-    (step,) = _launches(info)
-    assert step[1].name.startswith("attention_fwd<cuk::half, 192, 128, ")
+    fwd = "attention_fwd_sm90<cuk::half, 192, 128, " if cc == (9, 0) else "attention_fwd<cuk::half, 192, 128, "
+    steps = _launches(info)
+    assert steps[-1][1].name.startswith(fwd), [st[1].name for st in steps]
     plan = info.value.plan
     assert plan.allocs[plan.outputs["out"] - 3].shape == (2, 40, 4, 128)   # (after q, k and v)
     for det, want in ((False, ["attention_bwd_dot<cuk::half, 192, 128>", "attention_bwd_dkdv<cuk::half, 192, 128, ",
@@ -105,7 +110,7 @@ def test_mlas_head_sizes_plan_the_sm80_kernels_on_every_gpu(host_arrays_as_devic
     cu = np.array([0, 10, 40], np.int32)
     with pytest.raises(DryRun) as info:
         cukern.attention_varlen(q[0], k[0, :40], v[0, :40], cu, cu, 30, 30, causal=True)
-    assert _launches(info)[0][1].name.startswith("attention_fwd<cuk::half, 192, 128, ")
+    assert _launches(info)[0][1].name.startswith(fwd)
 
 
 def test_the_kernels_refuse_other_value_head_sizes_by_name(host_arrays_as_device):
@@ -146,6 +151,8 @@ CASES = [  # (b, sq, sk, h, hkv, causal, window, sinks, dropout_p)
     (1, 130, 131, 4, 1, True, (-1, -1), True, 0.0),
     (2, 65, 129, 4, 2, True, (-1, -1), False, 0.15),
     (1, 1, 17, 2, 2, False, (-1, -1), False, 0.0),
+    (2, 700, 1100, 8, 2, True, (-1, -1), False, 0.0),   # many key tiles, the ring wrapping round
+    (1, 600, 1000, 4, 4, False, (300, 200), False, 0.0),
 ]
 
 

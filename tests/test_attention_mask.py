@@ -496,20 +496,20 @@ def test_the_forward_passes_the_window_and_softcap(host_arrays_as_device, monkey
                             kw.get("softcap", 0.0))
         _, inst, _, _, args, _ = _launch(info)
         assert inst.name.startswith("attention_fwd_sm90<" if hopper else "attention_fwd<"), kw
-        # (T, D, BN, STAGES, CONSUMERS, MASK, SOFTCAP, ...: the mask kind, the softcap flag and factors)
+        # (T, D, DV, BN, STAGES, CONSUMERS, MASK, SOFTCAP, ...: the mask kind, the softcap flag and factors)
         template = inst.name[inst.name.index("<") + 1:-1].split(", ")
-        assert template[5] == str(2 if "window" in kw and kw["window"][0] >= 0 else 1 if kw != dict(softcap=1.0)
+        assert template[6] == str(2 if "window" in kw and kw["window"][0] >= 0 else 1 if kw != dict(softcap=1.0)
                                   else 0)
-        assert template[6] == ("true" if "softcap" in kw else "false")
+        assert template[7] == ("true" if "softcap" in kw else "false")
         assert args["cap_out"] == (pytest.approx(np.log2(np.e)) if "softcap" in kw else 0.0)
         assert (args["win_left"], args["win_right"]) == ((8, -1) if kw == dict(window=(8, -1)) else (-1, 0) if
-                                                         template[5] == "1" else (-1, -1))
+                                                         template[6] == "1" else (-1, -1))
     # (d128's persistent config with a window: static work tiles, no counter and no fill step)
     q128, kv128 = np.ones((2, 200, 4, 128), np.float16), np.ones((2, 300, 2, 128), np.float16)
     with pytest.raises(DryRun) as info:
         attn._attention(q128, kv128, kv128, True, None, False, hopper_on, (64, 0), 0.0)
     _, inst, grid, _, args, _ = _launch(info)
-    assert inst.name.startswith("attention_fwd_sm90<cuk::half, 128, 128, 3, 2, 2, false, ") and grid == (16, 1)
+    assert inst.name.startswith("attention_fwd_sm90<cuk::half, 128, 128, 128, 3, 2, 2, false, ") and grid == (16, 1)
     assert args["tile_counter"] == 0 and len(info.value.plan.steps) == 1
 
 

@@ -349,8 +349,8 @@ def test_initcheck_processes_store_o_without_tma(monkeypatch):
         for (d, c), (_, s) in zip(getattr(changed, which), getattr(shipped, which)):
             assert dataclasses.replace(s, persistent=False) == c
             for dt in ("float16", "bfloat16"):
-                c.instance(dt, d, 1)
-                c.instance(dt, d, 0)
+                c.instance(dt, d, 1, dv=changed.dv(d))
+                c.instance(dt, d, 0, dv=changed.dv(d))
     tool = _tool()
     assert tool._tool_env("initcheck") == sc.TOOL_ENV["initcheck"] and tool._tool_env("memcheck") == {}
 

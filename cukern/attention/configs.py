@@ -109,10 +109,13 @@ class Sm90FwdConfig:
         its own (it does not fit the last K tile)."""
         return self.persistent and self.bn < self.block_rows
 
-    def smem(self, d: int) -> int:
+    def smem(self, d: int, dv: int | None = None) -> int:
         """Q, the ring of K and V tiles (and O's own buffer, if any), 128-byte rows (64 head-dim
-        columns a box), and 1 KB to align them (16-bit elements)."""
-        return ((2 if self.own_o_buffer else 1) * self.block_rows + 2 * self.stages * self.bn) * d * 2 + 1024
+        columns a box; V's and O's of the value head size ``dv``, d unless given), and 1 KB to
+        align them (16-bit elements)."""
+        dv = dv or d
+        return ((self.block_rows + self.stages * self.bn) * d
+                + ((self.block_rows if self.own_o_buffer else 0) + self.stages * self.bn) * dv) * 2 + 1024
 
     @property
     def static_smem(self) -> int:
@@ -121,16 +124,18 @@ class Sm90FwdConfig:
         return 8 * (2 + 2 * self.stages) + 4 * (128 * self.warpgroups if self.overlap else 1) + 16
 
     def instance(self, dtype: str, d: int, mask: int, softcap: bool = False, varlen: bool = False,
-                 dropout: bool = False) -> Instance:
+                 dropout: bool = False, dv: int | None = None) -> Instance:
         """``mask``: Mask.kind (a bool: causal or not); ``varlen``: packed documents (not persistent);
-        ``dropout``: the weights dropped by the draw (not with the softcap; key tiles of at most 128)."""
+        ``dropout``: the weights dropped by the draw (not with the softcap; key tiles of at most 128);
+        ``dv``: the value head size (d unless given)."""
         if dropout and (softcap or self.bn > 128):
             raise ValueError(f"dropout: not with the softcap, and with key tiles of at most 128 (bn={self.bn})")
         if varlen and self.persistent:
             raise ValueError("varlen: packed documents take a config that is not persistent")
-        if self.warpgroups == 3 and d > 128:
-            raise ValueError(f"warpgroups=3 takes head dims up to 128, not {d}: the O accumulators of "
-                             "64 rows x d do not fit a thread's share of the registers "
+        dv = dv or d
+        if self.warpgroups == 3 and dv > 128:
+            raise ValueError(f"warpgroups=3 takes value head sizes up to 128, not {dv}: the O accumulators of "
+                             "64 rows x dv do not fit a thread's share of the registers "
                              "(128 with a producer, 168 without)")
         if self.persistent and not (self.producer and self.overlap):
             raise ValueError(f"persistent takes a producer and the overlap (producer={self.producer}, "
@@ -143,7 +148,7 @@ class Sm90FwdConfig:
             raise ValueError(f"blocks_per_sm=2 with a producer takes key tiles of at most 64 keys, not "
                              f"bn={self.bn}: its consumers have 104 registers (ptxas fails on the S "
                              "accumulators of wider tiles)")
-        smem = self.smem(d)
+        smem = self.smem(d, dv)
         if self.blocks_per_sm > 1 and self.blocks_per_sm * (smem + self.static_smem + 1024) > SM90_SMEM_PER_SM:
             raise ValueError(f"this config takes {smem} bytes of shared memory at head dim {d} and "
                              f"{self.static_smem} of static; "
@@ -152,7 +157,7 @@ class Sm90FwdConfig:
             raise ValueError(f"this config takes {smem} bytes of shared memory at head dim {d} (bn={self.bn}, "
                              f"stages={self.stages}{', O in a buffer of its own' if self.own_o_buffer else ''}); "
                              f"a block on sm_90 may have {SM90_MAX_SMEM}")
-        return Instance(SM90_SOURCE, f"attention_fwd_sm90<{_ctype(dtype)}, {d}, {self.bn}, {self.stages}, "
+        return Instance(SM90_SOURCE, f"attention_fwd_sm90<{_ctype(dtype)}, {d}, {dv}, {self.bn}, {self.stages}, "
                         f"{self.warpgroups}, {int(mask)}, {_b(softcap)}, {_b(self.producer)}, {_b(self.pingpong)}, "
                         f"{_b(self.overlap)}, {_b(self.persistent)}, {self.blocks_per_sm}, {smem}, {_b(varlen)}, "
                         f"{_b(dropout)}>",
@@ -313,17 +318,19 @@ class Configs:
     dq: tuple[tuple[int, DqConfig], ...]
     dot_threads: int = 256
     # Head dims whose value head size is its own, (q and k's, v's): DeepSeek's MLA (192 for the
-    # scores, 128 for the values); every other head dim takes v's equal to it. These run on the
-    # sm_80 kernels on every GPU.
+    # scores, 128 for the values); every other head dim takes v's equal to it. Their forward runs
+    # on the Hopper kernels there, their backward on the sm_80 kernels on every GPU.
     value_dims: tuple[tuple[int, int], ...] = ((192, 128),)
     # The forward on sm_90 (H100, H200) by TMA and wgmma, by head dim: key tiles as measured
     # fastest (tools/tune_attention.py; the figures: docs/notes-attention.md, the Hopper path).
     # d64, every mask: two blocks an SM of 128-key tiles, no producer (128 registers a thread),
     # two stages (three do not fit two blocks' shared memory); 64-key tiles with a producer issue
-    # more instructions.
+    # more instructions. d192 (with v's 128), every mask: the turns without the overlap (three
+    # stages do not fit, and with two the overlap holds a buffer a tile longer: 25% slower).
     fwd_sm90: tuple[tuple[int, Sm90FwdConfig], ...] = (
         (64, Sm90FwdConfig(128, 2, pingpong=True, blocks_per_sm=2)),
         (128, Sm90FwdConfig(128, 3, producer=True, pingpong=True, overlap=True, persistent=True)),
+        (192, Sm90FwdConfig(128, 2, producer=True, pingpong=True)),
         (256, Sm90FwdConfig(64, 2, producer=True, pingpong=True)))
     # ... and where the forward without a causal mask measured faster with another config (d128:
     # the overlap without the warpgroups' turns, which the causal forward gains 3-5% by).
@@ -336,7 +343,8 @@ class Configs:
     # ... and for packed documents (one block a work tile: not persistent; every mask)
     fwd_sm90_varlen: tuple[tuple[int, Sm90FwdConfig], ...] = (
         (64, Sm90FwdConfig(128, 2, pingpong=True, blocks_per_sm=2)),
-        (128, Sm90FwdConfig(128, 3, producer=True, pingpong=True, overlap=True)))
+        (128, Sm90FwdConfig(128, 3, producer=True, pingpong=True, overlap=True)),
+        (192, Sm90FwdConfig(128, 2, producer=True, pingpong=True)))
     # ... and with dropout, as measured fastest among those that do not spill with the draw
     # (d64: 64-key tiles, two blocks an SM; d128: the turns without the overlap, whose instance
     # spilled with a window; docs/notes-attention.md)
@@ -465,9 +473,9 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
     out = [cfg.instance(dt, d, m, cap, dv=dv(d)) for dt in DTYPES for d, cfg in configs.fwd for m in (0, 1, 2)
            for cap in (False, True)]
     # (the Hopper forward's: chosen as the front chooses, by sm90_forward)
-    out += [configs.sm90_forward(d, m > 0, cap).instance(dt, d, m, cap) for dt in DTYPES for d, _ in configs.fwd_sm90
-            for m in (0, 1, 2) for cap in (False, True)]
-    out += [cfg.instance(dt, d, m, cap, varlen=True) for dt in DTYPES for d, cfg in configs.fwd_sm90_varlen
+    out += [configs.sm90_forward(d, m > 0, cap).instance(dt, d, m, cap, dv=dv(d)) for dt in DTYPES
+            for d, _ in configs.fwd_sm90 for m in (0, 1, 2) for cap in (False, True)]
+    out += [cfg.instance(dt, d, m, cap, varlen=True, dv=dv(d)) for dt in DTYPES for d, cfg in configs.fwd_sm90_varlen
             for m in (0, 1, 2) for cap in (False, True)]
     # (deterministic: dQ's adds in turns where the config orders them, and attention_bwd_dq's
     # instance beside it, which the front takes where a group's key blocks outnumber the SMs)
@@ -479,7 +487,7 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
     out += [configs.bwd_sm90_d256.instance(dt, m, cap, o) for dt in DTYPES for m in (0, 1, 2) for cap in (False, True)
             for o in (False, True)]
     # (dropout on Hopper: dense, no softcap)
-    out += [configs.sm90_forward(d, m > 0, dropout=True).instance(dt, d, m, dropout=True) for dt in DTYPES
+    out += [configs.sm90_forward(d, m > 0, dropout=True).instance(dt, d, m, dropout=True, dv=dv(d)) for dt in DTYPES
             for d, _ in configs.fwd_sm90 for m in (0, 1, 2)]
     out += [cfg.instance(dt, d, m, det, ordered=ordered, dropout=True) for dt in DTYPES
             for d, cfg in configs.bwd_sm90_dropout for m in (0, 1, 2) for det, ordered in modes

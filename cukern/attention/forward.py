@@ -32,7 +32,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, wi
             slice of a packed qkv tensor) are read in place.
         k: (B, Sk, Hkv, D) of q's dtype; Hkv divides H (GQA / MQA).
         v: (B, Sk, Hkv, Dv) of q's dtype: Dv = D, or 128 beside D = 192 (DeepSeek's MLA: the
-            scores on 192, the values on 128; these run on the sm_80 kernels on every GPU).
+            scores on 192, the values on 128; their backward runs on the sm_80 kernels on
+            every GPU).
         causal: mask keys after the query, aligned to the bottom right when Sq != Sk
             (query i sees keys j <= i + Sk - Sq); a query that sees no key outputs zeros.
         softmax_scale: positive; defaults to 1 / sqrt(D).
@@ -136,17 +137,16 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs, w
             b.fill(0.0, out)
             b.fill(float("inf"), lse)
         elif (configs.use_sm90 and sk and (not dropout_p or configs.use_sm90_dropout) and d in dict(configs.fwd_sm90)
-              and dv == d
               and _kernels.compute_capability(device) == (9, 0)
               and all(i in {j for j, _ in b.fixes} or _tma_readable(a) for i, a in enumerate(arrays[:3]))):
             # TMA reads the inputs in place where cp.async can (16-byte rows and strides: _read)
             # (a window takes the causal config; its work tiles are handed out as the unmasked ones)
             causal = mask.causal
             cfg = configs.sm90_forward(d, mask.kind > 0, bool(mask.softcap), bool(dropout_p))
-            k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, bool(mask.softcap), dropout=bool(dropout_p)),
-                                device)
+            k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, bool(mask.softcap), dropout=bool(dropout_p),
+                                             dv=dv), device)
             cap_in, cap_out = _attention_mask.softcap_log2(mask, scale)
-            os_ = _like(qa, q_copied)
+            os_ = _like(qa, q_copied, (batch, sq, h, dv))
             m_tiles = -(-sq // cfg.block_rows)
             blocks = configs.fwd_sm90_blocks or _kernels.sm_count(device)
             grid = (min(m_tiles * batch * h, blocks), 1) if cfg.persistent else (m_tiles, batch * h)
@@ -155,7 +155,7 @@ def _plan_forward(arrays, causal, softmax_scale, return_lse, configs: Configs, w
             counter = b.alloc((1,), "int32") if cfg.persistent and causal else None
             if counter is not None:
                 b.fill(0.0, counter)
-            section_pairs = max(1, configs.l2_section_bytes // (sk * d * 4)) if causal else 1
+            section_pairs = max(1, configs.l2_section_bytes // (sk * (d + dv) * 2)) if causal else 1
             b.launch(k, grid, q_map=MapSlot(0, (1, cfg.block_rows, 1, 64)),
                      k_map=MapSlot(1, (1, cfg.bn, 1, 64)), v_map=MapSlot(2, (1, cfg.bn, 1, 64)),
                      o_map=MapSlot(out.index, (1, 64, 1, 64)) if cfg.persistent else bytes(128), out=out, lse=lse,
@@ -280,13 +280,13 @@ def _plan_forward_varlen(arrays, max_seqlen_q, max_seqlen_k, causal, softmax_sca
     lse = b.alloc((h, total_q), "float32", name="lse") if return_lse else None
     if total_q * h and max_q:
         os_ = (0, *_like(qa, q_copied, (total_q, h, dv)))
-        if (configs.use_sm90 and not dropout_p and d in dict(configs.fwd_sm90_varlen) and dv == d and total_k
+        if (configs.use_sm90 and not dropout_p and d in dict(configs.fwd_sm90_varlen) and total_k
                 and _kernels.compute_capability(device) == (9, 0)
                 and all(i in {j for j, _ in b.fixes} or _tma_readable(a) for i, a in enumerate(arrays[:3]))):
             # attention_fwd_sm90 over (query tiles of the longest document, documents x heads);
             # the packed arrays read by TMA as one batch (a box of one more axis than they have)
             cfg = configs.get("fwd_sm90_varlen", d)
-            k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, bool(mask.softcap), varlen=True), device)
+            k = _kernels.kernel(cfg.instance(qa.dtype, d, mask.kind, bool(mask.softcap), varlen=True, dv=dv), device)
             cap_in, cap_out = _attention_mask.softcap_log2(mask, scale)
             m_tiles = -(-max_q // cfg.block_rows)
             b.launch(k, (m_tiles, docs * h), q_map=MapSlot(0, (1, cfg.block_rows, 1, 64)),
