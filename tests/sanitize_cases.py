@@ -585,6 +585,9 @@ def attention_cases() -> list:
         # ... and head dim 256's kernel: unmasked with GQA (rotated walks), a window
         _attention_case("bfloat16", 256, "full", b=1, sq=300, sk=200, hkv=1, det=True),
         _attention_case("float16", 256, "window", b=1, sq=200, sk=300, det=True),
+        # ... and MLA's kernel: unmasked in turns with GQA (rotated walks), the softcap and a window
+        _attention_case("bfloat16", 192, "full", b=1, sq=300, sk=200, hkv=1, det=True),
+        _attention_case("float16", 192, "window+softcap", b=1, sq=200, sk=300),
     ]
     j = 0
     for dtype in HALF_DTYPES:

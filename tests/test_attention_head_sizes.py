@@ -79,8 +79,8 @@ def _launches(info) -> list:
 @pytest.mark.parametrize("cc", [(8, 0), (9, 0)])
 def test_mlas_head_sizes_plan_their_kernels(host_arrays_as_device, monkeypatch, cc):
     """q and k 192, v 128: the forward's, the correction's and the backward's kernels take both
-    sizes (the forward on Hopper by the Hopper kernel, dense and packed; the backward on the
-    sm_80 kernels on every GPU), the outputs have v's."""
+    sizes (on Hopper the Hopper kernels: the forward dense and packed, the backward's own kernel
+    dense, deterministic in turns), the outputs have v's."""
     from cukern import _faults, _kernels
 
     from conftest import DryRun
@@ -88,7 +88,8 @@ def test_mlas_head_sizes_plan_their_kernels(host_arrays_as_device, monkeypatch, 
     monkeypatch.setattr(_kernels, "compute_capability", lambda device: cc)
     monkeypatch.setattr(_faults, "record", lambda device: np.zeros(3, np.int64))
     attn = importlib.import_module("cukern.attention")
-    attn._FWD.clear(), attn._FWD_VARLEN.clear()   # (plans are kept by call signature, not by device)
+    # (plans are kept by call signature, not by device)
+    attn._FWD.clear(), attn._FWD_VARLEN.clear(), attn._BWD.clear(), attn._BWD_VARLEN.clear()
     q = np.ones((2, 40, 4, 192), np.float16)
     k, v = np.ones((2, 50, 2, 192), np.float16), np.ones((2, 50, 2, 128), np.float16)
     o, lse = np.ones((2, 40, 4, 128), np.float16), np.zeros((2, 4, 40), np.float32)
@@ -99,9 +100,14 @@ def test_mlas_head_sizes_plan_their_kernels(host_arrays_as_device, monkeypatch, 
     assert steps[-1][1].name.startswith(fwd), [st[1].name for st in steps]
     plan = info.value.plan
     assert plan.allocs[plan.outputs["out"] - 3].shape == (2, 40, 4, 128)   # (after q, k and v)
-    for det, want in ((False, ["attention_bwd_dot<cuk::half, 192, 128>", "attention_bwd_dkdv<cuk::half, 192, 128, ",
-                               "attention_bwd_dq_convert<cuk::half, 192>"]),
-                      (True, ["attention_bwd_dot<cuk::half, 192, 128>", "attention_bwd_dkdv<cuk::half, 192, 128, ",
+    hopper = cc == (9, 0)
+    for det, want in ((False, ["attention_bwd_dot<cuk::half, 192, 128>",
+                               "attention_bwd_sm90_mla<cuk::half, 1, false, false, " if hopper else
+                               "attention_bwd_dkdv<cuk::half, 192, 128, ", "attention_bwd_dq_convert<cuk::half, 192>"]),
+                      (True, ["attention_bwd_dot<cuk::half, 192, 128>",
+                              "attention_bwd_sm90_mla<cuk::half, 1, false, true, " if hopper else
+                              "attention_bwd_dkdv<cuk::half, 192, 128, ",
+                              "attention_bwd_dq_convert<cuk::half, 192>" if hopper else
                               "attention_bwd_dq<cuk::half, 192, 128, "])):
         with pytest.raises(DryRun) as info:
             cukern.attention_backward(o, q, k, v, o, lse, causal=True, deterministic=det)
@@ -153,6 +159,7 @@ CASES = [  # (b, sq, sk, h, hkv, causal, window, sinks, dropout_p)
     (1, 1, 17, 2, 2, False, (-1, -1), False, 0.0),
     (2, 700, 1100, 8, 2, True, (-1, -1), False, 0.0),   # many key tiles, the ring wrapping round
     (1, 600, 1000, 4, 4, False, (300, 200), False, 0.0),
+    (1, 400, 130, 4, 2, False, (-1, -1), False, 0.0),   # more query tiles than key blocks, unmasked
 ]
 
 

@@ -164,20 +164,22 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
               and _kernels.compute_capability(device) == (9, 0)
               and all(i in copied or _tma_readable(a) for i, a in enumerate(arrays[:4])))
     cfg_sm90 = configs.sm90_backward(d, bool(mask.softcap), bool(dropout_p)) if hopper else None
-    # head dim 256 on Hopper: its own kernel (dense; dQ by TMA reduce-adds, deterministic in turns)
-    wide = (configs.use_sm90_bwd_d256 and d == 256 and dv_ == d and not dropout_p
+    # head dim 256 and MLA's 192/128 on Hopper: kernels of their own, splitting a step's products
+    # between the warpgroups (dense; dQ by TMA reduce-adds, deterministic in turns)
+    cfg_wide = (configs.bwd_sm90_d256 if configs.use_sm90_bwd_d256 and d == 256 and dv_ == d else
+                configs.bwd_sm90_mla if configs.use_sm90_bwd_mla and (d, dv_) == (192, 128) else None)
+    wide = (cfg_wide is not None and not dropout_p
             and varlen is None and _kernels.compute_capability(device) == (9, 0)
             and all(i in copied or _tma_readable(a) for i, a in enumerate(arrays[:4])))
-    kblocks = (-(-rows_k // cfg_sm90.block_keys) if hopper else
-               -(-rows_k // configs.bwd_sm90_d256.block_keys) if wide else 0)
+    kblocks = (-(-rows_k // cfg_sm90.block_keys) if hopper else -(-rows_k // cfg_wide.block_keys) if wide else 0)
     pairs = groups * hkv
     # deterministic on Hopper: dQ's adds in turns where the config allows (resident: one block
     # an SM, counted as half the SMs: kernels running beside this one, NCCL's under DDP, hold
     # some, and an unmasked group's blocks wait on each other until all are resident)
     resident = _kernels.sm_count(device) // 2 if deterministic and (hopper or wide) else 0
     ordered = bool(deterministic and hopper and cfg_sm90.orders(d, mask.kind, kblocks, resident, varlen is not None))
-    if wide and deterministic:   # (d256 in turns, else the sm_80 kernels' dQ pass)
-        wide = ordered = configs.bwd_sm90_d256.orders(mask.kind, kblocks, resident)
+    if wide and deterministic:   # (in turns, else the sm_80 kernels' dQ pass)
+        wide = ordered = cfg_wide.orders(mask.kind, kblocks, resident)
     # dQ's float32 partial sums (B, Sq, H, D), zeroed by the Dsum kernel, then added to by
     # atomics (or TMA reduce-add); deterministic, unless in turns: none (attention_bwd_dq).
     dq_accum = b.alloc((batch, sq, h, d), "float32") if ordered or not deterministic else None
@@ -192,7 +194,7 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
     out_strides = {**{f"dk_{n}": s for n, s in _strides3(dks).items()},
                    **{f"dv_{n}": s for n, s in _strides3(dvs).items()}}
     # The Hopper kernel loads lse * log2(e) and Dsum by TMA, a query tile's [2][rows] at once.
-    tile = cfg_sm90.block_rows if hopper else configs.bwd_sm90_d256.block_rows if wide else 0
+    tile = cfg_sm90.block_rows if hopper else cfg_wide.block_rows if wide else 0
     # (packed documents: each document's tiles apart, document d's from q0 / tile + d)
     tiles = -(-sq // tile) + (groups if varlen else 0) if hopper or wide else 0
     rows = None if not (hopper or wide) else b.alloc((batch, h, tiles, 2, tile), "float32")
@@ -233,9 +235,8 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
                  **{n: masked[n] for n in ("cu_q", "cu_k", "max_q", "max_k", "fault")},
                  groups=pairs, turns=turns, **_dropout_args(dropout_p, rng))
     elif wide:
-        cfg = configs.bwd_sm90_d256
         box = (1, 64, 1, 64)
-        b.launch(_kernels.kernel(cfg.instance(qa.dtype, mask.kind, bool(mask.softcap), ordered), device),
+        b.launch(_kernels.kernel(cfg_wide.instance(qa.dtype, mask.kind, bool(mask.softcap), ordered), device),
                  (kblocks, pairs), q_map=MapSlot(1, box), k_map=MapSlot(2, box),
                  v_map=MapSlot(3, box), do_map=MapSlot(0, box), dq_map=MapSlot(dq_accum.index, (1, 16, 1, 32)),
                  rows=rows, dk=dk, dv=dv, turns=turns,

@@ -246,6 +246,11 @@ def mla_bench_cases(quick: bool) -> list:
         cases.append(Case(f"{tag} fwd+bwd vs {backend}", "attention", (B, H, S, D), dt,
                           elements_bytes((B, S, H, 4 * D + 4 * DV), dt), functools.partial(make, grad=True),
                           functools.partial(_fwd_bwd, causal=True), peer, flops=int(3.5 * flops)))
+    with_forward = functools.partial(_with_forward, make, True)
+    cases.append(Case(f"{tag} bwd deterministic vs default", "attention", (B, H, S, D), dt,
+                      elements_bytes((B, S, H, 6 * D + 4 * DV), dt), with_forward,
+                      functools.partial(_bwd, causal=True, deterministic=True),
+                      functools.partial(_bwd, causal=True, deterministic=False), flops=int(2.5 * flops)))
     return cases
 
 

@@ -16,6 +16,7 @@ SM90_SOURCE = "attention_fwd_sm90.cu"
 BWD_SOURCE = "attention_bwd.cu"
 SM90_BWD_SOURCE = "attention_bwd_sm90.cu"
 SM90_BWD_D256_SOURCE = "attention_bwd_sm90_d256.cu"
+SM90_BWD_MLA_SOURCE = "attention_bwd_sm90_mla.cu"
 DTYPES = ("float16", "bfloat16")
 LOG2E = 1.4426950408889634
 
@@ -292,6 +293,27 @@ class Sm90BwdD256Config:
 
 
 @dataclass(frozen=True)
+class Sm90BwdMlaConfig(Sm90BwdD256Config):
+    """attention_bwd_sm90_mla (TMA + wgmma, sm_90a): q and k of 192 with v of 128 (DeepSeek's
+    MLA), 64 keys a block, two computing warpgroups each taking whole products of a step (the
+    first S^T, the softmax and dK; the second dP^T, dV and dQ), query tiles of 64 rows in a ring of
+    two, and a producer warpgroup (384 threads) whose second warp adds dQ by TMA reduce-add;
+    deterministic=True takes the ORDERED instances (the adds in turns), as d256's."""
+
+    def smem(self) -> int:
+        """K and V, the Q and dO rings of two (64 rows x 192 and x 128 each), P^T and dS^T (64 x 64),
+        dQ's stage (64 x 192 float32), dP^T's float32 exchange (128 threads x 32), lse_log2 and
+        Dsum (2 x 2 x 64), 1 KB slack."""
+        qk, vo = 64 * 192 * 2, 64 * 128 * 2
+        return 3 * (qk + vo) + 2 * 64 * 128 + 64 * 192 * 4 + 128 * 32 * 4 + 2 * 2 * 64 * 4 + 1024
+
+    def instance(self, dtype: str, mask: int, softcap: bool = False, ordered: bool = False) -> Instance:
+        smem = self.smem()
+        return Instance(SM90_BWD_MLA_SOURCE, f"attention_bwd_sm90_mla<{_ctype(dtype)}, {int(mask)}, {_b(softcap)}, "
+                        f"{_b(ordered)}, {smem}>", 384, smem, "sm_90a")
+
+
+@dataclass(frozen=True)
 class DqConfig:
     """attention_bwd_dq (deterministic=True): ``warps`` of 16 queries, ``bn`` keys a tile."""
     warps: int
@@ -318,8 +340,8 @@ class Configs:
     dq: tuple[tuple[int, DqConfig], ...]
     dot_threads: int = 256
     # Head dims whose value head size is its own, (q and k's, v's): DeepSeek's MLA (192 for the
-    # scores, 128 for the values); every other head dim takes v's equal to it. Their forward runs
-    # on the Hopper kernels there, their backward on the sm_80 kernels on every GPU.
+    # scores, 128 for the values); every other head dim takes v's equal to it. On Hopper the
+    # Hopper kernels take them (the backward: bwd_sm90_mla's), elsewhere the sm_80 ones.
     value_dims: tuple[tuple[int, int], ...] = ((192, 128),)
     # The forward on sm_90 (H100, H200) by TMA and wgmma, by head dim: key tiles as measured
     # fastest (tools/tune_attention.py; the figures: docs/notes-attention.md, the Hopper path).
@@ -382,6 +404,9 @@ class Configs:
     # Head dim 256's Hopper backward (dense, not deterministic, no dropout).
     bwd_sm90_d256: Sm90BwdD256Config = Sm90BwdD256Config()
     use_sm90_bwd_d256: bool = True
+    # MLA's Hopper backward (q and k 192, v 128; dense, no dropout; deterministic as d256's).
+    bwd_sm90_mla: Sm90BwdMlaConfig = Sm90BwdMlaConfig()
+    use_sm90_bwd_mla: bool = True
     # Dropout's sm_80 kernels (every GPU but Hopper, and there what its kernels do not take), with
     # these configs where the default's spill with the draw's registers (d32 and d64: half-width
     # key sub-tiles; d64's backward as d96's; d128's and d256's backward with 32-query steps:
@@ -462,6 +487,7 @@ CONFIGS = Configs(
         (192, DqConfig(4, 32)), (256, DqConfig(4, 32))),
     use_sm90=not SM80_ONLY, use_sm90_bwd=not SM80_ONLY,
     use_sm90_bwd_d256=not SM80_ONLY and os.environ.get("CUKERN_ATTENTION_BWD_D256", "1") not in ("", "0"),
+    use_sm90_bwd_mla=not SM80_ONLY and os.environ.get("CUKERN_ATTENTION_BWD_MLA", "1") not in ("", "0"),
 )
 HEAD_DIMS = CONFIGS.head_dims
 BWD_HEAD_DIMS = CONFIGS.bwd_head_dims
@@ -484,8 +510,8 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
         for varlen in (False, True):
             out += [cfg.instance(dt, d, m, det, softcap, varlen, ordered) for dt in DTYPES for d, cfg in table
                     for m in (0, 1, 2) for det, ordered in modes if not ordered or cfg.orders(d, m, 1, 1, varlen)]
-    out += [configs.bwd_sm90_d256.instance(dt, m, cap, o) for dt in DTYPES for m in (0, 1, 2) for cap in (False, True)
-            for o in (False, True)]
+    out += [cfg.instance(dt, m, cap, o) for cfg in (configs.bwd_sm90_d256, configs.bwd_sm90_mla) for dt in DTYPES
+            for m in (0, 1, 2) for cap in (False, True) for o in (False, True)]
     # (dropout on Hopper: dense, no softcap)
     out += [configs.sm90_forward(d, m > 0, dropout=True).instance(dt, d, m, dropout=True, dv=dv(d)) for dt in DTYPES
             for d, _ in configs.fwd_sm90 for m in (0, 1, 2)]
