@@ -355,8 +355,8 @@ def _route(T, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     if bk != b or dk != d or d not in HEAD_DIMS or v.shape[-1] != CONFIGS.dv(d):
         return "batch or head_dim"
     if v.shape[-1] != d and _hopper(q.device):
-        # (MLA's sizes run the sm_80 kernels, measured well behind cuDNN's on Hopper:
-        # docs/notes-attention.md; flash_attn_func still takes them when asked)
+        # (MLA's sizes on the Hopper kernels: forward level with cuDNN's, forward + backward still
+        # behind it: docs/notes-attention.md; flash_attn_func takes them when asked)
         return "MLA's head sizes on Hopper (PyTorch's cuDNN kernel is faster there)"
     if hkv != h and not (enable_gqa and hkv > 0 and h % hkv == 0):
         return "heads"
