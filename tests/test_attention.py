@@ -220,7 +220,8 @@ def test_the_sm90_forward_config_by_head_dim_and_mask():
     # (MLA: Q and K tiles of 192 columns, V's and O's of 128; three warpgroups fit v's 128)
     mla = cfgs.sm90_forward(192, True)
     assert mla.smem(192, 128) == ((128 + 2 * 128) * 192 + 2 * 128 * 128) * 2 + 1024
-    assert mla.instance("bfloat16", 192, True, dv=128).name.startswith("attention_fwd_sm90<cuk::bf16, 192, 128, 128, 2, ")
+    assert mla.instance("bfloat16", 192, True, dv=128).name.startswith(
+        "attention_fwd_sm90<cuk::bf16, 192, 128, 128, 2, ")
     attn.Sm90FwdConfig(64, 2, producer=True, overlap=True, persistent=True, warpgroups=3).instance(
         "bfloat16", 192, False, dv=128)
     persistent = attn.Sm90FwdConfig(128, 3, producer=True, overlap=True, persistent=True)

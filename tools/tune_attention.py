@@ -55,7 +55,8 @@ def main():
             except RuntimeError:   # (flash takes no Dv of its own)
                 ref[name] = float("nan")
         expect = run().transpose(1, 2).float()
-        print(f"\nB{B} H{H} S{S} d{D}{f'/{DV}' if DV != D else ''}{' causal' if causal else ''}: flash {flops / ref['flash'] / 1e9:.0f} "
+        print(f"\nB{B} H{H} S{S} d{D}{f'/{DV}' if DV != D else ''}{' causal' if causal else ''}: "
+              f"flash {flops / ref['flash'] / 1e9:.0f} "
               f"TFLOP/s, cudnn {flops / ref['cudnn'] / 1e9:.0f} TFLOP/s")
         candidates = [(cfg, dataclasses.replace(attn.configs.CONFIGS.replace("fwd", D, cfg), use_sm90=False))
                       for cfg in CANDIDATES.get(D, [attn.configs.CONFIGS.get("fwd", D)]) if not sm90_only]
