@@ -351,17 +351,24 @@ def test_a_rotation_cukern_lacks_is_left_alone_and_partial_tables_go_to_the_mode
 
     import functools
 
-    def backwards(q, k, cos, sin, unsqueeze_dim=1):   # (pairs rotated the other way: no rope cukern has)
+    def backwards(q, k, cos, sin, unsqueeze_dim=1):   # (pairs rotated the other way: sin negated)
         cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
         return q * cos - _rotate_every_two(q) * sin, k * cos - _rotate_every_two(k) * sin
 
+    def mirrored(q, k, cos, sin, unsqueeze_dim=1):   # (dims j and D - 1 - j rotated together: no rope cukern has)
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * cos + q.flip(-1) * sin, k * cos + k.flip(-1) * sin
+
     wrap = functools.partial(_models._rope_wrapper, interleaved)
     assert _recognize.recognize_rope("test.interleaved", interleaved, wrap, "cpu", torch.float32) == \
-        (None, False, False, False, "paired")
+        (None, False, False, False, "paired", False)
     wrap = functools.partial(_models._rope_wrapper, backwards)
     assert _recognize.recognize_rope("test.backwards", backwards, wrap, "cpu", torch.float32) == \
+        (None, False, False, False, "paired", True)
+    wrap = functools.partial(_models._rope_wrapper, mirrored)
+    assert _recognize.recognize_rope("test.mirrored", mirrored, wrap, "cpu", torch.float32) == \
         ("its rotation is not cukern's rope (half-split or interleaved) to the dtype's rounding", False, False, False,
-         "")
+         "", False)
 
     calls = []
 
@@ -393,7 +400,7 @@ def test_partial_rotary_is_found_by_running_it_and_computed_as_the_models_own(dt
     for family in ("gpt_neox", "phi3", "llama"):
         modname = f"transformers.models.{family}.modeling_{family}"
         fn = importlib.import_module(modname).apply_rotary_pos_emb
-        why, rounds, partial, _, _ = _recognize.recognize_rope(
+        why, rounds, partial, _, _, _ = _recognize.recognize_rope(
             modname, fn, functools.partial(_models._rope_wrapper, fn), "cpu", dtype)
         assert why is None
         found[family] = partial
@@ -424,9 +431,9 @@ def test_half_width_tables_are_found_by_running_them_and_computed_as_the_models_
 
     modname = "transformers.models.gpt_oss.modeling_gpt_oss"
     fn = importlib.import_module(modname).apply_rotary_pos_emb
-    why, rounds, partial, half, interleave = _recognize.recognize_rope(
+    why, rounds, partial, half, interleave, negate = _recognize.recognize_rope(
         modname, fn, functools.partial(_models._rope_wrapper, fn), "cpu", dtype)
-    assert (why, partial, half, interleave) == (None, False, True, "")
+    assert (why, partial, half, interleave, negate) == (None, False, True, "", False)
     g = torch.Generator().manual_seed(6)
     q = torch.randn(2, 4, 6, 32, generator=g).to(dtype).requires_grad_(True)
     k = torch.randn(2, 2, 6, 32, generator=g).to(dtype).requires_grad_(True)
@@ -439,9 +446,10 @@ def test_half_width_tables_are_found_by_running_them_and_computed_as_the_models_
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
-INTERLEAVED_ROPES = {   # family: (interleave, partial), as found by running its apply_rotary_pos_emb
-    "cohere": ("paired", False), "glm": ("split", True), "glm4": ("split", True), "ernie4_5": ("split", False),
-    "helium": ("split", False),
+INTERLEAVED_ROPES = {   # family: (interleave, partial, negate), as found by running its apply_rotary_pos_emb
+    "cohere": ("paired", False, False), "glm": ("split", True, False), "glm4": ("split", True, False),
+    "ernie4_5": ("split", False, False), "helium": ("split", False, False),
+    "nanochat": ("", False, True),   # (half-split pairs rotated the other way: its rotate_half gives (x2, -x1))
 }
 
 
@@ -450,16 +458,17 @@ INTERLEAVED_ROPES = {   # family: (interleave, partial), as found by running its
 def test_interleaved_ropes_are_found_by_running_them_and_computed_as_the_models_own(family, dtype):
     """Ropes that rotate pairs (2i, 2i + 1): Cohere's with tables that repeat each angle in
     place, GLM's, Ernie 4.5's and Helium's making such tables from Hugging Face's half-split ones
-    (GLM's rotating the dims its tables cover): found so, and the wrapper's result on the tables
-    each model's rotary embedding makes (full width, and for the partial ones a quarter of the
-    head), forward and backward, is the model's own."""
+    (GLM's rotating the dims its tables cover); and nanochat's, half-split pairs rotated the other
+    way: found so, and the wrapper's result on the tables each model's rotary embedding makes (full
+    width, and for the partial ones a quarter of the head), forward and backward, is the model's
+    own."""
     import functools
 
     modname = f"transformers.models.{family}.modeling_{family}"
     fn = importlib.import_module(modname).apply_rotary_pos_emb
-    why, rounds, partial, half, interleave = _recognize.recognize_rope(
+    why, rounds, partial, half, interleave, negate = _recognize.recognize_rope(
         modname, fn, functools.partial(_models._rope_wrapper, fn), "cpu", dtype)
-    assert (why, half, (interleave, partial)) == (None, False, INTERLEAVED_ROPES[family])
+    assert (why, half, (interleave, partial, negate)) == (None, False, INTERLEAVED_ROPES[family])
     g = torch.Generator().manual_seed(7)
     q = torch.randn(2, 4, 6, 32, generator=g).to(dtype).requires_grad_(True)
     k = torch.randn(2, 2, 6, 32, generator=g).to(dtype).requires_grad_(True)
@@ -469,7 +478,7 @@ def test_interleaved_ropes_are_found_by_running_them_and_computed_as_the_models_
             cos, sin = (f(angles).repeat_interleave(2, -1) for f in (torch.cos, torch.sin))
         else:
             cos, sin = (torch.cat([f(angles)] * 2, -1) for f in (torch.cos, torch.sin))
-        got = _models._rope_wrapper(fn, rounds, partial, half, interleave)(q, k, cos, sin)
+        got = _models._rope_wrapper(fn, rounds, partial, half, interleave, negate)(q, k, cos, sin)
         want = fn(q, k, cos, sin)
         dys = [torch.randn(t.shape, generator=g).to(t.dtype) for t in want]
         for a, b in zip((*got, *torch.autograd.grad(got, (q, k), dys)),
@@ -729,6 +738,58 @@ def test_each_demo_family_trains_on_the_kernels_like_its_own_on_the_gpu(kind):
     assert any(counts.get(n, {}).get("cukern", 0) for n in ("rms_norm", "layer_norm")), counts
     # every norm, QK-norms and norms after a sublayer (bf16 inputs, float32 weights) included
     assert all(counts.get(n, {}).get("torch", 0) == 0 for n in ("rms_norm", "layer_norm")), counts
+    torch.testing.assert_close(lb, la, rtol=5e-3, atol=5e-3)
+    for n in ga:
+        scale = ga[n].abs().max().item() + 1e-6
+        assert (ga[n] - gb[n]).abs().max().item() <= 0.05 * scale, n
+
+
+def _nanochat_step(device, dtype=None):
+    """nanochat's demo model (two layers) and a patched copy: one training step of each, the
+    patched one's routing decisions and counts."""
+    import copy
+
+    from cukern.demo import hf, options
+
+    torch.manual_seed(0)
+    a = hf.build(options.Config(layers=2, dim=256 if device == "cuda" else 64, heads=4, seq=64, vocab=97,
+                                model="nanochat")).to(device).train()
+    b = copy.deepcopy(a)
+    ids = torch.randint(0, 97, (2, 64), generator=torch.Generator().manual_seed(1)).to(device)
+
+    def step(m):
+        with torch.autocast(device, dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.float(), {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None}
+
+    la, ga = step(a)
+    ct.reset_counts()
+    with ct.patch(b, min_size=0):
+        decisions = ct.routing(b)
+        lb, gb = step(b)
+        counts = ct.counts(reasons=True)
+    return (la, ga), (lb, gb), decisions, counts
+
+
+def test_nanochats_rope_rotates_the_other_way_and_trains_as_its_own_on_the_cpu():
+    """nanochat's rope (its rotate_half gives (x2, -x1): pairs (j, j + D/2) rotated the other way)
+    is cukern's rope with sin negated: routed so, and in float32 on the CPU the loss and every
+    gradient are the model's own."""
+    (la, ga), (lb, gb), decisions, _ = _nanochat_step("cpu")
+    assert decisions["transformers.models.nanochat.modeling_nanochat.apply_rotary_pos_emb"] == \
+        "rope: cukern's rope, rotated the other way (sin negated)"
+    torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)
+    for n in ga:
+        torch.testing.assert_close(gb[n], ga[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+@pytest.mark.gpu
+def test_nanochats_rope_trains_on_the_kernel_like_its_own_on_the_gpu():
+    """The same under bf16 autocast with the rope on the kernel: the loss and the gradients as the
+    model's own to bf16's rounding."""
+    (la, ga), (lb, gb), _, counts = _nanochat_step("cuda", torch.bfloat16)
+    assert counts["rope"]["cukern"] > 0 and counts["rope"]["torch"] == 0, counts
     torch.testing.assert_close(lb, la, rtol=5e-3, atol=5e-3)
     for n in ga:
         scale = ga[n].abs().max().item() + 1e-6

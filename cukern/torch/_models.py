@@ -67,7 +67,7 @@ PARTS = ("norm", "embedding", "mlp", "rope", "attention", "loss", "moe")
 
 _lock = threading.Lock()
 _patched: "weakref.WeakKeyDictionary[nn.Module, _Record]" = weakref.WeakKeyDictionary()
-_rope_swaps: dict[str, list] = {}    # modeling module -> [its own function, models using ours]
+_rope_swaps: dict[str, list] = {}    # modeling module -> [its own function, models using ours, the decision]
 
 
 class _Record:
@@ -392,7 +392,8 @@ def _set_forward(rec: _Record, m: nn.Module, fn) -> None:
     rec.modules.append(m)
 
 
-def _rope_wrapper(own, rounds: bool = False, partial: bool = False, half: bool = False, interleave: str = ""):
+def _rope_wrapper(own, rounds: bool = False, partial: bool = False, half: bool = False, interleave: str = "",
+                  negate: bool = False):
     """cukern's rope in place of ``own`` (a modeling module's ``apply_rotary_pos_emb``) for its
     callers: its arguments read by its own signature; anything else it takes goes to ``own``.
     ``rounds``: ``own`` rounds its result to q's dtype (OLMo 2's), so the result is rounded so
@@ -403,7 +404,8 @@ def _rope_wrapper(own, rounds: bool = False, partial: bool = False, half: bool =
     (GPT-OSS's): they are repeated to the kernel's full width. ``interleave``: ``own`` rotates
     pairs (2i, 2i + 1): "paired", with the tables it is given (Cohere's, whose rotary embedding
     repeats each angle in place); "split", after making them so from Hugging Face's half-split
-    tables (their first half, each angle repeated in place: GLM's, Ernie 4.5's, Helium's)."""
+    tables (their first half, each angle repeated in place: GLM's, Ernie 4.5's, Helium's).
+    ``negate``: ``own`` rotates the other way (nanochat's), cukern's rope with sin negated (exact)."""
     ours = _api("apply_rotary_pos_emb")
     sig = inspect.signature(own)
 
@@ -428,6 +430,8 @@ def _rope_wrapper(own, rounds: bool = False, partial: bool = False, half: bool =
             if r % 2 or sin.shape[-1] != r:
                 return own(*args, **kwargs)
             cos, sin = (t[..., : r // 2].repeat_interleave(2, dim=-1) for t in (cos, sin))
+        if negate:
+            sin = -sin
         dim, il = a.get("unsqueeze_dim", 1), bool(interleave)
         if r == d:
             oq, ok = ours(q, k, cos, sin, unsqueeze_dim=dim, interleaved=il)
@@ -452,18 +456,19 @@ def _swap_rope(rec: _Record, modname: str, m: nn.Module) -> None:
     if entry is None:
         p = next(m.parameters(), None)
         device, dtype = (p.device, p.dtype) if p is not None and p.dtype.is_floating_point else ("cpu", torch.float32)
-        why, rounds, partial, half, interleave = _recognize.recognize_rope(
+        why, rounds, partial, half, interleave, negate = _recognize.recognize_rope(
             modname, fn, functools.partial(_rope_wrapper, fn), device, dtype)
-        wrapper = _rope_wrapper(fn, rounds, partial, half, interleave)
+        wrapper = _rope_wrapper(fn, rounds, partial, half, interleave, negate)
         verdict = (f"left alone: {why}" if why is not None
-                   else "rope: cukern's rope" + (", interleaved pairs" if interleave else ""))
+                   else "rope: cukern's rope" + (", interleaved pairs" if interleave else "")
+                   + (", rotated the other way (sin negated)" if negate else ""))
         rec.decisions[f"{modname}.apply_rotary_pos_emb"] = verdict
         if why is not None:
             return
-        entry = _rope_swaps[modname] = [fn, 0]
+        entry = _rope_swaps[modname] = [fn, 0, verdict]
         mod.apply_rotary_pos_emb = wrapper
     else:
-        rec.decisions[f"{modname}.apply_rotary_pos_emb"] = "rope: cukern's rope"
+        rec.decisions[f"{modname}.apply_rotary_pos_emb"] = entry[2]
     entry[1] += 1
     rec.rope_modules.append(modname)
 

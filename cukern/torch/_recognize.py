@@ -417,9 +417,9 @@ def rope_of(fn, ours, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
                                           "dtype's rounding")
 
 
-def recognize_rope(modname: str, fn, wrap, device, dtype) -> tuple[str | None, bool, bool, bool, str]:
-    """(None, rounds, partial, half, interleave) where modeling module ``modname``'s
-    ``apply_rotary_pos_emb`` ``fn`` is cukern's rope, else (why not, False, False, False, ""): run
+def recognize_rope(modname: str, fn, wrap, device, dtype) -> tuple[str | None, bool, bool, bool, str, bool]:
+    """(None, rounds, partial, half, interleave, negate) where modeling module ``modname``'s
+    ``apply_rotary_pos_emb`` ``fn`` is cukern's rope, else (why not, False, False, False, "", False): run
     once per module and dtype on random q, k (2, 3, 5, 16) and full-width tables of q's dtype,
     and, for 16-bit q, float32 tables (as autocast makes them). ``rounds``: ``fn`` rounds its
     result to q's dtype there (OLMo 2's), where PyTorch's promotion gives float32 (LLaMA's);
@@ -427,8 +427,9 @@ def recognize_rope(modname: str, fn, wrap, device, dtype) -> tuple[str | None, b
     rest (GPT-NeoX's ``rotary_pct``); ``half``: ``fn`` takes tables of half the head's width, one
     angle a pair (GPT-OSS's), and no full-width ones; ``interleave``: ``fn`` rotates pairs (2i,
     2i + 1), "paired" with tables that repeat each angle in place (Cohere's), "split" making such
-    tables from Hugging Face's half-split ones (GLM's). ``wrap(rounds, partial, half, interleave)``
-    is the function to check."""
+    tables from Hugging Face's half-split ones (GLM's); ``negate``: ``fn`` rotates the other way
+    (nanochat's: its rotate_half gives (x2, -x1)), which is cukern's rope with sin negated.
+    ``wrap(rounds, partial, half, interleave, negate)`` is the function to check."""
     key = (modname, str(device), dtype)
     if key not in _rope_cache:
         g = torch.Generator().manual_seed(0)
@@ -444,7 +445,8 @@ def recognize_rope(modname: str, fn, wrap, device, dtype) -> tuple[str | None, b
             return tuple(torch.cat([f(a)] * 2, -1).to(device=device) for f in (torch.cos, torch.sin))
 
         first_why, found = None, None
-        for half, interleave in ((False, ""), (True, ""), (False, "paired"), (False, "split")):
+        for half, interleave, negate in ((False, "", False), (True, "", False), (False, "paired", False),
+                                         (False, "split", False), (False, "", True), (False, "paired", True)):
             cos32, sin32 = tables(8, "half" if half else interleave)
             rounds = False
             if dtype != torch.float32:
@@ -453,26 +455,26 @@ def recognize_rope(modname: str, fn, wrap, device, dtype) -> tuple[str | None, b
                 except Exception:  # noqa: BLE001 - told by rope_of below
                     pass
             with uncounted():
-                ours = wrap(rounds, False, half, interleave)
+                ours = wrap(rounds, False, half, interleave, negate)
                 why = rope_of(fn, ours, q, k, cos32.to(dtype), sin32.to(dtype))
                 if why is None and dtype != torch.float32:
                     why = rope_of(fn, ours, q, k, cos32, sin32)
             first_why = first_why or why
             if why is None:
-                found = (rounds, half, interleave)
+                found = (rounds, half, interleave, negate)
                 break
         if found is None:
-            _rope_cache[key] = (first_why, False, False, False, "")
+            _rope_cache[key] = (first_why, False, False, False, "", False)
         else:
-            rounds, half, interleave = found
+            rounds, half, interleave, negate = found
             partial = False
             if not half:   # (a quarter of the head rotated, as GPT-NeoX's default rotary_pct)
                 c4, s4 = tables(2, interleave)
                 with uncounted():
-                    partial = all(rope_of(fn, wrap(rounds, True, False, interleave), q, k, c4.to(dtype=dt),
+                    partial = all(rope_of(fn, wrap(rounds, True, False, interleave, negate), q, k, c4.to(dtype=dt),
                                           s4.to(dtype=dt)) is None
                                   for dt in {dtype, torch.float32})
-            _rope_cache[key] = (None, rounds, partial, half, interleave)
+            _rope_cache[key] = (None, rounds, partial, half, interleave, negate)
     return _rope_cache[key]
 
 
