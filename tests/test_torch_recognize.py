@@ -702,6 +702,14 @@ def test_a_tanh_gelu_written_out_is_found_by_running_it():
         torch.testing.assert_close(m(x), m[1].__class__.forward(m[1], m[0](x)), rtol=1e-6, atol=1e-6)
 
 
+def _as_its_own_in_bf16(la, ga, lb, gb) -> None:
+    """A patched bf16 step's loss and gradients (lb, gb) as the model's own (la, ga) to bf16's
+    rounding: the loss to 5e-3, each gradient to 5% of its largest element."""
+    torch.testing.assert_close(lb, la, rtol=5e-3, atol=5e-3)
+    for n in ga:
+        assert (ga[n] - gb[n]).abs().max().item() <= 0.05 * (ga[n].abs().max().item() + 1e-6), n
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite", "gpt_neox",
                                   "starcoder2",
@@ -711,26 +719,7 @@ def test_each_demo_family_trains_on_the_kernels_like_its_own_on_the_gpu(kind):
     """The demo's model of each family (head dim 64), one bf16-autocast training step patched and
     not: every attention call, norm, embedding and the loss on the kernels, the loss and the
     gradients as the model's own to bf16's rounding."""
-    import copy
-
-    from cukern.demo import hf, options
-
-    torch.manual_seed(0)
-    a = hf.build(options.Config(layers=2, dim=256, heads=4, seq=256, vocab=512, model=kind)).cuda().train()
-    b = copy.deepcopy(a)
-    ids = torch.randint(0, 512, (2, 256), generator=torch.Generator().manual_seed(1)).cuda()
-
-    def step(m):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = m(input_ids=ids, labels=ids).loss
-        loss.backward()
-        return loss.float(), {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None}
-
-    la, ga = step(a)
-    ct.reset_counts()
-    with ct.patch(b, min_size=0):
-        lb, gb = step(b)
-        counts = ct.counts(reasons=True)
+    (la, ga), (lb, gb), _, counts = _patched_step(kind, "cuda", torch.bfloat16, dim=256, seq=256, vocab=512)
     for part in ("attention", "embedding", "linear_cross_entropy"):
         assert counts[part]["cukern"] > 0 and counts[part]["torch"] == 0, (part, counts)
     if kind in ("cohere", "glm4", "ernie4_5"):
@@ -738,24 +727,21 @@ def test_each_demo_family_trains_on_the_kernels_like_its_own_on_the_gpu(kind):
     assert any(counts.get(n, {}).get("cukern", 0) for n in ("rms_norm", "layer_norm")), counts
     # every norm, QK-norms and norms after a sublayer (bf16 inputs, float32 weights) included
     assert all(counts.get(n, {}).get("torch", 0) == 0 for n in ("rms_norm", "layer_norm")), counts
-    torch.testing.assert_close(lb, la, rtol=5e-3, atol=5e-3)
-    for n in ga:
-        scale = ga[n].abs().max().item() + 1e-6
-        assert (ga[n] - gb[n]).abs().max().item() <= 0.05 * scale, n
+    _as_its_own_in_bf16(la, ga, lb, gb)
 
 
-def _nanochat_step(device, dtype=None):
-    """nanochat's demo model (two layers) and a patched copy: one training step of each, the
-    patched one's routing decisions and counts."""
+def _patched_step(kind, device, dtype=None, *, dim, seq, vocab):
+    """The demo's model of ``kind`` (two layers, four heads) and a patched copy: one training step
+    of each on (2, seq) tokens, under autocast to ``dtype`` where given: ((loss, grads), (loss,
+    grads), the patched one's routing decisions, its counts)."""
     import copy
 
     from cukern.demo import hf, options
 
     torch.manual_seed(0)
-    a = hf.build(options.Config(layers=2, dim=256 if device == "cuda" else 64, heads=4, seq=64, vocab=97,
-                                model="nanochat")).to(device).train()
+    a = hf.build(options.Config(layers=2, dim=dim, heads=4, seq=seq, vocab=vocab, model=kind)).to(device).train()
     b = copy.deepcopy(a)
-    ids = torch.randint(0, 97, (2, 64), generator=torch.Generator().manual_seed(1)).to(device)
+    ids = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(1)).to(device)
 
     def step(m):
         with torch.autocast(device, dtype=dtype or torch.float32, enabled=dtype is not None):
@@ -776,7 +762,7 @@ def test_nanochats_rope_rotates_the_other_way_and_trains_as_its_own_on_the_cpu()
     """nanochat's rope (its rotate_half gives (x2, -x1): pairs (j, j + D/2) rotated the other way)
     is cukern's rope with sin negated: routed so, and in float32 on the CPU the loss and every
     gradient are the model's own."""
-    (la, ga), (lb, gb), decisions, _ = _nanochat_step("cpu")
+    (la, ga), (lb, gb), decisions, _ = _patched_step("nanochat", "cpu", dim=64, seq=64, vocab=97)
     assert decisions["transformers.models.nanochat.modeling_nanochat.apply_rotary_pos_emb"] == \
         "rope: cukern's rope, rotated the other way (sin negated)"
     torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)
@@ -788,12 +774,9 @@ def test_nanochats_rope_rotates_the_other_way_and_trains_as_its_own_on_the_cpu()
 def test_nanochats_rope_trains_on_the_kernel_like_its_own_on_the_gpu():
     """The same under bf16 autocast with the rope on the kernel: the loss and the gradients as the
     model's own to bf16's rounding."""
-    (la, ga), (lb, gb), _, counts = _nanochat_step("cuda", torch.bfloat16)
+    (la, ga), (lb, gb), _, counts = _patched_step("nanochat", "cuda", torch.bfloat16, dim=256, seq=64, vocab=97)
     assert counts["rope"]["cukern"] > 0 and counts["rope"]["torch"] == 0, counts
-    torch.testing.assert_close(lb, la, rtol=5e-3, atol=5e-3)
-    for n in ga:
-        scale = ga[n].abs().max().item() + 1e-6
-        assert (ga[n] - gb[n]).abs().max().item() <= 0.05 * scale, n
+    _as_its_own_in_bf16(la, ga, lb, gb)
 
 
 # ---- scaled rotary tables: LLaMA 3's and YaRN's ----------------------------------------------------
@@ -855,9 +838,7 @@ def test_scaled_rotary_tables_train_on_the_kernels_as_the_models_own_on_the_gpu(
     with ct.patch(b, min_size=0):
         lb, gb = step(b)
         assert ct.counts()["rope"] == {"cukern": 2, "torch": 0}
-    torch.testing.assert_close(lb, la, rtol=5e-3, atol=5e-3)
-    for n in ga:
-        assert (ga[n] - gb[n]).abs().max().item() <= 0.05 * (ga[n].abs().max().item() + 1e-6), n
+    _as_its_own_in_bf16(la, ga, lb, gb)
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "mixtral"])
