@@ -217,7 +217,7 @@ def test_two_blocks_an_sm_fit_the_hopper_forwards_shared_memory(reports):
     for d, cfg in tables:
         for mask in (0, 1, 2):
             for varlen in ((False, True) if not cfg.persistent else (False,)):
-                name = cfg.instance("bfloat16", d, mask, varlen=varlen).name
+                name = cfg.instance("bfloat16", d, mask, varlen=varlen, dv=configs.dv(d)).name
                 if name in usages:
                     assert usages[name].shared_bytes <= cfg.static_smem, (name, usages[name].shared_bytes)
                     checked += 1
