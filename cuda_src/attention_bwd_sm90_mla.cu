@@ -193,22 +193,26 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_mla(
         mbarrier_wait(&bar_q[buf], (it / STAGES) & 1);
 
         // S^T = K Q^T over 192 (warpgroup 0) or dP^T = V dO^T over 128 (warpgroup 1): 64 keys x 64 queries
+        // (the fence in each branch, ahead of its products: before the branch, ptxas 12.9 injects
+        // a warpgroup.arrive at each branch's first product)
         float s[32];
-        wgmma_zero_and_fence(s);
         if (wg == 0) {
             const unsigned long long a = wgmma_desc_sw128(k_s), bq = wgmma_desc_sw128(qb);
+            wgmma_zero_and_fence(s);
 #pragma unroll
             for (int ks = 0; ks < D / 16; ++ks)
                 Wgmma<T, 64>::ss(s, wgmma_desc_advance(a, (ks / 4) * BOX + (ks % 4) * 32),
                                  wgmma_desc_advance(bq, (ks / 4) * BOX + (ks % 4) * 32), ks > 0);
+            wgmma_commit();
         } else {
             const unsigned long long a = wgmma_desc_sw128(v_s), bdo = wgmma_desc_sw128(dob);
+            wgmma_zero_and_fence(s);
 #pragma unroll
             for (int ks = 0; ks < DV / 16; ++ks)
                 Wgmma<T, 64>::ss(s, wgmma_desc_advance(a, (ks / 4) * BOX + (ks % 4) * 32),
                                  wgmma_desc_advance(bdo, (ks / 4) * BOX + (ks % 4) * 32), ks > 0);
+            wgmma_commit();
         }
-        wgmma_commit();
         wgmma_wait<0>();
         wgmma_hold(s);
         if (wg == 1) {
