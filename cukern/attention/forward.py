@@ -32,8 +32,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, wi
             slice of a packed qkv tensor) are read in place.
         k: (B, Sk, Hkv, D) of q's dtype; Hkv divides H (GQA / MQA).
         v: (B, Sk, Hkv, Dv) of q's dtype: Dv = D, or 128 beside D = 192 (DeepSeek's MLA: the
-            scores on 192, the values on 128; their backward runs on the sm_80 kernels on
-            every GPU).
+            scores on 192, the values on 128; on Hopper both directions run Hopper kernels,
+            packed documents' and dropout's backward excepted).
         causal: mask keys after the query, aligned to the bottom right when Sq != Sk
             (query i sees keys j <= i + Sk - Sq); a query that sees no key outputs zeros.
         softmax_scale: positive; defaults to 1 / sqrt(D).
