@@ -32,6 +32,7 @@
 #include "common/attn_mask.cuh"
 #include "common/attn_params.cuh"
 #include "common/attn_turns.cuh"
+#include "common/attn_bwd_split.cuh"
 
 namespace cuk {
 namespace attention {
@@ -216,12 +217,7 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_mla(
         wgmma_wait<0>();
         wgmma_hold(s);
         if (wg == 1) {
-            // dP^T to warpgroup 0, thread for thread (the same accumulator layout), once it has
-            // read the step before's
-            if (it > 0) mbarrier_wait(&dp_free, (it - 1) & 1);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) dp_x[i * 128 + tid] = make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]);
-            mbarrier_arrive(&dp_full);
+            attention::hand_over_dpt(s, dp_x, &dp_full, &dp_free, it, tid);
 
             // dV += P^T dO, dQ = dS K (columns 0 .. 127 and 128 .. 191), from the stored P^T and dS^T
             mbarrier_wait(&ps_full, it & 1);
@@ -271,59 +267,10 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_mla(
             __syncwarp();
             if (lane == 0) mbarrier_arrive(&dq_full);
         } else {
-            // P^T (0 for queries past sq and hidden keys), then dS^T = P^T (dP^T - Dsum); the
-            // softcap's P^T = exp2(c log2(e) t - lse_log2) with t = tanh(s scale / c), its dS^T
-            // times 1 - t^2
-            const bool edge = m0 + BM > sq || km.edge(n0, BN, m0, BM, sk);
             unsigned int pa[4][4], dsa[4][4];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const float2 l = *reinterpret_cast<const float2*>(lrow + 8 * j + 2 * t);
-                float pp[4];
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float u = 1.f, x;
-                    if constexpr (SOFTCAP) {
-                        const float th = attention::tanh_approx(s[4 * j + e] * r.cap_in);
-                        x = fmaf(th, r.cap_out, -(e & 1 ? l.y : l.x));
-                        u = 1.f - th * th;
-                    } else {
-                        x = fmaf(s[4 * j + e], r.scale_log2, -(e & 1 ? l.y : l.x));
-                    }
-                    float pe = fast_exp2(x);
-                    const int key = key0 + (e >> 1) * 8, q = m0 + 8 * j + 2 * t + (e & 1);
-                    if (edge & ((q >= sq) | km.hidden_bits(q, key, sk))) pe = 0.f;
-                    pp[e] = pe;
-                    s[4 * j + e] = pe * u;
-                }
-                pa[j / 2][2 * (j % 2)] = pack2(pp[0], pp[1], T{});
-                pa[j / 2][2 * (j % 2) + 1] = pack2(pp[2], pp[3], T{});
-            }
-            mbarrier_wait(&dp_full, it & 1);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const float4 dp = dp_x[i * 128 + tid];
-                const float2 d = *reinterpret_cast<const float2*>(drow + 8 * i + 2 * t);   // (column block i)
-                s[4 * i] *= dp.x - d.x;
-                s[4 * i + 1] *= dp.y - d.y;
-                s[4 * i + 2] *= dp.z - d.x;
-                s[4 * i + 3] *= dp.w - d.y;
-            }
-            mbarrier_arrive(&dp_free);
-            accumulators_to_a<T>(s, dsa);
-            // P^T and dS^T as TMA would store them (128-byte swizzle: chunk c of key row r at c ^ (r %
-            // 8)), once warpgroup 1's products of the step before have read them; by stmatrix (lane
-            // l addresses row l % 8 of matrix l / 8: query chunk j + (l / 8) / 2, rows 8 ((l / 8) % 2) on)
-            if (it > 0) mbarrier_wait(&ps_free, (it - 1) & 1);
-#pragma unroll
-            for (int j = 0; j < 8; j += 2) {
-                const int mat = lane / 8, jj = j + mat / 2, row = warp * 16 + 8 * (mat % 2) + lane % 8;
-                const int at = row * 128 + ((jj ^ (lane % 8)) << 4);
-                stmatrix_x4(pt_s + at, pa[j / 2]);
-                stmatrix_x4(dst_s + at, dsa[j / 2]);
-            }
-            fence_proxy_async();
-            mbarrier_arrive(&ps_full);
+            attention::p_and_ds<T, MASK, SOFTCAP>(s, pa, dsa, lrow, drow, dp_x, &dp_full, &dp_free, it, km, r, sq, sk,
+                                                  key0, m0, n0, tid, t);
+            attention::publish_p_ds(pt_s, dst_s, pa, dsa, &ps_full, &ps_free, it, lane, warp);
             // dK += dS^T Q: dS^T from this warpgroup's registers, Q read MN-major (columns 0 .. 127, 128 .. 191)
             wgmma_rs_mn<T, 128>(acc_a, dsa, qb, BOX);
             wgmma_rs_mn<T, 64>(acc_b, dsa, qb + 2 * BOX, BOX);
