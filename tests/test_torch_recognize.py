@@ -601,7 +601,9 @@ def test_logits_that_are_not_the_heads_are_left_alone():
                                   "granite", "gpt_neox", "starcoder2",
                                   # (families not named by the demo that compute the same things:
                                   # interleaved ropes, Cohere's logit_scale)
-                                  "cohere", "cohere2", "glm", "glm4", "ernie4_5", "helium"])
+                                  "cohere", "cohere2", "glm", "glm4", "ernie4_5", "helium",
+                                  # (nanochat's norms without a weight and its rope turned the other way)
+                                  "nanochat"])
 def test_each_demo_family_patched_whole_trains_as_its_own_on_the_cpu(kind):
     """``python -m cukern train-demo --model KIND``'s model, every part patched: in float32 on the
     CPU (where the routed calls run PyTorch's ops) the loss and every gradient equal the model's
@@ -777,6 +779,87 @@ def test_nanochats_rope_trains_on_the_kernel_like_its_own_on_the_gpu():
     (la, ga), (lb, gb), _, counts = _patched_step("nanochat", "cuda", torch.bfloat16, dim=256, seq=64, vocab=97)
     assert counts["rope"]["cukern"] > 0 and counts["rope"]["torch"] == 0, counts
     _as_its_own_in_bf16(la, ga, lb, gb)
+
+
+# ---- norms without a weight (nanochat's) ----------------------------------------------------------
+
+NANOCHAT_NORMS = ("self_attn.q_norm", "self_attn.k_norm", "input_layernorm", "post_attention_layernorm")
+
+
+def test_nanochats_norms_without_a_weight_are_found_and_train_as_their_own_on_the_cpu():
+    """nanochat's RMSNorm has no weight (x in float32, rounded once to x's dtype): found by
+    running it on float32, bfloat16 and float16 inputs, routed (every call counted: four a layer
+    and the final norm, run twice), and in float32 on the CPU the loss and every gradient are the
+    model's own."""
+    (la, ga), (lb, gb), decisions, counts = _patched_step("nanochat", "cpu", dim=64, seq=64, vocab=97)
+    norms = [f"model.layers.{i}.{n}" for i in range(2) for n in NANOCHAT_NORMS] + ["model.norm"]
+    assert {n: decisions.get(n) for n in norms} == dict.fromkeys(norms, "norm: RMSNorm without weight")
+    assert not [v for v in decisions.values() if v.startswith("left alone")], decisions
+    assert counts["rms_norm"] == {"cukern": 0, "torch": 10, "torch_reasons": {"not a CUDA tensor": 10}}
+    torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)
+    for n in ga:
+        torch.testing.assert_close(gb[n], ga[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+class Weightless(nn.Module):
+    """An RMSNorm without a weight as nanochat writes it, its eps ``used`` in the forward."""
+
+    def __init__(self, eps=1e-6, used=None):
+        super().__init__()
+        self.eps, self.used = eps, eps if used is None else used
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.used)).type_as(x)
+
+
+class WeightlessLayerNorm(Weightless):
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(x.float(), x.shape[-1:], eps=self.eps).type_as(x)
+
+
+class Doubled(Weightless):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+class WithBuffer(Weightless):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+
+
+def test_norms_without_a_weight_that_compute_something_else_are_left_alone_with_the_reason():
+    """A norm without a weight routes only where it agrees with a variant in float32, bfloat16
+    and float16 alike: one that adds another eps than its attribute says, or scales its result, is
+    left alone with the reason; a module with a buffer (state a probe could move) is not run."""
+    _recognize._cache.clear()
+    model = nn.Sequential(Weightless(), WeightlessLayerNorm(1e-5), Weightless(1e-6, used=1e-3), Doubled(),
+                          WithBuffer())
+    x = torch.randn(2, 5, 32)
+    expect = model(x)
+    with ct.patch(model, parts=["norm"]):
+        got = ct.routing(model)
+        assert got["0"] == "norm: RMSNorm without weight"
+        assert got["1"] == "norm: LayerNorm without weight or bias"
+        for i in ("2", "3"):
+            assert got[i] == ("left alone: computes none of cukern's norms without a weight (RMSNorm, LayerNorm) to "
+                              "the rounding of float32, bfloat16 and float16 alike"), (i, got[i])
+        assert "4" not in got
+        assert [("forward" in m.__dict__) for m in model] == [True, True, False, False, False]
+        torch.testing.assert_close(model(x), expect, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("casting", ["gemma", "none"])
+def test_the_candidates_without_a_weight_are_the_norm_kernels_arithmetic(casting):
+    from test_torch_autograd import TORCH_OWN
+
+    from cukern.norm.configs import CASTING_MODES
+
+    x = torch.randn(3, 40, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    v = _recognize.NormVariant("rms", 0.0, CASTING_MODES[casting], False, 1e-5, weight=False)
+    expect = TORCH_OWN["rms_norm"](x, None, 1e-5, 0.0, CASTING_MODES[casting])[0]
+    torch.testing.assert_close(_recognize.candidate(v, x, None, None), expect, rtol=0, atol=0)
 
 
 # ---- scaled rotary tables: LLaMA 3's and YaRN's ----------------------------------------------------

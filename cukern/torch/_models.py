@@ -9,7 +9,9 @@ not reach them. ``patch(model)`` routes, module by module:
   cukern's norms, found by running it (``_recognize``): RMSNorm with the weight or Gemma's
   ``1 + weight``, in LLaMA's rounding (x̂ rounded to the input's dtype before the weight) or in
   float32 throughout, and LayerNorm with or without its bias (Qwen3's and OLMo 2's QK-norms,
-  Gemma's norms before and after each sublayer, ...);
+  Gemma's norms before and after each sublayer, ...); and norms without a weight (nanochat's
+  RMSNorm: a leaf with no parameters or buffers and an eps, found in float32, bfloat16 and
+  float16 alike);
 * ``embedding``: ``nn.Embedding`` modules;
 * ``mlp``: any module found to compute a gated MLP (``down(act(gate(x)) * up(x))``, silu, gelu or
   tanh-gelu; separate or fused gate and up projections, as Phi-3's ``gate_up_proj``) with the
@@ -131,7 +133,8 @@ def _recognized_norm(variant: "_recognize.NormVariant"):
         own = type(self).forward
         if _tools.compiling():
             return own(self, hidden_states)
-        x, w = hidden_states, self.weight
+        x = hidden_states
+        w = self.weight if variant.weight else None
         b = self.bias if variant.bias else None
         reason = _tools.float_params(x, w, b)
         mixed = reason is not None and _mixed(variant, x, w, b)
@@ -347,14 +350,20 @@ def _output_class(outputs):
 # ---- patching -------------------------------------------------------------------------------------
 
 def _norm_shaped(m: nn.Module) -> bool:
-    """Whether ``m`` looks like a norm enough to be run to find out: a leaf with a 1-D weight."""
+    """Whether ``m`` looks like a norm enough to be run to find out: a leaf with a 1-D weight, or
+    one with no parameters or buffers and an eps (a norm without a weight, nanochat's)."""
     w = getattr(m, "weight", None)
+    if w is None:
+        return _recognize.weightless_shaped(m)
     return isinstance(w, nn.Parameter) and w.dim() == 1 and next(m.children(), None) is None
 
 
 def _describe(v: "_recognize.NormVariant") -> str:
     from ..norm.configs import CASTING_MODES
 
+    if not v.weight:
+        return "LayerNorm without weight or bias" if v.kind == "layer" else \
+            "RMSNorm without weight" + (", casting none" if v.casting == CASTING_MODES["none"] else "")
     if v.kind == "layer":
         return "LayerNorm" + ("" if v.bias else " without bias") + (f", weight + {v.offset:g}" if v.offset else "")
     cast = {i: n for n, i in CASTING_MODES.items()}[v.casting]

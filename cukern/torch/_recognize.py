@@ -5,8 +5,10 @@ what that op computes (one of its variants) to the dtype's rounding. A class nam
 Norms: a leaf module with a 1-D ``weight`` (and perhaps a 1-D ``bias``) whose forward maps one
 (..., D) tensor to its shape, against RMSNorm with the weight or ``1 + weight`` (Gemma) in each
 of cukern's casting modes (LLaMA's rounding of the normalized input before the weight, or float32
-throughout), and LayerNorm with or without its bias. The verdict is kept per (class, dtype,
-width, parameters, eps): modules of one class and configuration are run once.
+throughout), and LayerNorm with or without its bias; and a leaf module with no parameters or
+buffers but an eps (nanochat's RMSNorm) against the norms without a weight, in float32, bfloat16
+and float16 alike. The verdict is kept per (class, dtype, width, parameters, eps): modules of one
+class and configuration are run once.
 
 The loss: a ``*ForCausalLM`` (any module with an ``nn.Linear`` ``lm_head``, a base model under
 its ``base_model_prefix`` and a forward that takes ``labels``) whose logits are the LM head of the
@@ -35,13 +37,15 @@ class NormVariant:
     ``casting`` the RMSNorm casting mode's int (``CASTING_MODES``); ``bias`` whether LayerNorm
     adds the module's bias; ``eps`` the module's; ``mixed`` what a float32-weight module does with
     a 16-bit input (autocast's q/k projections, a sublayer's output): one of ``MIXED_FORMS``, or
-    None where it was not found to do either (such calls then run its own code)."""
+    None where it was not found to do either (such calls then run its own code); ``weight``
+    False for a norm without one (nanochat's), which computes the same for every input dtype."""
     kind: str
     offset: float
     casting: int
     bias: bool
     eps: float
     mixed: str | None = None
+    weight: bool = True
 
 
 # A float32 weight on a 16-bit input x: "llama" rounds the normalized x to x's dtype and multiplies
@@ -64,23 +68,26 @@ def _eps_of(m: nn.Module) -> float | None:
     return None
 
 
-def candidate(v: NormVariant, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+def candidate(v: NormVariant, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
     """What cukern's op computes for variant ``v``, in PyTorch's ops (cukern/norm's documented
     arithmetic): float32 statistics; "gemma" rounds once at the end, "llama" rounds the
     normalized input to its dtype before the weight, "none" is PyTorch's rms_norm in the input's
-    dtype."""
+    dtype. ``w`` None: no weight (every casting but "none" then rounds once)."""
     xf = x.float()
-    wf = w.float() + v.offset
+    wv = None if w is None else (w + v.offset if v.offset else w)
     if v.kind == "layer":
         mean = xf.mean(-1, keepdim=True)
-        y = (xf - mean) * torch.rsqrt((xf - mean).pow(2).mean(-1, keepdim=True) + v.eps) * wf
+        y = (xf - mean) * torch.rsqrt((xf - mean).pow(2).mean(-1, keepdim=True) + v.eps)
+        y = y if w is None else y * (w.float() + v.offset)
         return (y + b.float() if v.bias and b is not None else y).to(x.dtype)
     if v.casting == CASTING_MODES["none"] and x.dtype != torch.float32:   # (PyTorch's rms_norm in x's dtype)
-        return torch.nn.functional.rms_norm(x, x.shape[-1:], w + v.offset if v.offset else w, v.eps)
+        return torch.nn.functional.rms_norm(x, x.shape[-1:], wv, v.eps)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + v.eps)
+    if w is None:
+        return y.to(x.dtype)
     if v.casting == CASTING_MODES["llama"]:
-        return y.to(x.dtype) * (w + v.offset if v.offset else w)
-    return (y * wf).to(x.dtype)
+        return y.to(x.dtype) * wv
+    return (y * (w.float() + v.offset)).to(x.dtype)
 
 
 def mixed_candidate(form: str, v: NormVariant, x: torch.Tensor, w: torch.Tensor,
@@ -129,10 +136,21 @@ def _disagreement(got: torch.Tensor, want: torch.Tensor) -> float:
     return d / max(want.float().abs().max().item(), 1e-30) if math.isfinite(d) else math.inf
 
 
+def weightless_shaped(m: nn.Module) -> bool:
+    """Whether ``m`` looks enough like a norm without a weight (nanochat's RMSNorm) to be run to
+    find out: a leaf with no parameters and no buffers (no state a probe could move, as a
+    BatchNorm's running statistics) and an eps."""
+    return (next(m.children(), None) is None and next(m.parameters(), None) is None
+            and next(m.buffers(), None) is None and _eps_of(m) is not None)
+
+
 def recognize_norm(m: nn.Module) -> tuple[NormVariant | None, str | None]:
     """(the cukern norm ``m`` computes, None) or (None, why not): run on a small random input of
-    its weight's dtype and device, forward and backward, against every variant."""
+    its weight's dtype and device, forward and backward, against every variant; a module without
+    a weight as ``recognize_weightless_norm``."""
     w = getattr(m, "weight", None)
+    if w is None and weightless_shaped(m):
+        return recognize_weightless_norm(m)
     b = getattr(m, "bias", None)
     if not isinstance(w, nn.Parameter) or w.dim() != 1 or any(True for _ in m.children()):
         return None, "not a leaf module with a 1-D weight"
@@ -147,6 +165,80 @@ def recognize_norm(m: nn.Module) -> tuple[NormVariant | None, str | None]:
     if key not in _cache:
         _cache[key] = _probe(m, eps)
     return _cache[key]
+
+
+_WEIGHTLESS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def recognize_weightless_norm(m: nn.Module) -> tuple[NormVariant | None, str | None]:
+    """(the cukern norm without a weight ``m`` computes, None) or (None, why not): with no
+    parameter to tell the dtype of its inputs, ``m`` is run on float32, bfloat16 and float16
+    inputs (the residual stream and autocast's projections hand it either), forward and backward,
+    and routed to the variant that agrees with it in all three."""
+    eps = _eps_of(m)
+    width = _width_of(m)
+    key = (type(m), None, width, eps, _settings(m))   # (its plain attributes: all it computes with)
+    if key not in _cache:
+        _cache[key] = _probe_weightless(m, eps, width)
+    return _cache[key]
+
+
+def _width_of(m: nn.Module) -> int:
+    """The width to probe ``m`` at: the last of its ``normalized_shape`` where it names one (a
+    module that checks its input's width), else any."""
+    shape = getattr(m, "normalized_shape", None)
+    if isinstance(shape, int):
+        return shape
+    if isinstance(shape, (tuple, list)) and shape and isinstance(shape[-1], int):
+        return shape[-1]
+    return 48
+
+
+def _weightless_variants(eps: float) -> list[NormVariant]:
+    # (without a weight "llama" rounds where "gemma" does: only "none" differs)
+    return [NormVariant("rms", 0.0, CASTING_MODES[c], False, eps, weight=False) for c in ("gemma", "none")] + \
+        [NormVariant("layer", 0.0, 0, False, eps, weight=False)]
+
+
+def _probe_weightless(m: nn.Module, eps: float, d: int) -> tuple[NormVariant | None, str | None]:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x32 = torch.randn(2, 3, d, generator=g) * 3 + 0.5
+    dy32 = torch.randn(2, 3, d, generator=g)
+    worst = dict.fromkeys(_weightless_variants(eps), 0.0)   # variant -> its largest error over tolerance
+    for dt in _WEIGHTLESS_DTYPES:
+        x, dy = x32.to(dt), dy32.to(dt)
+        own = _own_forward_and_dx(m, x, dy)
+        if isinstance(own, str):
+            return None, own
+        y_own, dx_own = own
+        for v in worst:
+            xv = x.clone().requires_grad_(True)
+            with torch.enable_grad():
+                y = candidate(v, xv, None, None)
+                dx, = torch.autograd.grad(y, xv, dy)
+            worst[v] = max(worst[v], _disagreement(y_own, y.detach()) / (4 * _ulps(dt)),
+                           _disagreement(dx_own, dx) / (8 * _ulps(dt)))
+    best = min(worst, key=worst.get)
+    if worst[best] > 1:
+        return None, ("computes none of cukern's norms without a weight (RMSNorm, LayerNorm) to the rounding of "
+                      "float32, bfloat16 and float16 alike")
+    return best, None
+
+
+def _own_forward_and_dx(m: nn.Module, x: torch.Tensor, dy: torch.Tensor):
+    """(``m(x)``, its gradient with respect to x for ``dy``), or why ``m`` is no norm of x."""
+    xl = x.clone().requires_grad_(True)
+    with torch.enable_grad():
+        try:
+            y = m(xl)
+        except Exception as e:  # noqa: BLE001 - any module: one that cannot run so is not a norm
+            return f"its forward does not take one (..., {x.shape[-1]}) tensor ({type(e).__name__})"
+        if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+            return "its forward does not map (..., D) to (..., D)"
+        if not y.requires_grad:
+            return "no gradient reaches its input"
+        dx, = torch.autograd.grad(y, xl, dy.to(y.dtype))
+    return y.detach(), dx
 
 
 @contextlib.contextmanager
