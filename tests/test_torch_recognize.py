@@ -732,16 +732,18 @@ def test_each_demo_family_trains_on_the_kernels_like_its_own_on_the_gpu(kind):
     _as_its_own_in_bf16(la, ga, lb, gb)
 
 
-def _patched_step(kind, device, dtype=None, *, dim, seq, vocab):
-    """The demo's model of ``kind`` (two layers, four heads) and a patched copy: one training step
-    of each on (2, seq) tokens, under autocast to ``dtype`` where given: ((loss, grads), (loss,
-    grads), the patched one's routing decisions, its counts)."""
+def _patched_step(kind, device, dtype=None, *, dim, seq, vocab, model=None):
+    """The demo's model of ``kind`` (two layers, four heads), or ``model`` where given, and a
+    patched copy: one training step of each on (2, seq) tokens, under autocast to ``dtype`` where
+    given: ((loss, grads), (loss, grads), the patched one's routing decisions, its counts)."""
     import copy
 
     from cukern.demo import hf, options
 
     torch.manual_seed(0)
-    a = hf.build(options.Config(layers=2, dim=dim, heads=4, seq=seq, vocab=vocab, model=kind)).to(device).train()
+    a = model if model is not None else hf.build(options.Config(layers=2, dim=dim, heads=4, seq=seq, vocab=vocab,
+                                                                model=kind))
+    a = a.to(device).train()
     b = copy.deepcopy(a)
     ids = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(1)).to(device)
 
@@ -781,7 +783,7 @@ def test_nanochats_rope_trains_on_the_kernel_like_its_own_on_the_gpu():
     _as_its_own_in_bf16(la, ga, lb, gb)
 
 
-# ---- norms without a weight (nanochat's) ----------------------------------------------------------
+# ---- norms without a weight (nanochat's), ropes of one tensor a call (GPT-J's, CodeGen's) ----------
 
 NANOCHAT_NORMS = ("self_attn.q_norm", "self_attn.k_norm", "input_layernorm", "post_attention_layernorm")
 
@@ -860,6 +862,130 @@ def test_the_candidates_without_a_weight_are_the_norm_kernels_arithmetic(casting
     v = _recognize.NormVariant("rms", 0.0, CASTING_MODES[casting], False, 1e-5, weight=False)
     expect = TORCH_OWN["rms_norm"](x, None, 1e-5, 0.0, CASTING_MODES[casting])[0]
     torch.testing.assert_close(_recognize.candidate(v, x, None, None), expect, rtol=0, atol=0)
+
+
+GPTJ_FORM = _recognize.OneTensorRope(sin_first=True, seq_first=True, half=True, interleaved=True)
+ONE_TENSOR_ROPES = {"gptj": ("GPTJConfig", "GPTJForCausalLM"), "codegen": ("CodeGenConfig", "CodeGenForCausalLM")}
+
+
+def _one_tensor_rope_model(family: str, rotary_dim: int, dim: int = 64):
+    """A two-layer GPT-J or CodeGen of four heads, ``rotary_dim`` of each head rotated."""
+    cfg_cls, model_cls = ONE_TENSOR_ROPES[family]
+    c = getattr(transformers, cfg_cls)(n_embd=dim, n_layer=2, n_head=4, rotary_dim=rotary_dim, vocab_size=97,
+                                       n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                       bos_token_id=1, eos_token_id=1)
+    c._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(c)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", sorted(ONE_TENSOR_ROPES))
+def test_ropes_of_one_tensor_are_found_by_running_them_and_computed_as_the_models_own(family, dtype):
+    """GPT-J's and CodeGen's apply_rotary_pos_emb(tensor, sin, cos) rotate one (B, S, H, D) tensor
+    a call, pairs (2i, 2i + 1), with tables of half its width: found so by running it, and the
+    wrapper's result (the tables repeated in place, the kernel given one head of x as its k) on
+    the slice of a wider head their attention hands it, forward and backward, with tables of x's
+    dtype and float32 ones, is the model's own."""
+    import functools
+
+    modname = f"transformers.models.{family}.modeling_{family}"
+    fn = importlib.import_module(modname).apply_rotary_pos_emb
+    form, why = _recognize.recognize_rope_one(modname, fn, functools.partial(_models._rope_one_wrapper, fn), "cpu",
+                                              dtype)
+    assert (form, why) == (GPTJ_FORM, None)
+    g = torch.Generator().manual_seed(8)
+    head = torch.randn(2, 6, 4, 32, generator=g).to(dtype).requires_grad_(True)
+    angles = torch.rand(2, 6, 8, generator=g) * 6
+    for tables in (torch.float32, dtype):
+        sin, cos = angles.sin().to(tables), angles.cos().to(tables)
+        got = _models._rope_one_wrapper(fn, form)(head[..., :16], sin, cos)
+        want = fn(head[..., :16], sin, cos)
+        dy = torch.randn(want.shape, generator=g).to(want.dtype)
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6 if dtype == torch.float32 else 2e-2)
+        torch.testing.assert_close(torch.autograd.grad(got, head, dy)[0], torch.autograd.grad(want, head, dy)[0],
+                                   rtol=0, atol=1e-6 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("rotary_dim", [8, 16])
+@pytest.mark.parametrize("family", sorted(ONE_TENSOR_ROPES))
+def test_gptj_and_codegen_ropes_are_routed_and_train_as_their_own_on_the_cpu(family, rotary_dim):
+    """GPT-J and CodeGen, a part of each head rotated (as the released models) or all of it:
+    every part routed, the rope called for q and k of each layer (counted), and in float32 on the
+    CPU the loss and every gradient are the model's own."""
+    model = _one_tensor_rope_model(family, rotary_dim)
+    (la, ga), (lb, gb), decisions, counts = _patched_step(family, "cpu", dim=64, seq=12, vocab=97, model=model)
+    assert decisions[f"transformers.models.{family}.modeling_{family}.apply_rotary_pos_emb"] == \
+        "rope: cukern's rope, interleaved pairs, one tensor a call (x, sin, cos), half-width tables"
+    assert not [v for v in decisions.values() if v.startswith("left alone")], decisions
+    assert counts["rope"] == {"cukern": 0, "torch": 4,
+                              "torch_reasons": {"not CUDA (B, H, S, D) q and k with (B, S, D) cos and sin": 4}}
+    torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)
+    for n in ga:
+        torch.testing.assert_close(gb[n], ga[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+def _gptj_rotate(x):
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def test_ropes_of_one_tensor_that_differ_are_left_alone_and_other_orders_found():
+    """The one-tensor probe decides by running: GPT-J's form turned the other way, or with its
+    tables' halves swapped (half-split pairs), is left alone with the reason; the tables taken
+    (cos, sin), full width, on (B, H, S, D) x, is found so; a function of neither signature says so."""
+    def gptj_like(sign=1.0, pairs=True):
+        def apply_rotary_pos_emb(tensor, sin, cos):
+            rep = (lambda t: torch.repeat_interleave(t[:, :, None, :], 2, 3)) if pairs else \
+                (lambda t: torch.cat([t, t], -1)[:, :, None, :])
+            return tensor * rep(cos) + sign * _gptj_rotate(tensor) * rep(sin)
+        return apply_rotary_pos_emb
+
+    def cos_first_heads_first(x, cos, sin):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    def neither(x):
+        return x
+
+    _recognize._rope_one_cache.clear()
+    got = {name: _models._rope_for(f"test.one_tensor.{name}", fn, "cpu", torch.float32)[1]
+           for name, fn in (("backwards", gptj_like(-1.0)), ("split", gptj_like(pairs=False)),
+                            ("cos_first", cos_first_heads_first), ("neither", neither), ("gptj", gptj_like()))}
+    differs = "left alone: its rotation is not cukern's rope (half-split or interleaved) to the dtype's rounding"
+    assert got == {
+        "backwards": differs, "split": differs,
+        "cos_first": "rope: cukern's rope, one tensor a call (x, cos, sin)",
+        "neither": "left alone: its apply_rotary_pos_emb takes neither (q, k, cos, sin) nor (x, cos, sin) (TypeError)",
+        "gptj": "rope: cukern's rope, interleaved pairs, one tensor a call (x, sin, cos), half-width tables"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gptj", "codegen", "nanochat"])
+def test_gptj_codegen_and_nanochat_train_on_the_kernels_like_their_own_on_the_gpu(kind):
+    """The demo's GPT-J, CodeGen and nanochat (head dim 64, all of it rotated), one bf16-autocast
+    training step patched and not: every rope call on the kernel (GPT-J's and CodeGen's one
+    tensor a call, nanochat's the other way), nanochat's norms without a weight too, the loss and
+    the gradients as the model's own to bf16's rounding."""
+    (la, ga), (lb, gb), decisions, counts = _patched_step(kind, "cuda", torch.bfloat16, dim=256, seq=64, vocab=97)
+    assert not [v for v in decisions.values() if v.startswith("left alone")], decisions
+    assert counts["rope"]["cukern"] > 0 and counts["rope"]["torch"] == 0, counts
+    if kind == "nanochat":
+        assert counts["rms_norm"] == {"cukern": 10, "torch": 0}, counts
+    _as_its_own_in_bf16(la, ga, lb, gb)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", sorted(ONE_TENSOR_ROPES))
+def test_gptj_and_codegens_partial_rope_trains_on_the_kernel_like_its_own_on_the_gpu(family):
+    """A part of each head rotated (32 of 64, as the released models rotate a part): the kernel
+    rotates the slice the attention hands it, the loss and gradients as the model's own."""
+    model = _one_tensor_rope_model(family, 32, dim=256)
+    (la, ga), (lb, gb), _, counts = _patched_step(family, "cuda", torch.bfloat16, dim=256, seq=64, vocab=97,
+                                                  model=model)
+    assert counts["rope"] == {"cukern": 4, "torch": 0}, counts
+    _as_its_own_in_bf16(la, ga, lb, gb)
 
 
 # ---- scaled rotary tables: LLaMA 3's and YaRN's ----------------------------------------------------

@@ -23,7 +23,9 @@ not reach them. ``patch(model)`` routes, module by module:
   interleaved pairs (Cohere's with tables that repeat each angle in place; GLM's, Ernie 4.5's and
   Helium's made so from half-split tables); partial rotary tables (GPT-NeoX's ``rotary_pct``,
   GLM's) where it is found to pass the dims past them on, and half-width tables (GPT-OSS's) where
-  it takes those alone; other calls go to the module's own function;
+  it takes those alone; a function of one tensor a call (GPT-J's and CodeGen's ``(tensor, sin,
+  cos)``, half-width tables, interleaved pairs) where it is found so; other calls go to the
+  module's own function;
 * ``attention``: the model's attention implementation ("cukern", registered with transformers'
   AttentionInterface, with its mask function; in ``_transformers_attention``): causal masks run
   causal, padding masks and packed documents (position ids that restart) as varlen, a sliding
@@ -454,9 +456,53 @@ def _rope_wrapper(own, rounds: bool = False, partial: bool = False, half: bool =
     return apply_rotary_pos_emb
 
 
+def _rope_one_wrapper(own, form: "_recognize.OneTensorRope"):
+    """cukern's rope in place of ``own``, a modeling module's ``apply_rotary_pos_emb`` of one
+    tensor a call found to compute ``form`` (GPT-J's and CodeGen's ``(tensor, sin, cos)``): the
+    tables made the kernel's (half-width ones repeated to x's width as the rotation pairs its
+    dims), and the kernel, which rotates a q and a k, given x as q and one head of it as k
+    (detached: that result is dropped). Calls of another shape go to ``own``."""
+    ours = _api("apply_rotary_pos_emb")
+    sig = inspect.signature(own)
+
+    @functools.wraps(own)
+    def apply_rotary_pos_emb(*args, **kwargs):
+        try:
+            values = list(sig.bind(*args, **kwargs).arguments.values())
+        except TypeError:
+            return own(*args, **kwargs)
+        if len(values) != 3 or not all(torch.is_tensor(t) for t in values):
+            return own(*args, **kwargs)
+        x, a, b = values
+        tables = _one_tensor_tables(form, x, *((b, a) if form.sin_first else (a, b)))
+        if tables is None:
+            return own(*args, **kwargs)
+        dim = 2 if form.seq_first else 1
+        k = (x[:, :, :1] if form.seq_first else x[:, :1]).detach()
+        out, _ = ours(x, k, *tables, unsqueeze_dim=dim, interleaved=form.interleaved)
+        return out.to(x.dtype) if form.rounds else out
+    apply_rotary_pos_emb.cukern_own = own
+    return apply_rotary_pos_emb
+
+
+def _one_tensor_tables(form: "_recognize.OneTensorRope", x, cos, sin):
+    """(cos, sin) at x's width as the kernel reads them, or None where x (4-D, laid out as
+    ``form`` says) and the (B, S, ·) tables are not of one call of ``form``."""
+    if x.dim() != 4 or cos.dim() != 3 or cos.shape != sin.shape or x.shape[-1] % 2:
+        return None
+    if x.shape[1 if form.seq_first else 2] != cos.shape[1]:   # (the sequence's axis)
+        return None
+    d, r = x.shape[-1], cos.shape[-1]
+    if r != (d // 2 if form.half else d):
+        return None
+    if form.half:
+        cos, sin = ((t.repeat_interleave(2, dim=-1) if form.interleaved else torch.cat([t, t], -1)) for t in (cos, sin))
+    return cos, sin
+
+
 def _swap_rope(rec: _Record, modname: str, m: nn.Module) -> None:
     """Swap modeling module ``modname``'s ``apply_rotary_pos_emb`` for cukern's where it computes
-    the same (``_recognize.recognize_rope``, on ``m``'s parameters' device and dtype)."""
+    the same (``_rope_for``, on ``m``'s parameters' device and dtype)."""
     mod = sys.modules.get(modname)
     fn = getattr(mod, "apply_rotary_pos_emb", None) if mod is not None else None
     if not callable(fn):
@@ -465,14 +511,9 @@ def _swap_rope(rec: _Record, modname: str, m: nn.Module) -> None:
     if entry is None:
         p = next(m.parameters(), None)
         device, dtype = (p.device, p.dtype) if p is not None and p.dtype.is_floating_point else ("cpu", torch.float32)
-        why, rounds, partial, half, interleave, negate = _recognize.recognize_rope(
-            modname, fn, functools.partial(_rope_wrapper, fn), device, dtype)
-        wrapper = _rope_wrapper(fn, rounds, partial, half, interleave, negate)
-        verdict = (f"left alone: {why}" if why is not None
-                   else "rope: cukern's rope" + (", interleaved pairs" if interleave else "")
-                   + (", rotated the other way (sin negated)" if negate else ""))
+        wrapper, verdict = _rope_for(modname, fn, device, dtype)
         rec.decisions[f"{modname}.apply_rotary_pos_emb"] = verdict
-        if why is not None:
+        if wrapper is None:
             return
         entry = _rope_swaps[modname] = [fn, 0, verdict]
         mod.apply_rotary_pos_emb = wrapper
@@ -480,6 +521,27 @@ def _swap_rope(rec: _Record, modname: str, m: nn.Module) -> None:
         rec.decisions[f"{modname}.apply_rotary_pos_emb"] = entry[2]
     entry[1] += 1
     rec.rope_modules.append(modname)
+
+
+def _rope_for(modname: str, fn, device, dtype):
+    """(cukern's rope in place of ``fn``, the decision) or (None, "left alone: why"): ``fn`` run
+    as a rope of q and k (``_recognize.recognize_rope``), and where it is not one, as a rope of
+    one tensor a call (``_recognize.recognize_rope_one``: GPT-J's, CodeGen's). The reason given
+    is the one of the form ``fn`` took."""
+    why, rounds, partial, half, interleave, negate = _recognize.recognize_rope(
+        modname, fn, functools.partial(_rope_wrapper, fn), device, dtype)
+    if why is None:
+        return _rope_wrapper(fn, rounds, partial, half, interleave, negate), (
+            "rope: cukern's rope" + (", interleaved pairs" if interleave else "")
+            + (", rotated the other way (sin negated)" if negate else ""))
+    form, why_one = _recognize.recognize_rope_one(modname, fn, functools.partial(_rope_one_wrapper, fn), device,
+                                                  dtype)
+    if form is not None:
+        return _rope_one_wrapper(fn, form), (
+            "rope: cukern's rope" + (", interleaved pairs" if form.interleaved else "")
+            + f", one tensor a call (x, {'sin, cos' if form.sin_first else 'cos, sin'})"
+            + (", half-width tables" if form.half else ""))
+    return None, f"left alone: {why_one if why.startswith(_recognize.QK_REFUSED) else why}"
 
 
 def parts_of(parts) -> tuple[str, ...]:

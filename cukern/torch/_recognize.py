@@ -489,24 +489,48 @@ def _probe_mlp(m: nn.Module, specs: list[GatedMLP]) -> tuple[GatedMLP | None, st
 _rope_cache: dict[tuple, tuple[str | None, bool]] = {}
 
 
+class _Refused(Exception):
+    """The modeling function does not take the probe's arguments (the exception's name)."""
+
+
+def _outputs_agree(fn, ours, tensors, tables) -> bool:
+    """Whether ``fn(*tensors, *tables)`` and ``ours(...)`` give the same results (values, dtypes,
+    and the tensors' gradients) to the tensors' dtype's rounding; ``_Refused`` where ``fn``
+    does not take them. A result is one tensor or a tuple of them."""
+    def results(f, leaves):
+        out = f(*leaves, *tables)
+        return (out,) if torch.is_tensor(out) else tuple(out)
+
+    with torch.enable_grad():
+        leaves = [t.clone().requires_grad_(True) for t in tensors]
+        try:
+            own = results(fn, leaves)
+        except Exception as e:  # noqa: BLE001 - another signature: not this rotary embedding
+            raise _Refused(type(e).__name__) from None
+        if not all(torch.is_tensor(t) and t.requires_grad for t in own):   # (no rotation of its inputs)
+            return False
+        dys = [torch.randn(t.shape, generator=torch.Generator().manual_seed(3)).to(t) for t in own]
+        own_grads = torch.autograd.grad(own, leaves, dys)
+        mine_leaves = [t.clone().requires_grad_(True) for t in tensors]
+        mine = results(ours, mine_leaves)
+        grads = torch.autograd.grad(mine, mine_leaves, [d.to(t.dtype) for d, t in zip(dys, mine)])
+    if len(mine) != len(own):
+        return False
+    errs = [_disagreement(a, b) for a, b in zip((*own, *own_grads), (*mine, *grads))]
+    return max(errs) <= 4 * _ulps(tensors[0].dtype)
+
+
+_NOT_CUKERNS = "its rotation is not cukern's rope (half-split or interleaved) to the dtype's rounding"
+QK_REFUSED = "its apply_rotary_pos_emb does not take (q, k, cos, sin)"
+
+
 def rope_of(fn, ours, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str | None:
     """None where a modeling module's ``apply_rotary_pos_emb`` ``fn`` and cukern's ``ours`` give
     the same q and k (values, dtypes and gradients) on these inputs, else why not."""
-    with torch.enable_grad():
-        leaves = [t.clone().requires_grad_(True) for t in (q, k)]
-        try:
-            own = fn(*leaves, cos, sin)
-        except Exception as e:  # noqa: BLE001 - another signature: not this rotary embedding
-            return f"its apply_rotary_pos_emb does not take (q, k, cos, sin) ({type(e).__name__})"
-        dys = [torch.randn(t.shape, generator=torch.Generator().manual_seed(3)).to(t) for t in own]
-        own_grads = torch.autograd.grad(own, leaves, dys)
-        mine_leaves = [t.clone().requires_grad_(True) for t in (q, k)]
-        mine = ours(*mine_leaves, cos, sin)
-        grads = torch.autograd.grad(mine, mine_leaves, [d.to(t.dtype) for d, t in zip(dys, mine)])
-    tol = 4 * _ulps(q.dtype)
-    errs = [_disagreement(a, b) for a, b in zip((*own, *own_grads), (*mine, *grads))]
-    return None if max(errs) <= tol else ("its rotation is not cukern's rope (half-split or interleaved) to the "
-                                          "dtype's rounding")
+    try:
+        return None if _outputs_agree(fn, ours, (q, k), (cos, sin)) else _NOT_CUKERNS
+    except _Refused as e:
+        return f"{QK_REFUSED} ({e})"
 
 
 def recognize_rope(modname: str, fn, wrap, device, dtype) -> tuple[str | None, bool, bool, bool, str, bool]:
@@ -568,6 +592,84 @@ def recognize_rope(modname: str, fn, wrap, device, dtype) -> tuple[str | None, b
                                   for dt in {dtype, torch.float32})
             _rope_cache[key] = (None, rounds, partial, half, interleave, negate)
     return _rope_cache[key]
+
+
+@dataclasses.dataclass(frozen=True)
+class OneTensorRope:
+    """A modeling module's rope of one tensor a call, ``fn(x, a, b)`` with two tables (GPT-J's
+    and CodeGen's ``(tensor, sin, cos)``, called for q and for k apart, their attention slicing
+    the rotated dims and passing the rest on itself): ``sin_first`` the tables' order;
+    ``seq_first`` x laid out (B, S, H, D), as the projections are before their transpose, else
+    (B, H, S, D); ``half`` tables of half x's width, one angle a pair (GPT-J's), else full width;
+    ``interleaved`` pairs (2i, 2i + 1), else (j, j + D/2) (full-width interleaved tables repeat
+    each angle in place, as Cohere's); ``rounds`` as ``recognize_rope``'s."""
+    sin_first: bool
+    seq_first: bool
+    half: bool
+    interleaved: bool
+    rounds: bool = False
+
+
+ONE_TENSOR_FORMS = tuple(OneTensorRope(sin_first, seq_first, half, interleaved)
+                         for interleaved in (True, False) for half in (True, False)
+                         for sin_first in (True, False) for seq_first in (True, False))
+
+_rope_one_cache: dict[tuple, tuple[OneTensorRope | None, str | None]] = {}
+
+
+def _tables_in_form(angles: torch.Tensor, form: OneTensorRope, device):
+    """(the first table, the second) of ``angles`` as a function of ``form`` takes them."""
+    def table(f):
+        t = f(angles)
+        if not form.half:
+            t = t.repeat_interleave(2, dim=-1) if form.interleaved else torch.cat([t, t], -1)
+        return t.to(device=device)
+    cos, sin = table(torch.cos), table(torch.sin)
+    return (sin, cos) if form.sin_first else (cos, sin)
+
+
+def recognize_rope_one(modname: str, fn, wrap, device, dtype) -> tuple[OneTensorRope | None, str | None]:
+    """(the ``OneTensorRope`` form in which modeling module ``modname``'s
+    ``apply_rotary_pos_emb`` ``fn`` is cukern's rope, None) or (None, why not): each form run
+    once per module and dtype on a random x (2, 3 heads, 5, 16) with tables of x's dtype and,
+    for 16-bit x, float32 tables (as autocast makes them), forward and backward, against
+    ``wrap(form)``, the function to check."""
+    key = (modname, str(device), dtype)
+    if key not in _rope_one_cache:
+        _rope_one_cache[key] = _probe_rope_one(fn, wrap, device, dtype)
+    return _rope_one_cache[key]
+
+
+def _probe_rope_one(fn, wrap, device, dtype) -> tuple[OneTensorRope | None, str | None]:
+    g = torch.Generator().manual_seed(0)
+    angles = torch.rand(2, 5, 8, generator=g) * 6
+    x_heads_first = torch.randn(2, 3, 5, 16, generator=g).to(device=device, dtype=dtype)
+    refused, ran = None, False
+    for form in ONE_TENSOR_FORMS:
+        # (x and the tables are laid out as ``form`` says: the wrapper takes them, so a form that
+        # is not fn's differs rather than falling back to fn)
+        x = x_heads_first.transpose(1, 2).contiguous() if form.seq_first else x_heads_first
+        tables32 = _tables_in_form(angles, form, device)
+        rounds = False
+        if dtype != torch.float32:
+            try:
+                rounds = fn(x, *tables32).dtype == dtype
+            except Exception:  # noqa: BLE001 - told below
+                pass
+        form = dataclasses.replace(form, rounds=rounds)
+        try:
+            with uncounted():
+                ours = wrap(form)
+                same = all(_outputs_agree(fn, ours, (x,), tuple(t.to(dt) for t in tables32))
+                           for dt in dict.fromkeys((dtype, torch.float32)))
+        except _Refused as e:
+            refused = refused or str(e)
+            continue
+        if same:
+            return form, None
+        ran = True
+    return None, _NOT_CUKERNS if ran else \
+        f"its apply_rotary_pos_emb takes neither (q, k, cos, sin) nor (x, cos, sin) ({refused})"
 
 
 # ---- the LM head: logits from the base model's last hidden state --------------------------------
