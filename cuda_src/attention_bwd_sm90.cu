@@ -347,7 +347,7 @@ __device__ __forceinline__ void attention_bwd_sm90_body(
         if constexpr (!PERSISTENT) {
             if (threadIdx.x == (PRODUCER ? 256 : 0)) load_kv(b, hk, span.k0 + n0);
             if constexpr (ORDERED) {   // (the producer warpgroup's second warp: dQ's writer, see the top)
-                auto write = [&]() {
+                auto write = [&](int) {
                     int g = 0;
                     attention::dq_write_unit<D, BM, MASK>(&dq_map, dq_s, turns, &dq_full, &dq_empty, b, H, hk * rep, rep,
                                                           m_first, per_head, rot, kblock, nblocks, km.hi, tiles, tile0,

@@ -33,7 +33,10 @@
 // for the tile's turn before its adds and passes the turn on once they are complete. With a mask
 // the highest key block goes first (the grid's key blocks launched that way); without one key
 // block n starts its walk of a head at tile n M / N (all N of a group resident: checked by the
-// front).
+// front). Two writers (the producer warpgroup's second and third warps) take alternate steps,
+// each its own buffer of the ring: one writer's wait for its turn, the adds' completion and the
+// turn's release a step came to more than a step, and the computing warps waited on it (12% of
+// the backward against 4% with two; docs/notes-attention.md).
 #include "common/dtype.cuh"
 #include "common/reduce.cuh"
 #include "common/hopper.cuh"
@@ -149,10 +152,22 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_d256(
     auto dq_stage = [&](int buf, int wg, int w) {
         return (w < 2 ? q_s : do_s) + buf * TILE + 2 * wg * BOX + (w % 2) * 4 * 2048;
     };
-    {   // (the producer warpgroup's second warp: dQ's writer, see the top)
-        auto write = [&]() {
+    {   // (the producer warpgroup's second warp, and third where ORDERED: dQ's writers, see the top)
+        // ORDERED: two writers, taking alternate steps, each one buffer of the ring (see the top)
+        constexpr int WRITERS = ORDERED ? 2 : 1;
+        static_assert(STAGES % WRITERS == 0, "a writer's steps in one buffer");
+        auto write = [&](int side) {   // (writer j: steps j, j + WRITERS, ...)
+            const int j = WRITERS == 1 ? 0 : side;
             int m = m_first + rot, h = hk * rep, in_head = 0;
-            for (int it = 0; it < steps; ++it) {
+            auto next = [&]() {   // (the walk's next step; m is back at the head's first tile at its end)
+                if (++m == m_first + per_head) m = m_first;
+                if (++in_head == per_head) {
+                    in_head = 0;
+                    ++h;
+                }
+            };
+            if (j > 0) next();
+            for (int it = j; it < steps; it += WRITERS) {
                 const int buf = it % STAGES;
                 mbarrier_wait(&dq_full[buf], (it / STAGES) & 1);
                 const int at = (b * H + h) * tiles + m;
@@ -162,8 +177,8 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_d256(
                 for (int w = 0; w < 8; ++w)
 #pragma unroll
                     for (int box = 0; box < 4; ++box)
-                        tma_reduce_add_4d(&dq_map, dq_stage(buf, w / 4, w % 4) + box * 2048, 128 * (w / 4) + 32 * box,
-                                          h, m * BM + (w % 4) * 16, b);
+                        tma_reduce_add_4d(&dq_map, dq_stage(buf, w / 4, w % 4) + box * 2048,
+                                          128 * (w / 4) + 32 * box, h, m * BM + (w % 4) * 16, b);
                 tma_store_commit();
                 tma_store_wait_read<0>();
                 mbarrier_arrive(&bar_free[buf]);   // (the adds have read the buffers)
@@ -171,14 +186,12 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_d256(
                     tma_store_wait<0>();   // (the adds are complete: the turn passes on)
                     turn_pass(p.turns + at);
                 }
-                if (++m == m_first + per_head) m = m_first;
-                if (++in_head == per_head) {   // (m is back at the head's first tile)
-                    in_head = 0;
-                    ++h;
-                }
+#pragma unroll
+                for (int i = 0; i < WRITERS; ++i) next();
             }
         };
-        if (!ring_loads<true, STAGES>(steps, bar_free, load_q, write)) return;   // (the producer is done)
+        if (!ring_loads<true, STAGES, 2, 240, WRITERS>(steps, bar_free, load_q, write))
+            return;   // (the producer is done)
     }
 
     const int wg = warpgroup_index(), warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;

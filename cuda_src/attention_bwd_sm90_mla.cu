@@ -24,7 +24,8 @@
 // none, 1 causal, 2 a window, whose block walks only the query tiles its keys' window reaches.
 // dK is scaled at the end; dq_accum is scaled by attention_bwd_dq_convert.
 // ORDERED (deterministic=True): dQ's adds into a query tile take turns in a fixed order of the key
-// blocks, as attention_bwd_sm90_d256's ORDERED instances do (common/attn_turns.cuh).
+// blocks, as attention_bwd_sm90_d256's ORDERED instances do (common/attn_turns.cuh), by two
+// writers taking alternate steps (dq_full and dq_empty a writer; the stage passes between them).
 #include "common/dtype.cuh"
 #include "common/reduce.cuh"
 #include "common/hopper.cuh"
@@ -90,7 +91,9 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_mla(
     float4* const dp_x = reinterpret_cast<float4*>(dq_s + DQ_BYTES);   // [8][128 threads] float4
     float* const rows_s = reinterpret_cast<float*>(dq_s + DQ_BYTES + DP_BYTES);   // [STAGES][lse, Dsum][64]
     __shared__ unsigned long long bar_kv, bar_q[STAGES], bar_free[STAGES], dp_full, dp_free, ps_full, ps_free;
-    __shared__ unsigned long long dq_full, dq_empty;   // (dQ's stage: to its writer, and back)
+    // ORDERED: two writers, taking alternate steps (see the top)
+    constexpr int WRITERS = ORDERED ? 2 : 1;
+    __shared__ unsigned long long dq_full[WRITERS], dq_empty[WRITERS];   // (dQ's stage: to its writer, and back)
 
     if (threadIdx.x == 0) {
 #pragma unroll
@@ -103,8 +106,10 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_mla(
         mbarrier_init(&dp_free, 128);
         mbarrier_init(&ps_full, 128);
         mbarrier_init(&ps_free, 128);
-        mbarrier_init(&dq_full, 4);
-        mbarrier_init(&dq_empty, 1);
+        for (int i = 0; i < WRITERS; ++i) {
+            mbarrier_init(&dq_full[i], 4);
+            mbarrier_init(&dq_empty[i], 1);
+        }
         mbarrier_init_fence();
     }
     __syncthreads();
@@ -143,11 +148,20 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_mla(
             if (db < DV / 64) tma_load_4d(v_s + db * BOX, &v_map, db * 64, hk, n0, b, &bar_kv);
         }
     }
-    {   // (the producer warpgroup's second warp: dQ's writer, see the top)
-        auto write = [&]() {
+    {   // (the producer warpgroup's second warp, and third where ORDERED: dQ's writers, see the top)
+        auto write = [&](int side) {   // (writer j: steps j, j + WRITERS, ...)
+            const int j = WRITERS == 1 ? 0 : side;
             int m = m_first + rot, h = hk * rep, in_head = 0;
-            for (int it = 0; it < steps; ++it) {
-                mbarrier_wait(&dq_full, it & 1);
+            auto next = [&]() {   // (the walk's next step; m is back at the head's first tile at its end)
+                if (++m == m_first + per_head) m = m_first;
+                if (++in_head == per_head) {
+                    in_head = 0;
+                    ++h;
+                }
+            };
+            if (j > 0) next();
+            for (int it = j; it < steps; it += WRITERS) {
+                mbarrier_wait(&dq_full[j], (it / WRITERS) & 1);
                 const int at = (b * H + h) * tiles + m;
                 if constexpr (ORDERED)
                     turn_wait(p.turns + at, attention::dq_turn<MASK, BM, BN>(m, kblock, nblocks, per_head, km.hi));
@@ -155,22 +169,21 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_mla(
                 for (int w = 0; w < 4; ++w)
 #pragma unroll
                     for (int box = 0; box < DQ_BOXES; ++box)
-                        tma_reduce_add_4d(&dq_map, dq_s + (w * DQ_BOXES + box) * 2048, 32 * box, h, m * BM + 16 * w, b);
+                        tma_reduce_add_4d(&dq_map, dq_s + (w * DQ_BOXES + box) * 2048, 32 * box, h,
+                                          m * BM + 16 * w, b);
                 tma_store_commit();
                 tma_store_wait_read<0>();
-                mbarrier_arrive(&dq_empty);   // (the adds have read the stage)
+                mbarrier_arrive(&dq_empty[j]);   // (the adds have read the stage)
                 if constexpr (ORDERED) {
                     tma_store_wait<0>();   // (the adds are complete: the turn passes on)
                     turn_pass(p.turns + at);
                 }
-                if (++m == m_first + per_head) m = m_first;
-                if (++in_head == per_head) {   // (m is back at the head's first tile)
-                    in_head = 0;
-                    ++h;
-                }
+#pragma unroll
+                for (int i = 0; i < WRITERS; ++i) next();
             }
         };
-        if (!ring_loads<true, STAGES>(steps, bar_free, load_q, write)) return;   // (the producer is done)
+        if (!ring_loads<true, STAGES, 2, 240, WRITERS>(steps, bar_free, load_q, write))
+            return;   // (the producer is done)
     }
 
     const int wg = warpgroup_index(), warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
@@ -259,13 +272,13 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_mla(
             // dQ: rows m0 + 16 warp + g (+8), columns 8 j + 2 t (+1), staged by the warp as six boxes
             // of 16 rows x 32 floats (128-byte swizzle) for the writer's TMA reduce-adds, once it
             // has read the step before's
-            if (it > 0) mbarrier_wait(&dq_empty, (it - 1) & 1);
+            if (it > 0) mbarrier_wait(&dq_empty[(it - 1) % WRITERS], ((it - 1) / WRITERS) & 1);
             unsigned char* const stage = dq_s + warp * DQ_BOXES * 2048;
             stage_rows_sw128(stage, dq_a, g, t);
             stage_rows_sw128(stage + 4 * 2048, dq_b, g, t);
             fence_proxy_async();
             __syncwarp();
-            if (lane == 0) mbarrier_arrive(&dq_full);
+            if (lane == 0) mbarrier_arrive(&dq_full[it % WRITERS]);
         } else {
             unsigned int pa[4][4], dsa[4][4];
             attention::p_and_ds<T, MASK, SOFTCAP>(s, pa, dsa, lrow, drow, dp_x, &dp_full, &dp_free, it, km, r, sq, sk,

@@ -78,13 +78,15 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 // threads, with the registers the producer gave back (CONSUMER_REGS: 240 for two warpgroups,
 // 160 for three, less where two blocks share the SM), true. Otherwise thread 0 issues the first
 // STAGES - 1 loads (the computing threads refill the ring) and every thread returns true.
-// `side` (PRODUCER): the work of the producer warpgroup's second warp (its lane 0), if any.
+// `side` (PRODUCER): the work of the producer warpgroup's next SIDES warps (their lanes 0), if
+// any, `side(j)` for the warp after the loader's j.
 struct NoSide {
-    __device__ __forceinline__ void operator()() const {}
+    __device__ __forceinline__ void operator()(int) const {}
 };
-template <bool PRODUCER, int STAGES, int CONSUMERS = 2, int CONSUMER_REGS = CONSUMERS == 2 ? 240 : 160, typename Load,
-          typename Side = NoSide>
+template <bool PRODUCER, int STAGES, int CONSUMERS = 2, int CONSUMER_REGS = CONSUMERS == 2 ? 240 : 160, int SIDES = 1,
+          typename Load, typename Side = NoSide>
 __device__ __forceinline__ bool ring_loads(int count, unsigned long long* bar_free, Load load, Side side = Side{}) {
+    static_assert(SIDES >= 1 && SIDES <= 3, "SIDES: warps of the producer warpgroup after the loader's");
     static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three computing warpgroups");
     if constexpr (PRODUCER) {
         if (threadIdx.x >= CONSUMERS * 128) {
@@ -94,8 +96,8 @@ __device__ __forceinline__ bool ring_loads(int count, unsigned long long* bar_fr
                     if (i >= STAGES) mbarrier_wait(&bar_free[i % STAGES], (i / STAGES - 1) & 1);
                     load(i);
                 }
-            else if (threadIdx.x == CONSUMERS * 128 + 32)
-                side();
+            else if (threadIdx.x % 32 == 0 && threadIdx.x < CONSUMERS * 128 + 32 * (SIDES + 1))
+                side(static_cast<int>(threadIdx.x - CONSUMERS * 128) / 32 - 1);
             return false;
         }
         setmaxnreg_inc<CONSUMER_REGS>();
