@@ -158,27 +158,20 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_d256(
         static_assert(STAGES % WRITERS == 0, "a writer's steps in one buffer");
         auto write = [&](int side) {   // (writer j: steps j, j + WRITERS, ...)
             const int j = WRITERS == 1 ? 0 : side;
-            int m = m_first + rot, h = hk * rep, in_head = 0;
-            auto next = [&]() {   // (the walk's next step; m is back at the head's first tile at its end)
-                if (++m == m_first + per_head) m = m_first;
-                if (++in_head == per_head) {
-                    in_head = 0;
-                    ++h;
-                }
-            };
-            if (j > 0) next();
+            attention::TileWalk walk(m_first, rot, hk * rep, per_head);
+            if (j > 0) walk.next();
             for (int it = j; it < steps; it += WRITERS) {
                 const int buf = it % STAGES;
                 mbarrier_wait(&dq_full[buf], (it / STAGES) & 1);
-                const int at = (b * H + h) * tiles + m;
+                const int at = (b * H + walk.h) * tiles + walk.m;
                 if constexpr (ORDERED)
-                    turn_wait(p.turns + at, attention::dq_turn<MASK, BM, BN>(m, kblock, nblocks, per_head, km.hi));
+                    turn_wait(p.turns + at, attention::dq_turn<MASK, BM, BN>(walk.m, kblock, nblocks, per_head, km.hi));
 #pragma unroll
                 for (int w = 0; w < 8; ++w)
 #pragma unroll
                     for (int box = 0; box < 4; ++box)
                         tma_reduce_add_4d(&dq_map, dq_stage(buf, w / 4, w % 4) + box * 2048,
-                                          128 * (w / 4) + 32 * box, h, m * BM + (w % 4) * 16, b);
+                                          128 * (w / 4) + 32 * box, walk.h, walk.m * BM + (w % 4) * 16, b);
                 tma_store_commit();
                 tma_store_wait_read<0>();
                 mbarrier_arrive(&bar_free[buf]);   // (the adds have read the buffers)
@@ -187,7 +180,7 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_d256(
                     turn_pass(p.turns + at);
                 }
 #pragma unroll
-                for (int i = 0; i < WRITERS; ++i) next();
+                for (int i = 0; i < WRITERS; ++i) walk.next();
             }
         };
         if (!ring_loads<true, STAGES, 2, 240, WRITERS>(steps, bar_free, load_q, write))

@@ -151,26 +151,19 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_mla(
     {   // (the producer warpgroup's second warp, and third where ORDERED: dQ's writers, see the top)
         auto write = [&](int side) {   // (writer j: steps j, j + WRITERS, ...)
             const int j = WRITERS == 1 ? 0 : side;
-            int m = m_first + rot, h = hk * rep, in_head = 0;
-            auto next = [&]() {   // (the walk's next step; m is back at the head's first tile at its end)
-                if (++m == m_first + per_head) m = m_first;
-                if (++in_head == per_head) {
-                    in_head = 0;
-                    ++h;
-                }
-            };
-            if (j > 0) next();
+            attention::TileWalk walk(m_first, rot, hk * rep, per_head);
+            if (j > 0) walk.next();
             for (int it = j; it < steps; it += WRITERS) {
                 mbarrier_wait(&dq_full[j], (it / WRITERS) & 1);
-                const int at = (b * H + h) * tiles + m;
+                const int at = (b * H + walk.h) * tiles + walk.m;
                 if constexpr (ORDERED)
-                    turn_wait(p.turns + at, attention::dq_turn<MASK, BM, BN>(m, kblock, nblocks, per_head, km.hi));
+                    turn_wait(p.turns + at, attention::dq_turn<MASK, BM, BN>(walk.m, kblock, nblocks, per_head, km.hi));
 #pragma unroll 1   // (unrolled, the 24 adds' addresses spilled the writer's 24 registers)
                 for (int w = 0; w < 4; ++w)
 #pragma unroll
                     for (int box = 0; box < DQ_BOXES; ++box)
-                        tma_reduce_add_4d(&dq_map, dq_s + (w * DQ_BOXES + box) * 2048, 32 * box, h,
-                                          m * BM + 16 * w, b);
+                        tma_reduce_add_4d(&dq_map, dq_s + (w * DQ_BOXES + box) * 2048, 32 * box, walk.h,
+                                          walk.m * BM + 16 * w, b);
                 tma_store_commit();
                 tma_store_wait_read<0>();
                 mbarrier_arrive(&dq_empty[j]);   // (the adds have read the stage)
@@ -179,7 +172,7 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_mla(
                     turn_pass(p.turns + at);
                 }
 #pragma unroll
-                for (int i = 0; i < WRITERS; ++i) next();
+                for (int i = 0; i < WRITERS; ++i) walk.next();
             }
         };
         if (!ring_loads<true, STAGES, 2, 240, WRITERS>(steps, bar_free, load_q, write))

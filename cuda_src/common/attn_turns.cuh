@@ -1,5 +1,6 @@
-// dQ's adds in turns (deterministic=True on Hopper): which turn a key block takes at a query tile.
-// Shared by attention_bwd_sm90 and attention_bwd_sm90_d256 (see their ORDERED instances).
+// dQ's adds in turns (deterministic=True on Hopper): which turn a key block takes at a query tile,
+// and the walk its writers follow. Shared by attention_bwd_sm90, attention_bwd_sm90_d256 and
+// attention_bwd_sm90_mla (see their ORDERED instances).
 #pragma once
 
 namespace cuk {
@@ -23,6 +24,21 @@ __device__ __forceinline__ int dq_turn(int m, int kblock, int nblocks, int per_h
     const int turn = last - kblock;
     return MASK == 0 && turn < 0 ? turn + nblocks : turn;
 }
+
+// A block's walk of its (head, query tile) steps as its dQ writers follow it: tile m of head h,
+// from m_first + rot around the head's per_head tiles, then the next head's.
+struct TileWalk {
+    int m, h, in_head, m_first, per_head;
+    __device__ __forceinline__ TileWalk(int m_first_, int rot, int h0, int per_head_)
+        : m(m_first_ + rot), h(h0), in_head(0), m_first(m_first_), per_head(per_head_) {}
+    __device__ __forceinline__ void next() {   // (m is back at the head's first tile at its end)
+        if (++m == m_first + per_head) m = m_first;
+        if (++in_head == per_head) {
+            in_head = 0;
+            ++h;
+        }
+    }
+};
 
 }  // namespace attention
 }  // namespace cuk
