@@ -118,6 +118,11 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
     // array (32 registers more; measured 1.2-1.9% fewer cycles at d128 without a mask, 0.6% more
     // with the turns, and three consumers have no registers for it).
     constexpr bool P_AHEAD = OVERLAP && CONSUMERS == 2 && !PINGPONG;
+    // SPLIT_KV, the overlap with a producer, one work tile a block: K and V of a ring slot land
+    // and are released on barriers of their own (bar_kv and bar_free K's, bar_v and bar_v_free
+    // V's). With one barrier a slot the overlap holds a slot until the P V a tile behind its S, so
+    // that the next tile's load waits for it; K is done with once its S is.
+    constexpr bool SPLIT_KV = OVERLAP && PRODUCER && !PERSISTENT && !VARLEN;
     // Without the overlap, P packed as the softmax takes it (the S accumulators die as they go)
     // where the tile is wider than 64 keys: S, P and O do not fit two blocks' 128 registers at once.
     constexpr bool PACK_IN_SOFTMAX = !OVERLAP && BN > 64;
@@ -142,6 +147,7 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
     unsigned char* const o_s = v_s + STAGES * V_BYTES;      // OWN_O: [DBV][BM rows x 128 bytes]
     // bar_kv: a buffer's tile has landed (TMA's bytes); bar_free: every consumer thread is done with it
     __shared__ unsigned long long bar_q, bar_q_free, bar_kv[STAGES], bar_free[STAGES];
+    __shared__ unsigned long long bar_v[SPLIT_KV ? STAGES : 1], bar_v_free[SPLIT_KV ? STAGES : 1];
     __shared__ unsigned int ov_sink[OVERLAP ? THREADS : 1];
     __shared__ int tile_of[2];   // DYNAMIC: the producer's work tile k at k % 2
     // (DROPOUT: the seed's halves and the offset, read at each draw rather than held in registers
@@ -215,6 +221,10 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
         for (int i = 0; i < STAGES; ++i) {
             mbarrier_init(&bar_kv[i], 1);
             mbarrier_init(&bar_free[i], THREADS);
+            if constexpr (SPLIT_KV) {
+                mbarrier_init(&bar_v[i], 1);
+                mbarrier_init(&bar_v_free[i], THREADS);
+            }
         }
         mbarrier_init(&bar_q, 1);
         mbarrier_init(&bar_q_free, THREADS);
@@ -224,6 +234,21 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
     // (the loading thread) key tile nb of the current work tile into ring slot i % STAGES
     auto load_kv_at = [&](int i, int nb) {
         const int buf = i % STAGES;
+        if constexpr (SPLIT_KV) {
+            // (the ring's wait, on bar_free, was K's: V's slot waits for its own release)
+            mbarrier_arrive_expect_tx(&bar_kv[buf], K_BYTES);
+#pragma unroll
+            for (int db = 0; db < DB; ++db)
+                tma_load_4d(k_s + buf * K_BYTES + db * KV_BOX, &k_map, db * 64, hk, span.k0 + (kb0 + nb) * BN, b,
+                            &bar_kv[buf]);
+            if (i >= STAGES) mbarrier_wait(&bar_v_free[buf], (i / STAGES - 1) & 1);
+            mbarrier_arrive_expect_tx(&bar_v[buf], V_BYTES);
+#pragma unroll
+            for (int db = 0; db < DBV; ++db)
+                tma_load_4d(v_s + buf * V_BYTES + db * KV_BOX, &v_map, db * 64, hk, span.k0 + (kb0 + nb) * BN, b,
+                            &bar_v[buf]);
+            return;
+        }
         mbarrier_arrive_expect_tx(&bar_kv[buf], K_BYTES + V_BYTES);
 #pragma unroll
         for (int db = 0; db < DB; ++db) {
@@ -487,6 +512,7 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
             }
             wgmma_wait<0>();
             wgmma_hold(s);
+            if constexpr (SPLIT_KV) mbarrier_arrive(&bar_free[0]);   // (S is done with K)
             if (PERSISTENT && n_blocks == 1) mbarrier_arrive(&bar_q_free);   // (this thread's S products are done with Q)
             CUK_STAMP(2);
             mask(0, s);
@@ -506,6 +532,7 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
 #pragma unroll 1
         for (int nb = 1; nb < n_blocks; ++nb) {
             float s[BN / 2];
+            if constexpr (SPLIT_KV) mbarrier_wait(&bar_v[(nb - 1) % STAGES], ((nb - 1) / STAGES) & 1);
             issue_s(nb, s, false);
             rescale(alpha);
             if constexpr (P_AHEAD) {
@@ -518,6 +545,7 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
             if (PINGPONG) named_barrier_arrive(2 - wg, 256);
             wgmma_wait<1>();
             wgmma_hold(s);
+            if constexpr (SPLIT_KV) mbarrier_arrive(&bar_free[nb % STAGES]);   // (S is done with K)
             if (PERSISTENT && nb == n_blocks - 1) mbarrier_arrive(&bar_q_free);
             mask(nb, s);
             softmax(nb, s, alpha, P_AHEAD ? a_next : nullptr);
@@ -526,7 +554,7 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
             wgmma_wait<0>();
             wgmma_hold(a);
             wgmma_hold(o);
-            mbarrier_arrive(&bar_free[(it0 + nb - 1) % STAGES]);
+            mbarrier_arrive(SPLIT_KV ? &bar_v_free[(nb - 1) % STAGES] : &bar_free[(it0 + nb - 1) % STAGES]);
             refill(nb - 1);
             if constexpr (!P_AHEAD) accumulators_to_a<T>(s, a);
         }
@@ -534,11 +562,13 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
             if (n_blocks > 1) copy_fragments(a_next, a);
         }
         rescale(alpha);
+        if constexpr (SPLIT_KV) mbarrier_wait(&bar_v[(n_blocks - 1) % STAGES], ((n_blocks - 1) / STAGES) & 1);
         issue_pv(n_blocks - 1, a);
         wgmma_wait<0>();
         wgmma_hold(o);
         CUK_STAMP(4);
-        if (!PERSISTENT) mbarrier_arrive(&bar_free[(n_blocks - 1) % STAGES]);   // (PERSISTENT: after O's staging)
+        if constexpr (SPLIT_KV) mbarrier_arrive(&bar_v_free[(n_blocks - 1) % STAGES]);
+        else if (!PERSISTENT) mbarrier_arrive(&bar_free[(n_blocks - 1) % STAGES]);   // (PERSISTENT: after O's staging)
     }
     if (PINGPONG && wg == 0 && n_blocks > 0) named_barrier_sync(1, 256);
 

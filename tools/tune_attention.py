@@ -23,10 +23,12 @@ C = attn.FwdConfig   # (warps, m-tiles a warp, keys a staged tile, keys a comput
 CANDIDATES = {64: [C(4, 2, 64, 64, True), C(4, 2, 128, 64, True), C(4, 2, 64, 32, True)],
               128: [C(4, 2, 64, 32, False), C(4, 2, 32, 32, False), C(4, 2, 128, 32, False), C(4, 2, 64, 64, False)]}
 S90 = attn.Sm90FwdConfig   # (keys a tile, stages, producer warpgroup, pingpong)
-SM90_CANDIDATES = {64: [S90(64, 2), S90(64, 3), S90(64, 2, True)], 128: [S90(128, 2), S90(128, 2, True, True)],
-                   192: [S90(128, 2, True, True), S90(128, 2, True), S90(64, 3, True, True), S90(64, 2, True, True),
-                         S90(128, 2, True, True, True, persistent=True)],
-                   256: [S90(64, 2), S90(64, 2, True, True)]}
+SM90_CANDIDATES = {64: [S90(64, 2), S90(64, 3), S90(64, 2, True)],
+                   128: [S90(128, 3, True, True, True, persistent=True), S90(128, 3, True, False, True, persistent=True),
+                         S90(128, 2, True, True, True), S90(128, 3, True, True, True), S90(128, 2, True, False, True)],
+                   192: [S90(128, 2, True, True), S90(128, 2, True, True, True), S90(128, 2, True, False, True),
+                         S90(64, 3, True, True, True), S90(64, 4, True, True, True)],
+                   256: [S90(64, 2, True, True), S90(64, 2, True, True, True), S90(64, 2, True, False, True)]}
 # (B, H, S, D, causal[, Dv]): Dv, v's head size, D unless given (MLA: 192 and 128)
 SHAPES = [(32, 16, 2048, 128, False), (32, 16, 2048, 128, True), (16, 32, 2048, 64, True),
           (16, 32, 2048, 64, False), (16, 16, 2048, 256, False), (16, 16, 2048, 256, True),
