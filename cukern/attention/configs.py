@@ -350,13 +350,13 @@ class Configs:
     # fastest (tools/tune_attention.py; the figures: docs/notes-attention.md, the Hopper path).
     # d64, every mask: two blocks an SM of 128-key tiles, no producer (128 registers a thread),
     # two stages (three do not fit two blocks' shared memory); 64-key tiles with a producer issue
-    # more instructions. d192 (with v's 128), every mask: the turns without the overlap (three
-    # stages do not fit, and with two the overlap holds a buffer a tile longer: 25% slower).
+    # more instructions. d192 (with v's 128) and d256: the turns with the overlap, one work tile a
+    # block (three stages do not fit; with two, K and V released on barriers of their own).
     fwd_sm90: tuple[tuple[int, Sm90FwdConfig], ...] = (
         (64, Sm90FwdConfig(128, 2, pingpong=True, blocks_per_sm=2)),
         (128, Sm90FwdConfig(128, 3, producer=True, pingpong=True, overlap=True, persistent=True)),
-        (192, Sm90FwdConfig(128, 2, producer=True, pingpong=True)),
-        (256, Sm90FwdConfig(64, 2, producer=True, pingpong=True)))
+        (192, Sm90FwdConfig(128, 2, producer=True, pingpong=True, overlap=True)),
+        (256, Sm90FwdConfig(64, 2, producer=True, pingpong=True, overlap=True)))
     # ... and where the forward without a causal mask measured faster with another config (d128:
     # the overlap without the warpgroups' turns, which the causal forward gains 3-5% by).
     fwd_sm90_full: tuple[tuple[int, Sm90FwdConfig], ...] = (
@@ -372,10 +372,13 @@ class Configs:
         (192, Sm90FwdConfig(128, 2, producer=True, pingpong=True)))
     # ... and with dropout, as measured fastest among those that do not spill with the draw
     # (d64: 64-key tiles, two blocks an SM; d128: the turns without the overlap, whose instance
-    # spilled with a window; docs/notes-attention.md)
+    # spilled with a window; d192 and d256: the same, the overlap's spilled 12-28 bytes with the
+    # draw; docs/notes-attention.md)
     fwd_sm90_dropout: tuple[tuple[int, Sm90FwdConfig], ...] = (
         (64, Sm90FwdConfig(64, 2, pingpong=True, blocks_per_sm=2)),
-        (128, Sm90FwdConfig(128, 3, producer=True, pingpong=True)))
+        (128, Sm90FwdConfig(128, 3, producer=True, pingpong=True)),
+        (192, Sm90FwdConfig(128, 2, producer=True, pingpong=True)),
+        (256, Sm90FwdConfig(64, 2, producer=True, pingpong=True)))
     use_sm90: bool = True
     # The persistent Hopper forward's grid (Sm90FwdConfig.persistent): blocks, 0 for one an SM
     # (tests set a few, so that every block walks many work tiles)
