@@ -24,8 +24,9 @@ CANDIDATES = {64: [C(4, 2, 64, 64, True), C(4, 2, 128, 64, True), C(4, 2, 64, 32
               128: [C(4, 2, 64, 32, False), C(4, 2, 32, 32, False), C(4, 2, 128, 32, False), C(4, 2, 64, 64, False)]}
 S90 = attn.Sm90FwdConfig   # (keys a tile, stages, producer warpgroup, pingpong)
 SM90_CANDIDATES = {64: [S90(64, 2), S90(64, 3), S90(64, 2, True)],
-                   128: [S90(128, 3, True, True, True, persistent=True), S90(128, 3, True, False, True, persistent=True),
-                         S90(128, 2, True, True, True), S90(128, 3, True, True, True), S90(128, 2, True, False, True)],
+                   128: [S90(128, 3, True, True, True, persistent=True),
+                         S90(128, 3, True, False, True, persistent=True), S90(128, 2, True, True, True),
+                         S90(128, 3, True, True, True), S90(128, 2, True, False, True)],
                    192: [S90(128, 2, True, True), S90(128, 2, True, True, True), S90(128, 2, True, False, True),
                          S90(64, 3, True, True, True), S90(64, 4, True, True, True)],
                    256: [S90(64, 2, True, True), S90(64, 2, True, True, True), S90(64, 2, True, False, True)]}
