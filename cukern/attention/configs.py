@@ -120,11 +120,12 @@ class Sm90FwdConfig:
 
     @property
     def static_smem(self) -> int:
-        """The kernel's static shared memory: its barriers (two, and two a stage, or four with the
-        overlap's own V barriers, one work tile a block with a producer), the overlap's store sink
-        (a word a computing thread), two work tile numbers and 8 bytes of padding."""
-        split = self.overlap and self.producer and not self.persistent
-        return 8 * (2 + (4 if split else 2) * self.stages + (0 if split else 2)) \
+        """The kernel's static shared memory: its barriers (two, two a stage, and V's own two a
+        stage with the overlap, a producer and one work tile a block, else two unused), the
+        overlap's store sink (a word a computing thread), two work tile numbers and 8 bytes of
+        padding."""
+        split_kv = self.overlap and self.producer and not self.persistent
+        return 8 * (2 + 2 * self.stages + 2 * (self.stages if split_kv else 1)) \
             + 4 * (128 * self.warpgroups if self.overlap else 1) + 16
 
     def instance(self, dtype: str, d: int, mask: int, softcap: bool = False, varlen: bool = False,
