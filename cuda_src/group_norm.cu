@@ -26,6 +26,7 @@
 #include "common/dtype.cuh"
 #include "common/vec.cuh"
 #include "common/reduce.cuh"
+#include "common/mma.cuh"
 
 namespace cuk {
 namespace group_norm {
@@ -272,6 +273,116 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_fwd(
                 store_stream<T, VEC>(yg + off + u * stride, pack<T, VEC>(f));
             }
         }, nothing);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward, contiguous, with the whole group in shared memory: one block a group (grid: N*G).
+// Every 16-byte vector of the group is requested at once by cp.async, in STAGES commit groups;
+// the sums are taken stage by stage as they land, the exact second pass (where needed) and the
+// output read the group back from shared memory. Vector i of the group is thread i % THREADS's
+// (its k-th, k = i / THREADS): a thread reads back only what it requested itself, so no block
+// barrier guards the buffer. The two-read kernel above keeps a group's second read in L2 and
+// so has at most the groups of a few blocks an SM in flight; this one keeps SMEM bytes an SM
+// in flight from the first request. Needs HW % VEC == 0 and 16-byte aligned x, y.
+// Arguments as group_norm_fwd's (HW: of the group's spatial size; the group fits SMEM).
+template <typename T, int THREADS, int SMEM>
+__global__ void __launch_bounds__(THREADS, 1) group_norm_fwd_staged(
+    const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
+    T* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
+    int C, int G, long long HW, float eps)
+{
+    using namespace cuk;
+    constexpr int VEC = 16 / sizeof(T);
+    constexpr int STAGES = 4;
+    constexpr int PER_THREAD = SMEM / 16 / THREADS;   // vectors a thread
+    constexpr int PER_STAGE = PER_THREAD / STAGES;
+    static_assert(PER_THREAD % STAGES == 0 && PER_STAGE >= 1, "SMEM / 16 / THREADS: a multiple of the stages");
+    extern __shared__ __align__(16) unsigned char group_s[];
+    using Reduce = GroupReduce<THREADS, 2>;
+    __shared__ typename Reduce::TempStorage scratch;
+    const int cg = C / G, hw = static_cast<int>(HW);
+    const int vectors = cg * hw / VEC;
+    const long long group = blockIdx.x;
+    const int c0 = static_cast<int>(group % G) * cg;
+    const T* xg = x + group * cg * HW;
+    T* yg = y + group * cg * HW;
+    Vec<T, VEC>* const buf = reinterpret_cast<Vec<T, VEC>*>(group_s);
+    const int tid = threadIdx.x;
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+#pragma unroll
+        for (int k = s * PER_STAGE; k < (s + 1) * PER_STAGE; ++k) {
+            const int i = tid + k * THREADS;
+            if (i < vectors) cp_async_16(buf + i, xg + static_cast<long long>(i) * VEC, true);
+        }
+        cp_async_commit();
+    }
+    const float kx = to_float(xg[0]);   // the group's first element (the shift of the one-pass sums)
+    float s0 = 0.f, s1 = 0.f;
+    auto stage_sums = [&](int s) {
+#pragma unroll
+        for (int k = s * PER_STAGE; k < (s + 1) * PER_STAGE; ++k) {
+            const int i = tid + k * THREADS;
+            if (i >= vectors) continue;
+            float f[VEC];
+            unpack(buf[i], f);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                const float d = f[j] - kx;
+                s0 += d;
+                s1 += d * d;
+            }
+        }
+    };
+    cp_async_wait<STAGES - 1>();
+    stage_sums(0);
+    cp_async_wait<STAGES - 2>();
+    stage_sums(1);
+    cp_async_wait<STAGES - 3>();
+    stage_sums(2);
+    cp_async_wait<0>();
+    stage_sums(3);
+    static_assert(STAGES == 4, "the waits above");
+    float sums[2] = {s0, s1};
+    Reduce::sum(sums, scratch);
+    const float inv_m = 1.f / static_cast<float>(cg * hw);
+    const float m = sums[0] * inv_m;
+    float var = fmaxf(sums[1] * inv_m - m * m, 0.f);
+    const float mean = kx + m;
+    if (m * m > 16.f * var) {   // (block-uniform) the exact second pass, from shared memory
+        float q[1] = {0.f};
+#pragma unroll
+        for (int k = 0; k < PER_THREAD; ++k) {
+            const int i = tid + k * THREADS;
+            if (i >= vectors) continue;
+            float f[VEC];
+            unpack(buf[i], f);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                const float d = f[j] - mean;
+                q[0] += d * d;
+            }
+        }
+        Reduce::sum(q, scratch);
+        var = q[0] * inv_m;
+    }
+    const float rstd = rsqrtf(var + eps);
+    if (tid == 0) {
+        if (mean_out) mean_out[group] = mean;
+        if (rstd_out) rstd_out[group] = rstd;
+    }
+#pragma unroll
+    for (int k = 0; k < PER_THREAD; ++k) {
+        const int i = tid + k * THREADS;
+        if (i >= vectors) continue;
+        const int c = c0 + i * VEC / hw;   // (hw % VEC == 0: a vector has one channel)
+        const float a = w ? rstd * to_float(w[c]) : rstd, cc = b ? to_float(b[c]) : 0.f;
+        float f[VEC];
+        unpack(buf[i], f);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) f[j] = fmaf(f[j] - mean, a, cc);
+        store_stream<T, VEC>(yg + static_cast<long long>(i) * VEC, pack<T, VEC>(f));
     }
 }
 

@@ -189,6 +189,7 @@ def cached_instances() -> list[tuple[str, str, int]]:
 # ---- launching -------------------------------------------------------------------------------
 
 _sm_counts: dict[int, int] = {}
+_smem_optin: dict[int, int] = {}
 _capabilities: dict[int, tuple[int, int]] = {}
 
 
@@ -228,6 +229,16 @@ def check_capability(device: int) -> None:
         f"cukern's kernels need a GPU of compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer "
         f"(A100, A10, RTX 30 and 40 series, L4, L40, H100, H200, ...); device {device}{name} has "
         f"{cc[0]}.{cc[1]}")
+
+
+def max_shared_memory(device: int) -> int:
+    """The most shared memory a block of ``device`` may opt in to, in bytes."""
+    n = _smem_optin.get(device)
+    if n is None:
+        import cupy
+
+        n = _smem_optin[device] = int(cupy.cuda.runtime.getDeviceProperties(device)["sharedMemPerBlockOptin"])
+    return n
 
 
 def sm_count(device: int) -> int:

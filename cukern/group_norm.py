@@ -65,6 +65,10 @@ class Configs:
     bwd_cl: Config = Config(512, 2, 1, 2)
     tile_groups: tuple[int, ...] = (4, 2)
     tiles_per_sm: float = 0.5
+    # The contiguous forward with the whole group in shared memory (group_norm_fwd_staged): at
+    # most this many threads a block, 0 for off. A group takes the smallest of STAGED_SMEM that
+    # holds it within the device's opt-in; larger groups, and unaligned ones, the two-read kernel.
+    fwd_staged: int = 0
 
     def get(self, kind: str, channels_last: bool) -> Config:
         return getattr(self, kind + ("_cl" if channels_last else ""))
@@ -72,6 +76,22 @@ class Configs:
 
 CONFIGS = Configs()
 TASK_SLOTS = 256  # shared-memory slots for channel segments (CL = false), group_norm.cu
+STAGED_SMEM = (32 << 10, 64 << 10, 128 << 10, 192 << 10)   # the staged forward's buffer sizes
+_STAGED_SLACK = 1024   # the staged kernel's static shared memory (the block reduction), rounded up
+
+
+def staged_instance(dtype: str, threads: int, smem: int) -> Instance:
+    """The staged forward's instance for a buffer of ``smem`` bytes: ``threads`` capped so that
+    every thread has a whole number of vectors in each of its four stages."""
+    threads = min(threads, smem // (16 * 4))
+    ctype = _arrays.DTYPES[dtype][0]
+    return Instance(SOURCE, f"group_norm_fwd_staged<{ctype}, {threads}, {smem}>", threads, smem=smem)
+
+
+def _staged_smem(group_bytes: int, device: int) -> int | None:
+    """The staged forward's buffer for a group of ``group_bytes``, or None where none fits."""
+    room = _kernels.max_shared_memory(device) - _STAGED_SLACK
+    return next((s for s in STAGED_SMEM if group_bytes <= s <= room), None)
 
 
 def instances(configs: Configs = CONFIGS) -> list[Instance]:
@@ -83,6 +103,8 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
                 for vec in sorted({1, 16 // itemsize}):
                     for kind in ("fwd", "bwd"):
                         out.append(configs.get(kind, cl).instance(kind, dtype, cl, gt, vec))
+        if configs.fwd_staged:
+            out.extend(staged_instance(dtype, configs.fwd_staged, smem) for smem in STAGED_SMEM)
     return out
 
 
@@ -226,7 +248,16 @@ def _plan_forward(arrays, num_groups, eps, return_stats, configs) -> Plan:
     mean = b.alloc((n, g), "float32", name="mean") if return_stats else None
     rstd = b.alloc((n, g), "float32", name="rstd") if return_stats else None
     groups = n * g
-    if groups and c // g * hw:
+    smem = None
+    if groups and c // g * hw and configs.fwd_staged and not cl and groups < 2**31:
+        vec = 16 // xa.itemsize
+        if hw % vec == 0 and (copy or xa.ptr % 16 == 0):
+            smem = _staged_smem(c // g * hw * xa.itemsize, device)
+    if smem is not None:
+        k = _kernels.kernel(staged_instance(xa.dtype, configs.fwd_staged, smem), device)
+        b.launch(k, groups, x=b.slot(0), w=b.slot(1), b=b.slot(2), y=y, mean_out=mean, rstd_out=rstd, C=c, G=g,
+                 HW=hw, eps=epsf)
+    elif groups and c // g * hw:
         cfg = configs.get("fwd", cl)
         vec, gt, (seg, seg_len, tcv) = _geometry(xa, cl, g, cfg.threads, (None if copy else xa, wa, ba), configs,
                                                  device)

@@ -269,6 +269,71 @@ def test_channels_last_tiles_of_several_groups(monkeypatch, shape, groups, dtype
                        seed=sum(shape) + groups))
 
 
+# (shape, groups): groups of 4 channels x 72 positions (a last stage part full), of 16 x 1024
+# elements (32 and 64 KB), of 40 x 1024 (80 and 160 KB: the two largest buffers), of 96 x 1024
+# (192 KB in bfloat16; float32's 384 KB takes the two-read kernel), an odd row count.
+STAGED_SHAPES = [((2, 8, 9, 8), 2), ((3, 64, 32, 32), 4), ((2, 320, 32, 32), 8), ((1, 96, 32, 32), 1),
+                 ((2, 24, 5, 40), 3)]
+
+
+def _staged_kernels(monkeypatch, threads: int) -> list:
+    """Force the staged forward on (at most ``threads`` a block); the instance names the plans
+    compile are appended to the returned list."""
+    import dataclasses
+    import importlib
+
+    gn = importlib.import_module("cukern.group_norm")
+    monkeypatch.setattr(gn, "CONFIGS", dataclasses.replace(gn.CONFIGS, fwd_staged=threads))
+    names, kernel = [], gn._kernels.kernel
+
+    def spy(inst, device):
+        names.append(inst.name)
+        return kernel(inst, device)
+
+    monkeypatch.setattr(gn._kernels, "kernel", spy)
+    return names
+
+
+def _staged_fits(shape, groups, dtype) -> bool:
+    import importlib
+
+    gn = importlib.import_module("cukern.group_norm")
+    group_bytes = shape[1] // groups * math.prod(shape[2:]) * _arrays.DTYPES[dtype][1]
+    return gn._staged_smem(group_bytes, 0) is not None   # (every shape above: whole vectors a channel)
+
+
+@gpu
+@pytest.mark.parametrize("threads", [256, 512, 1024])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape, groups", STAGED_SHAPES)
+def test_staged_forward_holds_the_group_in_shared_memory(monkeypatch, shape, groups, dtype, threads):
+    """The contiguous forward with the group in shared memory (forced on; every buffer size and
+    thread count), forward and backward against the reference, and the kernel the plan took."""
+    names = _staged_kernels(monkeypatch, threads)
+    _run_case(dict(shape=shape, groups=groups, dtype=dtype, framework="cupy", weight=True, bias=True,
+                   layout="contiguous", dy_layout="same", offset=5.0 if threads == 512 else 0.0, eps=1e-5,
+                   seed=sum(shape) + threads))
+    staged = [n for n in names if n.startswith("group_norm_fwd_staged")]
+    assert bool(staged) == _staged_fits(shape, groups, dtype), names
+
+
+@gpu
+@pytest.mark.parametrize("size", [72, 9000])
+def test_staged_forward_outlier_first_element_stays_exact(monkeypatch, size):
+    """The staged forward's one-pass sums are shifted by the group's first element too: an
+    outlier there takes the exact second pass, from shared memory."""
+    names = _staged_kernels(monkeypatch, 512)
+    rng = np.random.default_rng(size)
+    x = random_host(rng, (3, 4, size), "float32")
+    x[:, 0, 0] = 3000.0
+    x[:, 2, 0] = -3000.0
+    y, mean, rstd = cukern.group_norm(to_device(x, "cupy"), 2, return_stats=True)
+    ey, _, erstd = ref.group_norm(x, 2, return_stats=True)
+    assert any(n.startswith("group_norm_fwd_staged") for n in names), names
+    assert_close(y, ey, "float32", "y")
+    assert_close(rstd, erstd, "float32", "rstd", tol=2e-5)
+
+
 @gpu
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 def test_misaligned_views_take_scalar_loads(layout):

@@ -3,7 +3,8 @@
     python3 tools/tune_group_norm.py [--shape 16,512,64,64] [--groups 32] [--dtype bfloat16]
 
 Each configuration of CANDIDATES (threads, unroll, MINB, blocks an SM) is set into
-cukern.group_norm.CONFIGS for one direction and layout, its instances are compiled, and the
+cukern.group_norm.CONFIGS for one direction and layout (and, for the contiguous forward, the
+kernel with the group in shared memory at each --staged thread cap), compiled, and the
 forward and the backward are timed with CUDA events (median), printed in GB/s on the byte
 floor (fwd 2 passes, bwd 3) and as % of the copy bandwidth measured in the same run, next to
 torch's time for the same step.
@@ -40,6 +41,8 @@ def main():
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--layouts", default="contiguous,channels_last")
     p.add_argument("--cl-tiles-per-sm", default="1", help="comma-separated tiles_per_sm values to try")
+    p.add_argument("--staged", default="256,512,1024",
+                   type=lambda v: [int(t) for t in v.split(",") if t], help="the staged forward's thread caps to try")
     args = p.parse_args()
     shape = tuple(int(s) for s in args.shape.split(","))
     g = args.groups
@@ -64,25 +67,29 @@ def main():
         layout = f"channels_last (tiles_per_sm {tiles_per_sm:g})" if cl else "contiguous"
         print(f"\n{layout}: torch fwd {t_fwd * 1e3:.1f} us, bwd {t_bwd * 1e3:.1f} us, "
               f"fwd+bwd {(t_fwd + t_bwd) * 1e3:.1f} us")
-        _, mean, rstd = gn._forward(x, g, w, b, 1e-5, True, base)
-        for kind in ("fwd", "bwd"):
-            for cfg in CANDIDATES[kind]:
-                configs = dataclasses.replace(base, **{kind + ("_cl" if cl else ""): cfg})
-                try:
-                    if kind == "fwd":
-                        fn = lambda: gn._forward(x, g, w, b, 1e-5, True, configs)  # noqa: E731
-                        passes = 2
-                    else:
-                        fn = lambda: gn._backward(dy, x, g, w, mean, rstd, configs)  # noqa: E731
-                        passes = 3
-                    ms = bench(fn)
-                    gbps = passes * nbytes / ms / 1e6
-                    ref_ms = t_fwd if kind == "fwd" else t_bwd
-                    print(f"  {kind} {cfg}: {ms*1e3:7.1f} us  {gbps:6.0f} GB/s  {100*gbps/copy:5.1f}% of copy  "
-                          f"{ref_ms/ms:5.2f}x torch")
-                except Exception as e:  # a configuration that does not compile or launch
-                    print(f"  {kind} {cfg}: failed: {type(e).__name__}: {str(e)[:200]}")
-
+        y0, mean, rstd = gn._forward(x, g, w, b, 1e-5, True, base)
+        # (the contiguous forward: also the staged kernel, at most `threads` a block)
+        staged = [] if cl else [("fwd", f"staged {t}", dataclasses.replace(base, fwd_staged=t)) for t in args.staged]
+        runs = [(kind, cfg, dataclasses.replace(base, **{kind + ("_cl" if cl else ""): cfg}))
+                for kind in ("fwd", "bwd") for cfg in CANDIDATES[kind]] + staged
+        for kind, cfg, configs in runs:
+            try:
+                if kind == "fwd":
+                    fn = lambda: gn._forward(x, g, w, b, 1e-5, True, configs)  # noqa: E731
+                    passes = 2
+                    # (y of this configuration against the default's: the statistics' order may differ)
+                    diff = f"  max |y - y0| {(fn()[0].float() - y0.float()).abs().max().item():.3g}"
+                else:
+                    fn = lambda: gn._backward(dy, x, g, w, mean, rstd, configs)  # noqa: E731
+                    passes = 3
+                    diff = ""
+                ms = bench(fn)
+                gbps = passes * nbytes / ms / 1e6
+                ref_ms = t_fwd if kind == "fwd" else t_bwd
+                print(f"  {kind} {cfg}: {ms*1e3:7.1f} us  {gbps:6.0f} GB/s  {100*gbps/copy:5.1f}% of copy  "
+                      f"{ref_ms/ms:5.2f}x torch{diff}")
+            except Exception as e:  # a configuration that does not compile or launch
+                print(f"  {kind} {cfg}: failed: {type(e).__name__}: {str(e)[:200]}")
 
 if __name__ == "__main__":
     main()
