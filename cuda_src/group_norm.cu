@@ -277,20 +277,20 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_fwd(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Forward, contiguous, with the whole group in shared memory: one block a group (grid: N*G).
-// Every 16-byte vector of the group is requested at once by cp.async, in STAGES commit groups;
-// the sums are taken stage by stage as they land, the exact second pass (where needed) and the
-// output read the group back from shared memory. Vector i of the group is thread i % THREADS's
-// (its k-th, k = i / THREADS): a thread reads back only what it requested itself, so no block
-// barrier guards the buffer. The two-read kernel above keeps a group's second read in L2 and
-// so has at most the groups of a few blocks an SM in flight; this one keeps SMEM bytes an SM
-// in flight from the first request. Needs HW % VEC == 0 and 16-byte aligned x, y.
-// Arguments as group_norm_fwd's (HW: of the group's spatial size; the group fits SMEM).
+// Forward, contiguous, with the whole group in shared memory: each block takes groups
+// blockIdx.x, blockIdx.x + gridDim.x, ... (a grid of the blocks that fit at once). Vector i of
+// a group is thread i % THREADS's (its k-th, k = i / THREADS), and a thread reads back only what
+// it requested itself, so no block barrier guards the buffer. A group's vectors are requested
+// by cp.async in STAGES commit groups; the sums are taken stage by stage as they land; the exact
+// second pass (where needed) and the output read the group back from shared memory, and as the
+// output of a stage is written its slots are requested for the block's next group. The loads of
+// one group are so in flight while the previous one is written: an SM reads and writes at once.
+// Needs HW % VEC == 0 and 16-byte aligned x, y. Arguments as group_norm_fwd's (groups: N*G).
 template <typename T, int THREADS, int SMEM>
 __global__ void __launch_bounds__(THREADS, 1) group_norm_fwd_staged(
     const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
     T* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
-    int C, int G, long long HW, float eps)
+    int C, int G, long long HW, long long groups, float eps)
 {
     using namespace cuk;
     constexpr int VEC = 16 / sizeof(T);
@@ -303,87 +303,100 @@ __global__ void __launch_bounds__(THREADS, 1) group_norm_fwd_staged(
     __shared__ typename Reduce::TempStorage scratch;
     const int cg = C / G, hw = static_cast<int>(HW);
     const int vectors = cg * hw / VEC;
-    const long long group = blockIdx.x;
-    const int c0 = static_cast<int>(group % G) * cg;
-    const T* xg = x + group * cg * HW;
-    T* yg = y + group * cg * HW;
+    const long long group_len = static_cast<long long>(cg) * hw;
     Vec<T, VEC>* const buf = reinterpret_cast<Vec<T, VEC>*>(group_s);
     const int tid = threadIdx.x;
+    // this thread's vectors of stage s of `group` requested (none past the last group), one commit group
+    auto request = [&](long long group, int s) {
+        if (group < groups) {
+            const T* xg = x + group * group_len;
 #pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-#pragma unroll
-        for (int k = s * PER_STAGE; k < (s + 1) * PER_STAGE; ++k) {
-            const int i = tid + k * THREADS;
-            if (i < vectors) cp_async_16(buf + i, xg + static_cast<long long>(i) * VEC, true);
+            for (int k = s * PER_STAGE; k < (s + 1) * PER_STAGE; ++k) {
+                const int i = tid + k * THREADS;
+                if (i < vectors) cp_async_16(buf + i, xg + static_cast<long long>(i) * VEC, true);
+            }
         }
         cp_async_commit();
-    }
-    const float kx = to_float(xg[0]);   // the group's first element (the shift of the one-pass sums)
-    float s0 = 0.f, s1 = 0.f;
-    auto stage_sums = [&](int s) {
-#pragma unroll
-        for (int k = s * PER_STAGE; k < (s + 1) * PER_STAGE; ++k) {
-            const int i = tid + k * THREADS;
-            if (i >= vectors) continue;
-            float f[VEC];
-            unpack(buf[i], f);
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                const float d = f[j] - kx;
-                s0 += d;
-                s1 += d * d;
-            }
-        }
     };
-    cp_async_wait<STAGES - 1>();
-    stage_sums(0);
-    cp_async_wait<STAGES - 2>();
-    stage_sums(1);
-    cp_async_wait<STAGES - 3>();
-    stage_sums(2);
-    cp_async_wait<0>();
-    stage_sums(3);
-    static_assert(STAGES == 4, "the waits above");
-    float sums[2] = {s0, s1};
-    Reduce::sum(sums, scratch);
-    const float inv_m = 1.f / static_cast<float>(cg * hw);
-    const float m = sums[0] * inv_m;
-    float var = fmaxf(sums[1] * inv_m - m * m, 0.f);
-    const float mean = kx + m;
-    if (m * m > 16.f * var) {   // (block-uniform) the exact second pass, from shared memory
-        float q[1] = {0.f};
 #pragma unroll
-        for (int k = 0; k < PER_THREAD; ++k) {
-            const int i = tid + k * THREADS;
-            if (i >= vectors) continue;
-            float f[VEC];
-            unpack(buf[i], f);
+    for (int s = 0; s < STAGES; ++s) request(blockIdx.x, s);
+    const float inv_m = 1.f / static_cast<float>(group_len);
+    for (long long group = blockIdx.x; group < groups; group += gridDim.x) {
+        const T* xg = x + group * group_len;
+        T* yg = y + group * group_len;
+        const int c0 = static_cast<int>(group % G) * cg;
+        const float kx = to_float(xg[0]);   // the group's first element (the shift of the one-pass sums)
+        float s0 = 0.f, s1 = 0.f;
+        auto stage_sums = [&](int s) {
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                const float d = f[j] - mean;
-                q[0] += d * d;
+            for (int k = s * PER_STAGE; k < (s + 1) * PER_STAGE; ++k) {
+                const int i = tid + k * THREADS;
+                if (i >= vectors) continue;
+                float f[VEC];
+                unpack(buf[i], f);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const float d = f[j] - kx;
+                    s0 += d;
+                    s1 += d * d;
+                }
             }
+        };
+        static_assert(STAGES == 4, "the waits below");
+        cp_async_wait<3>();
+        stage_sums(0);
+        cp_async_wait<2>();
+        stage_sums(1);
+        cp_async_wait<1>();
+        stage_sums(2);
+        cp_async_wait<0>();
+        stage_sums(3);
+        float sums[2] = {s0, s1};
+        Reduce::sum(sums, scratch);
+        const float m = sums[0] * inv_m;
+        float var = fmaxf(sums[1] * inv_m - m * m, 0.f);
+        const float mean = kx + m;
+        if (m * m > 16.f * var) {   // (block-uniform) the exact second pass, from shared memory
+            float q[1] = {0.f};
+#pragma unroll
+            for (int k = 0; k < PER_THREAD; ++k) {
+                const int i = tid + k * THREADS;
+                if (i >= vectors) continue;
+                float f[VEC];
+                unpack(buf[i], f);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const float d = f[j] - mean;
+                    q[0] += d * d;
+                }
+            }
+            Reduce::sum(q, scratch);
+            var = q[0] * inv_m;
         }
-        Reduce::sum(q, scratch);
-        var = q[0] * inv_m;
-    }
-    const float rstd = rsqrtf(var + eps);
-    if (tid == 0) {
-        if (mean_out) mean_out[group] = mean;
-        if (rstd_out) rstd_out[group] = rstd;
-    }
+        const float rstd = rsqrtf(var + eps);
+        if (tid == 0) {
+            if (mean_out) mean_out[group] = mean;
+            if (rstd_out) rstd_out[group] = rstd;
+        }
 #pragma unroll
-    for (int k = 0; k < PER_THREAD; ++k) {
-        const int i = tid + k * THREADS;
-        if (i >= vectors) continue;
-        const int c = c0 + i * VEC / hw;   // (hw % VEC == 0: a vector has one channel)
-        const float a = w ? rstd * to_float(w[c]) : rstd, cc = b ? to_float(b[c]) : 0.f;
-        float f[VEC];
-        unpack(buf[i], f);
+        for (int s = 0; s < STAGES; ++s) {
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) f[j] = fmaf(f[j] - mean, a, cc);
-        store_stream<T, VEC>(yg + static_cast<long long>(i) * VEC, pack<T, VEC>(f));
+            for (int k = s * PER_STAGE; k < (s + 1) * PER_STAGE; ++k) {
+                const int i = tid + k * THREADS;
+                if (i >= vectors) continue;
+                const int c = c0 + i * VEC / hw;   // (hw % VEC == 0: a vector has one channel)
+                const float a = w ? rstd * to_float(w[c]) : rstd, cc = b ? to_float(b[c]) : 0.f;
+                float f[VEC];
+                unpack(buf[i], f);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) f[j] = fmaf(f[j] - mean, a, cc);
+                store_stream<T, VEC>(yg + static_cast<long long>(i) * VEC, pack<T, VEC>(f));
+            }
+            asm volatile("" ::: "memory");   // (the stage's reads above stay before its new requests)
+            request(group + gridDim.x, s);
+        }
     }
+    cp_async_wait<0>();   // (the last, empty, commit groups)
 }
 
 // ---------------------------------------------------------------------------------------------

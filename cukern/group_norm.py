@@ -68,7 +68,7 @@ class Configs:
     # The contiguous forward with the whole group in shared memory (group_norm_fwd_staged): at
     # most this many threads a block, 0 for off. A group takes the smallest of STAGED_SMEM that
     # holds it within the device's opt-in; larger groups, and unaligned ones, the two-read kernel.
-    fwd_staged: int = 0
+    fwd_staged: int = 1024
 
     def get(self, kind: str, channels_last: bool) -> Config:
         return getattr(self, kind + ("_cl" if channels_last else ""))
@@ -76,16 +76,21 @@ class Configs:
 
 CONFIGS = Configs()
 TASK_SLOTS = 256  # shared-memory slots for channel segments (CL = false), group_norm.cu
-STAGED_SMEM = (32 << 10, 64 << 10, 128 << 10, 192 << 10)   # the staged forward's buffer sizes
+STAGED_SMEM = (32 << 10, 64 << 10, 96 << 10, 128 << 10, 192 << 10)   # the staged forward's buffer sizes
 _STAGED_SLACK = 1024   # the staged kernel's static shared memory (the block reduction), rounded up
 
 
 def staged_instance(dtype: str, threads: int, smem: int) -> Instance:
-    """The staged forward's instance for a buffer of ``smem`` bytes: ``threads`` capped so that
-    every thread has a whole number of vectors in each of its four stages."""
-    threads = min(threads, smem // (16 * 4))
+    """The staged forward's instance for a buffer of ``smem`` bytes: the most threads (a power
+    of two from 128, at most ``threads``) that leave every thread at least 8 vectors and a whole
+    number of them in each of its four stages (measured: fewer vectors a thread, and fewer blocks
+    an SM, were slower; docs/notes-group-norm.md)."""
+    vectors = smem // 16
+    t = 1 << (max(128, min(threads, vectors // 8)).bit_length() - 1)
+    while t > 128 and vectors % (4 * t):
+        t //= 2
     ctype = _arrays.DTYPES[dtype][0]
-    return Instance(SOURCE, f"group_norm_fwd_staged<{ctype}, {threads}, {smem}>", threads, smem=smem)
+    return Instance(SOURCE, f"group_norm_fwd_staged<{ctype}, {t}, {smem}>", t, smem=smem)
 
 
 def _staged_smem(group_bytes: int, device: int) -> int | None:
@@ -249,14 +254,14 @@ def _plan_forward(arrays, num_groups, eps, return_stats, configs) -> Plan:
     rstd = b.alloc((n, g), "float32", name="rstd") if return_stats else None
     groups = n * g
     smem = None
-    if groups and c // g * hw and configs.fwd_staged and not cl and groups < 2**31:
+    if groups and c // g * hw and configs.fwd_staged and not cl:
         vec = 16 // xa.itemsize
         if hw % vec == 0 and (copy or xa.ptr % 16 == 0):
             smem = _staged_smem(c // g * hw * xa.itemsize, device)
     if smem is not None:
         k = _kernels.kernel(staged_instance(xa.dtype, configs.fwd_staged, smem), device)
-        b.launch(k, groups, x=b.slot(0), w=b.slot(1), b=b.slot(2), y=y, mean_out=mean, rstd_out=rstd, C=c, G=g,
-                 HW=hw, eps=epsf)
+        b.launch(k, min(groups, k.resident_blocks()), x=b.slot(0), w=b.slot(1), b=b.slot(2), y=y, mean_out=mean,
+                 rstd_out=rstd, C=c, G=g, HW=hw, groups=groups, eps=epsf)
     elif groups and c // g * hw:
         cfg = configs.get("fwd", cl)
         vec, gt, (seg, seg_len, tcv) = _geometry(xa, cl, g, cfg.threads, (None if copy else xa, wa, ba), configs,

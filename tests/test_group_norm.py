@@ -270,10 +270,11 @@ def test_channels_last_tiles_of_several_groups(monkeypatch, shape, groups, dtype
 
 
 # (shape, groups): groups of 4 channels x 72 positions (a last stage part full), of 16 x 1024
-# elements (32 and 64 KB), of 40 x 1024 (80 and 160 KB: the two largest buffers), of 96 x 1024
-# (192 KB in bfloat16; float32's 384 KB takes the two-read kernel), an odd row count.
-STAGED_SHAPES = [((2, 8, 9, 8), 2), ((3, 64, 32, 32), 4), ((2, 320, 32, 32), 8), ((1, 96, 32, 32), 1),
-                 ((2, 24, 5, 40), 3)]
+# elements (32 and 64 KB buffers), of 40 x 1024 (96 and 192 KB), of 56 x 1024 (128 KB in 16 bits;
+# float32's 224 KB takes the two-read kernel), of 96 x 1024 (192 KB; float32's 384 KB: the
+# two-read kernel), an odd row count, and 2048 small groups (blocks take several in turn).
+STAGED_SHAPES = [((2, 8, 9, 8), 2), ((3, 64, 32, 32), 4), ((2, 320, 32, 32), 8), ((1, 112, 32, 32), 2),
+                 ((1, 96, 32, 32), 1), ((2, 24, 5, 40), 3), ((64, 64, 16, 16), 32)]
 
 
 def _staged_kernels(monkeypatch, threads: int) -> list:
