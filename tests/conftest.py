@@ -124,4 +124,5 @@ def host_arrays_as_device(monkeypatch):
     monkeypatch.setattr(_kernels, "sm_count", lambda device: 132)
     # (an A100's paths unless a test says otherwise: tests of the Hopper paths set (9, 0))
     monkeypatch.setattr(_kernels, "compute_capability", lambda device: (8, 0))
+    monkeypatch.setattr(_kernels, "max_shared_memory", lambda device: 166912)   # (an A100's opt-in)
     monkeypatch.setattr(_plans.Plan, "__call__", dry)

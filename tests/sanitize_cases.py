@@ -1057,6 +1057,7 @@ def dry_run(capability=(9, 0)):
 
     patches = [(_arrays, "as_device_array", as_device_array), (_kernels, "kernel", FakeKernel),
                (_kernels, "sm_count", lambda device: 132), (_kernels, "compute_capability", lambda device: capability),
+               (_kernels, "max_shared_memory", lambda device: 232448 if capability >= (9, 0) else 166912),
                (_plans.Plan, "__call__", call), (_faults, "record", lambda device: np.zeros(3, np.int64))]
     saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches] + [(None, "ARRAYS", ARRAYS),
                                                                            (None, "DRY", DRY)]
