@@ -232,24 +232,23 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
         mbarrier_init_fence();
     }
     __syncthreads();
-    // (the loading thread) K or V of key tile nb of the current work tile into ring slot buf,
-    // completing on barrier `bar`
-    auto load_k = [&](int buf, int nb, unsigned long long* bar) {
-#pragma unroll
-        for (int db = 0; db < DB; ++db)
-            tma_load_4d(k_s + buf * K_BYTES + db * KV_BOX, &k_map, db * 64, hk, span.k0 + (kb0 + nb) * BN, b, bar);
+    // (the loading thread) box db of K or V of key tile nb of the current work tile into ring
+    // slot buf, completing on barrier `bar`
+    auto k_box = [&](int buf, int nb, int db, unsigned long long* bar) {
+        tma_load_4d(k_s + buf * K_BYTES + db * KV_BOX, &k_map, db * 64, hk, span.k0 + (kb0 + nb) * BN, b, bar);
     };
-    auto load_v = [&](int buf, int nb, unsigned long long* bar) {
-#pragma unroll
-        for (int db = 0; db < DBV; ++db)
-            tma_load_4d(v_s + buf * V_BYTES + db * KV_BOX, &v_map, db * 64, hk, span.k0 + (kb0 + nb) * BN, b, bar);
+    auto v_box = [&](int buf, int nb, int db, unsigned long long* bar) {
+        tma_load_4d(v_s + buf * V_BYTES + db * KV_BOX, &v_map, db * 64, hk, span.k0 + (kb0 + nb) * BN, b, bar);
     };
-    // (the loading thread, one barrier a slot) key tile nb into ring slot i % STAGES
+    // (one barrier a slot) key tile nb into ring slot i % STAGES, K's and V's boxes in turn
     auto load_kv_at = [&](int i, int nb) {
         const int buf = i % STAGES;
         mbarrier_arrive_expect_tx(&bar_kv[buf], K_BYTES + V_BYTES);
-        load_k(buf, nb, &bar_kv[buf]);
-        load_v(buf, nb, &bar_kv[buf]);
+#pragma unroll
+        for (int db = 0; db < DB; ++db) {
+            k_box(buf, nb, db, &bar_kv[buf]);
+            if (db < DBV) v_box(buf, nb, db, &bar_kv[buf]);
+        }
     };
     auto load_kv = [&](int nb) { load_kv_at(nb, nb); };
     auto load_q = [&]() {
@@ -297,7 +296,8 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
                         const int buf = nb % STAGES;
                         if (nb >= STAGES) mbarrier_wait(&bar_free[buf], (nb / STAGES - 1) & 1);
                         mbarrier_arrive_expect_tx(&bar_kv[buf], K_BYTES);
-                        load_k(buf, nb, &bar_kv[buf]);
+#pragma unroll
+                        for (int db = 0; db < DB; ++db) k_box(buf, nb, db, &bar_kv[buf]);
                     };
                     if (n_blocks > 0) issue_k(0);
                     for (int nb = 0; nb < n_blocks; ++nb) {
@@ -305,7 +305,8 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
                         const int buf = nb % STAGES;
                         if (nb >= STAGES) mbarrier_wait(&bar_v_free[buf], (nb / STAGES - 1) & 1);
                         mbarrier_arrive_expect_tx(&bar_v[buf], V_BYTES);
-                        load_v(buf, nb, &bar_v[buf]);
+#pragma unroll
+                        for (int db = 0; db < DBV; ++db) v_box(buf, nb, db, &bar_v[buf]);
                     }
                 }
                 return;
