@@ -117,7 +117,8 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
     // OVERLAP, two consumers, no turns: P packed ahead of the P V wait into a second fragment
     // array (32 registers more; measured 1.2-1.9% fewer cycles at d128 without a mask, 0.6% more
     // with the turns, and three consumers have no registers for it).
-    constexpr bool P_AHEAD = OVERLAP && CONSUMERS == 2 && !PINGPONG;
+    // (Not past d128: at 192 and 256 P is taken after the wait, as FlashAttention-4 does.)
+    constexpr bool P_AHEAD = OVERLAP && CONSUMERS == 2 && !PINGPONG && D <= 128;
     // SPLIT_KV, the overlap with a producer, one work tile a block: K and V of a ring slot land
     // and are released on barriers of their own (bar_kv and bar_free K's, bar_v and bar_v_free
     // V's). With one barrier a slot the overlap holds a slot until the P V a tile behind its S, so
@@ -231,32 +232,22 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
         mbarrier_init_fence();
     }
     __syncthreads();
-    // (the loading thread) key tile nb of the current work tile into ring slot i % STAGES
+    // (the loading thread) box db of K or V of key tile nb of the current work tile into ring
+    // slot buf, completing on barrier `bar`
+    auto k_box = [&](int buf, int nb, int db, unsigned long long* bar) {
+        tma_load_4d(k_s + buf * K_BYTES + db * KV_BOX, &k_map, db * 64, hk, span.k0 + (kb0 + nb) * BN, b, bar);
+    };
+    auto v_box = [&](int buf, int nb, int db, unsigned long long* bar) {
+        tma_load_4d(v_s + buf * V_BYTES + db * KV_BOX, &v_map, db * 64, hk, span.k0 + (kb0 + nb) * BN, b, bar);
+    };
+    // (one barrier a slot) key tile nb into ring slot i % STAGES, K's and V's boxes in turn
     auto load_kv_at = [&](int i, int nb) {
         const int buf = i % STAGES;
-        if constexpr (SPLIT_KV) {
-            // (the ring's wait, on bar_free, was K's: V's slot waits for its own release)
-            mbarrier_arrive_expect_tx(&bar_kv[buf], K_BYTES);
-#pragma unroll
-            for (int db = 0; db < DB; ++db)
-                tma_load_4d(k_s + buf * K_BYTES + db * KV_BOX, &k_map, db * 64, hk, span.k0 + (kb0 + nb) * BN, b,
-                            &bar_kv[buf]);
-            if (i >= STAGES) mbarrier_wait(&bar_v_free[buf], (i / STAGES - 1) & 1);
-            mbarrier_arrive_expect_tx(&bar_v[buf], V_BYTES);
-#pragma unroll
-            for (int db = 0; db < DBV; ++db)
-                tma_load_4d(v_s + buf * V_BYTES + db * KV_BOX, &v_map, db * 64, hk, span.k0 + (kb0 + nb) * BN, b,
-                            &bar_v[buf]);
-            return;
-        }
         mbarrier_arrive_expect_tx(&bar_kv[buf], K_BYTES + V_BYTES);
 #pragma unroll
         for (int db = 0; db < DB; ++db) {
-            tma_load_4d(k_s + buf * K_BYTES + db * KV_BOX, &k_map, db * 64, hk, span.k0 + (kb0 + nb) * BN, b,
-                        &bar_kv[buf]);
-            if (db < DBV)
-                tma_load_4d(v_s + buf * V_BYTES + db * KV_BOX, &v_map, db * 64, hk, span.k0 + (kb0 + nb) * BN, b,
-                            &bar_kv[buf]);
+            k_box(buf, nb, db, &bar_kv[buf]);
+            if (db < DBV) v_box(buf, nb, db, &bar_kv[buf]);
         }
     };
     auto load_kv = [&](int nb) { load_kv_at(nb, nb); };
@@ -295,7 +286,35 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
         setmaxnreg_inc<CONSUMER_REGS>();
     } else {
         if (threadIdx.x == (PRODUCER ? THREADS : 0)) load_q();
-        if (!ring_loads<PRODUCER, STAGES, CONSUMERS, CONSUMER_REGS>(n_blocks, bar_free, load_kv)) return;   // (the producer is done)
+        if constexpr (SPLIT_KV) {
+            // K of tile nb + 1 before V of tile nb, each behind its own slot's release: V's wait
+            // (for the P V two tiles back) never holds back the K that the next S needs.
+            if (threadIdx.x >= THREADS) {
+                setmaxnreg_dec<24>();
+                if (threadIdx.x == THREADS) {
+                    auto issue_k = [&](int nb) {
+                        const int buf = nb % STAGES;
+                        if (nb >= STAGES) mbarrier_wait(&bar_free[buf], (nb / STAGES - 1) & 1);
+                        mbarrier_arrive_expect_tx(&bar_kv[buf], K_BYTES);
+#pragma unroll
+                        for (int db = 0; db < DB; ++db) k_box(buf, nb, db, &bar_kv[buf]);
+                    };
+                    if (n_blocks > 0) issue_k(0);
+                    for (int nb = 0; nb < n_blocks; ++nb) {
+                        if (nb + 1 < n_blocks) issue_k(nb + 1);
+                        const int buf = nb % STAGES;
+                        if (nb >= STAGES) mbarrier_wait(&bar_v_free[buf], (nb / STAGES - 1) & 1);
+                        mbarrier_arrive_expect_tx(&bar_v[buf], V_BYTES);
+#pragma unroll
+                        for (int db = 0; db < DBV; ++db) v_box(buf, nb, db, &bar_v[buf]);
+                    }
+                }
+                return;
+            }
+            setmaxnreg_inc<CONSUMER_REGS>();
+        } else if (!ring_loads<PRODUCER, STAGES, CONSUMERS, CONSUMER_REGS>(n_blocks, bar_free, load_kv)) {
+            return;   // (the producer is done)
+        }
     }
     const unsigned long long q_desc = wgmma_desc_sw128(q_s + wg * 64 * 128);   // this warpgroup's 64 rows of Q
     int it0 = 0;   // the ring position of the current work tile's first key tile
