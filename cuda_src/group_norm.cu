@@ -152,7 +152,8 @@ __device__ __forceinline__ void for_each_pair(const T* a, const T* b, long long 
 // Forward. x: (N, C, HW) or (N, HW, C) per CL; w, b: (C,) or null; y: x's layout;
 // mean_out, rstd_out: (N, G) float32 or null.
 // Statistics: sum(x-K) and sum((x-K)^2) with K the group's first element, one pass; where K
-// lies far from the mean, an exact second pass (from L2) recomputes the variance.
+// lies far from the mean, an exact second pass (from L2) recomputes the variance and corrects
+// the mean.
 template <typename T, bool CL, int GT, int VEC, int THREADS, int U, int MINB>
 __global__ void __launch_bounds__(THREADS, MINB) group_norm_fwd(
     const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
@@ -212,8 +213,11 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_fwd(
             exact |= m * m > 16.f * var[j];
         }
         if (exact) {  // uniform over the block: every thread has the same sums
+            // Sums of d = x - mean and d^2 about the one-pass mean: the variance, and the mean's
+            // correction (the one-pass sum of x - K carries K's rounding: with K an outlier the
+            // mean itself was a few ulps of K off).
             const float ml = pick<GT>(mean, jl);
-            float q0 = 0.f;
+            float q0 = 0.f, q1 = 0.f;
             for_each_vec<CL, VEC, THREADS, U>(geo, [&](long long off, long long stride, int count, int) {
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
@@ -223,16 +227,24 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_fwd(
 #pragma unroll
                     for (int j = 0; j < VEC; ++j) {
                         const float d = f[j] - ml;
+                        q1 += d;
                         q0 += d * d;
                     }
                 }
             }, nothing);
-            float q[GT];
+            float q[2 * GT];
 #pragma unroll
-            for (int j = 0; j < GT; ++j) q[j] = j == jl ? q0 : 0.f;
+            for (int j = 0; j < GT; ++j) {
+                q[2 * j] = j == jl ? q0 : 0.f;
+                q[2 * j + 1] = j == jl ? q1 : 0.f;
+            }
             Reduce::sum(q, scratch);
 #pragma unroll
-            for (int j = 0; j < GT; ++j) var[j] = q[j] * inv_m;
+            for (int j = 0; j < GT; ++j) {
+                const float dm = q[2 * j + 1] * inv_m;
+                var[j] = fmaxf(q[2 * j] * inv_m - dm * dm, 0.f);
+                mean[j] += dm;
+            }
         }
         float rstd[GT];
 #pragma unroll
@@ -355,9 +367,9 @@ __global__ void __launch_bounds__(THREADS, 1) group_norm_fwd_staged(
         Reduce::sum(sums, scratch);
         const float m = sums[0] * inv_m;
         float var = fmaxf(sums[1] * inv_m - m * m, 0.f);
-        const float mean = kx + m;
+        float mean = kx + m;
         if (m * m > 16.f * var) {   // (block-uniform) the exact second pass, from shared memory
-            float q[1] = {0.f};
+            float q[2] = {0.f, 0.f};   // (as the two-read kernel's: the variance and the mean's correction)
 #pragma unroll
             for (int k = 0; k < PER_THREAD; ++k) {
                 const int i = tid + k * THREADS;
@@ -367,11 +379,14 @@ __global__ void __launch_bounds__(THREADS, 1) group_norm_fwd_staged(
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
                     const float d = f[j] - mean;
+                    q[1] += d;
                     q[0] += d * d;
                 }
             }
             Reduce::sum(q, scratch);
-            var = q[0] * inv_m;
+            const float dm = q[1] * inv_m;
+            var = fmaxf(q[0] * inv_m - dm * dm, 0.f);
+            mean += dm;
         }
         const float rstd = rsqrtf(var + eps);
         if (tid == 0) {
