@@ -288,7 +288,7 @@ __device__ __forceinline__ void attention_fwd_sm90_body(
         if (threadIdx.x == (PRODUCER ? THREADS : 0)) load_q();
         if constexpr (SPLIT_KV) {
             // K of tile nb + 1 before V of tile nb, each behind its own slot's release: V's wait
-            // (for the P V two tiles back) never holds back the K that the next S needs.
+            // (for the P V STAGES tiles back) never holds back the K that the next S needs.
             if (threadIdx.x >= THREADS) {
                 setmaxnreg_dec<24>();
                 if (threadIdx.x == THREADS) {

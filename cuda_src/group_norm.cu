@@ -354,14 +354,19 @@ __global__ void __launch_bounds__(THREADS, 1) group_norm_fwd_staged(
                 }
             }
         };
+        // (each wait, then a compiler barrier: the stage's shared-memory reads stay after it)
         static_assert(STAGES == 4, "the waits below");
         cp_async_wait<3>();
+        asm volatile("" ::: "memory");
         stage_sums(0);
         cp_async_wait<2>();
+        asm volatile("" ::: "memory");
         stage_sums(1);
         cp_async_wait<1>();
+        asm volatile("" ::: "memory");
         stage_sums(2);
         cp_async_wait<0>();
+        asm volatile("" ::: "memory");
         stage_sums(3);
         float sums[2] = {s0, s1};
         Reduce::sum(sums, scratch);
@@ -407,7 +412,10 @@ __global__ void __launch_bounds__(THREADS, 1) group_norm_fwd_staged(
                 for (int j = 0; j < VEC; ++j) f[j] = fmaf(f[j] - mean, a, cc);
                 store_stream<T, VEC>(yg + static_cast<long long>(i) * VEC, pack<T, VEC>(f));
             }
-            asm volatile("" ::: "memory");   // (the stage's reads above stay before its new requests)
+            // The stage's reads above stay before its new requests (a compiler barrier); on the
+            // device each read's value is stored to y before the cp.async into its slot issues
+            // (in-order issue, and the store waits for the read's data).
+            asm volatile("" ::: "memory");
             request(group + gridDim.x, s);
         }
     }

@@ -82,8 +82,8 @@ _STAGED_SLACK = 1024   # the staged kernel's static shared memory (the block red
 
 def staged_instance(dtype: str, threads: int, smem: int) -> Instance:
     """The staged forward's instance for a buffer of ``smem`` bytes: the most threads (a power
-    of two from 128, at most ``threads``) that leave every thread at least 8 vectors and a whole
-    number of them in each of its four stages (measured: fewer vectors a thread, and fewer blocks
+    of two, at most ``threads`` but never fewer than 128) that leave every thread at least 8
+    vectors and a whole number of them in each of its four stages (measured: fewer vectors a thread, and fewer blocks
     an SM, were slower; docs/notes-group-norm.md)."""
     vectors = smem // 16
     t = 1 << (max(128, min(threads, vectors // 8)).bit_length() - 1)

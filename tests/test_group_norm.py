@@ -13,6 +13,7 @@ from cukern import _arrays, reference as ref
 
 from arrays import (FLOAT_DTYPES, assert_close, poison_allocator, random_host, to_device,
                     to_host, torch)
+from conftest import DryRun
 
 gpu = pytest.mark.gpu
 needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
@@ -269,7 +270,7 @@ def test_channels_last_tiles_of_several_groups(monkeypatch, shape, groups, dtype
                        seed=sum(shape) + groups))
 
 
-# (shape, groups): groups of 4 channels x 72 positions (a last stage part full), of 16 x 1024
+# (shape, groups): groups of 4 channels x 72 positions (part of the first stage), of 16 x 1024
 # elements (32 and 64 KB buffers), of 40 x 1024 (96 and 192 KB), of 56 x 1024 (128 KB in 16 bits;
 # float32's 224 KB takes the two-read kernel), of 96 x 1024 (192 KB; float32's 384 KB: the
 # two-read kernel), an odd row count, and 2048 small groups (blocks take several in turn).
@@ -308,8 +309,9 @@ def _staged_fits(shape, groups, dtype) -> bool:
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("shape, groups", STAGED_SHAPES)
 def test_staged_forward_holds_the_group_in_shared_memory(monkeypatch, shape, groups, dtype, threads):
-    """The contiguous forward with the group in shared memory (forced on; every buffer size and
-    thread count), forward and backward against the reference, and the kernel the plan took."""
+    """The contiguous forward with the group in shared memory (forced on; every buffer size, at
+    the thread counts the caps give it), forward and backward against the reference, and the
+    kernel the plan took."""
     names = _staged_kernels(monkeypatch, threads)
     _run_case(dict(shape=shape, groups=groups, dtype=dtype, framework="cupy", weight=True, bias=True,
                    layout="contiguous", dy_layout="same", offset=5.0 if threads == 512 else 0.0, eps=1e-5,
@@ -361,16 +363,58 @@ def test_misaligned_views_take_scalar_loads(layout):
 def test_outlier_first_element_stays_exact(layout, size):
     """The one-pass statistics are shifted by the group's first element; an outlier there
     must not cost float32 precision (the kernel then takes an exact second pass, which also
-    corrects the mean: 140 000-element groups, 512 threads a block, long float32 sums)."""
+    corrects the mean). Contiguous groups of 600 and 18 000 elements take the staged forward,
+    the others the two-read kernel (140 000-element groups: long float32 sums a thread)."""
     rng = np.random.default_rng(size)
     x = random_host(rng, (3, 4, size), "float32")
     x[:, 0, 0] = 3000.0   # the first element of each group, in either layout
     x[:, 2, 0] = -3000.0
     xd = _on_device(x, "cupy", layout)
     y, mean, rstd = cukern.group_norm(xd, 2, return_stats=True)
-    ey, _, erstd = ref.group_norm(x, 2, return_stats=True)
+    ey, emean, erstd = ref.group_norm(x, 2, return_stats=True)
     assert_close(y, ey, "float32", "y")
     assert_close(rstd, erstd, "float32", "rstd", tol=2e-5)
+    err = np.abs(to_host(mean) - emean)
+    assert np.all(err <= 2e-5 * (np.abs(emean) + 1.0 / erstd)), f"mean: max error {err.max()}"
+
+
+@pytest.mark.parametrize("optin, cc", [(166912, (8, 0)), (101376, (8, 6)), (232448, (9, 0))])
+def test_staged_forward_is_planned_where_the_group_fits(host_arrays_as_device, monkeypatch, optin, cc):
+    """Which forward the plan launches (no GPU): the staged kernel with the smallest buffer that
+    holds the group within the device's opt-in (A100 164 KB, sm_86 99 KB, H100 227 KB), the
+    two-read kernel for larger groups, channels-last, unaligned data and rows of a partial vector."""
+    from cukern import _kernels
+
+    monkeypatch.setattr(_kernels, "max_shared_memory", lambda device: optin)
+    monkeypatch.setattr(_kernels, "compute_capability", lambda device: cc)
+
+    import importlib
+
+    gn = importlib.import_module("cukern.group_norm")
+
+    def launched(x, groups=2):
+        gn._FWD.clear()   # (plans assume one device: its opt-in is not in their key)
+        with pytest.raises(DryRun) as info:
+            cukern.group_norm(x, groups)
+        (step,) = [s for s in info.value.plan.steps if isinstance(s, tuple) and s[0] == "launch"]
+        return step[1].name, step[2]
+
+    for kb in (1, 20, 40, 80, 120, 160, 192, 250):   # bfloat16 groups of about that many KB
+        x = np.ones((3, 2, kb * 512), _arrays._np_dtype("bfloat16"))
+        name, grid = launched(x)
+        fits = [s for s in (32, 64, 96, 128, 192) if kb <= s and s * 1024 + 1024 <= optin]
+        if fits:
+            assert name.startswith("group_norm_fwd_staged<") and name.endswith(f", {fits[0] * 1024}>"), (kb, name)
+            assert grid == 6   # (one block a group: fewer groups than blocks fit)
+        else:
+            assert name.startswith("group_norm_fwd<"), (kb, name)
+    small = np.ones((3, 4, 8, 8), np.float32)
+    assert launched(small)[0].startswith("group_norm_fwd_staged<float, 256, 32768>")
+    cl = np.ones((3, 8, 8, 4), np.float32).transpose(0, 3, 1, 2)   # channels-last
+    assert launched(cl)[0].startswith("group_norm_fwd<float, true,")
+    assert launched(np.ones((3, 4, 6), np.float32))[0].startswith("group_norm_fwd<")   # 6 % 4 != 0
+    unaligned = np.ones(3 * 4 * 64 + 1, np.float32)[1:].reshape(3, 4, 64)
+    assert launched(unaligned)[0].startswith("group_norm_fwd<")
 
 
 @gpu
