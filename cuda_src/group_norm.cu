@@ -145,6 +145,18 @@ __device__ __forceinline__ void for_each_pair(const T* a, const T* b, long long 
     }
 }
 
+// sum += x - c and sum_sq += (x - c)^2 over a vector's elements, in order (the forwards'
+// one-pass sums about the group's first element, and their exact passes about the mean).
+template <int VEC>
+__device__ __forceinline__ void add_deviations(const float (&f)[VEC], float c, float& sum, float& sum_sq) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+        const float d = f[j] - c;
+        sum += d;
+        sum_sq += d * d;
+    }
+}
+
 }  // namespace group_norm
 }  // namespace cuk
 
@@ -188,12 +200,7 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_fwd(
                 if (u >= count) continue;
                 float f[VEC];
                 unpack(v[u], f);
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    const float d = f[j] - k;
-                    s0 += d;
-                    s1 += d * d;
-                }
+                add_deviations(f, k, s0, s1);
             }
         }, nothing);
         float s[2 * GT];
@@ -224,12 +231,7 @@ __global__ void __launch_bounds__(THREADS, MINB) group_norm_fwd(
                     if (u >= count) continue;
                     float f[VEC];
                     unpack(load_vec<T, VEC>(xg + off + u * stride), f);
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) {
-                        const float d = f[j] - ml;
-                        q1 += d;
-                        q0 += d * d;
-                    }
+                    add_deviations(f, ml, q1, q0);
                 }
             }, nothing);
             float q[2 * GT];
@@ -346,12 +348,7 @@ __global__ void __launch_bounds__(THREADS, 1) group_norm_fwd_staged(
                 if (i >= vectors) continue;
                 float f[VEC];
                 unpack(buf[i], f);
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    const float d = f[j] - kx;
-                    s0 += d;
-                    s1 += d * d;
-                }
+                group_norm::add_deviations(f, kx, s0, s1);
             }
         };
         // (each wait, then a compiler barrier: the stage's shared-memory reads stay after it)
@@ -381,12 +378,7 @@ __global__ void __launch_bounds__(THREADS, 1) group_norm_fwd_staged(
                 if (i >= vectors) continue;
                 float f[VEC];
                 unpack(buf[i], f);
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    const float d = f[j] - mean;
-                    q[1] += d;
-                    q[0] += d * d;
-                }
+                group_norm::add_deviations(f, mean, q[1], q[0]);
             }
             Reduce::sum(q, scratch);
             const float dm = q[1] * inv_m;
