@@ -36,16 +36,26 @@ class Configs:
 
     fwd_threads: a block a token (512: 128 measured 4x slower at D = 4096); rows of at most
     warp_row_bytes go a warp a token in blocks of warp_threads (faster up to D = 2048 bf16,
-    slower at 4096); the backward sums ``chunk`` sorted entries a block over a column tile of
-    bwd_threads * bwd_nv vectors, and the combine kernel takes combine_threads columns."""
+    slower at 4096); the backward sums ``chunk`` sorted entries a unit over a column tile of
+    bwd_threads * bwd_nv vectors, zeroing beside them at most ``zero_rows`` untouched rows of
+    the table a unit, and the combine kernel takes combine_threads columns."""
     fwd_threads: int = 512
     warp_row_bytes: int = 4096
     warp_threads: int = 256
     chunk: int = 64
     bwd_threads: int = 128
     bwd_nv: int = 4
+    zero_rows: int = 256
     combine_threads: int = 128
     keys_threads: int = 256
+    sort_bits: int = 9
+    sort_warps: int = 16
+    sort_items: int = 8
+    scan_threads: int = 1024
+
+    @property
+    def sort_tile(self) -> int:
+        return self.sort_warps * 32 * self.sort_items
 
     def fwd(self, dtype: str, index: str, vec: int, warp: bool) -> Instance:
         ctype, ic = _arrays.DTYPES[dtype][0], INDEX_CTYPES[index]
@@ -54,18 +64,22 @@ class Configs:
         return Instance(SOURCE, f"embedding_fwd<{ctype}, {ic}, {vec}, {self.fwd_threads}>", self.fwd_threads)
 
     def keys(self, index: str) -> Instance:
-        return Instance(SOURCE, f"embedding_bwd_keys<{INDEX_CTYPES[index]}>", self.keys_threads)
+        return Instance(SOURCE, f"embedding_bwd_keys<{INDEX_CTYPES[index]}, {self.sort_bits}, {self.sort_tile}>",
+                        self.keys_threads)
 
-    def zero(self, dtype: str, vec: int) -> Instance:
-        return Instance(SOURCE, f"embedding_bwd_zero<{_arrays.DTYPES[dtype][0]}, {vec}, {self.fwd_threads}>",
-                        self.fwd_threads)
+    def sort_scan(self) -> Instance:
+        return Instance(SOURCE, f"embedding_bwd_sort_scan<{self.scan_threads}>", self.scan_threads)
+
+    def sort_pass(self) -> Instance:
+        return Instance(SOURCE, f"embedding_bwd_sort_pass<{self.sort_bits}, {self.sort_warps}, {self.sort_items}>",
+                        self.sort_warps * 32)
 
     def chunks(self, dtype: str, vec: int) -> Instance:
         return Instance(SOURCE, f"embedding_bwd_chunks<{_arrays.DTYPES[dtype][0]}, {vec}, {self.bwd_nv}, "
-                                f"{self.bwd_threads}>", self.bwd_threads)
+                                f"{self.bwd_threads}, {self.chunk}, {self.zero_rows}>", self.bwd_threads)
 
-    def combine(self, dtype: str) -> Instance:
-        return Instance(SOURCE, f"embedding_bwd_combine<{_arrays.DTYPES[dtype][0]}, {self.combine_threads}>",
+    def combine(self, dtype: str, cv: int) -> Instance:
+        return Instance(SOURCE, f"embedding_bwd_combine<{_arrays.DTYPES[dtype][0]}, {self.combine_threads}, {cv}>",
                         self.combine_threads)
 
 
@@ -78,9 +92,9 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
     for dtype, (_, itemsize) in _arrays.DTYPES.items():
         for vec in sorted({1, 16 // itemsize}):
             out += [configs.fwd(dtype, ix, vec, warp) for warp in (False, True) for ix in INDEX_CTYPES]
-            out += [configs.chunks(dtype, vec), configs.zero(dtype, vec)]
-        out.append(configs.combine(dtype))
-    return out + [configs.keys(ix) for ix in INDEX_CTYPES]
+            out.append(configs.chunks(dtype, vec))
+        out += [configs.combine(dtype, cv) for cv in (1, 4)]
+    return out + [configs.keys(ix) for ix in INDEX_CTYPES] + [configs.sort_scan(), configs.sort_pass()]
 
 
 def _vec(itemsize: int, d: int, *arrays) -> int:
@@ -251,28 +265,50 @@ def _plan_backward(arrays, num_embeddings, padding_idx, scale, configs: Configs)
         b.fill(0.0, dw)
         return b.plan(device)
     fault = _arrays.wrap(_faults.record(device), "fault record")
-    keys = b.alloc((ntok,), "int64")
-    touched = b.alloc((v,), "uint8")
+    # the sort: a pass a sort_bits digit of the indices, V (padding's) included
+    bits, radix, tile = max(1, v.bit_length()), 1 << configs.sort_bits, configs.sort_tile
+    passes, ntiles = -(-bits // configs.sort_bits), -(-ntok // tile)
+    keys, keys_other = b.alloc((ntok,), "int64"), b.alloc((ntok,), "int64")
+    # touched flags, each pass's digit counts, the count of crossing runs
+    counts = b.alloc((v + passes * radix * ntiles + 1,), "int32")
     nchunks = -(-ntok // configs.chunk)
     part = b.alloc((nchunks, 2, d), "float32")
     pidx = b.alloc((nchunks, 2), "int64")
     pcnt = b.alloc((nchunks, 2), "int32")
-    own = b.alloc((nchunks,), "int32")
+    owners = b.alloc((nchunks,), "int32")
     vec = _vec(ga.itemsize, d, ga if _arrays.is_contiguous(ga) else None)
-    b.fill(0, touched)
+    b.fill(0, counts)
+
+    def digit_counts(p):
+        return counts + 4 * (v + p * radix * ntiles)
+
+    nowners = digit_counts(passes)
+
     k = _kernels.kernel(configs.keys(ia.dtype), device)
     b.launch(k, min(-(-ntok // configs.keys_threads), 32 * _kernels.sm_count(device)), indices=b.slot(1),
-             ntok=ntok, V=v, padding=pad, keys=keys, touched=touched, fault=fault)
-    k = _kernels.kernel(configs.zero(ga.dtype, vec), device)
-    b.launch(k, min(v, k.resident_blocks()), touched=touched, V=v, D=d, dweight=dw)
-    b.sort(keys)   # (the framework's sort; keys are unique, so any sort gives the same order)
+             ntok=ntok, V=v, padding=pad, keys=keys, touched=counts, counts=digit_counts(0), ntiles=ntiles,
+             fault=fault)
+    scan, sort_pass = (_kernels.kernel(configs.sort_scan(), device), _kernels.kernel(configs.sort_pass(), device))
+    for p in range(passes):
+        b.launch(scan, 1, scanned=digit_counts(p), n=radix * ntiles)
+        b.launch(sort_pass, ntiles, src=keys, dst=keys_other, n=ntok, shift=p * configs.sort_bits,
+                 offsets=digit_counts(p), ntiles=ntiles, next=digit_counts(p + 1) if p + 1 < passes else None,
+                 next_shift=(p + 1) * configs.sort_bits)
+        keys, keys_other = keys_other, keys
+    # units: every chunk of entries, and at least enough that each zeroes at most zero_rows rows
+    nunits = max(nchunks, -(-v // configs.zero_rows))
+    zrows = -(-v // nunits)
     k = _kernels.kernel(configs.chunks(ga.dtype, vec), device)
-    tile = configs.bwd_threads * configs.bwd_nv * vec
-    b.launch(k, (nchunks, -(-d // tile)), keys=keys, n=ntok, C=configs.chunk, grad=b.slot(0), V=v, D=d,
-             scale_by_freq=int(scale), dweight=dw, part=part, pidx=pidx, pcnt=pcnt, own=own)
-    k = _kernels.kernel(configs.combine(ga.dtype), device)
-    b.launch(k, (nchunks, -(-d // configs.combine_threads)), part=part, pidx=pidx, pcnt=pcnt, own=own,
-             nchunks=nchunks, D=d, scale_by_freq=int(scale), dweight=dw)
+    tiles = -(-d // (configs.bwd_threads * configs.bwd_nv * vec))
+    b.launch(k, (min(nunits, max(1, k.resident_blocks() // tiles)), tiles), keys=keys, n=ntok, nchunks=nchunks,
+             nunits=nunits, zrows=zrows, zper=-(-zrows // configs.chunk), touched=counts, grad=b.slot(0), V=v,
+             D=d, scale_by_freq=int(scale), dweight=dw, part=part, pidx=pidx, pcnt=pcnt, owners=owners,
+             nowners=nowners)
+    cv = 4 if d % 4 == 0 else 1
+    k = _kernels.kernel(configs.combine(ga.dtype, cv), device)
+    b.launch(k, max(1, min(k.resident_blocks(), nchunks * -(-d // (configs.combine_threads * cv)))), part=part,
+             pidx=pidx, pcnt=pcnt, owners=owners, nowners=nowners, nchunks=nchunks, D=d, scale_by_freq=int(scale),
+             dweight=dw)
     return b.plan(device)
 
 

@@ -374,6 +374,7 @@ EMBEDDING_SHAPES = (
     ((300,), "int32", 40, 256, 5, True, False),       # repeated tokens, a padding row, the frequency scale
     ((2, 50), "int64", 1000, 2600, -1, True, True),   # rows over 4 KB: a block a token; checked indices
     ((500,), "int32", 5, 64, None, False, False),     # five tokens 100 times each: chunks of entries combined
+    ((700,), "int64", 3000, 24, None, False, False),  # more table than tokens: units that only zero rows
 )
 
 

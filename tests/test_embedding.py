@@ -367,6 +367,36 @@ def test_backward_many_repeated_tokens_is_deterministic_and_right(dist, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("ntok, v, d, dist", [
+    (20000, 30000, 520, "uniform"),    # many chunks, runs across their boundaries, 16-byte vectors
+    (20000, 30000, 1030, "zipf"),      # scalar loads, three column tiles, a few very long runs
+    (100, 40000, 64, "uniform"),       # far more table than tokens: units that only zero rows
+    (5000, 3, 8, "hot"),               # a table smaller than one unit's rows
+    (50000, 300000, 8, "uniform"),     # indices of 19 bits: three passes of the keys' sort
+])
+def test_backward_units_sum_every_chunk_and_zero_every_other_row(ntok, v, d, dist, dtype):
+    """The keys' sort takes a pass a 9-bit digit of the indices; the sums kernel takes units of
+    sorted entries and, beside them, slices of the table whose untouched rows it zeroes: every
+    row must be written, looked up or not, whatever the unit split (the allocator hands out
+    NaN, so a row missed shows)."""
+    import cupy
+
+    rng = np.random.default_rng(ntok + v + d)
+    idx = draw_indices(rng, (ntok,), v, dist, "int64")
+    grad = random_host(rng, (ntok, d), dtype)
+    poison_allocator("cupy", [v * d * grad.itemsize, v * d * 4])
+    out = cukern.embedding_backward(to_device(grad, "cupy"), cupy.asarray(idx), v)
+    got = to_host(out)
+    assert not np.isnan(got).any(), "dweight: a row was never written"
+    expect = ref.embedding_backward(grad, idx, v)
+    assert np.all(got[expect == 0] == 0), "dweight: rows never looked up must be zero"
+    tol, scale = grad_tolerance(dtype, max_count(idx, v), 1.0, False)
+    assert_close(out, expect, dtype, "dweight", tol=tol, scale=scale)
+    cukern.check_errors()
+
+
+@gpu
 def test_poisoning_reaches_the_next_allocation():
     """The poisoning above is only a check if the allocator really hands back NaN memory."""
     import cupy
