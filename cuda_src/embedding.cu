@@ -8,7 +8,7 @@
 //     gradient (padding, out of range: the latter recorded as faults) get index V, so that
 //     after the sort they come last and equal indices are adjacent, in position order.
 //     Touched rows are flagged.
-//  2. embedding_bwd_sort_scan and embedding_bwd_sort_pass, a pair a digit: the keys sorted.
+//  2. embedding_bwd_sort_pass, one a digit: the keys sorted.
 //  3. embedding_bwd_chunks: sums the rows of C sorted entries a unit in float32, run by run,
 //     and zeroes the untouched rows of a slice of the table beside them.
 //  4. embedding_bwd_combine: the chunk where a crossing run starts adds the following chunks'
@@ -85,9 +85,9 @@ __global__ void __launch_bounds__(THREADS) embedding_fwd_warp(
 // The keys are sorted by index only (bits 32 and up), stably: tokens start in position order,
 // so equal indices end up in position order, as a sort of the whole keys would leave them. The
 // sort is least-significant digit first, BITS a pass over the bits V needs (two passes up to
-// V = 2^18 - 1 at 9 bits): a pass is a scan of the digit counts and a scatter, and each
-// scatter counts the next pass's digits as it writes. (The framework's sort of the 64-bit keys
-// took 98 us for 65536 tokens on an H200, a sixth of the backward.)
+// V = 2^18 - 1 at 9 bits): a pass is one launch, a scatter by the digit counts a tile, which
+// counts the next pass's digits as it writes (the keys kernel counts the first pass's). The
+// framework's sort of the 64-bit keys took 98 us for 65536 tokens on an H200.
 
 template <int BITS>
 __device__ __forceinline__ unsigned sort_digit(long long key, int shift) {
@@ -112,6 +112,7 @@ __global__ void __launch_bounds__(256) embedding_bwd_keys(
     long long* fault)
 {
     using namespace cuk;
+    unsigned* ucounts = reinterpret_cast<unsigned*>(counts);
     // (the loop's test is the warp's first token: its lanes go round together, for the ballot)
     for (long long t = blockIdx.x * 256LL + threadIdx.x; t - (threadIdx.x & 31) < ntok; t += gridDim.x * 256LL) {
         const bool ok = t < ntok;
@@ -128,23 +129,49 @@ __global__ void __launch_bounds__(256) embedding_bwd_keys(
         }
         const long long key = (i << 32) | t;
         keys[t] = key;
-        count_once_a_slot(reinterpret_cast<unsigned*>(counts), static_cast<unsigned>(sort_digit<BITS>(key, 0) * ntiles + t / TILE), active);
+        count_once_a_slot(ucounts, static_cast<unsigned>(sort_digit<BITS>(key, 0) * ntiles + t / TILE), active);
     }
 }
 
-// Exclusive scan of n counts in place, one block (n = R * ntiles: a few thousand for 65536
-// tokens). Thread j takes a contiguous run of ceil(n / THREADS).
-template <int THREADS>
-__global__ void __launch_bounds__(THREADS) embedding_bwd_sort_scan(int* __restrict__ scanned, long long n)
+// One pass: block `tile` moves its TILE keys (src[tile * TILE ...]) to their places by digit,
+// stably. counts: this pass's digit counts a tile ([R][ntiles]), from which each block works
+// out its own first places (the keys of smaller digits, and of its digit in earlier tiles: a
+// scan in a launch of its own, or in the last block of the kernel before, cost about 10 us);
+// next: the next pass's counts (digits at next_shift, by the tile each key lands in), or null
+// after the last pass.
+// Warp w ranks its 32 * ITEMS keys 32 at a time: a key's rank among the warp's keys of its
+// digit is the count of that digit so far (whist) plus its equal-digit lanes below it.
+template <int BITS, int WARPS, int ITEMS>
+__global__ void __launch_bounds__(WARPS * 32, 1) embedding_bwd_sort_pass(
+    const long long* __restrict__ src, long long* __restrict__ dst, long long n, int shift,
+    const int* __restrict__ counts, long long ntiles, int* __restrict__ next, int next_shift)
 {
-    unsigned* counts = reinterpret_cast<unsigned*>(scanned);
-    __shared__ unsigned warp_sums[THREADS / 32];
+    constexpr int R = 1 << BITS, THREADS = WARPS * 32, TILE = THREADS * ITEMS, DPT = R / THREADS;
+    static_assert(R % THREADS == 0, "each thread takes R / THREADS digits");
+    __shared__ unsigned whist[WARPS][R];
+    __shared__ unsigned first[R];   // the tile's first place for each digit
+    __shared__ unsigned warp_sums[WARPS];
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const long long per = (n + THREADS - 1) / THREADS;
-    const long long b = threadIdx.x * per, e = b + per < n ? b + per : n;
-    unsigned sum = 0;
-    for (long long i = b; i < e; ++i) sum += counts[i];
-    unsigned incl = sum;   // inclusive scan of the threads' sums: in the warp, then of the warps
+    const unsigned lt = (1u << lane) - 1;
+    const long long tile = blockIdx.x;
+    for (int i = threadIdx.x; i < WARPS * R; i += THREADS) (&whist[0][0])[i] = 0;
+
+    // digits threadIdx.x * DPT ...: their keys in all tiles and in the tiles before this one
+    unsigned total[DPT], before[DPT], sum = 0;
+#pragma unroll
+    for (int q = 0; q < DPT; ++q) {
+        const int* c = counts + (threadIdx.x * DPT + q) * ntiles;
+        unsigned all = 0, pre = 0;
+#pragma unroll 4
+        for (long long t = 0; t < ntiles; ++t) {
+            if (t == tile) pre = all;
+            all += static_cast<unsigned>(c[t]);
+        }
+        total[q] = all;
+        before[q] = pre;
+        sum += all;
+    }
+    unsigned incl = sum;   // the threads' sums scanned: in the warp, then of the warps
 #pragma unroll
     for (int o = 1; o < 32; o *= 2) {
         const unsigned x = __shfl_up_sync(0xffffffffu, incl, o);
@@ -153,39 +180,23 @@ __global__ void __launch_bounds__(THREADS) embedding_bwd_sort_scan(int* __restri
     if (lane == 31) warp_sums[w] = incl;
     __syncthreads();
     if (w == 0) {
-        unsigned x = lane < THREADS / 32 ? warp_sums[lane] : 0;
+        unsigned x = lane < WARPS ? warp_sums[lane] : 0;
 #pragma unroll
         for (int o = 1; o < 32; o *= 2) {
             const unsigned y = __shfl_up_sync(0xffffffffu, x, o);
             if (lane >= o) x += y;
         }
-        if (lane < THREADS / 32) warp_sums[lane] = x;
+        if (lane < WARPS) warp_sums[lane] = x;
     }
     __syncthreads();
-    unsigned run = incl - sum + (w > 0 ? warp_sums[w - 1] : 0);
-    for (long long i = b; i < e; ++i) {
-        const unsigned c = counts[i];
-        counts[i] = run;
-        run += c;
+    {
+        unsigned run = incl - sum + (w > 0 ? warp_sums[w - 1] : 0);
+#pragma unroll
+        for (int q = 0; q < DPT; ++q) {
+            first[threadIdx.x * DPT + q] = run + before[q];
+            run += total[q];
+        }
     }
-}
-
-// One pass: block `tile` moves its TILE keys (src[tile * TILE ...]) to their places by digit,
-// stably. offsets: the scanned counts of this pass ([R][ntiles]); next: the next pass's
-// counts (digits at next_shift, by the tile each key lands in), or null after the last pass.
-// Warp w ranks its 32 * ITEMS keys 32 at a time: a key's rank among the warp's keys of its
-// digit is the count of that digit so far (whist) plus its equal-digit lanes below it.
-template <int BITS, int WARPS, int ITEMS>
-__global__ void __launch_bounds__(WARPS * 32) embedding_bwd_sort_pass(
-    const long long* __restrict__ src, long long* __restrict__ dst, long long n, int shift,
-    const int* __restrict__ offsets, long long ntiles, int* __restrict__ next, int next_shift)
-{
-    constexpr int R = 1 << BITS, TILE = WARPS * 32 * ITEMS;
-    __shared__ unsigned whist[WARPS][R];
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const unsigned lt = (1u << lane) - 1;
-    const long long tile = blockIdx.x;
-    for (int i = threadIdx.x; i < WARPS * R; i += WARPS * 32) (&whist[0][0])[i] = 0;
     const long long base = tile * TILE + static_cast<long long>(w) * 32 * ITEMS;
     long long key[ITEMS];
 #pragma unroll
@@ -207,8 +218,8 @@ __global__ void __launch_bounds__(WARPS * 32) embedding_bwd_sort_pass(
         __syncwarp();
     }
     __syncthreads();
-    for (int d = threadIdx.x; d < R; d += WARPS * 32) {   // the warps' first places, digit by digit
-        unsigned run = static_cast<unsigned>(offsets[d * ntiles + tile]);
+    for (int d = threadIdx.x; d < R; d += THREADS) {   // the warps' first places, digit by digit
+        unsigned run = first[d];
 #pragma unroll
         for (int v = 0; v < WARPS; ++v) {
             const unsigned c = whist[v][d];
@@ -225,8 +236,8 @@ __global__ void __launch_bounds__(WARPS * 32) embedding_bwd_sort_pass(
         const unsigned dest = whist[w][sort_digit<BITS>(key[r], shift)] + rank[r];
         dst[dest] = key[r];
         if (next != nullptr)
-            count_once_a_slot(reinterpret_cast<unsigned*>(next), sort_digit<BITS>(key[r], next_shift) * static_cast<unsigned>(ntiles) + dest / TILE,
-                              active);
+            count_once_a_slot(reinterpret_cast<unsigned*>(next),
+                              sort_digit<BITS>(key[r], next_shift) * static_cast<unsigned>(ntiles) + dest / TILE, active);
     }
 }
 
@@ -244,20 +255,25 @@ __global__ void __launch_bounds__(WARPS * 32) embedding_bwd_sort_pass(
 // part: [nchunks][2][D] float32; pidx: [nchunks][2] (run index or -1); pcnt: [nchunks][2];
 // owners: 2 * chunk + slot for each chunk where a crossing run starts, in no particular order
 // (each is combined on its own, so the order changes no result); nowners: their count.
-template <typename T, int VEC, int NV, int THREADS, int C, int ZMAX>
-__global__ void __launch_bounds__(THREADS) embedding_bwd_chunks(
-    const long long* __restrict__ keys, long long n, long long nchunks, long long nunits, int zrows, int zper,
-    const int* __restrict__ touched, const T* __restrict__ grad, long long V, int D,
+// MINB (blocks an SM for ptxas's register budget): 1024 / (THREADS * NV) keeps the 16-bit
+// instances at 64 registers, two 512-thread blocks an SM, with no spills.
+template <typename T, int VEC, int NV, int THREADS, int CMAX, int ZMAX, int MINB>
+__global__ void __launch_bounds__(THREADS, MINB) embedding_bwd_chunks(
+    const long long* __restrict__ keys, long long n, int C, long long nchunks, long long nunits, int tiles,
+    int zrows, int zper, const int* __restrict__ touched, const T* __restrict__ grad, long long V, int D,
     int scale_by_freq, T* __restrict__ dweight, float* __restrict__ part, long long* __restrict__ pidx,
     int* __restrict__ pcnt, int* __restrict__ owners, int* __restrict__ nowners)
 {
     using namespace cuk;
-    __shared__ long long skey[C];
+    __shared__ long long skey[CMAX];   // C <= CMAX
     __shared__ unsigned char szero[ZMAX];   // 1: row r0 + i is to be zeroed
-    const int col0 = blockIdx.y * THREADS * NV * VEC;
-    const bool lead = blockIdx.y == 0 && threadIdx.x == 0;
+    const long long items = nunits * tiles;
 
-    for (long long u = blockIdx.x; u < nunits; u += gridDim.x) {
+    // work item = unit * tiles + column tile, taken in turn by a persistent grid
+    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
+        const long long u = item / tiles;
+        const int col0 = static_cast<int>(item % tiles) * THREADS * NV * VEC;
+        const bool lead = item % tiles == 0 && threadIdx.x == 0;
         const long long e0 = u * C;
         const int m = u < nchunks ? static_cast<int>(n - e0 < C ? n - e0 : C) : 0;
         const long long r0 = u * zrows;
@@ -288,7 +304,7 @@ __global__ void __launch_bounds__(THREADS) embedding_bwd_chunks(
         };
         // entries with an index < V: padding and out-of-range tokens were given V, sorted last
         auto valid = [&](int i) { return i < m && (skey[i] >> 32) < V; };
-        auto load_row = [&](int i, Vec<T, VEC> (&dst)[NV]) {
+        auto load_row = [&](int i, Vec<T, VEC>(&dst)[NV]) {
             const T* g = grad + (skey[i] & 0xffffffffLL) * D;
 #pragma unroll
             for (int k = 0; k < NV; ++k) {
@@ -334,12 +350,11 @@ __global__ void __launch_bounds__(THREADS) embedding_bwd_chunks(
             }
         };
 
-        Vec<T, VEC> v[NV];
-        if (valid(0)) load_row(0, v);
+        // entry i + 1's row requested before entry i's is added (two ahead measured the same)
+        Vec<T, VEC> v[2][NV];
+        if (valid(0)) load_row(0, v[0]);
         for (int i = 0; valid(i); ++i) {
-            Vec<T, VEC> ahead[NV];
-            const bool more = valid(i + 1);
-            if (more) load_row(i + 1, ahead);
+            if (valid(i + 1)) load_row(i + 1, v[1]);
             zero_rows(zper);
             const long long idx = skey[i] >> 32;
             if (idx != cur) {
@@ -357,12 +372,10 @@ __global__ void __launch_bounds__(THREADS) embedding_bwd_chunks(
 #pragma unroll
             for (int k = 0; k < NV; ++k)
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) acc[k][j] += element(v[k], j);
+                for (int j = 0; j < VEC; ++j) acc[k][j] += element(v[0][k], j);
             ++cnt;
-            if (more) {
 #pragma unroll
-                for (int k = 0; k < NV; ++k) v[k] = ahead[k];
-            }
+            for (int k = 0; k < NV; ++k) v[0][k] = v[1][k];
         }
         if (cur >= 0) flush(next == cur);
         zero_rows(nz);
@@ -370,27 +383,48 @@ __global__ void __launch_bounds__(THREADS) embedding_bwd_chunks(
 }
 
 // The crossing runs: work item w is owner w / tiles (a chunk where such a run starts) and
-// column tile w % tiles of THREADS * CV columns, CV a thread. The run's following chunks are
-// read eight at a time (their run indices, then the partials of those that continue it), not
-// one dependent load after another: a token repeated thousands of times spans hundreds of
-// chunks. A persistent grid over the owners only (one block a chunk and tile, most with
-// nothing to do, took 25 us at 65536 tokens).
+// column tile w % tiles of THREADS * CV columns, CV a thread. The run's last chunk is looked
+// for among the next B chunks' first runs (one round of loads; most runs end there), else by
+// a binary search of the sorted keys (the same loads for every thread of the block). The
+// partials of its chunks are then read B at a time with no load waiting on another: a token
+// repeated thousands of times spans hundreds of chunks.
 template <typename T, int THREADS, int CV>
-__global__ void __launch_bounds__(THREADS) embedding_bwd_combine(
-    const float* __restrict__ part, const long long* __restrict__ pidx, const int* __restrict__ pcnt,
-    const int* __restrict__ owners, const int* __restrict__ nowners, long long nchunks, int D, int scale_by_freq,
-    T* __restrict__ dweight)
+__global__ void __launch_bounds__(THREADS, 1) embedding_bwd_combine(
+    const long long* __restrict__ keys, long long n, int C, long long nchunks, const float* __restrict__ part,
+    const long long* __restrict__ pidx, const int* __restrict__ pcnt, const int* __restrict__ owners,
+    const int* __restrict__ nowners, int D, int scale_by_freq, T* __restrict__ dweight)
 {
     using namespace cuk;
+    constexpr int B = 16;
     const int tiles = (D + THREADS * CV - 1) / (THREADS * CV);
     const long long items = static_cast<long long>(*nowners) * tiles;
     for (long long w = blockIdx.x; w < items; w += gridDim.x) {
         const int owner = owners[w / tiles];
         const long long b = owner / 2;
         const int slot = owner % 2;
+        const long long idx = pidx[2 * b + slot];
+        long long last = b;   // the chunk of the run's last entry
+        {
+            long long id[B];
+#pragma unroll
+            for (int j = 0; j < B; ++j) id[j] = b + 1 + j < nchunks ? pidx[2 * (b + 1 + j)] : -1;
+            bool go = true;
+#pragma unroll
+            for (int j = 0; j < B; ++j) {
+                go = go && id[j] == idx;
+                if (go) last = b + 1 + j;
+            }
+            if (go) {   // past those: search the keys from there
+                long long lo = last * C, hi = n;   // keys[lo] is of the run
+                while (hi - lo > 1) {
+                    const long long mid = lo + (hi - lo) / 2;
+                    if ((keys[mid] >> 32) == idx) lo = mid; else hi = mid;
+                }
+                last = lo / C;
+            }
+        }
         const int col = static_cast<int>(w % tiles) * THREADS * CV + threadIdx.x * CV;
         if (col >= D) continue;
-        const long long idx = pidx[2 * b + slot];
         float acc[CV];
         {
             const Vec<float, CV> p = load_vec<float, CV>(part + (2 * b + slot) * static_cast<long long>(D) + col);
@@ -398,32 +432,24 @@ __global__ void __launch_bounds__(THREADS) embedding_bwd_combine(
             for (int j = 0; j < CV; ++j) acc[j] = p.v[j];
         }
         long long cnt = pcnt[2 * b + slot];
-        constexpr int B = 8;
-        for (long long c0 = b + 1; c0 < nchunks; c0 += B) {
-            bool take[B];
-            bool go = true;
-#pragma unroll
-            for (int j = 0; j < B; ++j) {
-                go = go && c0 + j < nchunks && pidx[2 * (c0 + j)] == idx;
-                take[j] = go;
-            }
+        for (long long c0 = b + 1; c0 <= last; c0 += B) {
             Vec<float, CV> p[B];
             int q[B];
 #pragma unroll
             for (int j = 0; j < B; ++j) {
-                p[j] = take[j] ? load_vec<float, CV>(part + (2 * (c0 + j)) * static_cast<long long>(D) + col)
-                               : Vec<float, CV>{};
-                q[j] = take[j] ? pcnt[2 * (c0 + j)] : 0;
+                const bool in = c0 + j <= last;
+                p[j] = in ? load_vec<float, CV>(part + (2 * (c0 + j)) * static_cast<long long>(D) + col)
+                          : Vec<float, CV>{};
+                q[j] = in ? pcnt[2 * (c0 + j)] : 0;
             }
 #pragma unroll
             for (int j = 0; j < B; ++j) {
-                if (take[j]) {
+                if (c0 + j <= last) {
 #pragma unroll
                     for (int k = 0; k < CV; ++k) acc[k] += p[j].v[k];
                     cnt += q[j];
                 }
             }
-            if (!go) break;
         }
         const float s = scale_by_freq ? 1.f / static_cast<float>(cnt) : 1.f;
         Vec<T, CV> o;

@@ -36,22 +36,25 @@ class Configs:
 
     fwd_threads: a block a token (512: 128 measured 4x slower at D = 4096); rows of at most
     warp_row_bytes go a warp a token in blocks of warp_threads (faster up to D = 2048 bf16,
-    slower at 4096); the backward sums ``chunk`` sorted entries a unit over a column tile of
-    bwd_threads * bwd_nv vectors, zeroing beside them at most ``zero_rows`` untouched rows of
-    the table a unit, and the combine kernel takes combine_threads columns."""
+    slower at 4096). Backward: the keys sorted sort_bits a pass, sort_warps * 32 *
+    sort_items keys a block; the sums kernel takes units of ``chunk`` sorted entries
+    (``chunk_small`` where that leaves fewer units than half the resident blocks) and beside them at
+    most ``zero_rows`` rows of the table to zero, over column tiles of the first of
+    ``bwd_shapes`` (threads, vectors a thread) that covers the row (else the last); the
+    combine kernel takes combine_threads * 4 columns a block (* 1 for widths not a multiple
+    of 4)."""
     fwd_threads: int = 512
     warp_row_bytes: int = 4096
     warp_threads: int = 256
-    chunk: int = 64
-    bwd_threads: int = 128
-    bwd_nv: int = 4
+    chunk: int = 128
+    chunk_small: int = 64
+    bwd_shapes: tuple = ((128, 1), (256, 1), (512, 1), (512, 2))
     zero_rows: int = 256
     combine_threads: int = 128
     keys_threads: int = 256
     sort_bits: int = 9
     sort_warps: int = 16
     sort_items: int = 8
-    scan_threads: int = 1024
 
     @property
     def sort_tile(self) -> int:
@@ -67,16 +70,19 @@ class Configs:
         return Instance(SOURCE, f"embedding_bwd_keys<{INDEX_CTYPES[index]}, {self.sort_bits}, {self.sort_tile}>",
                         self.keys_threads)
 
-    def sort_scan(self) -> Instance:
-        return Instance(SOURCE, f"embedding_bwd_sort_scan<{self.scan_threads}>", self.scan_threads)
-
     def sort_pass(self) -> Instance:
         return Instance(SOURCE, f"embedding_bwd_sort_pass<{self.sort_bits}, {self.sort_warps}, {self.sort_items}>",
                         self.sort_warps * 32)
 
-    def chunks(self, dtype: str, vec: int) -> Instance:
-        return Instance(SOURCE, f"embedding_bwd_chunks<{_arrays.DTYPES[dtype][0]}, {vec}, {self.bwd_nv}, "
-                                f"{self.bwd_threads}, {self.chunk}, {self.zero_rows}>", self.bwd_threads)
+    def bwd_shape(self, d: int, vec: int) -> tuple:
+        """(threads, vectors a thread) of the sums kernel for rows of d elements."""
+        return next((s for s in self.bwd_shapes if s[0] * s[1] * vec >= d), self.bwd_shapes[-1])
+
+    def chunks(self, dtype: str, vec: int, shape: tuple) -> Instance:
+        threads, nv = shape
+        cmax, minb = max(self.chunk, self.chunk_small), max(1, 1024 // (threads * nv))
+        return Instance(SOURCE, f"embedding_bwd_chunks<{_arrays.DTYPES[dtype][0]}, {vec}, {nv}, {threads}, {cmax}, "
+                                f"{self.zero_rows}, {minb}>", threads)
 
     def combine(self, dtype: str, cv: int) -> Instance:
         return Instance(SOURCE, f"embedding_bwd_combine<{_arrays.DTYPES[dtype][0]}, {self.combine_threads}, {cv}>",
@@ -92,9 +98,9 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
     for dtype, (_, itemsize) in _arrays.DTYPES.items():
         for vec in sorted({1, 16 // itemsize}):
             out += [configs.fwd(dtype, ix, vec, warp) for warp in (False, True) for ix in INDEX_CTYPES]
-            out.append(configs.chunks(dtype, vec))
+            out += [configs.chunks(dtype, vec, shape) for shape in configs.bwd_shapes]
         out += [configs.combine(dtype, cv) for cv in (1, 4)]
-    return out + [configs.keys(ix) for ix in INDEX_CTYPES] + [configs.sort_scan(), configs.sort_pass()]
+    return out + [configs.keys(ix) for ix in INDEX_CTYPES] + [configs.sort_pass()]
 
 
 def _vec(itemsize: int, d: int, *arrays) -> int:
@@ -271,44 +277,44 @@ def _plan_backward(arrays, num_embeddings, padding_idx, scale, configs: Configs)
     keys, keys_other = b.alloc((ntok,), "int64"), b.alloc((ntok,), "int64")
     # touched flags, each pass's digit counts, the count of crossing runs
     counts = b.alloc((v + passes * radix * ntiles + 1,), "int32")
-    nchunks = -(-ntok // configs.chunk)
-    part = b.alloc((nchunks, 2, d), "float32")
-    pidx = b.alloc((nchunks, 2), "int64")
-    pcnt = b.alloc((nchunks, 2), "int32")
-    owners = b.alloc((nchunks,), "int32")
-    vec = _vec(ga.itemsize, d, ga if _arrays.is_contiguous(ga) else None)
-    b.fill(0, counts)
 
     def digit_counts(p):
         return counts + 4 * (v + p * radix * ntiles)
 
     nowners = digit_counts(passes)
-
+    vec = _vec(ga.itemsize, d, ga if _arrays.is_contiguous(ga) else None)
+    sums = _kernels.kernel(configs.chunks(ga.dtype, vec, configs.bwd_shape(d, vec)), device)
+    threads, nv = configs.bwd_shape(d, vec)
+    tiles = -(-d // (threads * nv * vec))
+    chunk = configs.chunk if -(-ntok // configs.chunk) * tiles >= sums.resident_blocks() // 2 else configs.chunk_small
+    nchunks = -(-ntok // chunk)
+    part = b.alloc((nchunks, 2, d), "float32")
+    pidx = b.alloc((nchunks, 2), "int64")
+    pcnt = b.alloc((nchunks, 2), "int32")
+    owners = b.alloc((nchunks,), "int32")
+    b.fill(0, counts)
     k = _kernels.kernel(configs.keys(ia.dtype), device)
     b.launch(k, min(-(-ntok // configs.keys_threads), 32 * _kernels.sm_count(device)), indices=b.slot(1),
              ntok=ntok, V=v, padding=pad, keys=keys, touched=counts, counts=digit_counts(0), ntiles=ntiles,
              fault=fault)
-    scan, sort_pass = (_kernels.kernel(configs.sort_scan(), device), _kernels.kernel(configs.sort_pass(), device))
+    sort_pass = _kernels.kernel(configs.sort_pass(), device)
     for p in range(passes):
-        b.launch(scan, 1, scanned=digit_counts(p), n=radix * ntiles)
         b.launch(sort_pass, ntiles, src=keys, dst=keys_other, n=ntok, shift=p * configs.sort_bits,
-                 offsets=digit_counts(p), ntiles=ntiles, next=digit_counts(p + 1) if p + 1 < passes else None,
+                 counts=digit_counts(p), ntiles=ntiles, next=digit_counts(p + 1) if p + 1 < passes else None,
                  next_shift=(p + 1) * configs.sort_bits)
         keys, keys_other = keys_other, keys
     # units: every chunk of entries, and at least enough that each zeroes at most zero_rows rows
     nunits = max(nchunks, -(-v // configs.zero_rows))
     zrows = -(-v // nunits)
-    k = _kernels.kernel(configs.chunks(ga.dtype, vec), device)
-    tiles = -(-d // (configs.bwd_threads * configs.bwd_nv * vec))
-    b.launch(k, (min(nunits, max(1, k.resident_blocks() // tiles)), tiles), keys=keys, n=ntok, nchunks=nchunks,
-             nunits=nunits, zrows=zrows, zper=-(-zrows // configs.chunk), touched=counts, grad=b.slot(0), V=v,
+    b.launch(sums, min(nunits * tiles, sums.resident_blocks()), keys=keys, n=ntok, C=chunk, nchunks=nchunks,
+             nunits=nunits, tiles=tiles, zrows=zrows, zper=-(-zrows // chunk), touched=counts, grad=b.slot(0), V=v,
              D=d, scale_by_freq=int(scale), dweight=dw, part=part, pidx=pidx, pcnt=pcnt, owners=owners,
              nowners=nowners)
     cv = 4 if d % 4 == 0 else 1
     k = _kernels.kernel(configs.combine(ga.dtype, cv), device)
-    b.launch(k, max(1, min(k.resident_blocks(), nchunks * -(-d // (configs.combine_threads * cv)))), part=part,
-             pidx=pidx, pcnt=pcnt, owners=owners, nowners=nowners, nchunks=nchunks, D=d, scale_by_freq=int(scale),
-             dweight=dw)
+    b.launch(k, max(1, min(4 * k.resident_blocks(), nchunks * -(-d // (configs.combine_threads * cv)))), keys=keys,
+             n=ntok, C=chunk, nchunks=nchunks, part=part, pidx=pidx, pcnt=pcnt, owners=owners, nowners=nowners, D=d,
+             scale_by_freq=int(scale), dweight=dw)
     return b.plan(device)
 
 

@@ -2,6 +2,8 @@
 references and against torch (GPU), including out-of-range indices and determinism."""
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -394,6 +396,32 @@ def test_backward_units_sum_every_chunk_and_zero_every_other_row(ntok, v, d, dis
     tol, scale = grad_tolerance(dtype, max_count(idx, v), 1.0, False)
     assert_close(out, expect, dtype, "dweight", tol=tol, scale=scale)
     cukern.check_errors()
+
+
+@gpu
+@pytest.mark.parametrize("ntok, v, dist, padding_idx", [
+    (20000, 1000, "zipf", None),       # two passes, long runs
+    (70000, 300000, "uniform", 5),     # three passes, 18 tiles, the last one partial, a padding row
+    (3, 2, "same", None),              # one pass, one partial tile
+])
+def test_backward_sorts_its_keys_stably(ntok, v, dist, padding_idx):
+    """The backward's radix sort orders its keys (index << 32 | position) as a sort of the
+    whole keys would: by index, equal indices in position order, padding (index V) last. One of
+    the plan's two key buffers must hold exactly that order after the call."""
+    import cupy
+
+    emb = importlib.import_module("cukern.embedding")
+    rng = np.random.default_rng(ntok + v)
+    idx = draw_indices(rng, (ntok,), v, dist, "int64")
+    grad = cupy.asarray(random_host(rng, (ntok, 8), "float32"))
+    arrays = [cukern._arrays.as_device_array(grad, "grad"), emb._indices(cupy.asarray(idx))]
+    plan = emb._plan_backward(list(arrays), v, padding_idx, False, emb.CONFIGS)
+    bufs = plan(list(arrays))
+    gives = np.where(idx == (padding_idx if padding_idx is not None else -1), v, idx)
+    expect = np.sort((gives.astype(np.int64) << 32) | np.arange(ntok, dtype=np.int64))
+    held = [cupy.asnumpy(b.obj) for b in bufs if b is not None and b.dtype == "int64" and b.shape == (ntok,)]
+    assert len(held) == 2, "the plan holds its keys in two buffers of one int64 a token"
+    assert any(np.array_equal(h, expect) for h in held), "no key buffer holds the keys in stable index order"
 
 
 @gpu

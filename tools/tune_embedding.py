@@ -7,9 +7,10 @@ CONFIGS is never changed. Device time (median) with GB/s over the byte floor and
 over torch in the same run.
 
 Forward: threads a block for rows a block a token, and the row size up to which a warp takes a
-token; 2*T*D*2 bytes. Backward: threads and vectors a thread of the sums kernel and the entries
-a chunk, uniform and Zipf indices; (T + V)*D*2 bytes. The shipped backward's plan is also timed
-step by step (the stream held busy first, so that a step's time is the device's).
+token; 2*T*D*2 bytes. Backward: threads and vectors a thread of the sums kernel, the entries a
+chunk and the table rows a unit zeroes at most; uniform and Zipf indices; (T + V)*D*2 bytes.
+The shipped backward's plan is also timed step by step (the stream held busy first, so that a
+step's time is the device's).
 """
 import argparse
 import dataclasses
@@ -24,8 +25,9 @@ from cukern import _arrays, _bench
 emb = importlib.import_module("cukern.embedding")
 FWD_CANDIDATES = [dataclasses.replace(emb.CONFIGS, fwd_threads=t, warp_row_bytes=r)
                   for t in (128, 256, 512) for r in (0, 4096, 8192)]
-BWD_CANDIDATES = [dataclasses.replace(emb.CONFIGS, bwd_threads=t, bwd_nv=nv, chunk=c)
-                  for t, nv in ((128, 4), (256, 2), (512, 1)) for c in (32, 64, 128)]
+BWD_CANDIDATES = ([dataclasses.replace(emb.CONFIGS, bwd_shapes=(shape,), chunk=c, chunk_small=c)
+                   for shape in ((128, 1), (256, 1), (512, 1), (128, 4)) for c in (64, 128)]
+                  + [dataclasses.replace(emb.CONFIGS, zero_rows=z) for z in (128, 512)])
 
 
 def forward():
@@ -76,7 +78,7 @@ def step_times(plan, arrays, reps=20) -> list:
 
 
 def backward():
-    for T, V, D in ((65536, 128256, 4096), (65536, 50304, 1024)):
+    for T, V, D in ((65536, 128256, 4096), (65536, 128256, 2048), (65536, 50304, 1024), (16384, 50304, 768)):
         nbytes = (T + V) * D * 2
         for dist in ("uniform", "zipf"):
             idx = _indices(T, V, dist)
@@ -98,7 +100,8 @@ def backward():
                 ms = _bench.time_cuda(lambda: emb._embedding_backward(dy, idx, V, None, False, False, cfg),
                                       warmup=3, reps=20)
                 err = (out.float() - expect.float()).abs().max().item()
-                print(f"  threads {cfg.bwd_threads:3d} x {cfg.bwd_nv} vectors, chunk {cfg.chunk:3d}: {ms:.3f} ms "
+                threads, nv = cfg.bwd_shape(D, 8)
+                print(f"  threads {threads:3d} x {nv}, chunk {cfg.chunk:3d}, zero rows {cfg.zero_rows}: {ms:.3f} ms "
                       f"{nbytes / ms / 1e6:5.0f} GB/s ({nbytes / ms / 4.255e9:5.1%} of 4255)  x{t_torch / ms:.2f}  "
                       f"max err {err:.2g}")
 
