@@ -24,7 +24,7 @@ from . import _arrays
 from ._arrays import DeviceArray
 from ._kernels import Slot
 
-__all__ = ["Alloc", "Plan", "PlanCache", "Builder", "Fill", "Sort", "record", "build_ahead"]
+__all__ = ["Alloc", "Plan", "PlanCache", "Builder", "Fill", "record", "build_ahead"]
 
 # .plans: the list a `record` block collects into, or _AHEAD inside build_ahead
 _recording = threading.local()
@@ -73,27 +73,6 @@ class Fill:
         for i in self.indices:
             if bufs[i] is not None:
                 _arrays.fill(bufs[i], self.value)
-
-
-class Sort:
-    """A step that sorts the 1-D int64 buffer ``slot`` ascending in the framework's own sort, on
-    the caller's stream (torch's replaces the buffer: later steps read the sorted copy). For
-    unique keys, where every sort gives the same order."""
-
-    __slots__ = ("slot",)
-
-    def __init__(self, slot: int):
-        self.slot = slot
-
-    def __call__(self, bufs, ptrs, stream):
-        keys = bufs[self.slot]
-        if keys.kind == "torch":
-            import torch
-
-            bufs[self.slot] = _arrays.wrap(torch.sort(keys.obj).values, "keys")
-            ptrs[self.slot] = bufs[self.slot].ptr
-        else:
-            keys.obj.sort()
 
 
 class Plan:
@@ -262,10 +241,6 @@ class Builder:
         """A step that fills the given buffers (None slots skipped) with ``value``, on the
         caller's stream (see :class:`Fill`)."""
         self.steps.append(Fill([s.index for s in slots if s is not None], value))
-
-    def sort(self, slot: Slot) -> None:
-        """A step that sorts 1-D int64 unique keys in place of their slot (see :class:`Sort`)."""
-        self.steps.append(Sort(slot.index))
 
     def plan(self, device: int, first: int = 0) -> Plan:
         return Plan(device, fixes=self.fixes, allocs=self.allocs, steps=self.steps, first=first,

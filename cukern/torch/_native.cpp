@@ -84,13 +84,12 @@ struct MapSlot {   // a CUtensorMap parameter, encoded per call for the buffer's
   int swizzle, l2_promotion;
 };
 
-// A step: a kernel launch, a fill of buffers (scratch that starts at zero) or a sort of a
-// buffer of unique int64 keys (ATen's, as the Python path's torch.sort; it replaces the buffer).
-enum class Kind { launch, fill, sort };
+// A step: a kernel launch or a fill of buffers (scratch that starts at zero).
+enum class Kind { launch, fill };
 
 struct Step {
   Kind kind = Kind::launch;
-  std::vector<int64_t> buffers;   // fill, sort: the buffers
+  std::vector<int64_t> buffers;   // fill: the buffers
   double value = 0;               // fill: the value
   void* function = nullptr;
   unsigned grid[3], block[3], smem;
@@ -172,10 +171,6 @@ std::vector<at::Tensor> run(const Plan& plan, std::vector<at::Tensor> bufs, int 
     if (s.kind == Kind::fill) {
       for (int64_t b : s.buffers)
         if (bufs[b].defined()) bufs[b].fill_(s.value);
-      continue;
-    }
-    if (s.kind == Kind::sort) {
-      bufs[s.buffers[0]] = std::get<0>(at::sort(bufs[s.buffers[0]]));
       continue;
     }
     std::memcpy(params, s.params.data(), s.params.size());
@@ -413,14 +408,13 @@ Plan plan_from(const py::tuple& p) {
   for (const py::handle& h : p[2].cast<py::list>()) {
     auto t = h.cast<py::tuple>();
     Step s;
-    if (py::isinstance<py::str>(t[0])) {   // ("fill" | "sort", buffers, value)
+    if (py::isinstance<py::str>(t[0])) {   // ("fill", buffers, value)
       const std::string kind = t[0].cast<std::string>();
-      TORCH_CHECK(kind == "fill" || kind == "sort", "cukern native path: unknown step ", kind);
-      s.kind = kind == "fill" ? Kind::fill : Kind::sort;
+      TORCH_CHECK(kind == "fill", "cukern native path: unknown step ", kind);
+      s.kind = Kind::fill;
       s.buffers = t[1].cast<std::vector<int64_t>>();
       s.value = t[2].cast<double>();
       for (int64_t b : s.buffers) TORCH_CHECK(b >= 0 && b < nbufs, "cukern native path: bad step buffer");
-      TORCH_CHECK(s.kind == Kind::fill || s.buffers.size() == 1, "cukern native path: a sort takes one buffer");
       plan.steps.push_back(std::move(s));
       continue;
     }

@@ -17,7 +17,7 @@ done switches over. ``CUKERN_NATIVE=wait`` waits for it at the first call instea
 (no compiler, no ninja), the process that started it warns once; the failure is recorded, and
 later processes take the Python path without trying again (``python -m cukern warmup`` tries
 again). A signature whose calls the recorder cannot replay (a plan that copies an
-input first, a step other than a kernel launch, a fill or a sort, more than one plan, empty
+input first, a step other than a kernel launch or a fill, more than one plan, empty
 buffers) is declined and stays on the Python path. A backward that cannot be recorded for a
 reason of that call alone (a gradient with gaps in its layout, or in a layout the backward
 copies first; the deterministic setting changed since the forward) leaves the signature to be
@@ -174,10 +174,10 @@ def _find(t, bufs) -> int:
 
 def _export(ext, rec):
     """A recorded (plan, bufs, inputs) as the extension's plan tuple, or None where it cannot be
-    replayed from C++ (input fix-ups, steps other than launches, fills and sorts). Holds no
+    replayed from C++ (input fix-ups, steps other than launches and fills). Holds no
     tensors (a recording kept on a Function's ctx must not hold its outputs: a reference cycle)."""
     from .._kernels import Launch
-    from .._plans import Fill, Sort
+    from .._plans import Fill
 
     plan, bufs, n_in = rec
     # (a plan of empty buffers is declined: they share addresses, so which tensor is which
@@ -191,9 +191,6 @@ def _export(ext, rec):
     for s in plan.steps:
         if isinstance(s, Fill):
             steps.append(("fill", list(s.indices), float(s.value)))
-            continue
-        if isinstance(s, Sort):
-            steps.append(("sort", [s.slot], 0.0))
             continue
         if not isinstance(s, Launch):
             return None
