@@ -240,6 +240,44 @@ def test_cpu_tensors_are_type_errors():
         cukern.embedding_backward(torch.ones(2, 8), idx, 4)
 
 
+@needs_api
+@pytest.mark.parametrize("ntok, v, d, dtype, passes, threads", [
+    (5, 1, 8, "float32", 1, 128),
+    (1000, 511, 64, "bfloat16", 1, 128),          # 511 and padding's index 511: nine bits
+    (1000, 512, 1024, "float16", 2, 128),         # padding's index 512: ten bits, two passes
+    (70000, 128256, 2048, "bfloat16", 2, 256),
+    (300, 262144, 4096, "bfloat16", 3, 512),      # Gemma's vocabulary: nineteen bits
+    (300, 1000, 4099, "float32", 2, 512),         # scalar loads: two vectors a thread, column tiles
+])
+def test_every_call_builds_its_plan_against_the_kernels_declarations(host_arrays_as_device, monkeypatch,
+                                                                     ntok, v, d, dtype, passes, threads):
+    """Forward and backward reach their launch plans on the CPU, each launch's arguments packed
+    by name, C type and dtype against cuda_src/embedding.cu's declarations. The backward's sort
+    takes a launch a 9-bit digit of the indices, V (padding's index) included; its sums kernel
+    a thread shape by the row's width, chunks of 64 or 128 entries, at most 256 rows to zero a
+    unit."""
+    from conftest import DryRun
+
+    from cukern import _faults
+
+    monkeypatch.setattr(_faults, "record", lambda device: np.zeros(3, np.int64))
+    rng = np.random.default_rng(ntok)
+    idx = draw_indices(rng, (ntok,), v, "uniform", "int64")
+    with pytest.raises(DryRun):
+        cukern.embedding(idx, random_host(rng, (v, d), dtype))
+    with pytest.raises(DryRun) as run:
+        cukern.embedding_backward(random_host(rng, (ntok, d), dtype), idx, v, 0, True)
+    launches = [s for s in run.value.plan.steps if isinstance(s, tuple)]
+    assert [s[1].kernel_name for s in launches] == ["embedding_bwd_keys", *["embedding_bwd_sort_pass"] * passes,
+                                                    "embedding_bwd_chunks", "embedding_bwd_combine"]
+    sums = launches[1 + passes]
+    assert sums[1].threads == threads
+    assert sums[4]["C"] in (64, 128) and 1 <= sums[4]["zrows"] <= 256
+    assert sums[4]["nunits"] * sums[4]["zrows"] >= v and sums[4]["nchunks"] * sums[4]["C"] >= ntok
+    for p, s in enumerate(launches[1:1 + passes]):
+        assert s[4]["shift"] == 9 * p and (s[4]["next_shift"] == 9 * (p + 1))
+
+
 # ---- the kernels against the references (GPU) ---------------------------------------------------
 
 @st.composite
