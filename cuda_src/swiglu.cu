@@ -5,6 +5,9 @@
 // halves of one fused projection, (rows, 2 * cols), are read in place); y, dgate and dup are
 // contiguous. A block of THREADS threads takes 1 << (log2(THREADS) - TPR_LOG2) rows, each with
 // 1 << TPR_LOG2 threads striding over the row's vectors of VEC elements: no division an element.
+// Where every array is dense (no row stride of its own), the _flat kernels take one vector a
+// thread over the whole array instead: as fast as torch.compile's kernels, where the row loop
+// ran 2-3% behind them (docs/notes-swiglu.md).
 //
 // Numerics follow PyTorch's eager code for act(gate) * up in the input dtype T: act(gate) is
 // computed in float32 and rounded to T (the activation's own output), then multiplied by up in
@@ -118,4 +121,45 @@ __global__ void __launch_bounds__(THREADS) glu_bwd(
         store_vec<T, VEC>(dgate + base + v * VEC, pack<T, VEC>(a));
         store_vec<T, VEC>(dup + base + v * VEC, pack<T, VEC>(b));
     }
+}
+
+// glu_fwd over dense arrays: vector v of n / VEC, one a thread.
+template <typename T, int ACT, int VEC, int THREADS>
+__global__ void __launch_bounds__(THREADS) glu_fwd_flat(
+    const T* __restrict__ gate, const T* __restrict__ up, T* __restrict__ y, long long nvec)
+{
+    using namespace cuk;
+    using namespace cuk::swiglu;
+    const long long v = static_cast<long long>(blockIdx.x) * THREADS + threadIdx.x;
+    if (v >= nvec) return;
+    float a[VEC], b[VEC];
+    unpack(load_vec<T, VEC>(gate + v * VEC), a);
+    unpack(load_vec<T, VEC>(up + v * VEC), b);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) a[j] = round_to<T>(act<ACT>(a[j])) * b[j];
+    store_vec<T, VEC>(y + v * VEC, pack<T, VEC>(a));
+}
+
+// glu_bwd over dense arrays, likewise.
+template <typename T, int ACT, int VEC, int THREADS>
+__global__ void __launch_bounds__(THREADS) glu_bwd_flat(
+    const T* __restrict__ dy, const T* __restrict__ gate, const T* __restrict__ up,
+    T* __restrict__ dgate, T* __restrict__ dup, long long nvec)
+{
+    using namespace cuk;
+    using namespace cuk::swiglu;
+    const long long v = static_cast<long long>(blockIdx.x) * THREADS + threadIdx.x;
+    if (v >= nvec) return;
+    float d[VEC], a[VEC], b[VEC];
+    unpack(load_vec<T, VEC>(dy + v * VEC), d);
+    unpack(load_vec<T, VEC>(gate + v * VEC), a);
+    unpack(load_vec<T, VEC>(up + v * VEC), b);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+        const float x = a[j];
+        a[j] = round_to<T>(d[j] * b[j]) * act_grad<ACT>(x);   // dgate
+        b[j] = d[j] * round_to<T>(act<ACT>(x));              // dup
+    }
+    store_vec<T, VEC>(dgate + v * VEC, pack<T, VEC>(a));
+    store_vec<T, VEC>(dup + v * VEC, pack<T, VEC>(b));
 }

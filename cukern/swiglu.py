@@ -41,8 +41,13 @@ def instance(kind: str, dtype: str, act: int, vec: int) -> Instance:
 
 def instances() -> list[Instance]:
     """Every kernel instance the fronts can launch (for the compile check)."""
-    return [instance(kind, dtype, act, vec) for kind in ("fwd", "bwd") for dtype, (_, size) in _arrays.DTYPES.items()
-            for act in ACTS.values() for vec in (1, 16 // size)]
+    return [instance(kind, dtype, act, vec) for kind in ("fwd", "bwd", "fwd_flat", "bwd_flat")
+            for dtype, (_, size) in _arrays.DTYPES.items() for act in ACTS.values() for vec in (1, 16 // size)]
+
+
+def _dense(cols: int, strides) -> bool:
+    """Whether every (array, row stride) pair is dense rows (the _flat kernels then run)."""
+    return all(stride == cols for _, stride in strides)
 
 
 def _approximate(approximate) -> str:
@@ -108,10 +113,15 @@ def _plan_forward(act: str, arrays) -> Plan:
     if rows and cols:
         strides = _rows_in_place(b, enumerate(arrays))
         vec = _arrays.vector_width(ga.itemsize, cols, strides)
-        tpr, log2 = _layout(cols, vec)
-        k = _kernels.kernel(instance("fwd", ga.dtype, ACTS[act], vec), device)
-        b.launch(k, -(-rows // (THREADS // tpr)), gate=b.slot(0), gate_stride=strides[0][1], up=b.slot(1),
-                 up_stride=strides[1][1], y=y, rows=rows, cols=cols, tpr_log2=log2)
+        if _dense(cols, strides):
+            nvec = rows * cols // vec
+            k = _kernels.kernel(instance("fwd_flat", ga.dtype, ACTS[act], vec), device)
+            b.launch(k, -(-nvec // THREADS), gate=b.slot(0), up=b.slot(1), y=y, nvec=nvec)
+        else:
+            tpr, log2 = _layout(cols, vec)
+            k = _kernels.kernel(instance("fwd", ga.dtype, ACTS[act], vec), device)
+            b.launch(k, -(-rows // (THREADS // tpr)), gate=b.slot(0), gate_stride=strides[0][1], up=b.slot(1),
+                     up_stride=strides[1][1], y=y, rows=rows, cols=cols, tpr_log2=log2)
     return b.plan(device)
 
 
@@ -138,10 +148,17 @@ def _plan_backward(act: str, arrays) -> Plan:
             b.fix(0, DeviceArray.contiguous)
         strides = [(None if not _arrays.is_contiguous(da) else da, cols)] + _rows_in_place(b, ((1, ga), (2, ua)))
         vec = _arrays.vector_width(ga.itemsize, cols, strides)
-        tpr, log2 = _layout(cols, vec)
-        k = _kernels.kernel(instance("bwd", ga.dtype, ACTS[act], vec), device)
-        b.launch(k, -(-rows // (THREADS // tpr)), dy=b.slot(0), gate=b.slot(1), gate_stride=strides[1][1],
-                 up=b.slot(2), up_stride=strides[2][1], dgate=dgate, dup=dup, rows=rows, cols=cols, tpr_log2=log2)
+        if _dense(cols, strides):
+            nvec = rows * cols // vec
+            k = _kernels.kernel(instance("bwd_flat", ga.dtype, ACTS[act], vec), device)
+            b.launch(k, -(-nvec // THREADS), dy=b.slot(0), gate=b.slot(1), up=b.slot(2), dgate=dgate, dup=dup,
+                     nvec=nvec)
+        else:
+            tpr, log2 = _layout(cols, vec)
+            k = _kernels.kernel(instance("bwd", ga.dtype, ACTS[act], vec), device)
+            b.launch(k, -(-rows // (THREADS // tpr)), dy=b.slot(0), gate=b.slot(1), gate_stride=strides[1][1],
+                     up=b.slot(2), up_stride=strides[2][1], dgate=dgate, dup=dup, rows=rows, cols=cols,
+                     tpr_log2=log2)
     return b.plan(device)
 
 

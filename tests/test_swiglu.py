@@ -215,6 +215,38 @@ def test_against_pytorchs_eager_code_bit_for_bit_mostly(act, dtype):
         assert_close(a, to_host(e), dtype, name)
 
 
+@pytest.mark.parametrize("shape, dtype, layout, kernel, vec, blocks", [
+    ((16384, 14336), "bfloat16", "dense", "flat", 8, 16384 * 14336 // 8 // 256),
+    ((3, 5, 33), "float16", "dense", "flat", 1, -(-3 * 5 * 33 // 256)),
+    ((7, 2048), "float32", "dense", "flat", 4, 7 * 2048 // 4 // 256),
+    ((300, 256), "bfloat16", "fused", "rows", 8, -(-300 // 8)),   # (halves of (300, 512): 8 rows a block)
+    ((300, 100), "float32", "fused", "rows", 4, -(-300 // 8)),
+])
+def test_dense_rows_run_the_flat_kernels(host_arrays_as_device, shape, dtype, layout, kernel, vec, blocks):
+    """Dense gate, up and dy take the _flat kernels (one vector a thread over the whole array);
+    rows with a stride of their own (a fused projection's halves) the row kernels. On the CPU:
+    the plans are built and packed against cuda_src/swiglu.cu's declarations, not run."""
+    from conftest import DryRun
+
+    rng = np.random.default_rng(0)
+    if layout == "fused":
+        both = random_host(rng, shape[:-1] + (2 * shape[-1],), dtype)
+        gate, up = both[..., :shape[-1]], both[..., shape[-1]:]
+    else:
+        gate, up = random_host(rng, shape, dtype), random_host(rng, shape, dtype)
+    dy = random_host(rng, shape, dtype)
+    for kind, call in (("fwd", lambda: cukern.swiglu(gate, up)), ("bwd", lambda: cukern.swiglu_backward(dy, gate, up))):
+        with pytest.raises(DryRun) as run:
+            call()
+        (launch,) = [s for s in run.value.plan.steps if isinstance(s, tuple)]
+        name = launch[1].kernel_name
+        assert name == (f"glu_{kind}_flat" if kernel == "flat" else f"glu_{kind}"), name
+        assert f", {vec}, 256>" in launch[1].name, launch[1].name
+        assert (launch[2] if isinstance(launch[2], int) else launch[2][0]) == blocks
+        if kernel == "flat":
+            assert launch[4]["nvec"] == np.prod(shape) // vec
+
+
 @gpu
 @pytest.mark.parametrize("framework", ["cupy", "torch"])
 def test_empty_inputs_give_empty_outputs(framework):
