@@ -77,16 +77,20 @@ class Configs:
     loop: LoopConfig = LoopConfig()
     # the forward with a fused residual, where it differs from fwd (None: fwd's)
     residual: tuple[RowConfig, ...] | None = None
+    # RMSNorm's forward without a residual, where it differs from fwd (None: fwd's)
+    rms_fwd: tuple[RowConfig, ...] | None = None
 
-    def table(self, kind: str) -> tuple[RowConfig, ...]:
-        """"fwd", "res" (the forward with a residual) or "bwd"."""
+    def table(self, kind: str, rms: bool = False) -> tuple[RowConfig, ...]:
+        """"fwd", "res" (the forward with a residual) or "bwd", of RMSNorm or LayerNorm."""
         if kind == "res":
             return self.residual or self.fwd
-        return self.fwd if kind == "fwd" else self.bwd
+        if kind == "fwd":
+            return (self.rms_fwd or self.fwd) if rms else self.fwd
+        return self.bwd
 
-    def pick(self, kind: str, cols: int, vec: int) -> RowConfig | LoopConfig:
+    def pick(self, kind: str, cols: int, vec: int, rms: bool = False) -> RowConfig | LoopConfig:
         nvec = -(-cols // vec)
-        for c in self.table(kind):
+        for c in self.table(kind, rms):
             if c.capacity >= nvec:
                 return c
         return self.loop
@@ -102,6 +106,8 @@ CONFIGS = Configs(
          RowConfig(4, 256, 256, 1, 2)),
     # (two rows a group lost a tenth with a residual at 4096 columns: one row, 8 blocks an SM)
     residual=_FWD_ROWS[:6] + (RowConfig(4, 128, 128, 1, 8),) + _FWD_ROWS[7:],
+    # (RMSNorm's forward at 2056-4096 columns: a row on 256 threads, which LayerNorm's loses with)
+    rms_fwd=_FWD_ROWS[:6] + (RowConfig(2, 256, 256, 1, 4),) + _FWD_ROWS[7:],
 )
 
 
@@ -129,7 +135,7 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
         for rms in (False, True):
             for vec in sorted({1, 16 // itemsize}):
                 for kind in ("fwd", "res", "bwd"):
-                    table = configs.table(kind)
+                    table = configs.table(kind, rms)
                     k = "bwd" if kind == "bwd" else "fwd"
                     out += [c.instance(k, dtype, rms, vec, offset) for c in (*table, configs.loop)
                             for offset in (False, True)]
