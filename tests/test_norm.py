@@ -214,6 +214,38 @@ def test_reference_constant_rows_give_exact_zeros(dtype, cols):
         same_bits(ref.layer_norm_backward(dy, x, None, m32, s32, offset=0.0)[0], 0.0, "dx, no weight")
 
 
+@pytest.mark.parametrize("kind, cols, dtype, extra, threads", [
+    ("rms", 4096, "bfloat16", {}, 256),                    # a row on 256 threads: rms_exact
+    ("rms", 4096, "float16", {"offset": 1.0}, 256),
+    ("rms", 4096, "bfloat16", {"out_dtype": "float8_e4m3fn"}, 128),   # fp8: the shared table
+    ("rms", 4096, "bfloat16", {"casting_mode": "llama"}, 128),
+    ("rms", 4096, "bfloat16", {"residual": True}, 128),
+    ("rms", 3072, "bfloat16", {}, 128),                    # a row that does not fill it
+    ("rms", 2048, "float32", {}, 128),
+    ("layer", 4096, "bfloat16", {}, 128),
+])
+def test_forward_row_config_by_width_and_variant(host_arrays_as_device, kind, cols, dtype, extra, threads):
+    """RMSNorm's plain 16-bit forward takes its exact-fit config (a 4096-column row on 256
+    threads); its variants, other widths and LayerNorm keep the shared table. On the CPU: the
+    plan is built and packed against cuda_src/norm.cu's declarations, not run."""
+    from conftest import DryRun
+
+    rng = np.random.default_rng(cols)
+    x, w = random_host(rng, (6, cols), dtype), random_host(rng, (cols,), dtype)
+    kw = dict(extra)
+    if kw.pop("residual", False):
+        kw["residual"] = random_host(rng, (6, cols), dtype)
+    if "out_dtype" in kw:
+        kw.update(scale=np.ones(1, np.float32), amax=np.zeros(1, np.float32))
+    with pytest.raises(DryRun) as run:
+        if kind == "rms":
+            cukern.rms_norm(x, w, **kw)
+        else:
+            cukern.layer_norm(x, w, random_host(rng, (cols,), dtype))
+    (launch,) = [s for s in run.value.plan.steps if isinstance(s, tuple) and s[0] == "launch"]
+    assert launch[1].threads == threads, launch[1].name
+
+
 @needs_torch
 @pytest.mark.parametrize("cols", [1, 7, 33, 1000])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)

@@ -106,7 +106,11 @@ def _plan_forward(rms, arrays, eps, return_stats, configs, offset=0.0, cast=0, o
         vec = _arrays.vector_width(xa.itemsize, cols, [(None if copy_x else xa, xs), (None if copy_r else ra, rs),
                                                  (wa, 0), (ba, 0)])
         variant = bool(cast or out)
-        cfg = configs.loop if variant and vec == 1 else configs.pick("fwd" if ra is None else "res", cols, vec, rms)
+        exact = configs.rms_exact_pick(cols, vec) if rms and ra is None and not variant and vec == 8 else None
+        if exact is not None:
+            cfg = exact
+        else:
+            cfg = configs.loop if variant and vec == 1 else configs.pick("fwd" if ra is None else "res", cols, vec)
         k = _kernels.kernel(cfg.instance("fwd", xa.dtype, rms, vec, offset != 0, cast, out), device)
         # A row in registers: one block a row group, not a persistent grid (a finished block's
         # slot starts the next rows' loads at once; 2-8% faster at every width measured). The
