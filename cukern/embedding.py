@@ -283,8 +283,9 @@ def _plan_backward(arrays, num_embeddings, padding_idx, scale, configs: Configs)
 
     nowners = digit_counts(passes)
     vec = _vec(ga.itemsize, d, ga if _arrays.is_contiguous(ga) else None)
-    sums = _kernels.kernel(configs.chunks(ga.dtype, vec, configs.bwd_shape(d, vec)), device)
-    threads, nv = configs.bwd_shape(d, vec)
+    shape = configs.bwd_shape(d, vec)
+    sums = _kernels.kernel(configs.chunks(ga.dtype, vec, shape), device)
+    threads, nv = shape
     tiles = -(-d // (threads * nv * vec))
     chunk = configs.chunk if -(-ntok // configs.chunk) * tiles >= sums.resident_blocks() // 2 else configs.chunk_small
     nchunks = -(-ntok // chunk)
