@@ -35,6 +35,14 @@ __device__ __forceinline__ void stmatrix_x4(void* p, const unsigned int (&r)[4])
                  :: "r"(shared_address(p)), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
 }
 
+// The same with each matrix transposed on its way: lane l's address is that of row l % 8 of
+// matrix l / 8 as stored, which holds the matrix's column l % 8 (a tile of the accumulators stored
+// as its transpose, as S's P is stored as P^T).
+__device__ __forceinline__ void stmatrix_x4_trans(void* p, const unsigned int (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+                 :: "r"(shared_address(p)), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+
 // The first 1024-byte boundary at or after p (dynamic shared memory, for 128-byte-swizzled
 // tiles; the launch gives 1 KB of slack).
 __device__ __forceinline__ unsigned char* align_1024(unsigned char* p) {

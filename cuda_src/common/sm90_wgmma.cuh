@@ -190,6 +190,19 @@ template <typename T, int N> struct Wgmma;
 // are written once for each register count R = N / 2.
 #define CUK_WGMMA_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), \
     "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define CUK_WGMMA_REGS_16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define CUK_WGMMA_D_16 CUK_WGMMA_D8(0), CUK_WGMMA_D8(8)
+#define CUK_WGMMA_SS_OPERANDS_16 "}, %16, %17, p, 1, 1, %19, %20;\n}\n"
+#define CUK_WGMMA_SS_PREDICATE_16 "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+#define CUK_WGMMA_RS_OPERANDS_16 "}, {%16, %17, %18, %19}, %20, p, 1, 1, %22;\n}\n"
+#define CUK_WGMMA_RS_PREDICATE_16 "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+#define CUK_WGMMA_REGS_24 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" \
+    "," "%16, %17, %18, %19, %20, %21, %22, %23"
+#define CUK_WGMMA_D_24 CUK_WGMMA_D8(0), CUK_WGMMA_D8(8), CUK_WGMMA_D8(16)
+#define CUK_WGMMA_SS_OPERANDS_24 "}, %24, %25, p, 1, 1, %27, %28;\n}\n"
+#define CUK_WGMMA_SS_PREDICATE_24 "{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"
+#define CUK_WGMMA_RS_OPERANDS_24 "}, {%24, %25, %26, %27}, %28, p, 1, 1, %30;\n}\n"
+#define CUK_WGMMA_RS_PREDICATE_24 "{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"
 #define CUK_WGMMA_REGS_32 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" \
     "," "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 #define CUK_WGMMA_D_32 CUK_WGMMA_D8(0), CUK_WGMMA_D8(8), CUK_WGMMA_D8(16), CUK_WGMMA_D8(24)
@@ -249,6 +262,10 @@ template <> struct Wgmma<T, N> {                                                
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d), "n"(TB));)                 \
     }                                                                                                      \
 };
+CUK_WGMMA(bf16, "bf16.bf16", 32, 16)
+CUK_WGMMA(half, "f16.f16", 32, 16)
+CUK_WGMMA(bf16, "bf16.bf16", 48, 24)
+CUK_WGMMA(half, "f16.f16", 48, 24)
 CUK_WGMMA(bf16, "bf16.bf16", 64, 32)
 CUK_WGMMA(half, "f16.f16", 64, 32)
 CUK_WGMMA(bf16, "bf16.bf16", 128, 64)
