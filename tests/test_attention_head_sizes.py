@@ -113,6 +113,14 @@ def test_mlas_head_sizes_plan_their_kernels(host_arrays_as_device, monkeypatch, 
             cukern.attention_backward(o, q, k, v, o, lse, causal=True, deterministic=det)
         names = [st[1].name for st in _launches(info)]
         assert len(names) == 3 and all(n.startswith(w) for n, w in zip(names, want)), names
+        if hopper:   # (96 keys a block: K and V in boxes of 96 rows, Q and dO of 64; 200 keys, 3 blocks a group)
+            k2, v2 = np.ones((2, 200, 2, 192), np.float16), np.ones((2, 200, 2, 128), np.float16)
+            with pytest.raises(DryRun) as info:
+                cukern.attention_backward(o, q, k2, v2, o, lse, causal=True, deterministic=det)
+            _, inst, grid, _, _, slots = _launches(info)[1]
+            maps = [(m.index, m.box) for _, m, _ in slots if isinstance(m, _kernels.MapSlot)]
+            assert maps[:4] == [(1, (1, 64, 1, 64)), (2, (1, 96, 1, 64)), (3, (1, 96, 1, 64)), (0, (1, 64, 1, 64))]
+            assert grid == (3, 4) and inst.smem == 231424
     cu = np.array([0, 10, 40], np.int32)
     with pytest.raises(DryRun) as info:
         cukern.attention_varlen(q[0], k[0, :40], v[0, :40], cu, cu, 30, 30, causal=True)

@@ -235,10 +235,10 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
                  **{n: masked[n] for n in ("cu_q", "cu_k", "max_q", "max_k", "fault")},
                  groups=pairs, turns=turns, **_dropout_args(dropout_p, rng))
     elif wide:
-        box = (1, 64, 1, 64)
+        box, kbox = (1, cfg_wide.block_rows, 1, 64), (1, cfg_wide.block_keys, 1, 64)
         b.launch(_kernels.kernel(cfg_wide.instance(qa.dtype, mask.kind, bool(mask.softcap), ordered), device),
-                 (kblocks, pairs), q_map=MapSlot(1, box), k_map=MapSlot(2, box),
-                 v_map=MapSlot(3, box), do_map=MapSlot(0, box), dq_map=MapSlot(dq_accum.index, (1, 16, 1, 32)),
+                 (kblocks, pairs), q_map=MapSlot(1, box), k_map=MapSlot(2, kbox),
+                 v_map=MapSlot(3, kbox), do_map=MapSlot(0, box), dq_map=MapSlot(dq_accum.index, (1, 16, 1, 32)),
                  rows=rows, dk=dk, dv=dv, turns=turns,
                  **out_strides, **tail, win_left=mask.left, win_right=mask.right, cap_in=cap_in, cap_out=cap_out,
                  **{n: masked[n] for n in ("cu_q", "cu_k", "max_q", "max_k", "fault")})

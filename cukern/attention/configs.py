@@ -299,17 +299,18 @@ class Sm90BwdD256Config:
 @dataclass(frozen=True)
 class Sm90BwdMlaConfig(Sm90BwdD256Config):
     """attention_bwd_sm90_mla (TMA + wgmma, sm_90a): q and k of 192 with v of 128 (DeepSeek's
-    MLA), 64 keys a block, two computing warpgroups each taking whole products of a step (the
-    first S^T, the softmax and dK; the second dP^T, dV and dQ), query tiles of 64 rows in a ring of
-    two, and a producer warpgroup (384 threads) whose second warp adds dQ by TMA reduce-add;
+    MLA), 96 keys a block, two computing warpgroups of 48 keys each computing every product for
+    its own keys (dQ's columns split between them), query tiles of 64 rows in a ring of two, and
+    a producer warpgroup (384 threads) whose second warp adds dQ by TMA reduce-add;
     deterministic=True takes the ORDERED instances (the adds in turns), as d256's."""
+    block_keys = 96
 
     def smem(self) -> int:
-        """K and V, the Q and dO rings of two (64 rows x 192 and x 128 each), P^T and dS^T (64 x 64),
-        dQ's stage (64 x 192 float32), dP^T's float32 exchange (128 threads x 32), lse_log2 and
-        Dsum (2 x 2 x 64), 1 KB slack."""
+        """K and V (96 rows x 192 and x 128), the Q and dO rings of two (64 rows x 192 and x 128
+        each), P^T and two steps' dS^T (96 x 64), dQ's stage (64 x 192 float32), lse_log2 and Dsum
+        (2 x 2 x 64), 1 KB slack."""
         qk, vo = 64 * 192 * 2, 64 * 128 * 2
-        return 3 * (qk + vo) + 2 * 64 * 128 + 64 * 192 * 4 + 128 * 32 * 4 + 2 * 2 * 64 * 4 + 1024
+        return 96 * (192 + 128) * 2 + 2 * (qk + vo) + 3 * 96 * 128 + 64 * 192 * 4 + 2 * 2 * 64 * 4 + 1024
 
     def instance(self, dtype: str, mask: int, softcap: bool = False, ordered: bool = False) -> Instance:
         smem = self.smem()
