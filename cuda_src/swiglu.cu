@@ -59,10 +59,41 @@ __device__ __forceinline__ float act_grad(float x) {
     }
 }
 
+// One vector of VEC elements, at element `at` of each array, the forward: y = T(T(act(gate)) * up).
+template <typename T, int ACT, int VEC>
+__device__ __forceinline__ void glu_fwd_vector(const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ y,
+                                               long long at) {
+    float a[VEC], b[VEC];
+    unpack(load_vec<T, VEC>(g + at), a);
+    unpack(load_vec<T, VEC>(u + at), b);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) a[j] = round_to<T>(act<ACT>(a[j])) * b[j];
+    store_vec<T, VEC>(y + at, pack<T, VEC>(a));
+}
+
+// ... and the backward: dgate = T(T(dy * up) * act'(gate)), dup = T(dy * T(act(gate))).
+template <typename T, int ACT, int VEC>
+__device__ __forceinline__ void glu_bwd_vector(const T* __restrict__ dy, const T* __restrict__ g,
+                                               const T* __restrict__ u, T* __restrict__ dgate,
+                                               T* __restrict__ dup, long long at) {
+    float d[VEC], a[VEC], b[VEC];
+    unpack(load_vec<T, VEC>(dy + at), d);
+    unpack(load_vec<T, VEC>(g + at), a);
+    unpack(load_vec<T, VEC>(u + at), b);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+        const float x = a[j];
+        a[j] = round_to<T>(d[j] * b[j]) * act_grad<ACT>(x);   // dgate
+        b[j] = d[j] * round_to<T>(act<ACT>(x));              // dup
+    }
+    store_vec<T, VEC>(dgate + at, pack<T, VEC>(a));
+    store_vec<T, VEC>(dup + at, pack<T, VEC>(b));
+}
+
 }  // namespace swiglu
 }  // namespace cuk
 
-// y = T(T(act(gate)) * up).
+// y = T(T(act(gate)) * up), a row at a time.
 template <typename T, int ACT, int VEC, int THREADS>
 __global__ void __launch_bounds__(THREADS) glu_fwd(
     const T* __restrict__ gate, long long gate_stride,
@@ -79,14 +110,7 @@ __global__ void __launch_bounds__(THREADS) glu_fwd(
     const T* u = up + row * up_stride;
     T* out = y + row * cols;
 #pragma unroll 4
-    for (int v = lane; v < nvec; v += 1 << tpr_log2) {
-        float a[VEC], b[VEC];
-        unpack(load_vec<T, VEC>(g + v * VEC), a);
-        unpack(load_vec<T, VEC>(u + v * VEC), b);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) a[j] = round_to<T>(act<ACT>(a[j])) * b[j];
-        store_vec<T, VEC>(out + v * VEC, pack<T, VEC>(a));
-    }
+    for (int v = lane; v < nvec; v += 1 << tpr_log2) glu_fwd_vector<T, ACT, VEC>(g, u, out, v * VEC);
 }
 
 // dgate = T(T(dy * up) * act'(gate)), dup = T(dy * T(act(gate))); dy contiguous.
@@ -107,20 +131,8 @@ __global__ void __launch_bounds__(THREADS) glu_bwd(
     const T* u = up + row * up_stride;
     const long long base = row * cols;
 #pragma unroll 2
-    for (int v = lane; v < nvec; v += 1 << tpr_log2) {
-        float d[VEC], a[VEC], b[VEC];
-        unpack(load_vec<T, VEC>(dy + base + v * VEC), d);
-        unpack(load_vec<T, VEC>(g + v * VEC), a);
-        unpack(load_vec<T, VEC>(u + v * VEC), b);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-            const float x = a[j];
-            a[j] = round_to<T>(d[j] * b[j]) * act_grad<ACT>(x);   // dgate
-            b[j] = d[j] * round_to<T>(act<ACT>(x));              // dup
-        }
-        store_vec<T, VEC>(dgate + base + v * VEC, pack<T, VEC>(a));
-        store_vec<T, VEC>(dup + base + v * VEC, pack<T, VEC>(b));
-    }
+    for (int v = lane; v < nvec; v += 1 << tpr_log2)
+        glu_bwd_vector<T, ACT, VEC>(dy + base, g, u, dgate + base, dup + base, v * VEC);
 }
 
 // glu_fwd over dense arrays: vector v of n / VEC, one a thread.
@@ -132,12 +144,7 @@ __global__ void __launch_bounds__(THREADS) glu_fwd_flat(
     using namespace cuk::swiglu;
     const long long v = static_cast<long long>(blockIdx.x) * THREADS + threadIdx.x;
     if (v >= nvec) return;
-    float a[VEC], b[VEC];
-    unpack(load_vec<T, VEC>(gate + v * VEC), a);
-    unpack(load_vec<T, VEC>(up + v * VEC), b);
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) a[j] = round_to<T>(act<ACT>(a[j])) * b[j];
-    store_vec<T, VEC>(y + v * VEC, pack<T, VEC>(a));
+    glu_fwd_vector<T, ACT, VEC>(gate, up, y, v * VEC);
 }
 
 // glu_bwd over dense arrays, likewise.
@@ -150,16 +157,5 @@ __global__ void __launch_bounds__(THREADS) glu_bwd_flat(
     using namespace cuk::swiglu;
     const long long v = static_cast<long long>(blockIdx.x) * THREADS + threadIdx.x;
     if (v >= nvec) return;
-    float d[VEC], a[VEC], b[VEC];
-    unpack(load_vec<T, VEC>(dy + v * VEC), d);
-    unpack(load_vec<T, VEC>(gate + v * VEC), a);
-    unpack(load_vec<T, VEC>(up + v * VEC), b);
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-        const float x = a[j];
-        a[j] = round_to<T>(d[j] * b[j]) * act_grad<ACT>(x);   // dgate
-        b[j] = d[j] * round_to<T>(act<ACT>(x));              // dup
-    }
-    store_vec<T, VEC>(dgate + v * VEC, pack<T, VEC>(a));
-    store_vec<T, VEC>(dup + v * VEC, pack<T, VEC>(b));
+    glu_bwd_vector<T, ACT, VEC>(dy, gate, up, dgate, dup, v * VEC);
 }
