@@ -114,24 +114,22 @@ __device__ __forceinline__ void dq_write_unit(const CUtensorMap* dq_map, const u
                                               int h0, int rep, int m_first, int per_head, int rot, int kblock,
                                               int nblocks, int hi, int tiles, int tile0, int q0, int& g) {
 #if CUK_SM90A
-    TileWalk walk(m_first, rot, h0, per_head);
-    for (int it = 0; it < per_head * rep; ++it, ++g) {
-        mbarrier_wait(dq_full, g & 1);
-        const int at = (b * H + walk.h) * tiles + tile0 + walk.m;
-        turn_wait(turns + at, dq_turn<MASK, BM, 128>(walk.m, kblock, nblocks, per_head, hi));
+    const int steps = per_head * rep;
+    dq_writer<MASK, BM, 128, true, 1>(
+        0, TileWalk(m_first, rot, h0, per_head), steps, turns, b * H, tiles, tile0, kblock, nblocks, hi,
+        [&](int) { mbarrier_wait(dq_full, g & 1); },
+        [&](const TileWalk& walk, int) {
 #pragma unroll
-        for (int w = 0; w < 8; ++w)
+            for (int w = 0; w < 8; ++w)
 #pragma unroll
-            for (int box = 0; box < 2; ++box)
-                tma_reduce_add_4d(dq_map, dq_s + (2 * w + box) * 2048, (D == 128 ? w / 4 : 0) * 64 + 32 * box, walk.h,
-                                  q0 + walk.m * BM + (BM == 128 ? w / 4 : 0) * 64 + (w % 4) * 16, b);
-        tma_store_commit();
-        tma_store_wait_read<0>();
-        mbarrier_arrive(dq_empty);   // (the staging is free)
-        tma_store_wait<0>();         // (the adds are complete: the turn passes on)
-        turn_pass(turns + at);
-        walk.next();
-    }
+                for (int box = 0; box < 2; ++box)
+                    tma_reduce_add_4d(dq_map, dq_s + (2 * w + box) * 2048, (D == 128 ? w / 4 : 0) * 64 + 32 * box,
+                                      walk.h, q0 + walk.m * BM + (BM == 128 ? w / 4 : 0) * 64 + (w % 4) * 16, b);
+        },
+        [&](int) {
+            mbarrier_arrive(dq_empty);   // (the staging is free)
+            ++g;
+        });
 #endif
 }
 

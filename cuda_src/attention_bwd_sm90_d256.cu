@@ -46,25 +46,6 @@
 #include "common/attn_turns.cuh"
 #include "common/attn_bwd_split.cuh"
 
-namespace cuk {
-namespace attention {
-
-// attention_bwd_sm90_d256's parameters besides the tensor maps: rows (B, H, ceil(Sq / 64), 2, 64)
-// float32 (lse * log2(e) and Dsum a query tile), dK and dV
-// (B, Sk, Hkv, 256) with their strides in elements (batch, sequence, head), the problem;
-// ORDERED: a turn counter a `rows` query tile, zeroed (else null).
-template <typename T>
-struct BwdD256Params {
-    const float* rows;
-    T* dk;
-    T* dv;
-    int* turns;
-    long long dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh;
-    Problem problem;
-};
-
-}  // namespace attention
-}  // namespace cuk
 
 // SMEM: K, V, the Q and dO rings, P^T, dS^T, dP^T's exchange, lse_log2 and Dsum, 1 KB of slack.
 template <typename T, int MASK, bool SOFTCAP, bool ORDERED, int SMEM>
@@ -72,7 +53,7 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_d256(
     const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
     const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
     const __grid_constant__ CUtensorMap dq_map,   // dq_accum (B, Sq, H, 256) float32, boxes 16 x 32
-    const __grid_constant__ cuk::attention::BwdD256Params<T> p)
+    const __grid_constant__ cuk::attention::BwdWideParams<T> p)
 {
     constexpr int D = 256, DB = 4, BN = 64, BM = 64, STAGES = 2;
     constexpr int BOX = 64 * 128;                    // one box: 64 rows x 128 bytes (64 columns)
@@ -158,30 +139,19 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_d256(
         static_assert(STAGES % WRITERS == 0, "a writer's steps in one buffer");
         auto write = [&](int side) {   // (writer j: steps j, j + WRITERS, ...)
             const int j = WRITERS == 1 ? 0 : side;
-            attention::TileWalk walk(m_first, rot, hk * rep, per_head);
-            if (j > 0) walk.next();
-            for (int it = j; it < steps; it += WRITERS) {
-                const int buf = it % STAGES;
-                mbarrier_wait(&dq_full[buf], (it / STAGES) & 1);
-                const int at = (b * H + walk.h) * tiles + walk.m;
-                if constexpr (ORDERED)
-                    turn_wait(p.turns + at, attention::dq_turn<MASK, BM, BN>(walk.m, kblock, nblocks, per_head, km.hi));
+            attention::dq_writer<MASK, BM, BN, ORDERED, WRITERS>(
+                j, attention::TileWalk(m_first, rot, hk * rep, per_head), steps, p.turns, b * H, tiles, 0, kblock,
+                nblocks, km.hi, [&](int it) { mbarrier_wait(&dq_full[it % STAGES], (it / STAGES) & 1); },
+                [&](const attention::TileWalk& walk, int it) {
+                    const int buf = it % STAGES;
 #pragma unroll
-                for (int w = 0; w < 8; ++w)
+                    for (int w = 0; w < 8; ++w)
 #pragma unroll
-                    for (int box = 0; box < 4; ++box)
-                        tma_reduce_add_4d(&dq_map, dq_stage(buf, w / 4, w % 4) + box * 2048,
-                                          128 * (w / 4) + 32 * box, walk.h, walk.m * BM + (w % 4) * 16, b);
-                tma_store_commit();
-                tma_store_wait_read<0>();
-                mbarrier_arrive(&bar_free[buf]);   // (the adds have read the buffers)
-                if constexpr (ORDERED) {
-                    tma_store_wait<0>();   // (the adds are complete: the turn passes on)
-                    turn_pass(p.turns + at);
-                }
-#pragma unroll
-                for (int i = 0; i < WRITERS; ++i) walk.next();
-            }
+                        for (int box = 0; box < 4; ++box)
+                            tma_reduce_add_4d(&dq_map, dq_stage(buf, w / 4, w % 4) + box * 2048,
+                                              128 * (w / 4) + 32 * box, walk.h, walk.m * BM + (w % 4) * 16, b);
+                },
+                [&](int it) { mbarrier_arrive(&bar_free[it % STAGES]); });   // (the adds have read the buffers)
         };
         if (!ring_loads<true, STAGES, 2, 240, WRITERS>(steps, bar_free, load_q, write))
             return;   // (the producer is done)

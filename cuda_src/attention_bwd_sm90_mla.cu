@@ -40,33 +40,13 @@
 #include "common/attn_params.cuh"
 #include "common/attn_turns.cuh"
 
-namespace cuk {
-namespace attention {
-
-// attention_bwd_sm90_mla's parameters besides the tensor maps: rows (B, H, ceil(Sq / 64), 2, 64)
-// float32 (lse * log2(e) and Dsum a query tile), dK (B, Sk, Hkv, 192) and dV (B, Sk, Hkv, 128)
-// with their strides in elements (batch, sequence, head), the problem; ORDERED: a turn counter a
-// `rows` query tile, zeroed (else null).
-template <typename T>
-struct BwdMlaParams {
-    const float* rows;
-    T* dk;
-    T* dv;
-    int* turns;
-    long long dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh;
-    Problem problem;
-};
-
-}  // namespace attention
-}  // namespace cuk
-
 // SMEM: K, V, the Q and dO rings, P^T, dS^T, dQ's stage, lse_log2 and Dsum, 1 KB of slack.
 template <typename T, int MASK, bool SOFTCAP, bool ORDERED, int SMEM>
 __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_mla(
     const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,   // k, v: boxes of 96 rows
     const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
     const __grid_constant__ CUtensorMap dq_map,   // dq_accum (B, Sq, H, 192) float32, boxes 16 x 32
-    const __grid_constant__ cuk::attention::BwdMlaParams<T> p)
+    const __grid_constant__ cuk::attention::BwdWideParams<T> p)
 {
     constexpr int D = 192, DV = 128, BN = 96, KW = 48, BM = 64, STAGES = 2;
     constexpr int KBOX = BN * 128, QBOX = BM * 128;   // a box: 96 key or 64 query rows x 128 bytes (64 columns)
@@ -149,29 +129,18 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_mla(
     {   // (the producer warpgroup's second warp, and third where ORDERED: dQ's writers, see the top)
         auto write = [&](int side) {   // (writer j: steps j, j + WRITERS, ...)
             const int j = WRITERS == 1 ? 0 : side;
-            attention::TileWalk walk(m_first, rot, hk * rep, per_head);
-            if (j > 0) walk.next();
-            for (int it = j; it < steps; it += WRITERS) {
-                mbarrier_wait(&dq_full[j], (it / WRITERS) & 1);
-                const int at = (b * H + walk.h) * tiles + walk.m;
-                if constexpr (ORDERED)
-                    turn_wait(p.turns + at, attention::dq_turn<MASK, BM, BN>(walk.m, kblock, nblocks, per_head, km.hi));
+            attention::dq_writer<MASK, BM, BN, ORDERED, WRITERS>(
+                j, attention::TileWalk(m_first, rot, hk * rep, per_head), steps, p.turns, b * H, tiles, 0, kblock,
+                nblocks, km.hi, [&](int it) { mbarrier_wait(&dq_full[j], (it / WRITERS) & 1); },
+                [&](const attention::TileWalk& walk, int) {
 #pragma unroll 1   // (unrolled, the adds' addresses spilled the writer's 24 registers)
-                for (int w = 0; w < 8; ++w)
+                    for (int w = 0; w < 8; ++w)
 #pragma unroll 1
-                    for (int box = 0; box < 3; ++box)
-                        tma_reduce_add_4d(&dq_map, dq_s + w * DQ_WARP + box * 2048, 96 * (w / 4) + 32 * box, walk.h,
-                                          walk.m * BM + 16 * (w % 4), b);
-                tma_store_commit();
-                tma_store_wait_read<0>();
-                mbarrier_arrive(&dq_empty[j]);   // (the adds have read the stage)
-                if constexpr (ORDERED) {
-                    tma_store_wait<0>();   // (the adds are complete: the turn passes on)
-                    turn_pass(p.turns + at);
-                }
-#pragma unroll
-                for (int i = 0; i < WRITERS; ++i) walk.next();
-            }
+                        for (int box = 0; box < 3; ++box)
+                            tma_reduce_add_4d(&dq_map, dq_s + w * DQ_WARP + box * 2048, 96 * (w / 4) + 32 * box,
+                                              walk.h, walk.m * BM + 16 * (w % 4), b);
+                },
+                [&](int) { mbarrier_arrive(&dq_empty[j]); });   // (the adds have read the stage)
         };
         if (!ring_loads<true, STAGES, 2, 240, WRITERS>(steps, bar_free, load_q, write))
             return;   // (the producer is done)

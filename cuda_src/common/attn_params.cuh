@@ -25,5 +25,20 @@ struct Problem {
     long long* fault;
 };
 
+// The wide head sizes' Hopper backward kernels' parameters (attention_bwd_sm90_d256,
+// attention_bwd_sm90_mla) besides the tensor maps: rows (B, H, ceil(Sq / 64), 2, 64) float32
+// (lse * log2(e) and Dsum a query tile), dK and dV (B, Sk, Hkv, their head sizes) with their
+// strides in elements (batch, sequence, head), the problem; ORDERED: a turn counter a `rows`
+// query tile, zeroed (else null).
+template <typename T>
+struct BwdWideParams {
+    const float* rows;
+    T* dk;
+    T* dv;
+    int* turns;
+    long long dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh;
+    Problem problem;
+};
+
 }  // namespace attention
 }  // namespace cuk

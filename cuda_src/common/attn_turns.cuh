@@ -1,7 +1,8 @@
 // dQ's adds in turns (deterministic=True on Hopper): which turn a key block takes at a query tile,
-// and the walk its writers follow. Shared by attention_bwd_sm90, attention_bwd_sm90_d256 and
-// attention_bwd_sm90_mla (see their ORDERED instances).
+// the walk its writers follow, and a writer's loop. Shared by attention_bwd_sm90,
+// attention_bwd_sm90_d256 and attention_bwd_sm90_mla (see their ORDERED instances).
 #pragma once
+#include "sm90_tma.cuh"
 
 namespace cuk {
 namespace attention {
@@ -39,6 +40,34 @@ struct TileWalk {
         }
     }
 };
+
+// A dQ writer (a lane of the producer warpgroup): writer j of WRITERS takes steps j, j + WRITERS,
+// ... of the block's `steps`, walking its tiles with `walk` (at the block's first step). A step:
+// `full(it)` waits for the staged rows; ORDERED waits for the tile's turn (its counter at
+// turns[(bh + walk.h) * tiles + tile0 + walk.m], bh = b * H); `adds(walk, it)` issues the TMA
+// reduce-adds; once they have read the stage, `freed(it)`; ORDERED, once they are complete, the
+// turn passes on.
+template <int MASK, int BM, int BN, bool ORDERED, int WRITERS, typename Full, typename Adds, typename Freed>
+__device__ __forceinline__ void dq_writer(int j, TileWalk walk, int steps, int* turns, int bh, int tiles, int tile0,
+                                          int kblock, int nblocks, int hi, Full full, Adds adds, Freed freed) {
+    if (j > 0) walk.next();
+    for (int it = j; it < steps; it += WRITERS) {
+        full(it);
+        const int at = (bh + walk.h) * tiles + tile0 + walk.m;
+        if constexpr (ORDERED)
+            turn_wait(turns + at, dq_turn<MASK, BM, BN>(walk.m, kblock, nblocks, walk.per_head, hi));
+        adds(walk, it);
+        tma_store_commit();
+        tma_store_wait_read<0>();
+        freed(it);
+        if constexpr (ORDERED) {
+            tma_store_wait<0>();   // (the adds are complete: the turn passes on)
+            turn_pass(turns + at);
+        }
+#pragma unroll
+        for (int i = 0; i < WRITERS; ++i) walk.next();
+    }
+}
 
 }  // namespace attention
 }  // namespace cuk
