@@ -1,5 +1,5 @@
-// The Hopper backward kernels that split a step's products between two computing warpgroups
-// (attention_bwd_sm90_d256, attention_bwd_sm90_mla): a block of 64 keys walks query tiles of 64
+// The Hopper backward kernel that splits a step's products between two computing warpgroups
+// (attention_bwd_sm90_d256): a block of 64 keys walks query tiles of 64
 // rows; warpgroup 1 computes dP^T = V dO^T and hands it to warpgroup 0 in float32 through shared
 // memory, warpgroup 0 computes S^T = K Q^T, makes P^T and dS^T of it and stores both as T for the
 // products that read them. Both accumulator tiles are 64 keys x 64 queries in the wgmma layout

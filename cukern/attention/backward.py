@@ -164,8 +164,9 @@ def _plan_backward(arrays, causal, softmax_scale, deterministic, configs: Config
               and _kernels.compute_capability(device) == (9, 0)
               and all(i in copied or _tma_readable(a) for i, a in enumerate(arrays[:4])))
     cfg_sm90 = configs.sm90_backward(d, bool(mask.softcap), bool(dropout_p)) if hopper else None
-    # head dim 256 and MLA's 192/128 on Hopper: kernels of their own, splitting a step's products
-    # between the warpgroups (dense; dQ by TMA reduce-adds, deterministic in turns)
+    # head dim 256 and MLA's 192/128 on Hopper: kernels of their own (d256's splitting a step's
+    # products between the warpgroups, MLA's giving each warpgroup keys of its own; dense; dQ by
+    # TMA reduce-adds, deterministic in turns)
     cfg_wide = (configs.bwd_sm90_d256 if configs.use_sm90_bwd_d256 and d == 256 and dv_ == d else
                 configs.bwd_sm90_mla if configs.use_sm90_bwd_mla and (d, dv_) == (192, 128) else None)
     wide = (cfg_wide is not None and not dropout_p
