@@ -1,7 +1,7 @@
 // The Hopper backward kernel that splits a step's products between two computing warpgroups
-// (attention_bwd_sm90_d256): a block of 64 keys walks query tiles of 64
-// rows; warpgroup 1 computes dP^T = V dO^T and hands it to warpgroup 0 in float32 through shared
-// memory, warpgroup 0 computes S^T = K Q^T, makes P^T and dS^T of it and stores both as T for the
+// (attention_bwd_sm90_d256): a block of 64 keys walks query tiles of 64 rows; warpgroup 1
+// computes dP^T = V dO^T and hands it to warpgroup 0 in float32 through shared memory, warpgroup
+// 0 computes S^T = K Q^T, makes P^T and dS^T of it and stores both as T for the
 // products that read them. Both accumulator tiles are 64 keys x 64 queries in the wgmma layout
 // (common/sm90_wgmma.cuh): this thread's keys key0 and key0 + 8, queries m0 + 8 j + 2 t (+1).
 #pragma once
