@@ -127,20 +127,33 @@ __global__ void __launch_bounds__(384, 1) attention_bwd_sm90_mla(
         }
     }
     {   // (the producer warpgroup's second warp, and third where ORDERED: dQ's writers, see the top)
+        // (the writer's loop written out rather than attention::dq_writer's: through the lambdas,
+        // NVRTC 12.9 spilled 4-8 B of the writer's 24 registers in the ordered masked instances)
         auto write = [&](int side) {   // (writer j: steps j, j + WRITERS, ...)
             const int j = WRITERS == 1 ? 0 : side;
-            attention::dq_writer<MASK, BM, BN, ORDERED, WRITERS>(
-                j, attention::TileWalk(m_first, rot, hk * rep, per_head), steps, p.turns, b * H, tiles, 0, kblock,
-                nblocks, km.hi, [&](int it) { mbarrier_wait(&dq_full[j], (it / WRITERS) & 1); },
-                [&](const attention::TileWalk& walk, int) {
+            attention::TileWalk walk(m_first, rot, hk * rep, per_head);
+            if (j > 0) walk.next();
+            for (int it = j; it < steps; it += WRITERS) {
+                mbarrier_wait(&dq_full[j], (it / WRITERS) & 1);
+                const int at = (b * H + walk.h) * tiles + walk.m;
+                if constexpr (ORDERED)
+                    turn_wait(p.turns + at, attention::dq_turn<MASK, BM, BN>(walk.m, kblock, nblocks, per_head, km.hi));
 #pragma unroll 1   // (unrolled, the adds' addresses spilled the writer's 24 registers)
-                    for (int w = 0; w < 8; ++w)
+                for (int w = 0; w < 8; ++w)
 #pragma unroll 1
-                        for (int box = 0; box < 3; ++box)
-                            tma_reduce_add_4d(&dq_map, dq_s + w * DQ_WARP + box * 2048, 96 * (w / 4) + 32 * box,
-                                              walk.h, walk.m * BM + 16 * (w % 4), b);
-                },
-                [&](int) { mbarrier_arrive(&dq_empty[j]); });   // (the adds have read the stage)
+                    for (int box = 0; box < 3; ++box)
+                        tma_reduce_add_4d(&dq_map, dq_s + w * DQ_WARP + box * 2048, 96 * (w / 4) + 32 * box, walk.h,
+                                          walk.m * BM + 16 * (w % 4), b);
+                tma_store_commit();
+                tma_store_wait_read<0>();
+                mbarrier_arrive(&dq_empty[j]);   // (the adds have read the stage)
+                if constexpr (ORDERED) {
+                    tma_store_wait<0>();   // (the adds are complete: the turn passes on)
+                    turn_pass(p.turns + at);
+                }
+#pragma unroll
+                for (int i = 0; i < WRITERS; ++i) walk.next();
+            }
         };
         if (!ring_loads<true, STAGES, 2, 240, WRITERS>(steps, bar_free, load_q, write))
             return;   // (the producer is done)
