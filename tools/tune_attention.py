@@ -28,8 +28,10 @@ SM90_CANDIDATES = {64: [S90(64, 2), S90(64, 3), S90(64, 2, True)],
                          S90(128, 3, True, False, True, persistent=True), S90(128, 2, True, True, True),
                          S90(128, 3, True, True, True), S90(128, 2, True, False, True)],
                    192: [S90(128, 2, True, True), S90(128, 2, True, True, True), S90(128, 2, True, False, True),
-                         S90(64, 3, True, True, True), S90(64, 4, True, True, True)],
-                   256: [S90(64, 2, True, True), S90(64, 2, True, True, True), S90(64, 2, True, False, True)]}
+                         S90(64, 3, True, True, True), S90(64, 4, True, True, True), S90(80, 3, True, True, True),
+                         S90(80, 2, True, True, True)],
+                   256: [S90(64, 2, True, True), S90(64, 2, True, True, True), S90(64, 2, True, False, True),
+                         S90(80, 2, True, True, True), S90(80, 2, True, False, True)]}
 # (B, H, S, D, causal[, Dv]): Dv, v's head size, D unless given (MLA: 192 and 128)
 SHAPES = [(32, 16, 2048, 128, False), (32, 16, 2048, 128, True), (16, 32, 2048, 64, True),
           (16, 32, 2048, 64, False), (16, 16, 2048, 256, False), (16, 16, 2048, 256, True),

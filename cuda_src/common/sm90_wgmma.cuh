@@ -210,6 +210,14 @@ template <typename T, int N> struct Wgmma;
 #define CUK_WGMMA_SS_PREDICATE_32 "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
 #define CUK_WGMMA_RS_OPERANDS_32 "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
 #define CUK_WGMMA_RS_PREDICATE_32 "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+#define CUK_WGMMA_REGS_40 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" \
+    "," "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
+    "," "%32, %33, %34, %35, %36, %37, %38, %39"
+#define CUK_WGMMA_D_40 CUK_WGMMA_D8(0), CUK_WGMMA_D8(8), CUK_WGMMA_D8(16), CUK_WGMMA_D8(24), CUK_WGMMA_D8(32)
+#define CUK_WGMMA_SS_OPERANDS_40 "}, %40, %41, p, 1, 1, %43, %44;\n}\n"
+#define CUK_WGMMA_SS_PREDICATE_40 "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
+#define CUK_WGMMA_RS_OPERANDS_40 "}, {%40, %41, %42, %43}, %44, p, 1, 1, %46;\n}\n"
+#define CUK_WGMMA_RS_PREDICATE_40 "{\n.reg .pred p;\nsetp.ne.b32 p, %45, 0;\n"
 #define CUK_WGMMA_REGS_64 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" \
     "," "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
     "," "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47" \
@@ -266,6 +274,8 @@ CUK_WGMMA(bf16, "bf16.bf16", 32, 16)
 CUK_WGMMA(half, "f16.f16", 32, 16)
 CUK_WGMMA(bf16, "bf16.bf16", 48, 24)
 CUK_WGMMA(half, "f16.f16", 48, 24)
+CUK_WGMMA(bf16, "bf16.bf16", 80, 40)
+CUK_WGMMA(half, "f16.f16", 80, 40)
 CUK_WGMMA(bf16, "bf16.bf16", 64, 32)
 CUK_WGMMA(half, "f16.f16", 64, 32)
 CUK_WGMMA(bf16, "bf16.bf16", 128, 64)
