@@ -24,12 +24,17 @@ namespace rope {
 // PyTorch promotes the forward's products to float32 (each rounded, then their sum) and the
 // caller's autocast rounds the result once to the 16-bit dtype; the backward's per-term
 // roundings (to x's dtype, where autograd casts each gradient) are the same as unpromoted.
+// float32 x (Qwen3's rope takes its QK-norm's float32 result under autocast): PyTorch's separate
+// products and sum, each rounded; a contracted fma would round once less.
 template <typename T, bool BWD, bool PROMOTED>
 __device__ __forceinline__ void rotate_pair(float xl, float xh, float cl, float ch, float sl, float sh,
                                             float& ol, float& oh) {
-    if constexpr (!BWD && PROMOTED) {
+    if constexpr (!BWD && (PROMOTED || sizeof(T) == 4)) {
         ol = round_to<T>(__fsub_rn(__fmul_rn(xl, cl), __fmul_rn(xh, sl)));
         oh = round_to<T>(__fadd_rn(__fmul_rn(xh, ch), __fmul_rn(xl, sh)));
+    } else if constexpr (BWD && sizeof(T) == 4) {
+        ol = __fadd_rn(__fmul_rn(xl, cl), __fmul_rn(xh, sh));
+        oh = __fsub_rn(__fmul_rn(xh, ch), __fmul_rn(xl, sl));
     } else if constexpr (!BWD) {
         ol = round_to<T>(round_to<T>(xl * cl) - round_to<T>(xh * sl));
         oh = round_to<T>(round_to<T>(xh * ch) + round_to<T>(xl * sh));
