@@ -5,12 +5,15 @@ steps, bf16 autocast, AdamW, seed 0) under PyTorch's deterministic algorithms, s
 of one configuration repeat bit for bit, as: PyTorch eager (``eager``); eager with one weight
 moved by one bfloat16 step (``d1``: layer 5's first weight matrix, flat index 12345; ``d2``:
 layer 0's, index 777), the smallest change that autocast's cast of the weights sees; cukern's
-``patched`` model; and ``compiled`` (torch.compile). Prints each run's |loss - eager's| a step:
+``patched`` model; ``compiled`` (torch.compile); and ``fp32_softcap``: eager with Gemma 2's
+softcaps taken in float32 (its attention scores and final logits, which eager rounds to bfloat16
+before and after the tanh; cukern's kernels, FlashAttention's and torch.compile's take them in
+float32). Prints each run's |loss - eager's| a step:
 the maximum, the mean of the last 20 steps, the mean of all, and step 0's.
 
     python tools/loss_sensitivity.py MODEL OUT.json [RUNS]
 
-MODEL: gpt2, llama or mistral (needs transformers); RUNS: a comma list, by default
+MODEL: the demo's ``gpt`` or a transformers model type (``train-demo --model``); RUNS: a comma list, by default
 eager,d1,d2,patched,compiled. Losses are written to OUT.json after each run.
 """
 from __future__ import annotations
@@ -47,6 +50,36 @@ def _moved(build, which):
     return moved_build
 
 
+def _fp32_softcap(build):
+    """``build`` with the model's softcaps computed in float32 (Gemma 2's modeling module)."""
+    def fp32_build(cfg, device):
+        model, loss_of, vocab = build(cfg, device)
+        import transformers.models.gemma2.modeling_gemma2 as gemma2
+
+        def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                      **kwargs):
+            scaling = module.head_dim ** -0.5 if scaling is None else scaling
+            groups = module.num_key_value_groups
+            key, value = gemma2.repeat_kv(key, groups), gemma2.repeat_kv(value, groups)
+            scores = torch.matmul(query.float(), key.float().transpose(2, 3)) * scaling
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            if attention_mask is not None:
+                scores = scores + attention_mask
+            probs = torch.softmax(scores, dim=-1).to(query.dtype)
+            return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+        gemma2.eager_attention_forward = attention
+        cap = model.config.final_logit_softcapping
+        if cap is not None:
+            model.config.final_logit_softcapping = None
+            head = model.lm_head
+            head.forward = lambda x, _f=head.forward: torch.tanh(_f(x).float() / cap) * cap
+        print(f"  fp32_softcap: attention and final logits (cap {cap}) in float32", flush=True)
+        return model, loss_of, vocab
+    return fp32_build
+
+
 def main(argv: list[str]) -> int:
     model, out = argv[0], argv[1]
     runs = (argv[2] if len(argv) > 2 else "eager,d1,d2,patched,compiled").split(",")
@@ -56,7 +89,8 @@ def main(argv: list[str]) -> int:
     losses = {}
     try:
         for run in runs:
-            training.build = _moved(build, run if run in PERTURB else None)
+            training.build = (_fp32_softcap(build) if run == "fp32_softcap"
+                              else _moved(build, run if run in PERTURB else None))
             t = time.time()
             r = train(cfg, steps=200, batch_size=4, patched=run == "patched", compiled=run == "compiled", seed=0)
             losses[run] = r["losses"]
