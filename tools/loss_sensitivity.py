@@ -50,8 +50,9 @@ def _moved(build, which):
     return moved_build
 
 
-def _fp32_softcap(build):
-    """``build`` with the model's softcaps computed in float32 (Gemma 2's modeling module)."""
+def _fp32_softcap(build, undo: list):
+    """``build`` with the model's softcaps computed in float32 (Gemma 2's modeling module); what
+    it replaces in that module goes back when the callables it appends to ``undo`` are called."""
     def fp32_build(cfg, device):
         model, loss_of, vocab = build(cfg, device)
         import transformers.models.gemma2.modeling_gemma2 as gemma2
@@ -69,6 +70,8 @@ def _fp32_softcap(build):
             probs = torch.softmax(scores, dim=-1).to(query.dtype)
             return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
 
+        undo.append(lambda original=gemma2.eager_attention_forward:
+                    setattr(gemma2, "eager_attention_forward", original))
         gemma2.eager_attention_forward = attention
         cap = model.config.final_logit_softcapping
         if cap is not None:
@@ -86,13 +89,17 @@ def main(argv: list[str]) -> int:
     deterministic()
     cfg = Config(layers=12, model=model, vocab=0)
     build = training.build
-    losses = {}
+    losses, undo = {}, []
     try:
         for run in runs:
-            training.build = (_fp32_softcap(build) if run == "fp32_softcap"
+            training.build = (_fp32_softcap(build, undo) if run == "fp32_softcap"
                               else _moved(build, run if run in PERTURB else None))
             t = time.time()
-            r = train(cfg, steps=200, batch_size=4, patched=run == "patched", compiled=run == "compiled", seed=0)
+            try:
+                r = train(cfg, steps=200, batch_size=4, patched=run == "patched", compiled=run == "compiled", seed=0)
+            finally:
+                while undo:
+                    undo.pop()()
             losses[run] = r["losses"]
             print(f"{model} {run}: loss {r['losses'][0]:.5f} -> {r['losses'][-1]:.5f}, {time.time() - t:.0f} s",
                   flush=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cukern.torch as ct
 from cukern.demo import deterministic
@@ -39,8 +40,6 @@ def main(models: list[str]) -> int:
                 loss = first_loss(model, loss_of, tokens)
             label = "all" if parts is None else parts[0]
             print(f"{name} {label:9s} |loss - eager| {abs(loss - eager):.2e}  ({loss:.6f})", flush=True)
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
         for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
                         SDPBackend.MATH):
             try:
