@@ -1,12 +1,14 @@
 """Time LayerNorm / RMSNorm row configurations at one shape against torch, in one process (on a GPU).
 
-    python3 tools/tune_norm.py [CANDIDATES.txt] [--rows 65536] [--cols 4096]
+    python3 tools/tune_norm.py [CANDIDATES.txt] [--rows 65536] [--cols 4096] [--fp8]
 
 CANDIDATES.txt lists norm.RowConfig candidates, one a line: ``fwd|bwd NV G THREADS R MINB``
 (e.g. from a no-spill sweep with cukern._nvrtc on the CPU); without it the shipped table is
 timed. Each candidate is passed to the fronts in a Configs object of its own (the shipped
 CONFIGS is never changed) and timed with CUDA events, printed with GB/s on the byte floor, %
 of the copy bandwidth measured in the same run, and the speed-up over torch for the same step.
+With --fp8 the forward candidates are also timed with an e4m3 output (scale and amax, 3 bytes
+an element: the byte floor of the fp8 rows), against torch's norm, amax and scaled cast.
 """
 import argparse
 import importlib
@@ -39,6 +41,7 @@ def main():
     p.add_argument("candidates", nargs="?")
     p.add_argument("--rows", type=int, default=65536)
     p.add_argument("--cols", type=int, default=4096)
+    p.add_argument("--fp8", action="store_true", help="also time the forward with an e4m3 output")
     args = p.parse_args()
     n, d = args.rows, args.cols
     copy = _bench.copy_bandwidth()
@@ -52,6 +55,15 @@ def main():
     t_bwd = {False: bench(lambda: torch.autograd.grad(F.layer_norm(xg, (d,), wg, bg), (xg, wg, bg), dy))
              - t_fwd[False],
              True: bench(lambda: torch.autograd.grad(F.rms_norm(xg, (d,), wg, 1e-6), (xg, wg), dy)) - t_fwd[True]}
+    scale, amax = torch.full((1,), 64.0, device="cuda"), torch.zeros(1, device="cuda")
+    fp8 = {"out_dtype": "float8_e4m3fn", "scale": scale, "amax": amax}
+
+    def torch_fp8(rms):
+        y = F.rms_norm(x, (d,), w, 1e-6) if rms else F.layer_norm(x, (d,), w, b)
+        amax.copy_(y.abs().amax().float())
+        return (y.float() * scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+    t_fp8 = {rms: bench(lambda: torch_fp8(rms)) for rms in (False, True)} if args.fp8 else {}
 
     def line(name, ms, nbytes, ref_ms):
         gbps = nbytes / ms / 1e6
@@ -69,6 +81,10 @@ def main():
             if kind == "fwd":
                 ms = bench(lambda: norm._forward(rms, x, w, None if rms else b, 1e-5, None, False, configs))
                 line(f"{'rms' if rms else 'ln'} {kind} {cfg}", ms, 2 * nd2, t_fwd[rms])
+                if args.fp8:
+                    ms = bench(lambda: norm._forward(rms, x, w, None if rms else b, 1e-5, None, False, configs,
+                                                     **fp8))
+                    line(f"{'rms' if rms else 'ln'} {kind} fp8 {cfg}", ms, 3 * nd2 // 2, t_fp8[rms])
             else:
                 ms = bench(lambda: norm._backward(rms, dy, x, w, mean, rstd, None, configs))
                 line(f"{'rms' if rms else 'ln'} {kind} {cfg}", ms, 3 * nd2, t_bwd[rms])
