@@ -114,9 +114,20 @@ __device__ __forceinline__ void norm_fwd_write(const cuk::Vec<T, VEC> (&xv)[R][N
 // With a residual, the norm is taken of h rounded to T, exactly as an unfused add then norm.
 // Each group handles R rows at a time: all their loads are issued before the first use, and
 // one group reduction serves all R rows (more bytes in flight, fewer barriers per row).
+// The forward's register budget: below sm_89 the fp8 output is converted in integer code, which
+// spills at the 64 registers of the fp8 table's 16 blocks an SM; two blocks fewer fit it.
+__host__ __device__ constexpr int fwd_min_blocks(int minb, bool fp8)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+    return fp8 && minb > 12 ? minb - 2 : minb;
+#else
+    return minb;
+#endif
+}
+
 template <typename T, bool RMS, int VEC, int NV, int G, int THREADS, int R, int MINB, bool OFFSET, int CAST,
           typename TO>
-__global__ void __launch_bounds__(THREADS, MINB) norm_fwd(
+__global__ void __launch_bounds__(THREADS, fwd_min_blocks(MINB, cuk::is_fp8<TO>::value)) norm_fwd(
     const T* __restrict__ x, long long x_stride,
     const T* __restrict__ res, long long res_stride,
     const T* __restrict__ w, const T* __restrict__ b,

@@ -217,7 +217,12 @@ def test_reference_constant_rows_give_exact_zeros(dtype, cols):
 @pytest.mark.parametrize("kind, cols, dtype, extra, threads", [
     ("rms", 4096, "bfloat16", {}, 256),                    # a row on 256 threads: rms_exact
     ("rms", 4096, "float16", {"offset": 1.0}, 256),
-    ("rms", 4096, "bfloat16", {"out_dtype": "float8_e4m3fn"}, 128),   # fp8: the shared table
+    ("rms", 4096, "bfloat16", {"out_dtype": "float8_e4m3fn"}, 64),    # 16-bit to fp8: the fp8 table
+    ("layer", 4096, "float16", {"out_dtype": "float8_e5m2"}, 64),
+    ("layer", 3072, "bfloat16", {"out_dtype": "float8_e4m3fn"}, 64),
+    ("layer", 2048, "bfloat16", {"out_dtype": "float8_e4m3fn"}, 128),  # (the fp8 table is fwd's there)
+    ("layer", 4096, "float32", {"out_dtype": "float8_e4m3fn"}, 256),   # float32 rows: the shared table
+    ("layer", 4096, "bfloat16", {"out_dtype": "float8_e4m3fn", "residual": True}, 128),
     ("rms", 4096, "bfloat16", {"casting_mode": "llama"}, 128),
     ("rms", 4096, "bfloat16", {"residual": True}, 128),
     ("rms", 3072, "bfloat16", {}, 128),                    # a row that does not fill it
@@ -226,8 +231,9 @@ def test_reference_constant_rows_give_exact_zeros(dtype, cols):
 ])
 def test_forward_row_config_by_width_and_variant(host_arrays_as_device, kind, cols, dtype, extra, threads):
     """RMSNorm's plain 16-bit forward takes its exact-fit config (a 4096-column row on 256
-    threads); its variants, other widths and LayerNorm keep the shared table. On the CPU: the
-    plan is built and packed against cuda_src/norm.cu's declarations, not run."""
+    threads); 16-bit rows of 257-512 vectors with an fp8 output and no residual take the fp8
+    table's (a row on 64 threads); the rest keep the shared table. On the CPU: the plan is built
+    and packed against cuda_src/norm.cu's declarations, not run."""
     from conftest import DryRun
 
     rng = np.random.default_rng(cols)
@@ -241,7 +247,7 @@ def test_forward_row_config_by_width_and_variant(host_arrays_as_device, kind, co
         if kind == "rms":
             cukern.rms_norm(x, w, **kw)
         else:
-            cukern.layer_norm(x, w, random_host(rng, (cols,), dtype))
+            cukern.layer_norm(x, w, random_host(rng, (cols,), dtype), **kw)
     (launch,) = [s for s in run.value.plan.steps if isinstance(s, tuple) and s[0] == "launch"]
     assert launch[1].threads == threads, launch[1].name
 
@@ -894,6 +900,36 @@ def test_layer_norm_fp8_of_constant_rows_is_the_scaled_bias(dtype, cols):
         expect = ref.layer_norm(x, w, b, 1e-5, out_dtype=fmt, scale=scale, amax=amax_ref)
         np.testing.assert_array_equal(fp8_codes(y), expect.view(np.uint8))
         assert to_host(amax)[0] == amax_ref[0] == np.abs(b.astype(np.float32)).max()
+
+
+@gpu
+@needs_torch
+@pytest.mark.parametrize("cols", [8, 1000, 2048, 4096])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_layer_norm_16_bit_rows_far_from_zero_stay_exact(dtype, cols):
+    """16-bit rows at 0, 1.5, 3, 40 and -200 from zero (mean^2 far above the variance, where
+    unshifted sums cancel) through every forward row config a width of this size takes: the
+    16-bit output, the fp8 outputs (their own table) and the fused residual, against the
+    reference."""
+    rng = np.random.default_rng(cols + 7)
+    dev = lambda a: to_device(a, "torch")  # noqa: E731
+    offsets = (0.0, 1.5, 3.0, 40.0, -200.0)
+    x = np.concatenate([random_host(rng, (7, cols), dtype, offset=o) for o in offsets])
+    r = random_host(rng, x.shape, dtype)
+    w, b = random_host(rng, (cols,), dtype), random_host(rng, (cols,), dtype)
+    scale = np.array([16.0], np.float32)
+    y = cukern.layer_norm(dev(x), dev(w), dev(b), 1e-5)
+    assert_close(y, ref.layer_norm(x, w, b, 1e-5), dtype, "y")
+    y, h = cukern.layer_norm(dev(x), dev(w), dev(b), 1e-5, residual=dev(r))
+    expect = ref.layer_norm(x, w, b, 1e-5, residual=r)
+    assert_close(y, expect[0], dtype, "y, residual")
+    same_bits(to_host(h), expect[1], "h")
+    for fmt in FP8:
+        amax, amax_ref = dev(np.array([1e30], np.float32)), np.zeros(1, np.float32)
+        y8 = cukern.layer_norm(dev(x), dev(w), dev(b), 1e-5, out_dtype=fmt, scale=dev(scale), amax=amax)
+        e8 = ref.layer_norm(x, w, b, 1e-5, out_dtype=fmt, scale=scale, amax=amax_ref)
+        assert_fp8_close(y8, e8, f"y {fmt}")
+        np.testing.assert_allclose(to_host(amax)[0], amax_ref[0], rtol=2 ** -7)
 
 
 # ---- cukern.torch: the variants' modules and the fused residual ---------------------------------------

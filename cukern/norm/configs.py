@@ -80,11 +80,16 @@ class Configs:
     # RMSNorm's plain forward (16-bit rows, no residual, casting mode or fp8 output) where its
     # row fills one of these exactly, in 16-byte vectors
     rms_exact: tuple[RowConfig, ...] = ()
+    # the forward of 16-bit rows with an fp8 output and no residual, where it differs from fwd
+    fp8: tuple[RowConfig, ...] | None = None
 
     def table(self, kind: str) -> tuple[RowConfig, ...]:
-        """"fwd", "res" (the forward with a residual) or "bwd"."""
+        """"fwd", "res" (the forward with a residual), "fp8" (16-bit rows to an fp8 output) or
+        "bwd"."""
         if kind == "res":
             return self.residual or self.fwd
+        if kind == "fp8":
+            return self.fp8 or self.fwd
         return self.fwd if kind == "fwd" else self.bwd
 
     def rms_exact_pick(self, cols: int, vec: int) -> RowConfig | None:
@@ -116,6 +121,9 @@ CONFIGS = Configs(
     # (a 4096-column row on 256 threads: faster for RMSNorm's plain forward, slower for LayerNorm,
     # the fp8 output and rows it does not fill: docs/notes-norm.md)
     rms_exact=(RowConfig(2, 256, 256, 1, 4),),
+    # (a row of 257-512 vectors on 64 threads, 16 blocks an SM: the fp8 output's step is short
+    # enough that more rows in flight pay; the 16-bit outputs lose 1-2% there)
+    fp8=_FWD_ROWS[:6] + (RowConfig(8, 64, 64, 1, 16),) + _FWD_ROWS[7:],
 )
 
 
@@ -153,4 +161,7 @@ def instances(configs: Configs = CONFIGS) -> list[Instance]:
                     cfgs = (*table, configs.loop) if vec > 1 else (configs.loop,)
                     out += [c.instance(k, dtype, rms, vec, offset, cast, fp8) for cast, fp8 in
                             _variants(k, dtype, rms) for c in cfgs for offset in (False, True)]
+                    if kind == "fwd" and itemsize == 2 and vec > 1:
+                        out += [c.instance(k, dtype, rms, vec, offset, 0, fp8) for fp8 in _arrays.FP8
+                                for c in configs.table("fp8") for offset in (False, True)]
     return list(dict.fromkeys(out))   # (the residual table repeats most of fwd's)

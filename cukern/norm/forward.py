@@ -110,7 +110,8 @@ def _plan_forward(rms, arrays, eps, return_stats, configs, offset=0.0, cast=0, o
         if exact is not None:
             cfg = exact
         else:
-            cfg = configs.loop if variant and vec == 1 else configs.pick("fwd" if ra is None else "res", cols, vec)
+            kind = "res" if ra is not None else "fp8" if out and xa.itemsize == 2 else "fwd"
+            cfg = configs.loop if variant and vec == 1 else configs.pick(kind, cols, vec)
         k = _kernels.kernel(cfg.instance("fwd", xa.dtype, rms, vec, offset != 0, cast, out), device)
         # A row in registers: one block a row group, not a persistent grid (a finished block's
         # slot starts the next rows' loads at once; 2-8% faster at every width measured). The
