@@ -106,6 +106,7 @@ def bench_cases(quick: bool) -> list:
 # ---- the PyTorch path: transformers' fused experts, as patch(model) routes them ----------------
 
 EXPERTS = {"full": (16384, 2048, 64, 768, 8), "quick": (2048, 512, 16, 256, 4)}   # T, H, E, I, k
+MIXTRAL_EXPERTS = {"full": (8192, 4096, 8, 14336, 2), "quick": (2048, 1024, 8, 2048, 2)}   # (Mixtral 8x7B's)
 
 
 def _grouped(a, b_kn, offsets):
@@ -271,16 +272,19 @@ def torch_bench_cases(quick: bool) -> list:
     the three products of each pair, forward, three times that with the backward."""
     from .._bench_cases import TorchCase
 
-    dims, dt = EXPERTS["quick" if quick else "full"], WORKLOAD["dtype"]
-    t_, h, e, i, k = dims
-    flops = 2 * t_ * k * h * 3 * i
-    nbytes = 2 * (2 * t_ * h + e * 3 * i * h + t_ * k * (h + 3 * i))
-    make = functools.partial(_experts_inputs, dims, dt)
-    return [TorchCase("moe experts fwd+bwd", "moe", (t_, h, e, i, k), dt, 3 * nbytes, make, _experts_on,
-                      _experts_array, liger=_experts_liger, flops=3 * flops),
-            TorchCase("moe experts fwd+bwd vs transformers loop", "moe", (t_, h, e, i, k), dt, 3 * nbytes, make,
-                      _experts_or_loop, _experts_array, flops=3 * flops),
-            _gpt_oss_case(quick)]
+    size = "quick" if quick else "full"
+    out = []
+    for label, dims in (("", EXPERTS[size]), (" mixtral", MIXTRAL_EXPERTS[size])):
+        dt = WORKLOAD["dtype"]
+        t_, h, e, i, k = dims
+        flops = 2 * t_ * k * h * 3 * i
+        nbytes = 2 * (2 * t_ * h + e * 3 * i * h + t_ * k * (h + 3 * i))
+        make = functools.partial(_experts_inputs, dims, dt)
+        out += [TorchCase(f"moe experts{label} fwd+bwd", "moe", dims, dt, 3 * nbytes, make, _experts_on,
+                          _experts_array, liger=_experts_liger, flops=3 * flops),
+                TorchCase(f"moe experts{label} fwd+bwd vs transformers loop", "moe", dims, dt, 3 * nbytes, make,
+                          _experts_or_loop, _experts_array, flops=3 * flops)]
+    return [*out, _gpt_oss_case(quick)]
 
 
 def _gpt_oss_case(quick: bool):
