@@ -383,6 +383,42 @@ def test_a_second_backward_through_the_torch_experts_gives_twice_the_gradient(dt
 
 @gpu
 @pytest.mark.skipif(torch is None or not torch.cuda.is_available(), reason="needs a CUDA build of torch")
+def test_the_torch_experts_keep_and_hold_no_more_than_they_need():
+    """Between the forward and the backward the experts keep x_perm, h, y and the routing's
+    small arrays (the gate's output is computed again from h), and the backward's peak is its
+    last product's: what the forward kept, dh, both weight gradients and dx_perm (each earlier
+    intermediate let go once used). Counted in bytes of the caching allocator."""
+    import cukern.torch as ct
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    t, h, e, i, k = 512, 256, 4, 512, 2
+    p = t * k
+    idx = torch.stack([torch.randperm(e, device="cuda", generator=g)[:k] for _ in range(t)])
+    leaves = [(torch.randn(shape, device="cuda", generator=g) * s).to(d).requires_grad_(True)
+              for shape, s, d in (((t, h), 1.0, torch.bfloat16), ((t, k), 1.0, torch.float32),
+                                  ((e, 2 * i, h), h ** -0.5, torch.bfloat16), ((e, h, i), i ** -0.5, torch.bfloat16))]
+    dout = torch.randn(t, h, device="cuda", generator=g).to(torch.bfloat16)
+    ct.moe_experts(*leaves[:1], idx, *leaves[1:], "silu").backward(dout)   # (kernels loaded, workspaces made)
+    for v in leaves:
+        v.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    out = ct.moe_experts(*leaves[:1], idx, *leaves[1:], "silu")
+    kept = torch.cuda.memory_allocated() - base
+    small = 64 * 1024   # (row_of, offsets, the float32 weights and allocator rounding)
+    two = 2   # bytes an element, bf16
+    # out, x_perm, h and y
+    assert kept <= two * (t * h + p * h + p * 2 * i + p * h) + small, kept
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    out.backward(dout)
+    peak = torch.cuda.max_memory_allocated() - start
+    # dh, dw_gate_up, dw_down, dx_perm, dx: the last product's working set
+    assert peak <= two * (p * 2 * i + e * 2 * i * h + e * h * i + p * h + t * h) + small, peak
+
+
+@gpu
+@pytest.mark.skipif(torch is None or not torch.cuda.is_available(), reason="needs a CUDA build of torch")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("t, h, e, i, k", [(300, 128, 8, 128, 2), (37, 24, 5, 16, 3)])
 def test_the_torch_biased_experts_match_pytorch_and_a_second_backward_gives_twice(dtype, t, h, e, i, k):

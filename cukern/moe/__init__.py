@@ -54,13 +54,14 @@ def _impl():
 TORCH_OPS = (
     TorchOp("moe_experts",
             "(Tensor x, Tensor top_k_index, Tensor top_k_weights, Tensor w_gate_up, Tensor w_down, int act) -> "
-            "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+            "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
             forward=lambda *a: _impl().experts_forward(*a),
             inference=lambda *a: _impl().experts_forward(*a)[0],
             fake=lambda *a: _impl().experts_fake(*a),
-            # (saved: x_perm, row_of, offsets, h, z, y, the float32 weights, and both projections)
+            # (saved: x_perm, row_of, offsets, h, y, the float32 weights, and both projections; the
+            # gate's output is computed again from h)
             save=lambda inputs, outputs: ((*outputs[1:], inputs[3], inputs[4]), (inputs[5], inputs[1].shape[1])),
-            backward_schema="(Tensor dout, Tensor x_perm, Tensor row_of, Tensor offsets, Tensor h, Tensor z, "
+            backward_schema="(Tensor dout, Tensor x_perm, Tensor row_of, Tensor offsets, Tensor h, "
                             "Tensor y, Tensor weights, Tensor w_gate_up, Tensor w_down, int act, int top_k) -> "
                             "(Tensor, Tensor, Tensor, Tensor)",
             backward=lambda *a: _impl().experts_backward(*a),

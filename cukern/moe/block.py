@@ -154,9 +154,15 @@ def moe_backward(dout, x, router_w, w_gate_up, w_down, saved: MoESaved, dlogits_
                          f"{tuple(saved.logits.shape)} {saved.logits.dtype}, the logits'")
     dy, dweights = moe_unpermute_backward(_contiguous(dout), saved.y, saved.row_of, saved.weights)
     dz, dw_down = moe_grouped_mm_backward(dy, saved.z, w_down, saved.offsets)
+    del dy   # (each intermediate let go once used: the peak is the last product's)
     dgate, dup = _gate_backward(saved.act, dz, saved.h[:, :i], saved.h[:, i:])
-    dx_perm, dw_gate_up = moe_grouped_mm_backward(_cat_columns(dgate, dup), saved.x_perm, w_gate_up, saved.offsets)
+    del dz
+    dh = _cat_columns(dgate, dup)
+    del dgate, dup
+    dx_perm, dw_gate_up = moe_grouped_mm_backward(dh, saved.x_perm, w_gate_up, saved.offsets)
+    del dh
     dx = moe_permute_backward(dx_perm, saved.row_of, saved.top_k)
+    del dx_perm
     dlogits = moe_router_backward(dweights, saved.logits, saved.experts, score=saved.score,
                                   renormalize=saved.renormalize, scale=saved.scale)
     if dlogits_extra is not None:

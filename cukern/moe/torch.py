@@ -16,44 +16,51 @@ from .routing import moe_permute, moe_permute_backward, moe_unpermute, moe_unper
 
 def experts_forward(x, top_k_index, top_k_weights, w_gate_up, w_down, act: int):
     """(out (T, H), then what the backward needs: x_perm (T k, H), row_of (T k,) int32, offsets
-    (E + 1,) int32, h (T k, 2I), z (T k, I), y (T k, H), the weights (T, k) in float32)."""
+    (E + 1,) int32, h (T k, 2I), y (T k, H), the weights (T, k) in float32). The gate's output z
+    (T k, I) is not kept: the backward computes it again from h (the same kernel, the same bits),
+    a pass over h that saves a third of h's memory between the forward and the backward."""
     experts = top_k_index.to(torch.int32).contiguous()
     # (a copy even of float32 weights: a custom op's output must not be one of its inputs)
     weights = top_k_weights.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     i = w_gate_up.shape[1] // 2
     x_perm, _, row_of, offsets, _ = moe_permute(x.contiguous(), experts, w_gate_up.shape[0])
     h = moe_grouped_mm(x_perm, w_gate_up.contiguous(), offsets)
-    z = _gate(ACTS[act], h[:, :i], h[:, i:])
-    y = moe_grouped_mm(z, w_down.contiguous(), offsets)
-    return moe_unpermute(y, row_of, weights), x_perm, row_of, offsets, h, z, y, weights
+    y = moe_grouped_mm(_gate(ACTS[act], h[:, :i], h[:, i:]), w_down.contiguous(), offsets)
+    return moe_unpermute(y, row_of, weights), x_perm, row_of, offsets, h, y, weights
 
 
-def experts_backward(dout, x_perm, row_of, offsets, h, z, y, weights, w_gate_up, w_down, act: int, top_k: int):
-    """(dx (T, H), d weights (T, k) float32, d w_gate_up, d w_down)."""
+def experts_backward(dout, x_perm, row_of, offsets, h, y, weights, w_gate_up, w_down, act: int, top_k: int):
+    """(dx (T, H), d weights (T, k) float32, d w_gate_up, d w_down). Each intermediate is let go
+    as soon as it is used (the peak is the last product's: dh, both weight gradients and what
+    the forward kept)."""
     i = h.shape[1] // 2
     dy, dweights = moe_unpermute_backward(dout.contiguous(), y, row_of, weights)
-    dz, dw_down = moe_grouped_mm_backward(dy, z, w_down.contiguous(), offsets)
+    dz, dw_down = moe_grouped_mm_backward(dy, _gate(ACTS[act], h[:, :i], h[:, i:]), w_down.contiguous(), offsets)
+    del dy
     dgate, dup = _gate_backward(ACTS[act], dz, h[:, :i], h[:, i:])
-    dx_perm, dw_gate_up = moe_grouped_mm_backward(torch.cat([dgate, dup], dim=1), x_perm, w_gate_up.contiguous(),
-                                                  offsets)
+    del dz
+    dh = torch.cat([dgate, dup], dim=1)
+    del dgate, dup
+    dx_perm, dw_gate_up = moe_grouped_mm_backward(dh, x_perm, w_gate_up.contiguous(), offsets)
+    del dh
     return moe_permute_backward(dx_perm, row_of, top_k), dweights, dw_gate_up, dw_down
 
 
-def _experts_outputs_fake(x, top_k_index, top_k_weights, experts: int, two_i: int):
-    """The shapes of both experts ops' forward outputs: out, x_perm, row_of, offsets, h, z, y,
-    the float32 weights."""
+def _experts_outputs_fake(x, top_k_index, top_k_weights, experts: int, two_i: int, gate_out: bool = True):
+    """The shapes of the experts ops' forward outputs: out, x_perm, row_of, offsets, h, z (where
+    the op keeps it: ``gate_out``), y, the float32 weights."""
     pairs = top_k_index.shape[0] * top_k_index.shape[1]
     rows = lambda n, dt=x.dtype: x.new_empty((pairs, n), dtype=dt)   # noqa: E731
     return (x.new_empty(x.shape), rows(x.shape[1]), x.new_empty((pairs,), dtype=torch.int32),
-            x.new_empty((experts + 1,), dtype=torch.int32), rows(two_i), rows(two_i // 2), rows(x.shape[1]),
-            x.new_empty(tuple(top_k_weights.shape), dtype=torch.float32))
+            x.new_empty((experts + 1,), dtype=torch.int32), rows(two_i), *((rows(two_i // 2),) if gate_out else ()),
+            rows(x.shape[1]), x.new_empty(tuple(top_k_weights.shape), dtype=torch.float32))
 
 
 def experts_fake(x, top_k_index, top_k_weights, w_gate_up, w_down, act):
-    return _experts_outputs_fake(x, top_k_index, top_k_weights, w_gate_up.shape[0], w_gate_up.shape[1])
+    return _experts_outputs_fake(x, top_k_index, top_k_weights, w_gate_up.shape[0], w_gate_up.shape[1], False)
 
 
-def experts_backward_fake(dout, x_perm, row_of, offsets, h, z, y, weights, w_gate_up, w_down, act, top_k):
+def experts_backward_fake(dout, x_perm, row_of, offsets, h, y, weights, w_gate_up, w_down, act, top_k):
     return (dout.new_empty(dout.shape), weights.new_empty(weights.shape), w_gate_up.new_empty(w_gate_up.shape),
             w_down.new_empty(w_down.shape))
 
@@ -124,8 +131,11 @@ def biased_experts_backward(dout, x_perm, row_of, offsets, h, z, y, weights, w_g
     """(dx (T, H), d weights (T, k) float32, d w_gate_up, d b_gate_up, d w_down, d b_down)."""
     dy, dweights = moe_unpermute_backward(dout.contiguous(), y, row_of, weights)
     dz, dw_down = moe_grouped_mm_backward(dy, z, w_down.contiguous(), offsets, b_layout="kn")
+    del dy   # (each intermediate let go once used: the peak is the last product's)
     dh, db_gate_up = moe_biased_glu_backward(dz, h, _bias(b_gate_up, h.dtype), offsets, alpha, limit)
+    del dz
     dx_perm, dw_gate_up = moe_grouped_mm_backward(dh, x_perm, w_gate_up.contiguous(), offsets, b_layout="kn")
+    del dh
     db_down = _pair_bias_grad(dout, row_of, offsets, weights, w_down.shape[0])
     return (moe_permute_backward(dx_perm, row_of, top_k), dweights, dw_gate_up, db_gate_up.to(b_gate_up.dtype),
             dw_down, db_down.to(b_down.dtype))
