@@ -214,7 +214,7 @@ def torch_stand_ins() -> dict:
         z = GATED_ACTS[ACTS[act]][2](h[:, :i]) * h[:, i:]
         y = products(z, dn, offsets)
         t = weights.shape[0]
-        return h, z, y, (y[row_of.long()].reshape(t, k, -1) * weights[..., None]).sum(1).to(x_perm.dtype)
+        return h, y, (y[row_of.long()].reshape(t, k, -1) * weights[..., None]).sum(1).to(x_perm.dtype)
 
     def fwd(x, idx, w, gu, dn, act):
         e, k = gu.shape[0], idx.shape[1]
@@ -224,11 +224,11 @@ def torch_stand_ins() -> dict:
         row_of[order] = torch.arange(order.numel())
         offsets = torch.cat([flat.new_zeros(1), torch.bincount(flat, minlength=e).cumsum(0)]).int()
         x_perm, weights = x[order // k], w.to(torch.float32, copy=True)
-        h, z, y, out = experts(x_perm, weights, gu, dn, row_of, offsets, act, k)
-        return out, x_perm, row_of.int(), offsets, h, z, y, weights
+        h, y, out = experts(x_perm, weights, gu, dn, row_of, offsets, act, k)
+        return out, x_perm, row_of.int(), offsets, h, y, weights
 
-    def bwd(dout, x_perm, row_of, offsets, h, z, y, weights, gu, dn, act, k):
-        dx_perm, dw, dgu, ddn = recompute(lambda xp, w, g, d: experts(xp, w, g, d, row_of, offsets, act, k)[3],
+    def bwd(dout, x_perm, row_of, offsets, h, y, weights, gu, dn, act, k):
+        dx_perm, dw, dgu, ddn = recompute(lambda xp, w, g, d: experts(xp, w, g, d, row_of, offsets, act, k)[2],
                                           (x_perm, weights, gu, dn), dout)
         return dx_perm[row_of.long()].reshape(weights.shape[0], k, -1).sum(1), dw, dgu, ddn
 
@@ -241,25 +241,25 @@ def torch_stand_ins() -> dict:
         z = (u + 1) * g * torch.sigmoid(alpha * g)
         y = torch.cat([z[lo:hi] @ dn[e] + bdn[e] for e, (lo, hi) in groups])
         t = weights.shape[0]
-        return h, z, y, (y[row_of.long()].reshape(t, k, -1) * weights[..., None]).sum(1).to(x_perm.dtype)
+        return h, y, (y[row_of.long()].reshape(t, k, -1) * weights[..., None]).sum(1).to(x_perm.dtype)
 
     def biased_fwd(x, idx, w, gu, bgu, dn, bdn, alpha, limit):
-        _, x_perm, row_of, offsets, _, _, _, weights = fwd(x, idx, w, gu.transpose(1, 2), dn.transpose(1, 2), 0)
-        h, z, y, out = biased(x_perm, weights, gu, bgu, dn, bdn, row_of, offsets, alpha, limit, idx.shape[1])
-        return out, x_perm, row_of, offsets, h, z, y, weights
+        _, x_perm, row_of, offsets, _, _, weights = fwd(x, idx, w, gu.transpose(1, 2), dn.transpose(1, 2), 0)
+        h, y, out = biased(x_perm, weights, gu, bgu, dn, bdn, row_of, offsets, alpha, limit, idx.shape[1])
+        return out, x_perm, row_of, offsets, h, y, weights
 
-    def biased_bwd(dout, x_perm, row_of, offsets, h, z, y, weights, gu, bgu, dn, bdn, alpha, limit, k):
+    def biased_bwd(dout, x_perm, row_of, offsets, h, y, weights, gu, bgu, dn, bdn, alpha, limit, k):
         dx_perm, dw, dgu, dbgu, ddn, dbdn = recompute(
-            lambda xp, w, *p: biased(xp, w, *p, row_of, offsets, alpha, limit, k)[3],
+            lambda xp, w, *p: biased(xp, w, *p, row_of, offsets, alpha, limit, k)[2],
             (x_perm, weights, gu, bgu, dn, bdn), dout)
         return dx_perm[row_of.long()].reshape(weights.shape[0], k, -1).sum(1), dw, dgu, dbgu, ddn, dbdn
 
     def block_fwd(x, rw, gu, dn, sb, top_k, act, score, renorm, scale):
         out, logits, w, ex = torch_block(x, rw, gu, dn, sb, top_k, act, score, renorm, scale)
-        _, x_perm, row_of, offsets, h, z, y, weights = fwd(x, ex, w, gu, dn, act)
-        return out, logits, weights, ex.int(), x_perm, row_of, offsets, h, z, y
+        _, x_perm, row_of, offsets, h, y, weights = fwd(x, ex, w, gu, dn, act)
+        return out, logits, weights, ex.int(), x_perm, row_of, offsets, h, y
 
-    def block_bwd(dout, dlogits, x, rw, gu, dn, logits, weights, ex, x_perm, row_of, offsets, h, z, y, top_k, act,
+    def block_bwd(dout, dlogits, x, rw, gu, dn, logits, weights, ex, x_perm, row_of, offsets, h, y, top_k, act,
                   score, renorm, scale):
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(True) for t in (x, rw, gu, dn)]

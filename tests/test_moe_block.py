@@ -316,7 +316,7 @@ def test_the_torch_biased_experts_name_a_bad_argument_without_a_gpu():
 
 
 def test_dlogits_extra_of_another_dtype_or_shape_is_named():
-    saved = block.MoESaved(np.zeros((3, 4), np.float16), *([None] * 8), 2, "silu", "softmax", True, 1.0)
+    saved = block.MoESaved(np.zeros((3, 4), np.float16), *([None] * 7), 2, "silu", "softmax", True, 1.0)
     saved.h = np.zeros((6, 8), np.float16)
     for extra in (np.zeros((3, 4), np.float32), np.zeros((3, 5), np.float16)):
         with pytest.raises(ValueError, match=r"^dlogits_extra: shape \(3, [45]\) float(32|16); expected \(3, 4\)"):
@@ -491,7 +491,7 @@ def _block_stand_ins(monkeypatch):
         # (the stand-in differentiates with autograd, which a custom op's backward runs below:
         # on a thread of its own, whose dispatch state is the default one)
         return in_fresh_thread(lambda: bwd(dout, dlogits_extra, x, rw, gu, dn, s.logits, s.weights, s.experts,
-                                           s.x_perm, s.row_of, s.offsets, s.h, s.z, s.y, s.top_k,
+                                           s.x_perm, s.row_of, s.offsets, s.h, s.y, s.top_k,
                                            block.ACTS.index(s.act), SCORES.index(s.score), s.renormalize, s.scale))
 
     monkeypatch.setattr(moe_torch, "moe_forward", moe_forward)

@@ -71,13 +71,14 @@ TORCH_OPS = (
     TorchOp("moe_experts_biased",
             "(Tensor x, Tensor top_k_index, Tensor top_k_weights, Tensor w_gate_up, Tensor b_gate_up, "
             "Tensor w_down, Tensor b_down, float alpha, float limit) -> "
-            "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+            "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
             forward=lambda *a: _impl().biased_experts_forward(*a),
             inference=lambda *a: _impl().biased_experts_forward(*a)[0],
             fake=lambda *a: _impl().biased_experts_fake(*a),
-            # (saved: x_perm, row_of, offsets, h, z, y, the float32 weights, both weights and biases)
+            # (saved: x_perm, row_of, offsets, h, y, the float32 weights, both weights and biases; the
+            # gate's output is computed again from h)
             save=lambda inputs, outputs: ((*outputs[1:], *inputs[3:7]), (inputs[7], inputs[8], inputs[1].shape[1])),
-            backward_schema="(Tensor dout, Tensor x_perm, Tensor row_of, Tensor offsets, Tensor h, Tensor z, "
+            backward_schema="(Tensor dout, Tensor x_perm, Tensor row_of, Tensor offsets, Tensor h, "
                             "Tensor y, Tensor weights, Tensor w_gate_up, Tensor b_gate_up, Tensor w_down, "
                             "Tensor b_down, float alpha, float limit, int top_k) -> "
                             "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
@@ -88,7 +89,7 @@ TORCH_OPS = (
     TorchOp("moe_block",
             "(Tensor x, Tensor router_w, Tensor w_gate_up, Tensor w_down, Tensor? selection_bias, int top_k, "
             "int act, int score, bool renormalize, float scale) -> "
-            "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+            "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
             forward=lambda *a: _impl().block_forward(*a),
             fake=lambda *a: _impl().block_fake(*a),
             # (visible: the output and the logits, whose gradient (the auxiliary losses') joins the
@@ -96,7 +97,7 @@ TORCH_OPS = (
             save=lambda inputs, outputs: ((*inputs[:4], *outputs[1:]), tuple(inputs[5:])),
             backward_schema="(Tensor dout, Tensor? dlogits, Tensor x, Tensor router_w, Tensor w_gate_up, "
                             "Tensor w_down, Tensor logits, Tensor weights, Tensor experts, Tensor x_perm, "
-                            "Tensor row_of, Tensor offsets, Tensor h, Tensor z, Tensor y, int top_k, int act, "
+                            "Tensor row_of, Tensor offsets, Tensor h, Tensor y, int top_k, int act, "
                             "int score, bool renormalize, float scale) -> (Tensor, Tensor, Tensor, Tensor)",
             backward=lambda *a: _impl().block_backward(*a),
             backward_fake=lambda *a: _impl().block_backward_fake(*a),

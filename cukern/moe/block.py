@@ -24,8 +24,8 @@ ACTS = reference.ACTS   # "silu" (SwiGLU: Mixtral, Qwen3-MoE, OLMoE), "gelu", "g
 class MoESaved:
     """What ``moe_forward`` keeps for ``moe_backward``: the router's logits (T, E) and its
     choice (weights (T, k) float32, experts (T, k) int32), the permutation (x_perm (T k, H),
-    row_of (T k,), offsets (E + 1,)), and the experts' intermediates (h (T k, 2I), z (T k, I),
-    y (T k, H))."""
+    row_of (T k,), offsets (E + 1,)), and the experts' intermediates (h (T k, 2I) and y (T k,
+    H); the gate's output is computed again from h in the backward)."""
     logits: object
     weights: object
     experts: object
@@ -33,7 +33,6 @@ class MoESaved:
     row_of: object
     offsets: object
     h: object
-    z: object
     y: object
     top_k: int
     act: str
@@ -135,10 +134,9 @@ def moe_forward(x, router_w, w_gate_up, w_down, top_k: int, *, act: str = "silu"
                                      selection_bias=selection_bias, scale=scale)
     x_perm, _, row_of, offsets, _ = moe_permute(x, experts, e)
     h = moe_grouped_mm(x_perm, w_gate_up, offsets)
-    z = _gate(act, h[:, :i], h[:, i:])
-    y = moe_grouped_mm(z, w_down, offsets)
+    y = moe_grouped_mm(_gate(act, h[:, :i], h[:, i:]), w_down, offsets)
     out = moe_unpermute(y, row_of, weights)
-    return out, MoESaved(logits, weights, experts, x_perm, row_of, offsets, h, z, y, top_k, act, score,
+    return out, MoESaved(logits, weights, experts, x_perm, row_of, offsets, h, y, top_k, act, score,
                          bool(renormalize), scale)
 
 
@@ -153,7 +151,7 @@ def moe_backward(dout, x, router_w, w_gate_up, w_down, saved: MoESaved, dlogits_
         raise ValueError(f"dlogits_extra: shape {tuple(dlogits_extra.shape)} {dlogits_extra.dtype}; expected "
                          f"{tuple(saved.logits.shape)} {saved.logits.dtype}, the logits'")
     dy, dweights = moe_unpermute_backward(_contiguous(dout), saved.y, saved.row_of, saved.weights)
-    dz, dw_down = moe_grouped_mm_backward(dy, saved.z, w_down, saved.offsets)
+    dz, dw_down = moe_grouped_mm_backward(dy, _gate(saved.act, saved.h[:, :i], saved.h[:, i:]), w_down, saved.offsets)
     del dy   # (each intermediate let go once used: the peak is the last product's)
     dgate, dup = _gate_backward(saved.act, dz, saved.h[:, :i], saved.h[:, i:])
     del dz

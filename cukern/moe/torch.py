@@ -123,14 +123,17 @@ def biased_experts_forward(x, top_k_index, top_k_weights, w_gate_up, b_gate_up, 
     z = moe_biased_glu(h, _bias(b_gate_up, x.dtype), offsets, alpha, limit)
     y = moe_group_bias(moe_grouped_mm(z, w_down.contiguous(), offsets, b_layout="kn"), _bias(b_down, x.dtype),
                        offsets)
-    return moe_unpermute(y, row_of, weights), x_perm, row_of, offsets, h, z, y, weights
+    return moe_unpermute(y, row_of, weights), x_perm, row_of, offsets, h, y, weights
 
 
-def biased_experts_backward(dout, x_perm, row_of, offsets, h, z, y, weights, w_gate_up, b_gate_up, w_down, b_down,
+def biased_experts_backward(dout, x_perm, row_of, offsets, h, y, weights, w_gate_up, b_gate_up, w_down, b_down,
                             alpha: float, limit: float, top_k: int):
-    """(dx (T, H), d weights (T, k) float32, d w_gate_up, d b_gate_up, d w_down, d b_down)."""
+    """(dx (T, H), d weights (T, k) float32, d w_gate_up, d b_gate_up, d w_down, d b_down); the
+    gate's output computed again from h."""
     dy, dweights = moe_unpermute_backward(dout.contiguous(), y, row_of, weights)
+    z = moe_biased_glu(h, _bias(b_gate_up, h.dtype), offsets, alpha, limit)
     dz, dw_down = moe_grouped_mm_backward(dy, z, w_down.contiguous(), offsets, b_layout="kn")
+    del z
     del dy   # (each intermediate let go once used: the peak is the last product's)
     dh, db_gate_up = moe_biased_glu_backward(dz, h, _bias(b_gate_up, h.dtype), offsets, alpha, limit)
     del dz
@@ -142,10 +145,10 @@ def biased_experts_backward(dout, x_perm, row_of, offsets, h, z, y, weights, w_g
 
 
 def biased_experts_fake(x, top_k_index, top_k_weights, w_gate_up, b_gate_up, w_down, b_down, alpha, limit):
-    return _experts_outputs_fake(x, top_k_index, top_k_weights, w_gate_up.shape[0], w_gate_up.shape[2])
+    return _experts_outputs_fake(x, top_k_index, top_k_weights, w_gate_up.shape[0], w_gate_up.shape[2], False)
 
 
-def biased_experts_backward_fake(dout, x_perm, row_of, offsets, h, z, y, weights, w_gate_up, b_gate_up, w_down,
+def biased_experts_backward_fake(dout, x_perm, row_of, offsets, h, y, weights, w_gate_up, b_gate_up, w_down,
                                  b_down, alpha, limit, top_k):
     return (dout.new_empty(dout.shape), weights.new_empty(weights.shape),
             *(a.new_empty(a.shape) for a in (w_gate_up, b_gate_up, w_down, b_down)))
@@ -156,18 +159,18 @@ def biased_experts_backward_fake(dout, x_perm, row_of, offsets, h, z, y, weights
 def block_forward(x, router_w, w_gate_up, w_down, selection_bias, top_k: int, act: int, score: int,
                   renormalize: bool, scale: float):
     """(out (T, H), logits (T, E): both visible; then what the backward needs: the weights (T, k)
-    float32, the experts (T, k) int32, x_perm, row_of, offsets, h, z, y)."""
+    float32, the experts (T, k) int32, x_perm, row_of, offsets, h, y)."""
     out, s = moe_forward(x.contiguous(), router_w.contiguous(), w_gate_up.contiguous(), w_down.contiguous(), top_k,
                          act=ACTS[act], score=SCORES[score], renormalize=renormalize,
                          selection_bias=selection_bias, scale=scale)
-    return out, s.logits, s.weights, s.experts, s.x_perm, s.row_of, s.offsets, s.h, s.z, s.y
+    return out, s.logits, s.weights, s.experts, s.x_perm, s.row_of, s.offsets, s.h, s.y
 
 
 def block_backward(dout, dlogits, x, router_w, w_gate_up, w_down, logits, weights, experts, x_perm, row_of, offsets,
-                   h, z, y, top_k: int, act: int, score: int, renormalize: bool, scale: float):
+                   h, y, top_k: int, act: int, score: int, renormalize: bool, scale: float):
     """(dx, d router_w, d w_gate_up, d w_down), the choice of experts held fixed; ``dlogits`` (the
     auxiliary losses' gradient reaching the visible logits, or None) joins the router's."""
-    saved = MoESaved(logits, weights, experts, x_perm, row_of, offsets, h, z, y, top_k, ACTS[act], SCORES[score],
+    saved = MoESaved(logits, weights, experts, x_perm, row_of, offsets, h, y, top_k, ACTS[act], SCORES[score],
                      renormalize, scale)
     return moe_backward(dout, x.contiguous(), router_w.contiguous(), w_gate_up.contiguous(), w_down.contiguous(), saved,
                         dlogits_extra=dlogits)
@@ -179,7 +182,7 @@ def block_fake(x, router_w, w_gate_up, w_down, selection_bias, top_k, act, score
     return (x.new_empty(x.shape), x.new_empty((t, e)), x.new_empty((t, top_k), dtype=torch.float32),
             x.new_empty((t, top_k), dtype=torch.int32), x.new_empty((pairs, x.shape[1])),
             x.new_empty((pairs,), dtype=torch.int32), x.new_empty((e + 1,), dtype=torch.int32),
-            x.new_empty((pairs, two_i)), x.new_empty((pairs, two_i // 2)), x.new_empty((pairs, x.shape[1])))
+            x.new_empty((pairs, two_i)), x.new_empty((pairs, x.shape[1])))
 
 
 def block_backward_fake(dout, dlogits, x, router_w, w_gate_up, w_down, *rest):
