@@ -186,6 +186,17 @@ def _kernel_fakes(k: int) -> dict:
              "_gate": gate, "_gate_backward": gate_backward}
 
 
+def _use_kernel_fakes(monkeypatch, k: int) -> None:
+    """The fakes in place of the kernel calls of the ops (cukern.moe.torch) and of the experts'
+    part they share with the block (cukern.moe.block)."""
+    from cukern.moe import torch as moe_torch
+
+    for name, fn in _kernel_fakes(k).items():
+        for module in (moe_torch, block):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, fn)
+
+
 @pytest.mark.parametrize("path, act", [("eager", "silu"), ("custom op", "gelu"), ("compiled", "gelu_tanh")])
 def test_the_torch_experts_op_is_the_experts_reference_on_the_cpu(monkeypatch, path, act):
     """cukern.torch.moe_experts (what patch(model) routes transformers' experts to) on its eager
@@ -196,13 +207,11 @@ def test_the_torch_experts_op_is_the_experts_reference_on_the_cpu(monkeypatch, p
     if torch is None:
         pytest.skip("needs torch")
     import cukern.torch as ct
-    from cukern.moe import torch as moe_torch
     from cukern.torch import _recognize_experts
     from cukern.torch._ops import OPS
 
     k = 2
-    for name, fn in _kernel_fakes(k).items():
-        monkeypatch.setattr(moe_torch, name, fn)
+    _use_kernel_fakes(monkeypatch, k)
     g = torch.Generator().manual_seed(0)
     t, h, e, i = 11, 8, 5, 6
     x = torch.randn(t, h, generator=g, dtype=torch.float64)
@@ -245,13 +254,11 @@ def test_the_torch_biased_experts_op_is_gpt_osss_experts_on_the_cpu(monkeypatch,
     if torch is None:
         pytest.skip("needs torch")
     import cukern.torch as ct
-    from cukern.moe import torch as moe_torch
     from cukern.torch import _recognize_experts
     from cukern.torch._ops import OPS
 
     k = 2
-    for name, fn in _kernel_fakes(k).items():
-        monkeypatch.setattr(moe_torch, name, fn)
+    _use_kernel_fakes(monkeypatch, k)
     g = torch.Generator().manual_seed(1)
     t, h, e, i, alpha, limit = 13, 8, 6, 6, 1.702, 2.0
     x = torch.randn(t, h, generator=g, dtype=torch.float64)

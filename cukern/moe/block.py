@@ -115,6 +115,34 @@ def _cat_columns(a, b):
     return _array_module(a).concatenate([a, b], axis=1)
 
 
+def _experts_forward(x, experts, weights, w_gate_up, w_down, act: str):
+    """The experts' part of the block, from the router's choice: ``(out, x_perm, row_of, offsets,
+    h, y)``. The gate's output goes straight into the down projection (the backward computes it
+    again from h)."""
+    i = w_gate_up.shape[1] // 2
+    x_perm, _, row_of, offsets, _ = moe_permute(x, experts, w_gate_up.shape[0])
+    h = moe_grouped_mm(x_perm, w_gate_up, offsets)
+    y = moe_grouped_mm(_gate(act, h[:, :i], h[:, i:]), w_down, offsets)
+    return moe_unpermute(y, row_of, weights), x_perm, row_of, offsets, h, y
+
+
+def _experts_backward(dout, x_perm, row_of, offsets, h, y, weights, w_gate_up, w_down, act: str, top_k: int):
+    """Gradients of ``_experts_forward``: ``(dx, d weights (float32), dw_gate_up, dw_down)``.
+    Each intermediate is let go once used: the peak is the last product's (dh, both weight
+    gradients, dx_perm, beside what the forward kept)."""
+    i = h.shape[1] // 2
+    dy, dweights = moe_unpermute_backward(_contiguous(dout), y, row_of, weights)
+    dz, dw_down = moe_grouped_mm_backward(dy, _gate(act, h[:, :i], h[:, i:]), w_down, offsets)
+    del dy
+    dgate, dup = _gate_backward(act, dz, h[:, :i], h[:, i:])
+    del dz
+    dh = _cat_columns(dgate, dup)
+    del dgate, dup
+    dx_perm, dw_gate_up = moe_grouped_mm_backward(dh, x_perm, w_gate_up, offsets)
+    del dh
+    return moe_permute_backward(dx_perm, row_of, top_k), dweights, dw_gate_up, dw_down
+
+
 def moe_forward(x, router_w, w_gate_up, w_down, top_k: int, *, act: str = "silu", score: str = "softmax",
                 renormalize: bool = True, selection_bias=None, scale: float = 1.0):
     """The MoE block: ``(out (T, H) in x's dtype, MoESaved)``, as ``cukern.moe.reference.moe``.
@@ -128,14 +156,11 @@ def moe_forward(x, router_w, w_gate_up, w_down, top_k: int, *, act: str = "silu"
     products accumulate in float32 and round once each; the combine sums in float32.
     """
     _act(act)
-    _, e, i = _check(x, router_w, w_gate_up, w_down)
+    _check(x, router_w, w_gate_up, w_down)
     logits = _matmul(x, router_w.T)
     weights, experts, _ = moe_router(logits, top_k, score=score, renormalize=renormalize,
                                      selection_bias=selection_bias, scale=scale)
-    x_perm, _, row_of, offsets, _ = moe_permute(x, experts, e)
-    h = moe_grouped_mm(x_perm, w_gate_up, offsets)
-    y = moe_grouped_mm(_gate(act, h[:, :i], h[:, i:]), w_down, offsets)
-    out = moe_unpermute(y, row_of, weights)
+    out, x_perm, row_of, offsets, h, y = _experts_forward(x, experts, weights, w_gate_up, w_down, act)
     return out, MoESaved(logits, weights, experts, x_perm, row_of, offsets, h, y, top_k, act, score,
                          bool(renormalize), scale)
 
@@ -145,22 +170,13 @@ def moe_backward(dout, x, router_w, w_gate_up, w_down, saved: MoESaved, dlogits_
     ``cukern.moe.reference.moe_backward`` (the choice of experts held fixed). ``dout`` (T, H) of
     x's dtype; ``dlogits_extra`` (T, E) of the logits' dtype (x's) or None: the auxiliary losses'
     gradient with respect to the logits, added before the router's product."""
-    i = saved.h.shape[1] // 2
     if dlogits_extra is not None and (tuple(dlogits_extra.shape) != tuple(saved.logits.shape)
                                       or dlogits_extra.dtype != saved.logits.dtype):
         raise ValueError(f"dlogits_extra: shape {tuple(dlogits_extra.shape)} {dlogits_extra.dtype}; expected "
                          f"{tuple(saved.logits.shape)} {saved.logits.dtype}, the logits'")
-    dy, dweights = moe_unpermute_backward(_contiguous(dout), saved.y, saved.row_of, saved.weights)
-    dz, dw_down = moe_grouped_mm_backward(dy, _gate(saved.act, saved.h[:, :i], saved.h[:, i:]), w_down, saved.offsets)
-    del dy   # (each intermediate let go once used: the peak is the last product's)
-    dgate, dup = _gate_backward(saved.act, dz, saved.h[:, :i], saved.h[:, i:])
-    del dz
-    dh = _cat_columns(dgate, dup)
-    del dgate, dup
-    dx_perm, dw_gate_up = moe_grouped_mm_backward(dh, saved.x_perm, w_gate_up, saved.offsets)
-    del dh
-    dx = moe_permute_backward(dx_perm, saved.row_of, saved.top_k)
-    del dx_perm
+    dx, dweights, dw_gate_up, dw_down = _experts_backward(dout, saved.x_perm, saved.row_of, saved.offsets, saved.h,
+                                                          saved.y, saved.weights, w_gate_up, w_down, saved.act,
+                                                          saved.top_k)
     dlogits = moe_router_backward(dweights, saved.logits, saved.experts, score=saved.score,
                                   renormalize=saved.renormalize, scale=saved.scale)
     if dlogits_extra is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .biased_glu import moe_biased_glu, moe_biased_glu_backward, moe_group_bias
-from .block import ACTS, MoESaved, _gate, _gate_backward, moe_backward, moe_forward
+from .block import ACTS, MoESaved, _experts_backward, _experts_forward, moe_backward, moe_forward
 from .reference import SCORES
 from .grouped_mm import moe_grouped_mm, moe_grouped_mm_backward
 from .routing import moe_permute, moe_permute_backward, moe_unpermute, moe_unpermute_backward
@@ -22,42 +22,28 @@ def experts_forward(x, top_k_index, top_k_weights, w_gate_up, w_down, act: int):
     experts = top_k_index.to(torch.int32).contiguous()
     # (a copy even of float32 weights: a custom op's output must not be one of its inputs)
     weights = top_k_weights.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-    i = w_gate_up.shape[1] // 2
-    x_perm, _, row_of, offsets, _ = moe_permute(x.contiguous(), experts, w_gate_up.shape[0])
-    h = moe_grouped_mm(x_perm, w_gate_up.contiguous(), offsets)
-    y = moe_grouped_mm(_gate(ACTS[act], h[:, :i], h[:, i:]), w_down.contiguous(), offsets)
-    return moe_unpermute(y, row_of, weights), x_perm, row_of, offsets, h, y, weights
+    return (*_experts_forward(x.contiguous(), experts, weights, w_gate_up.contiguous(), w_down.contiguous(),
+                              ACTS[act]), weights)
 
 
 def experts_backward(dout, x_perm, row_of, offsets, h, y, weights, w_gate_up, w_down, act: int, top_k: int):
-    """(dx (T, H), d weights (T, k) float32, d w_gate_up, d w_down). Each intermediate is let go
-    as soon as it is used (the peak is the last product's: dh, both weight gradients and what
-    the forward kept)."""
-    i = h.shape[1] // 2
-    dy, dweights = moe_unpermute_backward(dout.contiguous(), y, row_of, weights)
-    dz, dw_down = moe_grouped_mm_backward(dy, _gate(ACTS[act], h[:, :i], h[:, i:]), w_down.contiguous(), offsets)
-    del dy
-    dgate, dup = _gate_backward(ACTS[act], dz, h[:, :i], h[:, i:])
-    del dz
-    dh = torch.cat([dgate, dup], dim=1)
-    del dgate, dup
-    dx_perm, dw_gate_up = moe_grouped_mm_backward(dh, x_perm, w_gate_up.contiguous(), offsets)
-    del dh
-    return moe_permute_backward(dx_perm, row_of, top_k), dweights, dw_gate_up, dw_down
+    """(dx (T, H), d weights (T, k) float32, d w_gate_up, d w_down)."""
+    return _experts_backward(dout, x_perm, row_of, offsets, h, y, weights, w_gate_up.contiguous(),
+                             w_down.contiguous(), ACTS[act], top_k)
 
 
-def _experts_outputs_fake(x, top_k_index, top_k_weights, experts: int, two_i: int, gate_out: bool = True):
-    """The shapes of the experts ops' forward outputs: out, x_perm, row_of, offsets, h, z (where
-    the op keeps it: ``gate_out``), y, the float32 weights."""
+def _experts_outputs_fake(x, top_k_index, top_k_weights, experts: int, two_i: int):
+    """The shapes of both experts ops' forward outputs: out, x_perm, row_of, offsets, h, y, the
+    float32 weights."""
     pairs = top_k_index.shape[0] * top_k_index.shape[1]
     rows = lambda n, dt=x.dtype: x.new_empty((pairs, n), dtype=dt)   # noqa: E731
     return (x.new_empty(x.shape), rows(x.shape[1]), x.new_empty((pairs,), dtype=torch.int32),
-            x.new_empty((experts + 1,), dtype=torch.int32), rows(two_i), *((rows(two_i // 2),) if gate_out else ()),
-            rows(x.shape[1]), x.new_empty(tuple(top_k_weights.shape), dtype=torch.float32))
+            x.new_empty((experts + 1,), dtype=torch.int32), rows(two_i), rows(x.shape[1]),
+            x.new_empty(tuple(top_k_weights.shape), dtype=torch.float32))
 
 
 def experts_fake(x, top_k_index, top_k_weights, w_gate_up, w_down, act):
-    return _experts_outputs_fake(x, top_k_index, top_k_weights, w_gate_up.shape[0], w_gate_up.shape[1], False)
+    return _experts_outputs_fake(x, top_k_index, top_k_weights, w_gate_up.shape[0], w_gate_up.shape[1])
 
 
 def experts_backward_fake(dout, x_perm, row_of, offsets, h, y, weights, w_gate_up, w_down, act, top_k):
@@ -145,7 +131,7 @@ def biased_experts_backward(dout, x_perm, row_of, offsets, h, y, weights, w_gate
 
 
 def biased_experts_fake(x, top_k_index, top_k_weights, w_gate_up, b_gate_up, w_down, b_down, alpha, limit):
-    return _experts_outputs_fake(x, top_k_index, top_k_weights, w_gate_up.shape[0], w_gate_up.shape[2], False)
+    return _experts_outputs_fake(x, top_k_index, top_k_weights, w_gate_up.shape[0], w_gate_up.shape[2])
 
 
 def biased_experts_backward_fake(dout, x_perm, row_of, offsets, h, y, weights, w_gate_up, b_gate_up, w_down,
