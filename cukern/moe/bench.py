@@ -272,10 +272,9 @@ def torch_bench_cases(quick: bool) -> list:
     the three products of each pair, forward, three times that with the backward."""
     from .._bench_cases import TorchCase
 
-    size = "quick" if quick else "full"
+    size, dt = "quick" if quick else "full", WORKLOAD["dtype"]
     out = []
     for label, dims in (("", EXPERTS[size]), (" mixtral", MIXTRAL_EXPERTS[size])):
-        dt = WORKLOAD["dtype"]
         t_, h, e, i, k = dims
         flops = 2 * t_ * k * h * 3 * i
         nbytes = 2 * (2 * t_ * h + e * 3 * i * h + t_ * k * (h + 3 * i))

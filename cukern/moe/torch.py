@@ -17,8 +17,8 @@ from .routing import moe_permute, moe_permute_backward, moe_unpermute, moe_unper
 def experts_forward(x, top_k_index, top_k_weights, w_gate_up, w_down, act: int):
     """(out (T, H), then what the backward needs: x_perm (T k, H), row_of (T k,) int32, offsets
     (E + 1,) int32, h (T k, 2I), y (T k, H), the weights (T, k) in float32). The gate's output z
-    (T k, I) is not kept: the backward computes it again from h (the same kernel, the same bits),
-    a pass over h that saves a third of h's memory between the forward and the backward."""
+    (T k, I), half h's size, is not kept: the backward computes it again from h (the same kernel,
+    the same bits)."""
     experts = top_k_index.to(torch.int32).contiguous()
     # (a copy even of float32 weights: a custom op's output must not be one of its inputs)
     weights = top_k_weights.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
@@ -117,11 +117,11 @@ def biased_experts_backward(dout, x_perm, row_of, offsets, h, y, weights, w_gate
     """(dx (T, H), d weights (T, k) float32, d w_gate_up, d b_gate_up, d w_down, d b_down); the
     gate's output computed again from h."""
     dy, dweights = moe_unpermute_backward(dout.contiguous(), y, row_of, weights)
-    z = moe_biased_glu(h, _bias(b_gate_up, h.dtype), offsets, alpha, limit)
+    bias = _bias(b_gate_up, h.dtype)
+    z = moe_biased_glu(h, bias, offsets, alpha, limit)
     dz, dw_down = moe_grouped_mm_backward(dy, z, w_down.contiguous(), offsets, b_layout="kn")
-    del z
-    del dy   # (each intermediate let go once used: the peak is the last product's)
-    dh, db_gate_up = moe_biased_glu_backward(dz, h, _bias(b_gate_up, h.dtype), offsets, alpha, limit)
+    del z, dy   # (each intermediate let go once used: the peak is the last product's)
+    dh, db_gate_up = moe_biased_glu_backward(dz, h, bias, offsets, alpha, limit)
     del dz
     dx_perm, dw_gate_up = moe_grouped_mm_backward(dh, x_perm, w_gate_up.contiguous(), offsets, b_layout="kn")
     del dh
